@@ -1,0 +1,10 @@
+//! pinpool: a caching allocator for CUDA pinned (page-locked) host memory, run as a small
+//! service of actors on tokio.
+
+pub use pinpool_actors::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod plan;
+pub mod sim;
+pub mod trace;

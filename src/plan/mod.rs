@@ -1,0 +1,1 @@
+//! Allocation planning (stub).

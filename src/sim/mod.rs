@@ -1,0 +1,1 @@
+//! The simulated CUDA runtime (stub).

@@ -1,0 +1,1 @@
+//! Allocation trace files (stub).
