@@ -1,10 +1,43 @@
 //! pinpool: a caching allocator for CUDA pinned (page-locked) host memory, run as a small
 //! service of actors on tokio.
+//!
+//! Fresh pinned memory costs milliseconds and takes a driver-wide lock, so servers must reuse
+//! it, and may reuse a buffer only once the GPU work that touches it is done. pinpool caches
+//! pinned blocks by size class, hands them out again on a path that involves no actor and no
+//! CUDA call, and holds back every block that a stream used until an event recorded on that
+//! stream has completed.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), pinpool::Error> {
+//! use pinpool::PinnedAllocator;
+//!
+//! let pool = PinnedAllocator::builder().build()?;
+//! let stream = pool.runtime().stream();
+//! let mut buf = pool.alloc(1 << 20).await?;
+//! buf.fill(1);
+//! buf.record_stream(&stream); // reuse waits for this stream's work
+//! drop(buf); // back to the pool, ordered by an event
+//! pool.empty_cache().await?;
+//! println!("{:?}", pool.stats().to_map());
+//! # Ok(()) }
+//! ```
+//!
+//! Crate layout: the engine (actors, messages, size classes) lives in `pinpool-actors` and
+//! knows nothing of CUDA; this crate implements its [`Runtime`] twice — [`sim`] and, with the
+//! `cuda` feature, `cuda` — and gives it its public face.
 
-pub use pinpool_actors::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
-
+mod allocator;
+mod buffer;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod plan;
 pub mod sim;
 pub mod trace;
+
+pub use allocator::{Builder, PinnedAllocator};
+pub use buffer::PinnedBuffer;
+pub use pinpool_actors::{
+    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, PinMethod, PoolId,
+    PowerOfTwo, Runtime, RuntimeError, SizeClass, SizePolicy, Stat, StreamFilter, StreamId,
+};

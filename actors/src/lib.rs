@@ -4,7 +4,31 @@
 //! that waits on GPU work, and a router actor owns the capture registry and publishes the
 //! routing table. The engine is generic over [`Runtime`], which supplies host memory, events
 //! and stream-capture state; it contains no CUDA.
+//!
+//! Most users want the `pinpool` crate, which wraps this engine in `PinnedAllocator`.
 
+mod block;
+mod engine;
+mod error;
+mod keepalive;
+mod lease;
+mod policy;
+mod poller;
+mod pool;
+mod pool_id;
+mod ready;
+mod router;
 pub mod runtime;
+mod shard;
+mod spawn;
+mod stats;
 
+pub use engine::{Engine, EngineBuilder};
+pub use error::Error;
+pub use lease::Lease;
+pub use policy::{PowerOfTwo, SizeClass, SizePolicy};
+pub use pool::{EmptyReport, Inventory};
+pub use pool_id::PoolId;
+pub use router::StreamFilter;
 pub use runtime::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
+pub use stats::{DurationStat, HostStats, Stat};

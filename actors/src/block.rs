@@ -1,0 +1,231 @@
+//! A block: one piece of pinned memory lent out as a unit, and the message that carries it.
+//!
+//! Blocks travel: from a ready queue to a buffer, from a buffer back to a ready queue (the
+//! cached path), to the event poller while recorded events are pending, or to their pool
+//! actor to be kept for graph replays or freed. Whoever holds the `Box<Block>` owns the
+//! memory. A block dropped anywhere but in its pool actor's free finds its way home
+//! (invariant 2: nothing is lost).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::keepalive;
+use crate::poller::PollerMsg;
+use crate::pool::{PoolMsg, PoolShared};
+use crate::runtime::{HostMemory, Runtime, StreamId};
+
+/// Where a block is in its life; decides what happens when it is dropped by accident.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    /// Lent to a buffer, or on its way to one.
+    InUse,
+    /// In a ready queue.
+    Cached,
+    /// Freed, waiting for recorded events to complete.
+    Waiting,
+    /// Used by captured work; kept until its pool is released.
+    Kept,
+}
+
+pub(crate) struct Block<R: Runtime> {
+    /// The pinned memory (a whole host allocation).
+    pub(crate) memory: HostMemory,
+    /// Bytes of the block (`memory.size`, kept beside the class for the cached path).
+    pub(crate) size: usize,
+    /// Index of the size class.
+    pub(crate) class: usize,
+    /// Stats shard the block is charged to while active.
+    pub(crate) shard: usize,
+    /// Allocated while its stream was capturing: never given events, kept if used.
+    pub(crate) during_capture: bool,
+    /// Streams recorded since the block was lent.
+    pub(crate) streams: Vec<(StreamId, R::Stream)>,
+    pub(crate) state: BlockState,
+    /// Set once the memory has been given back to the runtime.
+    pub(crate) freed: bool,
+    pub(crate) pool: Arc<PoolShared<R>>,
+}
+
+impl<R: Runtime> Block<R> {
+    pub(crate) fn new(memory: HostMemory, class: usize, pool: Arc<PoolShared<R>>) -> Box<Self> {
+        Box::new(Block {
+            memory,
+            size: memory.size,
+            class,
+            shard: 0,
+            during_capture: false,
+            streams: Vec::new(),
+            state: BlockState::InUse,
+            freed: false,
+            pool,
+        })
+    }
+
+    /// The free of a buffer: back to the ready queue when no stream used the block; to the
+    /// event poller with one event per stream otherwise; kept when captured work used it.
+    pub(crate) fn release(mut self: Box<Self>) {
+        if self.streams.is_empty() {
+            self.pool.stats.deactivate(self.shard, self.size);
+            give_back(self);
+            return;
+        }
+        let rt = &*self.pool.runtime;
+        let mut keep = self.during_capture;
+        let mut events = Vec::with_capacity(self.streams.len());
+        if !keep {
+            for (_, s) in &self.streams {
+                // An event recorded during capture would become part of the graph and could
+                // never be queried: a block used by captured work is kept instead.
+                match rt.is_capturing(s).and_then(|capturing| {
+                    if capturing {
+                        Ok(None)
+                    } else {
+                        rt.record_event(s).map(Some)
+                    }
+                }) {
+                    Ok(Some(e)) => events.push(e),
+                    Ok(None) => {
+                        keep = true;
+                        break;
+                    }
+                    Err(e) => {
+                        // Without an event there is no way to know when the stream is done
+                        // with the block: it is never reused.
+                        tracing::warn!(error = %e, "could not record an event on free; the block is kept");
+                        keep = true;
+                        break;
+                    }
+                }
+            }
+        }
+        self.streams.clear();
+        if keep {
+            for e in events {
+                rt.release_event(e);
+            }
+            self.pool.stats.deactivate(self.shard, self.size);
+            self.state = BlockState::Kept;
+            let mailbox = self.pool.mailbox.clone();
+            if let Err(flume::SendError(PoolMsg::Keep(b))) = mailbox.send(PoolMsg::Keep(self)) {
+                b.orphaned();
+            }
+        } else {
+            let stats = &self.pool.stats;
+            stats.waiting_blocks.fetch_add(1, Ordering::Relaxed);
+            stats
+                .waiting_bytes
+                .fetch_add(self.size as i64, Ordering::Relaxed);
+            self.state = BlockState::Waiting;
+            let poller = self.pool.poller.clone();
+            if let Err(flume::SendError(PollerMsg::Wait { block, events })) =
+                poller.send(PollerMsg::Wait {
+                    block: self,
+                    events,
+                })
+            {
+                // The poller is gone with its runtime: wait here for the events.
+                block.wait_here(events);
+            }
+        }
+    }
+
+    /// Blocks this thread until `events` complete, then gives the block back. Only used when
+    /// the event poller is gone (its tokio runtime was shut down).
+    fn wait_here(mut self: Box<Self>, events: Vec<R::Event>) {
+        let rt = self.pool.runtime.clone();
+        for e in events {
+            loop {
+                match rt.query_event(&e) {
+                    Ok(true) => break,
+                    Ok(false) => std::thread::sleep(std::time::Duration::from_micros(100)),
+                    Err(err) => {
+                        tracing::error!(error = %err, "event query failed with no poller; block leaked");
+                        self.freed = true;
+                        return;
+                    }
+                }
+            }
+            rt.release_event(e);
+        }
+        self.returned_from_waiting();
+    }
+
+    /// A block whose events have all completed becomes reusable.
+    pub(crate) fn returned_from_waiting(mut self: Box<Self>) {
+        let stats = &self.pool.stats;
+        stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
+        stats
+            .waiting_bytes
+            .fetch_sub(self.size as i64, Ordering::Relaxed);
+        stats.deactivate(self.shard, self.size);
+        self.state = BlockState::InUse;
+        give_back(self);
+    }
+
+    /// A block that no actor can take any more (its tokio runtime is gone): free it here when
+    /// that is safe, leak it otherwise.
+    pub(crate) fn orphaned(mut self: Box<Self>) {
+        match self.state {
+            BlockState::InUse | BlockState::Cached => self.pool.clone().free_block_now(self),
+            BlockState::Waiting | BlockState::Kept => {
+                tracing::warn!(
+                    bytes = self.memory.size,
+                    "pinned block still used by device work outlived its allocator's actors; leaked"
+                );
+                self.freed = true;
+            }
+        }
+    }
+
+    /// Moves the block's contents into a new box, leaving this one marked as freed.
+    fn take(&mut self) -> Box<Self> {
+        self.freed = true;
+        Box::new(Block {
+            memory: self.memory,
+            size: self.size,
+            class: self.class,
+            shard: self.shard,
+            during_capture: self.during_capture,
+            streams: std::mem::take(&mut self.streams),
+            state: self.state,
+            freed: false,
+            pool: self.pool.clone(),
+        })
+    }
+}
+
+/// Puts a block that is ready for reuse back where requests find it: its pool's ready
+/// queue, or its pool actor once the pool is closing.
+#[inline]
+pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
+    keepalive::ensure(&block.pool);
+    let pool: *const PoolShared<R> = Arc::as_ptr(&block.pool);
+    // SAFETY: `keepalive::ensure` made this thread hold a strong reference to the pool until
+    // its next call, so the pool outlives this function even after the block (and the
+    // reference it carries) has moved into a queue and been taken by another thread.
+    let pool = unsafe { &*pool };
+    if pool.closed.load(Ordering::Acquire) {
+        block.state = BlockState::InUse;
+        if let Err(flume::SendError(PoolMsg::Home(b))) = pool.mailbox.send(PoolMsg::Home(block)) {
+            b.orphaned();
+        }
+        return;
+    }
+    block.state = BlockState::Cached;
+    pool.ready.put(block);
+}
+
+impl<R: Runtime> Drop for Block<R> {
+    fn drop(&mut self) {
+        if self.freed {
+            return;
+        }
+        // Dropped by accident (a cancelled reply, an actor torn down with its runtime):
+        // send it home, or free it here if home is gone.
+        let b = self.take();
+        let mailbox = b.pool.mailbox.clone();
+        if let Err(flume::SendError(PoolMsg::Home(b))) = mailbox.send(PoolMsg::Home(b)) {
+            b.orphaned();
+        }
+    }
+}

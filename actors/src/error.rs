@@ -1,0 +1,76 @@
+//! The one error type of pinpool: every fallible call returns `Result<_, Error>`.
+//!
+//! Keeps invariant 7: bad input gets a typed error and changes nothing.
+
+use crate::pool_id::PoolId;
+use crate::runtime::RuntimeError;
+
+/// Everything that can go wrong when using the allocator.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The request is larger than any block the size policy can describe.
+    #[error("a request of {requested} bytes is larger than the largest block ({max} bytes)")]
+    SizeTooLarge {
+        /// Bytes asked for.
+        requested: usize,
+        /// The largest request the policy accepts.
+        max: usize,
+    },
+    /// No pinned memory could be had for the request.
+    #[error("out of pinned memory: {requested} bytes requested with {reserved} bytes reserved{}", limit_text(*.limit))]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes reserved by the allocator when the request failed.
+        reserved: usize,
+        /// The configured cap on reserved bytes, if any.
+        limit: Option<usize>,
+    },
+    /// The CUDA (or simulated) runtime reported a failure.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// `begin_allocate_to_pool` for a pool that is already being captured into.
+    #[error("capture pool {0} is already being allocated to")]
+    PoolAlreadyCapturing(PoolId),
+    /// `end_allocate_to_pool` for a pool that no capture is allocating to.
+    #[error("capture pool {0} is not being allocated to")]
+    PoolNotCapturing(PoolId),
+    /// A capture-pool call named a pool that does not exist.
+    #[error("unknown capture pool {0}")]
+    UnknownPool(PoolId),
+    /// `release_pool` more often than the pool was begun.
+    #[error("capture pool {0} has already been released")]
+    PoolAlreadyReleased(PoolId),
+    /// `release_pool` of a pool's last use while a capture still allocates to it.
+    #[error("capture pool {0} is still being allocated to: end it before releasing its last use")]
+    PoolCapturing(PoolId),
+    /// The id names the default pool, which cannot be used as a capture pool.
+    #[error("pool id 0 is the default pool and cannot be used for capture")]
+    DefaultPoolId,
+    /// A buffer was handed to an allocator that did not allocate it.
+    #[error("the buffer was allocated by another allocator")]
+    ForeignBuffer,
+    /// The allocator's actors have stopped (the allocator was dropped or its tokio runtime shut down).
+    #[error("the allocator has shut down")]
+    Shutdown,
+    /// A typed view of a buffer's bytes is not possible (alignment, or an element type larger
+    /// than the buffer).
+    #[error("cannot view the buffer as {type_name}: {reason}")]
+    BadView {
+        /// The element type asked for.
+        type_name: &'static str,
+        /// Why not.
+        reason: &'static str,
+    },
+    /// The allocator was built outside a tokio runtime and no handle was given.
+    #[error("no tokio runtime: build the allocator inside one, or give the builder a handle")]
+    NoTokioRuntime,
+}
+
+fn limit_text(limit: Option<usize>) -> String {
+    match limit {
+        Some(l) => format!(" of a {l}-byte limit"),
+        None => String::new(),
+    }
+}

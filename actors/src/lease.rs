@@ -1,0 +1,130 @@
+//! A lease: a block lent to a user, returned when the lease is dropped.
+//!
+//! This is the engine's side of a pinned buffer: it knows the bytes and which streams used
+//! them, and its drop is the free (see [`crate::block`] for where the block goes).
+
+use std::ptr::NonNull;
+
+use crate::block::{Block, BlockState};
+use crate::pool_id::PoolId;
+use crate::runtime::{Runtime, StreamId};
+
+/// Pinned bytes lent by the allocator. Dropping it frees them: they are reused only after
+/// every stream recorded with [`Lease::record_stream`] has finished the work enqueued on it
+/// before the drop.
+pub struct Lease<R: Runtime> {
+    block: Option<Box<Block<R>>>,
+    len: usize,
+    engine: u64,
+}
+
+// SAFETY: the lease owns its block exclusively (the block is in no queue while lent), and
+// the bytes are plain memory; streams are `Send + Sync` by the `Runtime` bound.
+unsafe impl<R: Runtime> Send for Lease<R> {}
+// SAFETY: shared access only reads the pointer and length; writes need `&mut`.
+unsafe impl<R: Runtime> Sync for Lease<R> {}
+
+impl<R: Runtime> Lease<R> {
+    pub(crate) fn new(
+        mut block: Box<Block<R>>,
+        len: usize,
+        during_capture: bool,
+        engine: u64,
+    ) -> Self {
+        let shard = block.pool.ready.my_shard();
+        block.shard = shard;
+        block.during_capture = during_capture;
+        block.state = BlockState::InUse;
+        block.pool.stats.activate(shard, block.size);
+        Lease {
+            block: Some(block),
+            len,
+            engine,
+        }
+    }
+
+    pub(crate) fn empty(engine: u64) -> Self {
+        Lease {
+            block: None,
+            len: 0,
+            engine,
+        }
+    }
+
+    /// Start of the bytes (dangling but aligned when the lease is empty).
+    pub fn as_ptr(&self) -> *mut u8 {
+        match &self.block {
+            Some(b) => b.memory.ptr.as_ptr(),
+            None => NonNull::<u64>::dangling().as_ptr() as *mut u8,
+        }
+    }
+
+    /// Bytes requested.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no bytes were requested (no block is held).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the block behind the lease (at least `len`).
+    pub fn capacity(&self) -> usize {
+        self.block.as_ref().map_or(0, |b| b.size)
+    }
+
+    /// The pool the block belongs to (`None` for an empty lease).
+    pub fn pool(&self) -> Option<PoolId> {
+        self.block.as_ref().map(|b| b.pool.id)
+    }
+
+    /// Which allocator lent this lease.
+    pub fn allocator_id(&self) -> u64 {
+        self.engine
+    }
+
+    /// Whether the block was taken while its stream was being captured into a graph.
+    pub fn allocated_during_capture(&self) -> bool {
+        self.block.as_ref().is_some_and(|b| b.during_capture)
+    }
+
+    /// Marks the bytes as used by work on `stream`: when the lease is dropped, an event is
+    /// recorded on the stream, and the bytes are reused only once it has completed.
+    /// Recording the same stream twice records it once. A no-op on an empty lease.
+    pub fn record_stream(&mut self, stream: &R::Stream) {
+        if let Some(b) = &mut self.block {
+            let id = b.pool.runtime.stream_id(stream);
+            if !b.streams.iter().any(|(s, _)| *s == id) {
+                b.streams.push((id, stream.clone()));
+            }
+        }
+    }
+
+    /// The streams recorded so far.
+    pub fn recorded_streams(&self) -> Vec<StreamId> {
+        self.block
+            .as_ref()
+            .map(|b| b.streams.iter().map(|(s, _)| *s).collect())
+            .unwrap_or_default()
+    }
+}
+
+impl<R: Runtime> Drop for Lease<R> {
+    fn drop(&mut self) {
+        if let Some(b) = self.block.take() {
+            b.release();
+        }
+    }
+}
+
+impl<R: Runtime> std::fmt::Debug for Lease<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("ptr", &self.as_ptr())
+            .field("len", &self.len)
+            .field("capacity", &self.capacity())
+            .field("pool", &self.pool())
+            .finish()
+    }
+}

@@ -1,0 +1,258 @@
+//! The router actor: owns the capture registry and publishes the routing table.
+//!
+//! `begin_allocate_to_pool` registers a capture (a private pool and a stream filter),
+//! `end_allocate_to_pool` removes it, `release_pool` drops a use of the pool; a pool whose
+//! uses are all released is freed by the next `empty_cache`, kept blocks included (its graphs
+//! are gone, so invariant 4 no longer binds). After each change the router publishes an
+//! immutable [`RoutingTable`] through `ArcSwap`: a handle routes with one atomic load, and
+//! when no capture is underway that load is all routing costs.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use flume::Receiver;
+
+use crate::error::Error;
+use crate::pool::{EmptyReport, Inventory, PoolMsg, PoolShared, PoolSpec, Reply};
+use crate::pool_id::PoolId;
+use crate::runtime::Runtime;
+use crate::spawn::spawn_named;
+
+/// Decides whether an allocation made for a stream goes to a capture's private pool.
+pub type StreamFilter<R> = Arc<dyn Fn(&<R as Runtime>::Stream) -> bool + Send + Sync>;
+
+/// A capture underway: allocations for streams the filter accepts go to `pool`.
+pub(crate) struct Capture<R: Runtime> {
+    pub(crate) filter: StreamFilter<R>,
+    pub(crate) pool: Arc<PoolShared<R>>,
+}
+
+/// The published routing state: captures underway, in the order they began, and every
+/// private pool alive.
+pub(crate) struct RoutingTable<R: Runtime> {
+    pub(crate) captures: Vec<Capture<R>>,
+    pub(crate) pools: Vec<(PoolId, Arc<PoolShared<R>>)>,
+}
+
+impl<R: Runtime> RoutingTable<R> {
+    pub(crate) fn empty() -> Self {
+        Self {
+            captures: Vec::new(),
+            pools: Vec::new(),
+        }
+    }
+}
+
+/// Messages the router answers.
+pub(crate) enum RouterMsg<R: Runtime> {
+    Begin {
+        id: PoolId,
+        filter: StreamFilter<R>,
+        reply: Reply<Result<(), Error>>,
+    },
+    End {
+        id: PoolId,
+        reply: Reply<Result<(), Error>>,
+    },
+    Release {
+        id: PoolId,
+        reply: Reply<Result<(), Error>>,
+    },
+    /// Empty the released pools, and stop those left with nothing.
+    EmptyReleased { reply: Reply<EmptyReport> },
+    /// Inventories of every private pool.
+    Inventory { reply: Reply<Vec<Inventory>> },
+    /// The allocator is gone: close every private pool and stop.
+    Close,
+}
+
+struct PrivatePool<R: Runtime> {
+    shared: Arc<PoolShared<R>>,
+    uses: usize,
+}
+
+/// Makes a new private pool (the engine knows how).
+pub(crate) type PoolFactory<R> = Box<dyn Fn(PoolId) -> PoolSpec<R> + Send>;
+
+/// Starts the router.
+pub(crate) fn start_router<R: Runtime>(
+    table: Arc<ArcSwap<RoutingTable<R>>>,
+    rx: Receiver<RouterMsg<R>>,
+    factory: PoolFactory<R>,
+    handle: &tokio::runtime::Handle,
+) {
+    let actor = Router {
+        table,
+        rx,
+        factory,
+        captures: Vec::new(),
+        pools: BTreeMap::new(),
+    };
+    spawn_named("pinpool::router", handle, actor.run());
+}
+
+struct Router<R: Runtime> {
+    table: Arc<ArcSwap<RoutingTable<R>>>,
+    rx: Receiver<RouterMsg<R>>,
+    factory: PoolFactory<R>,
+    captures: Vec<(PoolId, StreamFilter<R>)>,
+    pools: BTreeMap<PoolId, PrivatePool<R>>,
+}
+
+impl<R: Runtime> Router<R> {
+    async fn run(mut self) {
+        while let Ok(msg) = self.rx.recv_async().await {
+            match msg {
+                RouterMsg::Begin { id, filter, reply } => {
+                    let r = self.begin(id, filter);
+                    let _ = reply.send(r);
+                }
+                RouterMsg::End { id, reply } => {
+                    let r = self.end(id);
+                    let _ = reply.send(r);
+                }
+                RouterMsg::Release { id, reply } => {
+                    let r = self.release(id);
+                    let _ = reply.send(r);
+                }
+                RouterMsg::EmptyReleased { reply } => {
+                    let r = self.empty_released().await;
+                    let _ = reply.send(r);
+                }
+                RouterMsg::Inventory { reply } => {
+                    let mut all = Vec::new();
+                    for p in self.pools.values() {
+                        let (tx, rx) = flume::bounded(1);
+                        if p.shared
+                            .mailbox
+                            .send(PoolMsg::Inventory { reply: tx })
+                            .is_ok()
+                        {
+                            if let Ok(inv) = rx.recv_async().await {
+                                all.push(inv);
+                            }
+                        }
+                    }
+                    let _ = reply.send(all);
+                }
+                RouterMsg::Close => break,
+            }
+        }
+        for (_, p) in std::mem::take(&mut self.pools) {
+            let _ = p.shared.mailbox.send(PoolMsg::Close);
+        }
+        self.captures.clear();
+        self.publish();
+        tracing::debug!("router stopped");
+    }
+
+    fn begin(&mut self, id: PoolId, filter: StreamFilter<R>) -> Result<(), Error> {
+        if id.is_default() {
+            return Err(Error::DefaultPoolId);
+        }
+        if self.captures.iter().any(|(c, _)| *c == id) {
+            return Err(Error::PoolAlreadyCapturing(id));
+        }
+        match self.pools.get_mut(&id) {
+            Some(p) => p.uses += 1,
+            None => {
+                let shared = crate::pool::start_pool((self.factory)(id));
+                self.pools.insert(id, PrivatePool { shared, uses: 1 });
+            }
+        }
+        self.captures.push((id, filter));
+        tracing::info!(pool = %id, "capture begins allocating to pool");
+        self.publish();
+        Ok(())
+    }
+
+    fn end(&mut self, id: PoolId) -> Result<(), Error> {
+        let Some(i) = self.captures.iter().position(|(c, _)| *c == id) else {
+            return Err(Error::PoolNotCapturing(id));
+        };
+        self.captures.remove(i);
+        tracing::info!(pool = %id, "capture ends allocating to pool");
+        self.publish();
+        Ok(())
+    }
+
+    fn release(&mut self, id: PoolId) -> Result<(), Error> {
+        if id.is_default() {
+            return Err(Error::DefaultPoolId);
+        }
+        let capturing = self.captures.iter().any(|(c, _)| *c == id);
+        let Some(p) = self.pools.get_mut(&id) else {
+            return Err(Error::UnknownPool(id));
+        };
+        if p.uses == 0 {
+            return Err(Error::PoolAlreadyReleased(id));
+        }
+        if capturing && p.uses == 1 {
+            return Err(Error::PoolCapturing(id));
+        }
+        p.uses -= 1;
+        tracing::info!(pool = %id, uses = p.uses, "capture pool released");
+        Ok(())
+    }
+
+    async fn empty_released(&mut self) -> EmptyReport {
+        let mut total = EmptyReport::default();
+        let released: Vec<PoolId> = self
+            .pools
+            .iter()
+            .filter(|(_, p)| p.uses == 0)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut changed = false;
+        for id in released {
+            let shared = self.pools[&id].shared.clone();
+            let (tx, rx) = flume::bounded(1);
+            if shared
+                .mailbox
+                .send(PoolMsg::EmptyCache {
+                    include_kept: true,
+                    reply: tx,
+                })
+                .is_err()
+            {
+                continue;
+            }
+            let Ok(report) = rx.recv_async().await else {
+                continue;
+            };
+            total.freed_blocks += report.freed_blocks;
+            total.freed_bytes += report.freed_bytes;
+            if report.reserved_after == 0 {
+                let _ = shared.mailbox.send(PoolMsg::Close);
+                self.pools.remove(&id);
+                changed = true;
+            } else {
+                total.reserved_after += report.reserved_after;
+            }
+        }
+        if changed {
+            self.publish();
+        }
+        total
+    }
+
+    fn publish(&self) {
+        let captures = self
+            .captures
+            .iter()
+            .filter_map(|(id, filter)| {
+                self.pools.get(id).map(|p| Capture {
+                    filter: filter.clone(),
+                    pool: p.shared.clone(),
+                })
+            })
+            .collect();
+        let pools = self
+            .pools
+            .iter()
+            .map(|(id, p)| (*id, p.shared.clone()))
+            .collect();
+        self.table.store(Arc::new(RoutingTable { captures, pools }));
+    }
+}

@@ -1,0 +1,368 @@
+//! Statistics with the meaning of `torch.cuda.host_memory_stats()`.
+//!
+//! Host allocations (`allocations`, `allocated_bytes`, timings) are written only by their
+//! pool actor. Active requests and bytes change on the cached path, so they live in
+//! per-thread shards: a block's counters are charged to the shard of the thread that took it,
+//! and credited back to the same shard when it becomes reusable. `current` is exact at
+//! quiescent points; `peak` is the sum of the shards' peaks, an upper bound of the true peak
+//! that is exact when one thread does the work (PyTorch sums per-bucket peaks the same way).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::time::Duration;
+
+use crate::shard::CachePadded;
+
+/// One statistic: its current value, its peak, and the totals added and removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// Value now.
+    pub current: i64,
+    /// Highest value since the last `reset_peak_stats`.
+    pub peak: i64,
+    /// Total added since the last `reset_accumulated_stats`.
+    pub allocated: i64,
+    /// Total removed since the last `reset_accumulated_stats`.
+    pub freed: i64,
+}
+
+impl Stat {
+    fn add(&mut self, o: &Stat) {
+        self.current += o.current;
+        self.peak += o.peak;
+        self.allocated += o.allocated;
+        self.freed += o.freed;
+    }
+}
+
+/// Timing of slow calls, in microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DurationStat {
+    /// Sum of all durations.
+    pub total: i64,
+    /// Longest duration.
+    pub max: i64,
+    /// Shortest duration (0 when `count` is 0).
+    pub min: i64,
+    /// Number of calls timed.
+    pub count: i64,
+    /// `total / count` (0 when `count` is 0).
+    pub avg: i64,
+}
+
+impl DurationStat {
+    fn merge(&mut self, o: &DurationStat) {
+        if o.count == 0 {
+            return;
+        }
+        self.min = if self.count == 0 {
+            o.min
+        } else {
+            self.min.min(o.min)
+        };
+        self.max = self.max.max(o.max);
+        self.total += o.total;
+        self.count += o.count;
+        self.avg = self.total / self.count;
+    }
+}
+
+/// A statistics report for one pool or for the whole allocator.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostStats {
+    /// Host allocations (segments of pinned memory) held.
+    pub allocations: Stat,
+    /// Bytes of pinned memory held.
+    pub allocated_bytes: Stat,
+    /// Blocks handed out and not yet reusable (in use, or waiting on events).
+    pub active_requests: Stat,
+    /// Bytes of the blocks counted by `active_requests`.
+    pub active_bytes: Stat,
+    /// Calls that took fresh pinned memory.
+    pub num_host_alloc: i64,
+    /// Calls that gave pinned memory back.
+    pub num_host_free: i64,
+    /// Time spent taking fresh pinned memory.
+    pub host_alloc_time: DurationStat,
+    /// Time spent giving pinned memory back.
+    pub host_free_time: DurationStat,
+    /// Blocks freed by their users that wait for recorded events to complete.
+    pub waiting_blocks: i64,
+    /// Bytes of `waiting_blocks`.
+    pub waiting_bytes: i64,
+    /// Blocks used by captured work and kept for graph replays while their pool lives.
+    pub kept_blocks: i64,
+    /// Bytes of `kept_blocks`.
+    pub kept_bytes: i64,
+    /// Fresh allocations retried after emptying the cache.
+    pub num_alloc_retries: i64,
+    /// Requests that failed for want of memory.
+    pub num_ooms: i64,
+}
+
+impl HostStats {
+    /// Adds another report into this one (for the aggregate over pools).
+    pub fn merge(&mut self, o: &HostStats) {
+        self.allocations.add(&o.allocations);
+        self.allocated_bytes.add(&o.allocated_bytes);
+        self.active_requests.add(&o.active_requests);
+        self.active_bytes.add(&o.active_bytes);
+        self.num_host_alloc += o.num_host_alloc;
+        self.num_host_free += o.num_host_free;
+        self.host_alloc_time.merge(&o.host_alloc_time);
+        self.host_free_time.merge(&o.host_free_time);
+        self.waiting_blocks += o.waiting_blocks;
+        self.waiting_bytes += o.waiting_bytes;
+        self.kept_blocks += o.kept_blocks;
+        self.kept_bytes += o.kept_bytes;
+        self.num_alloc_retries += o.num_alloc_retries;
+        self.num_ooms += o.num_ooms;
+    }
+
+    /// Bytes cached: reserved, but neither active nor kept.
+    pub fn cached_bytes(&self) -> i64 {
+        self.allocated_bytes.current - self.active_bytes.current - self.kept_bytes
+    }
+
+    /// A flat view whose keys match `torch.cuda.host_memory_stats()`
+    /// (`allocations.current`, `host_alloc_time.avg`, …), plus pinpool's own counts.
+    pub fn to_map(&self) -> BTreeMap<String, i64> {
+        let mut m = BTreeMap::new();
+        for (name, s) in [
+            ("allocations", &self.allocations),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("active_requests", &self.active_requests),
+            ("active_bytes", &self.active_bytes),
+        ] {
+            m.insert(format!("{name}.current"), s.current);
+            m.insert(format!("{name}.peak"), s.peak);
+            m.insert(format!("{name}.allocated"), s.allocated);
+            m.insert(format!("{name}.freed"), s.freed);
+        }
+        for (name, t) in [
+            ("host_alloc_time", &self.host_alloc_time),
+            ("host_free_time", &self.host_free_time),
+        ] {
+            m.insert(format!("{name}.total"), t.total);
+            m.insert(format!("{name}.max"), t.max);
+            m.insert(format!("{name}.min"), t.min);
+            m.insert(format!("{name}.count"), t.count);
+            m.insert(format!("{name}.avg"), t.avg);
+        }
+        for (k, v) in [
+            ("num_host_alloc", self.num_host_alloc),
+            ("num_host_free", self.num_host_free),
+            ("waiting_blocks", self.waiting_blocks),
+            ("waiting_bytes", self.waiting_bytes),
+            ("kept_blocks", self.kept_blocks),
+            ("kept_bytes", self.kept_bytes),
+            ("num_alloc_retries", self.num_alloc_retries),
+            ("num_ooms", self.num_ooms),
+        ] {
+            m.insert(k.to_string(), v);
+        }
+        m
+    }
+}
+
+/// A statistic kept in atomics.
+#[derive(Debug, Default)]
+pub(crate) struct AtomicStat {
+    current: AtomicI64,
+    peak: AtomicI64,
+    allocated: AtomicI64,
+    freed: AtomicI64,
+}
+
+impl AtomicStat {
+    #[inline]
+    pub(crate) fn increase(&self, n: i64) {
+        self.allocated.fetch_add(n, Relaxed);
+        let now = self.current.fetch_add(n, Relaxed) + n;
+        if now > self.peak.load(Relaxed) {
+            self.peak.fetch_max(now, Relaxed);
+        }
+    }
+
+    #[inline]
+    pub(crate) fn decrease(&self, n: i64) {
+        self.freed.fetch_add(n, Relaxed);
+        self.current.fetch_sub(n, Relaxed);
+    }
+
+    pub(crate) fn read(&self) -> Stat {
+        Stat {
+            current: self.current.load(Relaxed),
+            peak: self.peak.load(Relaxed),
+            allocated: self.allocated.load(Relaxed),
+            freed: self.freed.load(Relaxed),
+        }
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.current.load(Relaxed), Relaxed);
+    }
+
+    pub(crate) fn reset_accumulated(&self) {
+        self.allocated.store(0, Relaxed);
+        self.freed.store(0, Relaxed);
+    }
+}
+
+/// Timings kept in atomics (microseconds).
+#[derive(Debug)]
+pub(crate) struct AtomicDuration {
+    total: AtomicI64,
+    max: AtomicI64,
+    min: AtomicI64,
+    count: AtomicI64,
+}
+
+impl Default for AtomicDuration {
+    fn default() -> Self {
+        Self {
+            total: AtomicI64::new(0),
+            max: AtomicI64::new(0),
+            min: AtomicI64::new(i64::MAX),
+            count: AtomicI64::new(0),
+        }
+    }
+}
+
+impl AtomicDuration {
+    pub(crate) fn record(&self, d: Duration) {
+        let us = d.as_micros().min(i64::MAX as u128) as i64;
+        self.total.fetch_add(us, Relaxed);
+        self.max.fetch_max(us, Relaxed);
+        self.min.fetch_min(us, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    fn read(&self) -> DurationStat {
+        let count = self.count.load(Relaxed);
+        let total = self.total.load(Relaxed);
+        DurationStat {
+            total,
+            max: self.max.load(Relaxed),
+            min: if count == 0 {
+                0
+            } else {
+                self.min.load(Relaxed)
+            },
+            count,
+            avg: if count == 0 { 0 } else { total / count },
+        }
+    }
+
+    fn reset(&self) {
+        self.total.store(0, Relaxed);
+        self.max.store(0, Relaxed);
+        self.min.store(i64::MAX, Relaxed);
+        self.count.store(0, Relaxed);
+    }
+}
+
+/// One thread shard's active counters.
+#[derive(Debug, Default)]
+pub(crate) struct ActiveShard {
+    pub(crate) requests: AtomicStat,
+    pub(crate) bytes: AtomicStat,
+}
+
+/// The books of one pool.
+#[derive(Debug)]
+pub(crate) struct PoolStats {
+    pub(crate) allocations: AtomicStat,
+    pub(crate) allocated_bytes: AtomicStat,
+    pub(crate) host_alloc_time: AtomicDuration,
+    pub(crate) host_free_time: AtomicDuration,
+    pub(crate) waiting_blocks: AtomicI64,
+    pub(crate) waiting_bytes: AtomicI64,
+    pub(crate) kept_blocks: AtomicI64,
+    pub(crate) kept_bytes: AtomicI64,
+    pub(crate) num_alloc_retries: AtomicI64,
+    pub(crate) num_ooms: AtomicI64,
+    active: Box<[CachePadded<ActiveShard>]>,
+}
+
+impl PoolStats {
+    pub(crate) fn new(shards: usize) -> Self {
+        Self {
+            allocations: AtomicStat::default(),
+            allocated_bytes: AtomicStat::default(),
+            host_alloc_time: AtomicDuration::default(),
+            host_free_time: AtomicDuration::default(),
+            waiting_blocks: AtomicI64::new(0),
+            waiting_bytes: AtomicI64::new(0),
+            kept_blocks: AtomicI64::new(0),
+            kept_bytes: AtomicI64::new(0),
+            num_alloc_retries: AtomicI64::new(0),
+            num_ooms: AtomicI64::new(0),
+            active: (0..shards).map(|_| CachePadded::default()).collect(),
+        }
+    }
+
+    /// A block of `bytes` became active, charged to `shard`.
+    #[inline]
+    pub(crate) fn activate(&self, shard: usize, bytes: usize) {
+        let s = &self.active[shard];
+        s.requests.increase(1);
+        s.bytes.increase(bytes as i64);
+    }
+
+    /// A block of `bytes` charged to `shard` became reusable (or kept).
+    #[inline]
+    pub(crate) fn deactivate(&self, shard: usize, bytes: usize) {
+        let s = &self.active[shard];
+        s.requests.decrease(1);
+        s.bytes.decrease(bytes as i64);
+    }
+
+    pub(crate) fn read(&self) -> HostStats {
+        let mut active_requests = Stat::default();
+        let mut active_bytes = Stat::default();
+        for s in self.active.iter() {
+            active_requests.add(&s.requests.read());
+            active_bytes.add(&s.bytes.read());
+        }
+        let allocations = self.allocations.read();
+        HostStats {
+            allocations,
+            allocated_bytes: self.allocated_bytes.read(),
+            active_requests,
+            active_bytes,
+            num_host_alloc: allocations.allocated,
+            num_host_free: allocations.freed,
+            host_alloc_time: self.host_alloc_time.read(),
+            host_free_time: self.host_free_time.read(),
+            waiting_blocks: self.waiting_blocks.load(Relaxed),
+            waiting_bytes: self.waiting_bytes.load(Relaxed),
+            kept_blocks: self.kept_blocks.load(Relaxed),
+            kept_bytes: self.kept_bytes.load(Relaxed),
+            num_alloc_retries: self.num_alloc_retries.load(Relaxed),
+            num_ooms: self.num_ooms.load(Relaxed),
+        }
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        self.allocations.reset_peak();
+        self.allocated_bytes.reset_peak();
+        for s in self.active.iter() {
+            s.requests.reset_peak();
+            s.bytes.reset_peak();
+        }
+    }
+
+    pub(crate) fn reset_accumulated(&self) {
+        self.allocations.reset_accumulated();
+        self.allocated_bytes.reset_accumulated();
+        self.host_alloc_time.reset();
+        self.host_free_time.reset();
+        self.num_alloc_retries.store(0, Relaxed);
+        self.num_ooms.store(0, Relaxed);
+        for s in self.active.iter() {
+            s.requests.reset_accumulated();
+            s.bytes.reset_accumulated();
+        }
+    }
+}
