@@ -1,1 +1,470 @@
-//! The simulated CUDA runtime (stub).
+//! The simulated CUDA runtime: `SimRuntime` implements the engine's `Runtime` trait with
+//! heap memory and software streams. It is the default on machines without a GPU and the
+//! test double for every semantic test of the allocator.
+//!
+//! This module owns the runtime handle, its options and its counters; the parts live in
+//! one module per concept:
+//! - `memory`: zeroed, page-aligned heap allocations and atomic byte access;
+//! - `ledger`: the actor that owns the registry of live allocations and the violation log;
+//! - `stream`, `worker`: streams and the thread that runs each one's operations in order;
+//! - `event`: events as marker operations; `graph`: stream capture and graph replay;
+//! - `device`: simulated device buffers; `fault`: fault injection; `violation`: misuse records.
+//!
+//! Misuse is made detectable: a copy whose host bytes changed between enqueue and execution
+//! (early reuse), a `host_free` of memory still referenced by queued work, or of memory the
+//! runtime never gave out, is counted in [`SimRuntime::violations`] and described in
+//! [`SimRuntime::violation_log`]. No locks are used: shared state is atomics, and the
+//! allocation registry has a single owner thread.
+
+mod device;
+mod error;
+mod event;
+mod fault;
+mod graph;
+mod ledger;
+mod memory;
+mod rng;
+mod stream;
+mod violation;
+mod worker;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pinpool_actors::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
+
+pub use device::DeviceBuffer;
+pub use error::SimError;
+pub use event::SimEvent;
+pub use fault::{FaultPoint, Faults};
+pub use graph::SimGraph;
+pub use memory::HOST_ALIGN;
+pub use stream::{HoldGuard, SimStream};
+pub use violation::{Violation, ViolationKind};
+
+use ledger::Ledger;
+use memory::{atomic_bytes, HostAllocation};
+
+/// State shared by the runtime handles, its streams and their workers: atomics, and handles
+/// to the ledger actor.
+pub(crate) struct Shared {
+    ledger: Ledger,
+    faults: Faults,
+    live_allocations: AtomicU64,
+    live_bytes: AtomicUsize,
+    total_host_allocs: AtomicU64,
+    total_host_frees: AtomicU64,
+    events_recorded: AtomicU64,
+    events_released: AtomicU64,
+    violations: AtomicU64,
+    host_alloc_latency_ns: AtomicU64,
+    random_delay_seed: AtomicU64,
+    random_delay_max_ns: AtomicU64,
+    memory_limit: AtomicUsize,
+    /// Never sent on; disconnects when the last `SimRuntime` handle drops, ending hangs.
+    lifeline: flume::Receiver<()>,
+}
+
+impl Shared {
+    /// Counts a violation and logs its description.
+    pub(crate) fn report(&self, kind: ViolationKind, stream: Option<StreamId>, message: String) {
+        self.violations.fetch_add(1, Ordering::SeqCst);
+        tracing::warn!(?kind, stream = stream.map(|s| s.0), %message, "sim violation");
+        self.ledger.report(Violation {
+            kind,
+            stream,
+            message,
+        });
+    }
+
+    /// `(seed, max_nanos)` when random delays are on.
+    pub(crate) fn random_delays(&self) -> Option<(u64, u64)> {
+        let max = self.random_delay_max_ns.load(Ordering::Relaxed);
+        (max > 0).then(|| (self.random_delay_seed.load(Ordering::Relaxed), max))
+    }
+}
+
+/// The simulated CUDA runtime. Cheap to clone: clones share memory, counters and faults.
+///
+/// ```
+/// use pinpool::sim::{DeviceBuffer, SimRuntime};
+/// use pinpool::{PinMethod, Runtime};
+///
+/// let sim = SimRuntime::new();
+/// let mem = sim.host_alloc(1 << 16).unwrap();
+/// assert_eq!(mem.method, PinMethod::Simulated);
+/// assert_eq!(sim.live_bytes(), 1 << 16);
+///
+/// // A buffer overwritten while its copy is still queued is early reuse.
+/// let stream = sim.stream();
+/// let dev = DeviceBuffer::new(16);
+/// let hold = stream.hold();
+/// stream.copy_to_device(mem.ptr.as_ptr(), 16, &dev).unwrap();
+/// let event = sim.record_event(&stream).unwrap();
+/// sim.host_write(mem.ptr.as_ptr(), &[1; 16]).unwrap(); // too early!
+/// drop(hold);
+/// stream.synchronize().unwrap();
+/// assert_eq!(sim.violations(), 1);
+///
+/// assert_eq!(sim.query_event(&event), Ok(true));
+/// sim.release_event(event);
+/// sim.host_free(mem).unwrap();
+/// assert_eq!(sim.live_allocations(), 0);
+/// ```
+#[derive(Clone)]
+pub struct SimRuntime {
+    shared: Arc<Shared>,
+    _lifeline: Arc<flume::Sender<()>>,
+}
+
+/// Options for a [`SimRuntime`]; start from [`SimRuntime::builder`].
+///
+/// ```
+/// use std::time::Duration;
+/// use pinpool::sim::SimRuntime;
+///
+/// let sim = SimRuntime::builder()
+///     .host_alloc_latency(Duration::from_micros(50))
+///     .memory_limit(1 << 30)
+///     .random_delays(7, Duration::from_micros(20))
+///     .build();
+/// assert_eq!(sim.live_bytes(), 0);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct SimRuntimeBuilder {
+    host_alloc_latency: Duration,
+    random_delays: Option<(u64, Duration)>,
+    memory_limit: Option<usize>,
+}
+
+impl SimRuntimeBuilder {
+    /// How long each `host_alloc` sleeps, standing in for `cudaHostAlloc` (default zero).
+    pub fn host_alloc_latency(mut self, latency: Duration) -> Self {
+        self.host_alloc_latency = latency;
+        self
+    }
+
+    /// Streams sleep a random time below `max` before each operation (seeded per stream).
+    pub fn random_delays(mut self, seed: u64, max: Duration) -> Self {
+        self.random_delays = Some((seed, max));
+        self
+    }
+
+    /// `host_alloc` fails with out-of-memory once live bytes would exceed `bytes`.
+    pub fn memory_limit(mut self, bytes: usize) -> Self {
+        self.memory_limit = Some(bytes);
+        self
+    }
+
+    /// Builds the runtime (starts its ledger thread).
+    pub fn build(self) -> SimRuntime {
+        let (lifeline_tx, lifeline_rx) = flume::bounded(1);
+        let sim = SimRuntime {
+            shared: Arc::new(Shared {
+                ledger: Ledger::spawn(),
+                faults: Faults::default(),
+                live_allocations: AtomicU64::new(0),
+                live_bytes: AtomicUsize::new(0),
+                total_host_allocs: AtomicU64::new(0),
+                total_host_frees: AtomicU64::new(0),
+                events_recorded: AtomicU64::new(0),
+                events_released: AtomicU64::new(0),
+                violations: AtomicU64::new(0),
+                host_alloc_latency_ns: AtomicU64::new(0),
+                random_delay_seed: AtomicU64::new(0),
+                random_delay_max_ns: AtomicU64::new(0),
+                memory_limit: AtomicUsize::new(usize::MAX),
+                lifeline: lifeline_rx,
+            }),
+            _lifeline: Arc::new(lifeline_tx),
+        };
+        sim.set_host_alloc_latency(self.host_alloc_latency);
+        if let Some((seed, max)) = self.random_delays {
+            sim.set_random_delays(seed, max);
+        }
+        sim.set_memory_limit(self.memory_limit);
+        sim
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl Default for SimRuntime {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for SimRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimRuntime")
+            .field("live_allocations", &self.live_allocations())
+            .field("live_bytes", &self.live_bytes())
+            .field("violations", &self.violations())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SimRuntime {
+    /// A runtime with default options (no latency, no random delays, no memory limit).
+    pub fn new() -> Self {
+        SimRuntimeBuilder::default().build()
+    }
+
+    /// Options for a runtime.
+    pub fn builder() -> SimRuntimeBuilder {
+        SimRuntimeBuilder::default()
+    }
+
+    /// This runtime with random stream delays (see [`set_random_delays`](Self::set_random_delays)).
+    pub fn with_random_delays(self, seed: u64, max: Duration) -> Self {
+        self.set_random_delays(seed, max);
+        self
+    }
+
+    /// Sets how long each `host_alloc` sleeps.
+    pub fn set_host_alloc_latency(&self, latency: Duration) {
+        self.shared
+            .host_alloc_latency_ns
+            .store(nanos(latency), Ordering::Relaxed);
+    }
+
+    /// Streams created from now on sleep a random time below `max` before each operation
+    /// (zero turns it off). Each stream seeds its generator from `seed` and its id.
+    pub fn set_random_delays(&self, seed: u64, max: Duration) {
+        self.shared.random_delay_seed.store(seed, Ordering::Relaxed);
+        self.shared
+            .random_delay_max_ns
+            .store(nanos(max), Ordering::Relaxed);
+    }
+
+    /// Sets (or with `None` lifts) the limit on live bytes.
+    pub fn set_memory_limit(&self, bytes: Option<usize>) {
+        self.shared
+            .memory_limit
+            .store(bytes.unwrap_or(usize::MAX), Ordering::Relaxed);
+    }
+
+    /// A new stream of this runtime (see [`SimStream::new`]).
+    pub fn stream(&self) -> SimStream {
+        SimStream::new(self)
+    }
+
+    /// The fault plan.
+    pub fn faults(&self) -> &Faults {
+        &self.shared.faults
+    }
+
+    /// Allocations handed out and not yet freed.
+    pub fn live_allocations(&self) -> u64 {
+        self.shared.live_allocations.load(Ordering::SeqCst)
+    }
+
+    /// Bytes handed out and not yet freed.
+    pub fn live_bytes(&self) -> usize {
+        self.shared.live_bytes.load(Ordering::SeqCst)
+    }
+
+    /// Successful `host_alloc` calls so far.
+    pub fn total_host_allocs(&self) -> u64 {
+        self.shared.total_host_allocs.load(Ordering::SeqCst)
+    }
+
+    /// Successful `host_free` calls so far.
+    pub fn total_host_frees(&self) -> u64 {
+        self.shared.total_host_frees.load(Ordering::SeqCst)
+    }
+
+    /// Events created by `record_event` so far (captured ones included).
+    pub fn events_recorded(&self) -> u64 {
+        self.shared.events_recorded.load(Ordering::SeqCst)
+    }
+
+    /// Events handed back through `release_event` so far.
+    pub fn events_released(&self) -> u64 {
+        self.shared.events_released.load(Ordering::SeqCst)
+    }
+
+    /// Misuse caught so far (see [`ViolationKind`]).
+    pub fn violations(&self) -> u64 {
+        self.shared.violations.load(Ordering::SeqCst)
+    }
+
+    /// Descriptions of the misuse caught so far, oldest first.
+    pub fn violation_log(&self) -> Vec<Violation> {
+        self.shared.ledger.log().unwrap_or_default()
+    }
+
+    /// Writes `bytes` to host memory of this runtime now, from the host (as a user filling
+    /// a buffer would).
+    ///
+    /// # Errors
+    /// [`SimError::ForeignHostMemory`] if the range is not inside a live allocation.
+    pub fn host_write(&self, dst: *mut u8, bytes: &[u8]) -> Result<(), SimError> {
+        let owner = self.owner(dst as usize, bytes.len())?;
+        // SAFETY: the range lies inside `owner`, which stays alive for this call.
+        let view = unsafe { atomic_bytes(dst as usize, bytes.len()) };
+        view.iter()
+            .zip(bytes)
+            .for_each(|(d, b)| d.store(*b, Ordering::Relaxed));
+        drop(owner);
+        Ok(())
+    }
+
+    /// Reads `len` bytes of host memory of this runtime now.
+    ///
+    /// # Errors
+    /// [`SimError::ForeignHostMemory`] if the range is not inside a live allocation.
+    pub fn host_read(&self, src: *const u8, len: usize) -> Result<Vec<u8>, SimError> {
+        let owner = self.owner(src as usize, len)?;
+        // SAFETY: the range lies inside `owner`, which stays alive for this call.
+        let view = unsafe { atomic_bytes(src as usize, len) };
+        let bytes = view.iter().map(|b| b.load(Ordering::Relaxed)).collect();
+        drop(owner);
+        Ok(bytes)
+    }
+
+    fn owner(&self, addr: usize, len: usize) -> Result<Arc<HostAllocation>, SimError> {
+        self.shared
+            .ledger
+            .lookup(addr, len)?
+            .ok_or(SimError::ForeignHostMemory { addr, len })
+    }
+
+    fn check_stream(&self, stream: &SimStream) -> Result<(), SimError> {
+        if Arc::ptr_eq(stream.shared(), &self.shared) {
+            Ok(())
+        } else {
+            Err(SimError::ForeignStream {
+                stream: stream.id().0,
+            })
+        }
+    }
+
+    fn reserve_bytes(&self, size: usize) -> Result<(), SimError> {
+        let limit = self.shared.memory_limit.load(Ordering::Relaxed);
+        self.shared
+            .live_bytes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |live| {
+                live.checked_add(size).filter(|&total| total <= limit)
+            })
+            .map(drop)
+            .map_err(|_| SimError::OutOfMemory { size })
+    }
+}
+
+impl Runtime for SimRuntime {
+    type Stream = SimStream;
+    type Event = SimEvent;
+
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+        const OP: &str = "host_alloc";
+        self.shared.faults.check(FaultPoint::HostAlloc)?;
+        if size == 0 {
+            return Err(SimError::ZeroSize { op: OP }.into_runtime(OP));
+        }
+        let latency = self.shared.host_alloc_latency_ns.load(Ordering::Relaxed);
+        if latency > 0 {
+            std::thread::sleep(Duration::from_nanos(latency));
+        }
+        let oom = |e: SimError| RuntimeError::out_of_memory(OP, e.to_string());
+        self.reserve_bytes(size).map_err(oom)?;
+        let alloc = match HostAllocation::new(size) {
+            Ok(a) => Arc::new(a),
+            Err(e) => {
+                self.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
+                return Err(oom(e));
+            }
+        };
+        let ptr = alloc.ptr();
+        if let Err(e) = self.shared.ledger.register(alloc) {
+            self.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
+            return Err(e.into_runtime(OP));
+        }
+        self.shared.live_allocations.fetch_add(1, Ordering::SeqCst);
+        self.shared.total_host_allocs.fetch_add(1, Ordering::SeqCst);
+        Ok(HostMemory {
+            ptr,
+            size,
+            method: PinMethod::Simulated,
+        })
+    }
+
+    fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
+        const OP: &str = "host_free";
+        self.shared.faults.check(FaultPoint::HostFree)?;
+        let (addr, size) = (memory.ptr.as_ptr() as usize, memory.size);
+        let found = if memory.method == PinMethod::Simulated {
+            self.shared
+                .ledger
+                .remove(addr, size)
+                .map_err(|e| e.into_runtime(OP))?
+        } else {
+            None
+        };
+        let Some(alloc) = found else {
+            let e = SimError::InvalidFree { addr, size };
+            self.shared.report(
+                ViolationKind::InvalidFree,
+                None,
+                format!("{e} (method {})", memory.method),
+            );
+            return Err(e.into_runtime(OP));
+        };
+        self.shared.live_allocations.fetch_sub(1, Ordering::SeqCst);
+        self.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
+        self.shared.total_host_frees.fetch_add(1, Ordering::SeqCst);
+        // Queued operations and live graphs hold the other references; the memory itself
+        // is released when the last of them is dropped.
+        let users = Arc::strong_count(&alloc) - 1;
+        if users > 0 {
+            self.shared.report(
+                ViolationKind::FreedWhileInUse,
+                None,
+                format!(
+                    "{size} bytes at {addr:#x} freed while {users} queued operation(s) or graph(s) still use them"
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    fn stream_id(&self, stream: &SimStream) -> StreamId {
+        stream.id()
+    }
+
+    fn is_capturing(&self, stream: &SimStream) -> Result<bool, RuntimeError> {
+        self.check_stream(stream)
+            .map_err(|e| e.into_runtime("is_capturing"))?;
+        Ok(stream.is_capturing())
+    }
+
+    fn record_event(&self, stream: &SimStream) -> Result<SimEvent, RuntimeError> {
+        const OP: &str = "record_event";
+        self.check_stream(stream).map_err(|e| e.into_runtime(OP))?;
+        self.shared.faults.check(FaultPoint::RecordEvent)?;
+        let event = stream.record_event().map_err(|e| e.into_runtime(OP))?;
+        self.shared.events_recorded.fetch_add(1, Ordering::SeqCst);
+        Ok(event)
+    }
+
+    fn query_event(&self, event: &SimEvent) -> Result<bool, RuntimeError> {
+        self.shared.faults.check(FaultPoint::QueryEvent)?;
+        event.query().map_err(|e| e.into_runtime("query_event"))
+    }
+
+    fn release_event(&self, event: SimEvent) {
+        self.shared.events_released.fetch_add(1, Ordering::SeqCst);
+        drop(event);
+    }
+}

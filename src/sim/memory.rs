@@ -1,0 +1,183 @@
+//! Simulated pinned host memory: owns each heap allocation (`HostAllocation`) and the byte
+//! access the simulated DMA engine uses on it.
+//!
+//! An allocation is zeroed, 4096-aligned memory from `std::alloc`. It is returned to the
+//! system allocator when the last `Arc<HostAllocation>` drops: the ledger holds one while the
+//! memory is live, and every queued or captured operation that touches it holds another, so
+//! a buggy `host_free` can never turn a queued copy into a use-after-free.
+//!
+//! Each allocation also counts the writes that simulated device work makes to it (a
+//! seqlock-style pair of counters), so that a checksum comparison can tell a change made by
+//! earlier device work, which is legitimate, from a change made by the host, which is early
+//! reuse.
+//!
+//! Bytes are read and written only through `AtomicU8` views. In a correct program the
+//! simulated device and the host never touch the same bytes at the same time; in a buggy one
+//! (early reuse) they do, and atomic per-byte access keeps that a detectable logic error
+//! instead of a data race.
+
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
+
+use super::error::SimError;
+
+/// Alignment of every simulated pinned allocation (a page, like `cudaHostAlloc`).
+pub const HOST_ALIGN: usize = 4096;
+
+/// One live heap allocation standing in for pinned memory.
+pub(crate) struct HostAllocation {
+    ptr: NonNull<u8>,
+    layout: Layout,
+    /// Device writes begun (incremented before the bytes change).
+    device_writes_started: AtomicU64,
+    /// Device writes finished (incremented after the bytes changed).
+    device_writes_finished: AtomicU64,
+}
+
+// SAFETY: the allocation is plain heap memory owned by this value; all access to the bytes
+// goes through `AtomicU8` views (see `atomic_bytes`), which are safe to share across threads.
+unsafe impl Send for HostAllocation {}
+// SAFETY: as above.
+unsafe impl Sync for HostAllocation {}
+
+impl HostAllocation {
+    /// Allocates `size` zeroed bytes aligned to `HOST_ALIGN`.
+    pub(crate) fn new(size: usize) -> Result<Self, SimError> {
+        if size == 0 {
+            return Err(SimError::ZeroSize { op: "host_alloc" });
+        }
+        let layout = Layout::from_size_align(size, HOST_ALIGN)
+            .map_err(|_| SimError::OutOfMemory { size })?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(SimError::OutOfMemory { size })?;
+        Ok(Self {
+            ptr,
+            layout,
+            device_writes_started: AtomicU64::new(0),
+            device_writes_finished: AtomicU64::new(0),
+        })
+    }
+
+    /// Runs `write`, which changes bytes of this allocation on behalf of device work,
+    /// bracketed by the device-write counters.
+    pub(crate) fn device_write(&self, write: impl FnOnce()) {
+        self.device_writes_started.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        write();
+        self.device_writes_finished.fetch_add(1, Ordering::Release);
+    }
+
+    /// Runs `read` (which reads bytes of this allocation) and returns its result with the
+    /// device-write generation it saw, or `None` if a device write overlapped the read.
+    pub(crate) fn read_consistent(&self, read: impl FnOnce() -> u64) -> Option<(u64, u64)> {
+        let finished = self.device_writes_finished.load(Ordering::Acquire);
+        let started = self.device_writes_started.load(Ordering::Acquire);
+        let value = read();
+        fence(Ordering::Acquire);
+        let again = self.device_writes_started.load(Ordering::Relaxed);
+        (started == finished && started == again).then_some((value, started))
+    }
+
+    /// Start address.
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    /// Length in bytes.
+    pub(crate) fn size(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// Start pointer.
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    /// Whether `[addr, addr + len)` lies within this allocation.
+    pub(crate) fn contains(&self, addr: usize, len: usize) -> bool {
+        let start = self.addr();
+        addr >= start
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= start + self.size())
+    }
+}
+
+impl Drop for HostAllocation {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was returned by `alloc_zeroed(self.layout)` and is freed only here,
+        // once, when the last owner lets go.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// Views `len` bytes at `addr` as atomics.
+///
+/// # Safety
+/// `[addr, addr + len)` must stay allocated for `'a` (callers hold the owning
+/// `HostAllocation`, or the caller of an `_unchecked` stream operation promised it).
+pub(crate) unsafe fn atomic_bytes<'a>(addr: usize, len: usize) -> &'a [AtomicU8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: `AtomicU8` has the size and alignment of `u8` and no invalid bit patterns;
+    // the range is allocated for `'a` (caller's obligation). Every access the simulation
+    // makes is atomic, so concurrent host writes race only with atomics.
+    unsafe { std::slice::from_raw_parts(addr as *const AtomicU8, len) }
+}
+
+/// 64-bit FNV-1a, the checksum used to notice that bytes changed.
+pub(crate) fn checksum(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// Checksum of the bytes behind an atomic view, read now.
+pub(crate) fn checksum_atomic(bytes: &[AtomicU8]) -> u64 {
+    checksum(bytes.iter().map(|b| b.load(Ordering::Relaxed)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_is_zeroed_and_page_aligned() {
+        let a = HostAllocation::new(10_000).unwrap();
+        assert_eq!(a.addr() % HOST_ALIGN, 0);
+        assert_eq!(a.size(), 10_000);
+        // SAFETY: `a` owns the range for the duration of the view.
+        let bytes = unsafe { atomic_bytes(a.addr(), a.size()) };
+        assert!(bytes.iter().all(|b| b.load(Ordering::Relaxed) == 0));
+    }
+
+    #[test]
+    fn zero_size_allocation_is_refused() {
+        assert!(matches!(
+            HostAllocation::new(0),
+            Err(SimError::ZeroSize { .. })
+        ));
+    }
+
+    #[test]
+    fn contains_checks_both_ends_and_overflow() {
+        let a = HostAllocation::new(100).unwrap();
+        assert!(a.contains(a.addr(), 100));
+        assert!(a.contains(a.addr() + 99, 1));
+        assert!(!a.contains(a.addr() + 1, 100));
+        assert!(!a.contains(a.addr().wrapping_sub(1), 2));
+        assert!(!a.contains(a.addr(), usize::MAX));
+    }
+
+    #[test]
+    fn checksum_changes_when_one_byte_changes() {
+        assert_ne!(checksum([1, 2, 3]), checksum([1, 2, 4]));
+        assert_eq!(checksum([7; 16]), checksum([7; 16]));
+    }
+}

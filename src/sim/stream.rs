@@ -1,0 +1,614 @@
+//! `SimStream`: a simulated CUDA stream, and `HoldGuard`, the test's brake on it.
+//!
+//! A stream handle owns the sending side of its worker's queue (see `worker`) and its
+//! capture state (see `graph`). Every operation goes through `submit`, which either queues
+//! it for the worker or, while the stream captures, records it into the graph. Host ranges
+//! are validated against the runtime's ledger when enqueued and keep their allocation alive
+//! until the operation is gone.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pinpool_actors::StreamId;
+
+use super::device::DeviceBuffer;
+use super::error::SimError;
+use super::event::{EventState, SimEvent};
+use super::graph::{CaptureState, SimGraph};
+use super::worker::{self, HostRange, Op, Work};
+use super::{Shared, SimRuntime};
+
+static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
+
+struct StreamInner {
+    id: StreamId,
+    shared: Arc<Shared>,
+    tx: flume::Sender<Op>,
+    capture: Arc<CaptureState>,
+}
+
+/// A simulated stream: operations run strictly in order on the stream's own thread.
+///
+/// Cheap to clone (clones share the stream); the thread exits once every handle is dropped
+/// and the queue has drained.
+///
+/// ```
+/// use std::time::Duration;
+/// use pinpool::sim::{DeviceBuffer, SimRuntime};
+/// use pinpool::Runtime;
+///
+/// let sim = SimRuntime::new();
+/// let stream = sim.stream();
+/// let host = sim.host_alloc(3).unwrap();
+/// let dev = DeviceBuffer::new(3);
+/// stream.delay(Duration::from_millis(1));
+/// stream.write_host(host.ptr.as_ptr(), 3, 7).unwrap();
+/// stream.copy_to_device(host.ptr.as_ptr(), 3, &dev).unwrap();
+/// stream.synchronize().unwrap();
+/// assert_eq!(dev.to_vec(), [7, 7, 7]);
+/// sim.host_free(host).unwrap();
+/// ```
+#[derive(Clone)]
+pub struct SimStream {
+    inner: Arc<StreamInner>,
+}
+
+/// Keeps a stream stopped at the point where [`SimStream::hold`] was called, until it is
+/// released or dropped.
+#[must_use = "dropping the guard releases the stream at once"]
+#[derive(Debug)]
+pub struct HoldGuard {
+    _release: flume::Sender<()>,
+}
+
+impl HoldGuard {
+    /// Lets the stream continue past the hold.
+    pub fn release(self) {}
+}
+
+impl SimStream {
+    /// A new stream of `sim`, with its own worker thread.
+    ///
+    /// If the OS cannot start the thread, the stream is created dead: every later call
+    /// that can fail reports [`SimError::ThreadGone`] (use [`try_new`](Self::try_new) to
+    /// learn it at once).
+    pub fn new(sim: &SimRuntime) -> Self {
+        Self::create(sim).0
+    }
+
+    /// A new stream of `sim`, or an error if its worker thread cannot be started.
+    ///
+    /// # Errors
+    /// [`SimError::ThreadGone`] if the OS cannot start the thread.
+    pub fn try_new(sim: &SimRuntime) -> Result<Self, SimError> {
+        let (stream, started) = Self::create(sim);
+        started.map(|()| stream)
+    }
+
+    fn create(sim: &SimRuntime) -> (Self, Result<(), SimError>) {
+        let id = StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed));
+        let shared = Arc::clone(&sim.shared);
+        let (tx, rx) = flume::unbounded();
+        let started = worker::spawn(id, Arc::clone(&shared), rx);
+        if let Err(e) = &started {
+            tracing::error!(stream = id.0, error = %e, "simulated stream has no worker");
+        }
+        let stream = Self {
+            inner: Arc::new(StreamInner {
+                id,
+                shared,
+                tx,
+                capture: Arc::new(CaptureState::new(id)),
+            }),
+        };
+        (stream, started)
+    }
+
+    /// The stream's id, unique in the process.
+    pub fn id(&self) -> StreamId {
+        self.inner.id
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.inner.shared
+    }
+
+    /// Makes the stream busy for `duration` (a kernel). Captured while capturing.
+    pub fn delay(&self, duration: Duration) {
+        // Only a dead worker could refuse it, and a worker does not die while it has a sender.
+        let _ = self.submit(|_| Ok(Work::Delay(duration)));
+    }
+
+    /// Stops the stream here: later operations and events stay pending until the guard is
+    /// released or dropped. A test control, not a CUDA operation: it is never captured.
+    pub fn hold(&self) -> HoldGuard {
+        let (release, wait) = flume::bounded(1);
+        self.queue(Op::Hold(wait));
+        HoldGuard { _release: release }
+    }
+
+    /// Stops the stream here for good (until every handle of its runtime is dropped): a
+    /// stream that never completes, for robustness tests.
+    pub fn hang(&self) {
+        self.queue(Op::Hold(self.inner.shared.lifeline.clone()));
+    }
+
+    /// Enqueues a host → device copy of `len` bytes at `src` into the start of `dst`. The
+    /// bytes are read when the copy runs; if they changed since this call, the copy reports
+    /// an early-reuse violation.
+    ///
+    /// The range must lie inside memory from this runtime's `host_alloc`, which is checked,
+    /// so this is safe; the copy keeps that memory allocated until it has run.
+    ///
+    /// # Errors
+    /// [`SimError::ForeignHostMemory`] or [`SimError::DeviceOutOfBounds`].
+    pub fn copy_to_device(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: &DeviceBuffer,
+    ) -> Result<(), SimError> {
+        check_device(len, dst)?;
+        let src = self.host_range(src as usize, len)?;
+        self.submit_copy_to_device(src, dst)
+    }
+
+    /// Like [`copy_to_device`](Self::copy_to_device) for host memory that this runtime did
+    /// not allocate (a `Vec`, a stack array).
+    ///
+    /// # Safety
+    /// `[src, src + len)` must be valid for reads and stay allocated until the copy has run
+    /// (synchronize the stream, or query an event recorded after it) and, if captured, as long
+    /// as the graph can be launched. Host writes to it while the copy is queued are allowed:
+    /// the simulation reads through atomics and reports them as early reuse.
+    pub unsafe fn copy_to_device_unchecked(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: &DeviceBuffer,
+    ) -> Result<(), SimError> {
+        check_device(len, dst)?;
+        // SAFETY: the caller promised the range stays allocated while the op exists.
+        let src = unsafe { HostRange::unowned(src as usize, len) };
+        self.submit_copy_to_device(src, dst)
+    }
+
+    /// Enqueues a device → host copy of the first `len` bytes of `src` to `dst`, written when
+    /// it runs. `dst` must lie inside memory from this runtime (checked). If the host changes
+    /// `dst` before the copy runs, the copy reports an early-reuse violation.
+    ///
+    /// # Errors
+    /// [`SimError::ForeignHostMemory`] or [`SimError::DeviceOutOfBounds`].
+    pub fn copy_to_host(
+        &self,
+        src: &DeviceBuffer,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), SimError> {
+        check_device(len, src)?;
+        let dst = self.host_range(dst as usize, len)?;
+        self.submit(|capture| {
+            let expect = capture.is_none().then(|| dst.snapshot()).flatten();
+            Ok(Work::CopyToHost {
+                src: src.clone(),
+                dst,
+                expect,
+            })
+        })
+    }
+
+    /// Enqueues a kernel that sets `len` host bytes at `dst` to `byte` when it runs. `dst`
+    /// must lie inside memory from this runtime (checked). If the host changes them before
+    /// it runs, it reports an early-reuse violation.
+    ///
+    /// # Errors
+    /// [`SimError::ForeignHostMemory`].
+    pub fn write_host(&self, dst: *mut u8, len: usize, byte: u8) -> Result<(), SimError> {
+        let dst = self.host_range(dst as usize, len)?;
+        self.submit(|capture| {
+            let expect = capture.is_none().then(|| dst.snapshot()).flatten();
+            Ok(Work::WriteHost { dst, byte, expect })
+        })
+    }
+
+    /// Blocks until every operation enqueued so far has run.
+    ///
+    /// # Errors
+    /// [`SimError::IllegalDuringCapture`] while capturing (as in CUDA).
+    pub fn synchronize(&self) -> Result<(), SimError> {
+        let reply = self.signal()?;
+        reply
+            .recv()
+            .map_err(|_| SimError::ThreadGone("pinpool-sim-stream"))
+    }
+
+    /// Like [`synchronize`](Self::synchronize), giving up after `timeout`; returns whether
+    /// the stream got there.
+    ///
+    /// # Errors
+    /// As for `synchronize`.
+    pub fn synchronize_timeout(&self, timeout: Duration) -> Result<bool, SimError> {
+        let reply = self.signal()?;
+        match reply.recv_timeout(timeout) {
+            Ok(()) => Ok(true),
+            Err(flume::RecvTimeoutError::Timeout) => Ok(false),
+            Err(flume::RecvTimeoutError::Disconnected) => {
+                Err(SimError::ThreadGone("pinpool-sim-stream"))
+            }
+        }
+    }
+
+    /// Starts capturing: from now on operations are recorded into a graph instead of run.
+    ///
+    /// # Errors
+    /// [`SimError::AlreadyCapturing`].
+    pub fn begin_capture(&self) -> Result<(), SimError> {
+        self.inner.capture.begin()
+    }
+
+    /// Stops capturing and returns the recorded graph.
+    ///
+    /// # Errors
+    /// [`SimError::NotCapturing`], or [`SimError::CaptureInvalidated`] when an event recorded
+    /// during this capture was queried (the graph is discarded, and capture stops).
+    pub fn end_capture(&self) -> Result<SimGraph, SimError> {
+        self.inner.capture.end()
+    }
+
+    /// Whether operations enqueued now are captured.
+    pub fn is_capturing(&self) -> bool {
+        self.inner.capture.is_capturing()
+    }
+
+    /// Records an event marker (captured while capturing).
+    pub(crate) fn record_event(&self) -> Result<SimEvent, SimError> {
+        let id = self.inner.id;
+        let mut state = None;
+        self.submit(|capture| {
+            let s = Arc::new(EventState::new(
+                id,
+                capture.map(|(c, generation)| (Arc::downgrade(c), generation)),
+            ));
+            state = Some(Arc::clone(&s));
+            Ok(Work::Event(s))
+        })?;
+        state
+            .map(|state| SimEvent { state })
+            .ok_or(SimError::ThreadGone("pinpool-sim-stream"))
+    }
+
+    /// Queues or captures the operation `build` makes (it is told whether it is captured).
+    pub(crate) fn submit(
+        &self,
+        build: impl FnOnce(Option<(&Arc<CaptureState>, u64)>) -> Result<Work, SimError>,
+    ) -> Result<(), SimError> {
+        self.inner.capture.submit(build, |work| {
+            self.inner
+                .tx
+                .send(Op::Work(work))
+                .map_err(|_| SimError::ThreadGone("pinpool-sim-stream"))
+        })
+    }
+
+    fn submit_copy_to_device(&self, src: HostRange, dst: &DeviceBuffer) -> Result<(), SimError> {
+        self.submit(|capture| {
+            let expect = capture.is_none().then(|| src.snapshot()).flatten();
+            Ok(Work::CopyToDevice {
+                src,
+                dst: dst.clone(),
+                expect,
+            })
+        })
+    }
+
+    fn host_range(&self, addr: usize, len: usize) -> Result<HostRange, SimError> {
+        let owner = self
+            .inner
+            .shared
+            .ledger
+            .lookup(addr, len)?
+            .ok_or(SimError::ForeignHostMemory { addr, len })?;
+        Ok(HostRange::owned(addr, len, owner))
+    }
+
+    fn signal(&self) -> Result<flume::Receiver<()>, SimError> {
+        if self.is_capturing() {
+            return Err(SimError::IllegalDuringCapture {
+                stream: self.inner.id.0,
+                op: "synchronize",
+            });
+        }
+        let (reply, wait) = flume::bounded(1);
+        self.queue(Op::Signal(reply));
+        Ok(wait)
+    }
+
+    fn queue(&self, op: Op) {
+        // Only a dead worker could refuse it; a worker does not stop while a sender lives.
+        let _ = self.inner.tx.send(op);
+    }
+}
+
+fn check_device(len: usize, buffer: &DeviceBuffer) -> Result<(), SimError> {
+    if len > buffer.len() {
+        return Err(SimError::DeviceOutOfBounds {
+            len,
+            capacity: buffer.len(),
+        });
+    }
+    Ok(())
+}
+
+impl std::fmt::Debug for SimStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimStream")
+            .field("id", &self.inner.id)
+            .field("capturing", &self.is_capturing())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::ViolationKind;
+    use super::*;
+    use pinpool_actors::{HostMemory, Runtime};
+    use std::time::Instant;
+
+    fn setup(size: usize) -> (SimRuntime, SimStream, HostMemory) {
+        let sim = SimRuntime::new();
+        let stream = sim.stream();
+        let mem = sim.host_alloc(size).unwrap();
+        (sim, stream, mem)
+    }
+
+    #[test]
+    fn operations_run_in_enqueue_order() {
+        let (sim, stream, mem) = setup(4);
+        let p = mem.ptr.as_ptr();
+        let (first, second) = (DeviceBuffer::new(4), DeviceBuffer::new(4));
+        stream.write_host(p, 4, 1).unwrap();
+        stream.copy_to_device(p, 4, &first).unwrap();
+        stream.write_host(p, 4, 2).unwrap();
+        stream.copy_to_device(p, 4, &second).unwrap();
+        stream.synchronize().unwrap();
+        assert_eq!(first.to_vec(), [1; 4]);
+        assert_eq!(second.to_vec(), [2; 4]);
+        assert_eq!(sim.host_read(p, 4).unwrap(), [2; 4]);
+        assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+        sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn hold_keeps_later_operations_queued_until_released() {
+        let (sim, stream, mem) = setup(4);
+        let p = mem.ptr.as_ptr();
+        let hold = stream.hold();
+        stream.write_host(p, 4, 9).unwrap();
+        assert!(!stream
+            .synchronize_timeout(Duration::from_millis(30))
+            .unwrap());
+        assert_eq!(sim.host_read(p, 4).unwrap(), [0; 4]);
+        hold.release();
+        stream.synchronize().unwrap();
+        assert_eq!(sim.host_read(p, 4).unwrap(), [9; 4]);
+        sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn dropping_the_hold_guard_releases_the_stream() {
+        let sim = SimRuntime::new();
+        let stream = sim.stream();
+        let hold = stream.hold();
+        drop(hold);
+        assert!(stream.synchronize_timeout(Duration::from_secs(1)).unwrap());
+    }
+
+    #[test]
+    fn delay_keeps_the_stream_busy_for_its_duration() {
+        let sim = SimRuntime::new();
+        let stream = sim.stream();
+        let start = Instant::now();
+        stream.delay(Duration::from_millis(20));
+        stream.synchronize().unwrap();
+        assert!(start.elapsed() >= Duration::from_millis(20));
+    }
+
+    #[test]
+    fn hung_stream_never_completes() {
+        let sim = SimRuntime::new();
+        let stream = sim.stream();
+        stream.hang();
+        let event = sim.record_event(&stream).unwrap();
+        assert!(!stream
+            .synchronize_timeout(Duration::from_millis(30))
+            .unwrap());
+        assert_eq!(sim.query_event(&event), Ok(false));
+        sim.release_event(event);
+    }
+
+    #[test]
+    fn copy_reads_host_bytes_when_it_runs_not_when_enqueued() {
+        let (sim, stream, mem) = setup(4);
+        let p = mem.ptr.as_ptr();
+        let dev = DeviceBuffer::new(4);
+        let hold = stream.hold();
+        stream.write_host(p, 4, 5).unwrap();
+        stream.copy_to_device(p, 4, &dev).unwrap();
+        drop(hold);
+        stream.synchronize().unwrap();
+        assert_eq!(dev.to_vec(), [5; 4]);
+        assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+        sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn copy_whose_source_was_overwritten_before_it_ran_is_a_violation() {
+        let (sim, stream, mem) = setup(8);
+        let p = mem.ptr.as_ptr();
+        let dev = DeviceBuffer::new(8);
+        let hold = stream.hold();
+        stream.copy_to_device(p, 8, &dev).unwrap();
+        sim.host_write(p, &[3; 8]).unwrap();
+        drop(hold);
+        stream.synchronize().unwrap();
+        assert_eq!(sim.violations(), 1);
+        let log = sim.violation_log();
+        assert_eq!(log.len(), 1);
+        assert_eq!(log[0].kind, ViolationKind::EarlyReuse);
+        assert_eq!(log[0].stream, Some(stream.id()));
+        assert_eq!(
+            dev.to_vec(),
+            [3; 8],
+            "the copy saw the overwritten bytes, like DMA"
+        );
+        sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn copy_whose_source_was_left_alone_is_not_a_violation() {
+        let (sim, stream, mem) = setup(8);
+        let p = mem.ptr.as_ptr();
+        sim.host_write(p, &[4; 8]).unwrap();
+        let dev = DeviceBuffer::new(8);
+        let hold = stream.hold();
+        stream.copy_to_device(p, 8, &dev).unwrap();
+        drop(hold);
+        stream.synchronize().unwrap();
+        sim.host_write(p, &[5; 8]).unwrap(); // after the copy ran: legitimate reuse
+        stream.synchronize().unwrap();
+        assert_eq!(dev.to_vec(), [4; 8]);
+        assert_eq!(sim.violations(), 0);
+        sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn host_write_to_a_queued_device_to_host_destination_is_a_violation() {
+        let (sim, stream, mem) = setup(4);
+        let p = mem.ptr.as_ptr();
+        let dev = DeviceBuffer::new(4);
+        dev.fill(8);
+        let hold = stream.hold();
+        stream.copy_to_host(&dev, p, 4).unwrap();
+        sim.host_write(p, &[1; 4]).unwrap();
+        drop(hold);
+        stream.synchronize().unwrap();
+        assert_eq!(sim.host_read(p, 4).unwrap(), [8; 4]);
+        assert_eq!(sim.violations(), 1);
+        sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn device_writes_on_another_stream_are_not_mistaken_for_host_reuse() {
+        let (sim, a, mem) = setup(4);
+        let b = sim.stream();
+        let p = mem.ptr.as_ptr();
+        let dev = DeviceBuffer::new(4);
+        let hold = a.hold();
+        a.copy_to_device(p, 4, &dev).unwrap();
+        b.write_host(p, 4, 6).unwrap();
+        b.synchronize().unwrap();
+        drop(hold);
+        a.synchronize().unwrap();
+        assert_eq!(dev.to_vec(), [6; 4]);
+        assert_eq!(sim.violations(), 0);
+        sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn copies_outside_runtime_memory_or_device_bounds_are_refused() {
+        let (sim, stream, mem) = setup(4);
+        let p = mem.ptr.as_ptr();
+        let local = [0u8; 4];
+        assert!(matches!(
+            stream.copy_to_device(local.as_ptr(), 4, &DeviceBuffer::new(4)),
+            Err(SimError::ForeignHostMemory { .. })
+        ));
+        assert!(matches!(
+            stream.copy_to_device(p, 5, &DeviceBuffer::new(8)),
+            Err(SimError::ForeignHostMemory { .. })
+        ));
+        assert!(matches!(
+            stream.copy_to_device(p, 4, &DeviceBuffer::new(2)),
+            Err(SimError::DeviceOutOfBounds { .. })
+        ));
+        assert!(matches!(
+            stream.copy_to_host(&DeviceBuffer::new(2), p, 4),
+            Err(SimError::DeviceOutOfBounds { .. })
+        ));
+        assert!(matches!(
+            stream.write_host(p.wrapping_add(2), 4, 0),
+            Err(SimError::ForeignHostMemory { .. })
+        ));
+        sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn unchecked_copy_from_foreign_memory_detects_early_reuse_too() {
+        let sim = SimRuntime::new();
+        let stream = sim.stream();
+        let local: Vec<std::sync::atomic::AtomicU8> = (0..4)
+            .map(|_| std::sync::atomic::AtomicU8::new(1))
+            .collect();
+        let dev = DeviceBuffer::new(4);
+        let hold = stream.hold();
+        // SAFETY: `local` outlives the copy: the stream is synchronized before it is dropped.
+        unsafe {
+            stream
+                .copy_to_device_unchecked(local.as_ptr().cast(), 4, &dev)
+                .unwrap()
+        };
+        local[0].store(2, Ordering::Relaxed);
+        drop(hold);
+        stream.synchronize().unwrap();
+        assert_eq!(dev.to_vec(), [2, 1, 1, 1]);
+        assert_eq!(sim.violations(), 1);
+    }
+
+    #[test]
+    fn synchronize_during_capture_is_refused() {
+        let sim = SimRuntime::new();
+        let stream = sim.stream();
+        stream.begin_capture().unwrap();
+        assert!(matches!(
+            stream.synchronize(),
+            Err(SimError::IllegalDuringCapture { .. })
+        ));
+        stream.end_capture().unwrap();
+        stream.synchronize().unwrap();
+    }
+
+    #[test]
+    fn stream_ids_are_unique_and_shared_by_clones() {
+        let sim = SimRuntime::new();
+        let (a, b) = (sim.stream(), SimStream::new(&sim));
+        assert_ne!(a.id(), b.id());
+        assert_eq!(a.clone().id(), a.id());
+        assert_eq!(sim.stream_id(&a), a.id());
+    }
+
+    #[test]
+    fn queued_work_still_runs_after_every_handle_is_dropped() {
+        let (sim, stream, mem) = setup(4);
+        let p = mem.ptr.as_ptr();
+        let other = sim.stream();
+        let event = {
+            let hold = stream.hold();
+            stream.write_host(p, 4, 7).unwrap();
+            let event = sim.record_event(&stream).unwrap();
+            drop(stream);
+            drop(hold);
+            event
+        };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while !sim.query_event(&event).unwrap() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert_eq!(sim.query_event(&event), Ok(true));
+        assert_eq!(sim.host_read(p, 4).unwrap(), [7; 4]);
+        sim.release_event(event);
+        other.synchronize().unwrap();
+        sim.host_free(mem).unwrap();
+    }
+}

@@ -1,0 +1,245 @@
+//! Tests of the runtime as the engine sees it: host memory, counters, faults, violations.
+
+use super::*;
+use std::time::Instant;
+
+#[test]
+fn host_alloc_returns_zeroed_page_aligned_simulated_memory() {
+    let sim = SimRuntime::new();
+    let mem = sim.host_alloc(10_000).unwrap();
+    assert_eq!(mem.method, PinMethod::Simulated);
+    assert_eq!(mem.size, 10_000);
+    assert_eq!(mem.ptr.as_ptr() as usize % HOST_ALIGN, 0);
+    assert!(sim
+        .host_read(mem.ptr.as_ptr(), 10_000)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+    sim.host_free(mem).unwrap();
+}
+
+#[test]
+fn memory_counters_return_to_zero_after_every_free() {
+    let sim = SimRuntime::new();
+    let mems: Vec<_> = [100, 4096, 1 << 20]
+        .iter()
+        .map(|&s| sim.host_alloc(s).unwrap())
+        .collect();
+    assert_eq!(sim.live_allocations(), 3);
+    assert_eq!(sim.live_bytes(), 100 + 4096 + (1 << 20));
+    for m in mems {
+        sim.host_free(m).unwrap();
+    }
+    assert_eq!(sim.live_allocations(), 0);
+    assert_eq!(sim.live_bytes(), 0);
+    assert_eq!(sim.total_host_allocs(), 3);
+    assert_eq!(sim.total_host_frees(), 3);
+    assert_eq!(sim.violations(), 0);
+}
+
+#[test]
+fn double_free_is_an_error_and_changes_nothing() {
+    let sim = SimRuntime::new();
+    let keep = sim.host_alloc(64).unwrap();
+    let mem = sim.host_alloc(64).unwrap();
+    sim.host_free(mem).unwrap();
+    assert!(sim.host_free(mem).is_err());
+    assert_eq!(sim.live_allocations(), 1);
+    assert_eq!(sim.live_bytes(), 64);
+    assert_eq!(sim.total_host_frees(), 1);
+    assert_eq!(sim.violation_log()[0].kind, ViolationKind::InvalidFree);
+    sim.host_free(keep).unwrap();
+}
+
+#[test]
+fn freeing_memory_the_runtime_does_not_own_is_an_error() {
+    let sim = SimRuntime::new();
+    let mut local = [0u8; 64];
+    let foreign = HostMemory {
+        ptr: std::ptr::NonNull::new(local.as_mut_ptr()).unwrap(),
+        size: 64,
+        method: PinMethod::Simulated,
+    };
+    assert!(sim.host_free(foreign).is_err());
+    let mem = sim.host_alloc(64).unwrap();
+    assert!(sim.host_free(HostMemory { size: 32, ..mem }).is_err());
+    assert!(sim
+        .host_free(HostMemory {
+            method: PinMethod::HostAlloc,
+            ..mem
+        })
+        .is_err());
+    assert!(sim
+        .host_free(HostMemory {
+            ptr: std::ptr::NonNull::new(mem.ptr.as_ptr().wrapping_add(1)).unwrap(),
+            ..mem
+        })
+        .is_err());
+    assert_eq!(sim.violations(), 4);
+    assert_eq!(sim.live_allocations(), 1);
+    sim.host_free(mem).unwrap();
+    assert_eq!(local, [0; 64]);
+}
+
+#[test]
+fn memory_of_one_runtime_is_foreign_to_another() {
+    let (a, b) = (SimRuntime::new(), SimRuntime::new());
+    let mem = a.host_alloc(8).unwrap();
+    assert!(b.host_free(mem).is_err());
+    assert!(b.host_read(mem.ptr.as_ptr(), 8).is_err());
+    a.host_free(mem).unwrap();
+}
+
+#[test]
+fn zero_size_alloc_is_an_error() {
+    let sim = SimRuntime::new();
+    assert!(sim.host_alloc(0).is_err());
+    assert_eq!(sim.live_allocations(), 0);
+}
+
+#[test]
+fn memory_limit_refuses_with_out_of_memory_and_frees_make_room() {
+    let sim = SimRuntime::builder().memory_limit(8192).build();
+    let a = sim.host_alloc(4096).unwrap();
+    let b = sim.host_alloc(4096).unwrap();
+    let err = sim.host_alloc(1).unwrap_err();
+    assert!(err.out_of_memory);
+    assert_eq!(sim.live_bytes(), 8192);
+    sim.host_free(a).unwrap();
+    let c = sim.host_alloc(4096).unwrap();
+    sim.set_memory_limit(None);
+    let d = sim.host_alloc(1 << 20).unwrap();
+    for m in [b, c, d] {
+        sim.host_free(m).unwrap();
+    }
+    assert_eq!(sim.live_bytes(), 0);
+}
+
+#[test]
+fn huge_alloc_fails_with_out_of_memory_instead_of_panicking() {
+    let sim = SimRuntime::new();
+    assert!(sim.host_alloc(usize::MAX).unwrap_err().out_of_memory);
+    assert_eq!(sim.live_bytes(), 0);
+}
+
+#[test]
+fn host_alloc_sleeps_for_the_configured_latency() {
+    let sim = SimRuntime::builder()
+        .host_alloc_latency(Duration::from_millis(15))
+        .build();
+    let start = Instant::now();
+    let mem = sim.host_alloc(64).unwrap();
+    assert!(start.elapsed() >= Duration::from_millis(15));
+    sim.host_free(mem).unwrap();
+}
+
+#[test]
+fn injected_host_alloc_faults_fire_exactly_n_times() {
+    let sim = SimRuntime::new();
+    sim.faults().fail_next(FaultPoint::HostAlloc, 2);
+    assert!(sim.host_alloc(64).unwrap_err().out_of_memory);
+    assert!(sim.host_alloc(64).unwrap_err().out_of_memory);
+    let mem = sim.host_alloc(64).unwrap();
+    assert_eq!(sim.faults().injected(FaultPoint::HostAlloc), 2);
+    assert_eq!(sim.total_host_allocs(), 1);
+    sim.host_free(mem).unwrap();
+}
+
+#[test]
+fn injected_host_free_fault_keeps_the_memory_live() {
+    let sim = SimRuntime::new();
+    let mem = sim.host_alloc(64).unwrap();
+    sim.faults().fail_next(FaultPoint::HostFree, 1);
+    assert!(sim.host_free(mem).is_err());
+    assert_eq!(sim.live_allocations(), 1);
+    sim.host_free(mem).unwrap();
+    assert_eq!(sim.live_allocations(), 0);
+    assert_eq!(sim.violations(), 0);
+}
+
+#[test]
+fn injected_event_faults_fail_record_and_query() {
+    let sim = SimRuntime::new();
+    let stream = sim.stream();
+    sim.faults().fail_next(FaultPoint::RecordEvent, 1);
+    assert!(sim.record_event(&stream).is_err());
+    assert_eq!(sim.events_recorded(), 0);
+    let event = sim.record_event(&stream).unwrap();
+    stream.synchronize().unwrap();
+    sim.faults().fail_next(FaultPoint::QueryEvent, 1);
+    assert!(sim.query_event(&event).is_err());
+    assert_eq!(sim.query_event(&event), Ok(true));
+    sim.release_event(event);
+    assert_eq!(sim.events_recorded(), sim.events_released());
+}
+
+#[test]
+fn streams_of_another_runtime_are_refused() {
+    let (a, b) = (SimRuntime::new(), SimRuntime::new());
+    let stream = a.stream();
+    assert!(b.record_event(&stream).is_err());
+    assert!(b.is_capturing(&stream).is_err());
+    assert_eq!(b.events_recorded(), 0);
+}
+
+#[test]
+fn freeing_memory_with_a_queued_copy_is_a_violation_but_stays_memory_safe() {
+    let sim = SimRuntime::new();
+    let stream = sim.stream();
+    let mem = sim.host_alloc(16).unwrap();
+    let dev = DeviceBuffer::new(16);
+    let hold = stream.hold();
+    stream.copy_to_device(mem.ptr.as_ptr(), 16, &dev).unwrap();
+    sim.host_free(mem).unwrap();
+    assert_eq!(sim.live_allocations(), 0);
+    assert_eq!(sim.violations(), 1);
+    assert_eq!(sim.violation_log()[0].kind, ViolationKind::FreedWhileInUse);
+    drop(hold);
+    stream.synchronize().unwrap();
+}
+
+#[test]
+fn random_delays_keep_stream_order() {
+    let sim = SimRuntime::new().with_random_delays(3, Duration::from_micros(200));
+    let stream = sim.stream();
+    let mem = sim.host_alloc(1).unwrap();
+    let p = mem.ptr.as_ptr();
+    let devs: Vec<_> = (0..20u8)
+        .map(|i| {
+            stream.write_host(p, 1, i).unwrap();
+            let d = DeviceBuffer::new(1);
+            stream.copy_to_device(p, 1, &d).unwrap();
+            d
+        })
+        .collect();
+    stream.synchronize().unwrap();
+    for (i, d) in devs.iter().enumerate() {
+        assert_eq!(d.to_vec(), [i as u8]);
+    }
+    assert_eq!(sim.violations(), 0);
+    sim.host_free(mem).unwrap();
+}
+
+#[test]
+fn clones_share_counters_and_the_runtime_works_behind_arc() {
+    let sim = Arc::new(SimRuntime::new());
+    let clone = (*sim).clone();
+    let mem = clone.host_alloc(64).unwrap();
+    assert_eq!(sim.live_allocations(), 1);
+    let worker = {
+        let sim = Arc::clone(&sim);
+        std::thread::spawn(move || sim.host_free(mem))
+    };
+    worker.join().unwrap().unwrap();
+    assert_eq!(clone.live_allocations(), 0);
+    assert_eq!(sim.name(), "sim");
+}
+
+#[test]
+fn hung_stream_is_let_go_when_the_runtime_is_dropped() {
+    let sim = SimRuntime::new();
+    let stream = sim.stream();
+    stream.hang();
+    drop(sim);
+    assert!(stream.synchronize_timeout(Duration::from_secs(1)).unwrap());
+}

@@ -1,0 +1,263 @@
+//! The stream worker: one OS thread per stream that owns the stream's queue and runs its
+//! operations strictly in order, the way a CUDA stream does.
+//!
+//! Copies touch host memory when they run, like DMA. Each operation that reads or
+//! overwrites host memory carries a checksum of those bytes taken when it was enqueued; if
+//! the bytes differ when it runs, the host changed memory whose device work was still
+//! queued — early reuse — and the worker reports a violation. Changes made by device work
+//! in between (a kernel or a device→host copy into the same allocation, on any stream) are
+//! legitimate; the allocation's device-write counters tell them apart, and the check is
+//! skipped when one happened. An operation is dropped
+//! (releasing its hold on host memory) before the next one starts, so a later event marker
+//! completes only after earlier operations have finished with their memory. The thread
+//! exits when every sender (stream handle) is gone and the queue is drained.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pinpool_actors::StreamId;
+
+use super::device::DeviceBuffer;
+use super::error::SimError;
+use super::event::EventState;
+use super::memory::{atomic_bytes, checksum, checksum_atomic, HostAllocation};
+use super::rng::XorShift;
+use super::violation::ViolationKind;
+use super::Shared;
+
+/// A host byte range an operation touches, and (for memory of this runtime) the allocation
+/// it keeps alive until the operation is dropped.
+#[derive(Clone)]
+pub(crate) struct HostRange {
+    addr: usize,
+    len: usize,
+    _owner: Option<Arc<HostAllocation>>,
+}
+
+impl HostRange {
+    /// A range inside `owner`.
+    pub(crate) fn owned(addr: usize, len: usize, owner: Arc<HostAllocation>) -> Self {
+        Self {
+            addr,
+            len,
+            _owner: Some(owner),
+        }
+    }
+
+    /// A range whose caller promised it stays allocated until the operation has run.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must stay allocated until every operation holding this range
+    /// has run (or been dropped).
+    pub(crate) unsafe fn unowned(addr: usize, len: usize) -> Self {
+        Self {
+            addr,
+            len,
+            _owner: None,
+        }
+    }
+
+    pub(crate) fn bytes(&self) -> &[AtomicU8] {
+        // SAFETY: the range lies in `_owner`, which this value keeps alive, or the creator
+        // of an unowned range promised it stays allocated while this value exists.
+        unsafe { atomic_bytes(self.addr, self.len) }
+    }
+
+    /// Reads the range now: its checksum and the device-write generation it was taken at,
+    /// or `None` when device work was writing it at that moment.
+    pub(crate) fn snapshot(&self) -> Option<Expect> {
+        self.read_with(|| checksum_atomic(self.bytes()))
+    }
+
+    fn read_with(&self, read: impl FnOnce() -> u64) -> Option<Expect> {
+        let (checksum, generation) = match &self._owner {
+            Some(owner) => owner.read_consistent(read)?,
+            None => (read(), 0),
+        };
+        Some(Expect {
+            checksum,
+            generation,
+        })
+    }
+
+    /// Whether the host changed the bytes since `expect` was taken: they differ, and no
+    /// device write to the allocation happened in between (device work may change them).
+    fn changed_by_host(&self, expect: &Expect, now: Option<Expect>) -> bool {
+        now.is_some_and(|now| {
+            now.generation == expect.generation && now.checksum != expect.checksum
+        })
+    }
+
+    fn device_write(&self, write: impl FnOnce(&[AtomicU8])) {
+        match &self._owner {
+            Some(owner) => owner.device_write(|| write(self.bytes())),
+            None => write(self.bytes()),
+        }
+    }
+}
+
+/// What host bytes looked like when an operation was enqueued.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Expect {
+    checksum: u64,
+    generation: u64,
+}
+
+/// A device operation: what a stream runs, and what a capture records.
+#[derive(Clone)]
+pub(crate) enum Work {
+    /// The stream is busy for this long (a kernel).
+    Delay(Duration),
+    /// Host → device; `expect` is the source checksum at enqueue (None when captured).
+    CopyToDevice {
+        src: HostRange,
+        dst: DeviceBuffer,
+        expect: Option<Expect>,
+    },
+    /// Device → host; `expect` is the destination checksum at enqueue.
+    CopyToHost {
+        src: DeviceBuffer,
+        dst: HostRange,
+        expect: Option<Expect>,
+    },
+    /// A kernel that fills host memory with `byte`; `expect` as for `CopyToHost`.
+    WriteHost {
+        dst: HostRange,
+        byte: u8,
+        expect: Option<Expect>,
+    },
+    /// An event marker.
+    Event(Arc<EventState>),
+    /// A graph replay.
+    Launch(Arc<[Work]>),
+}
+
+/// What a stream's queue carries.
+pub(crate) enum Op {
+    Work(Work),
+    /// Stop until the sender is released or dropped.
+    Hold(flume::Receiver<()>),
+    /// Reply once reached (synchronize).
+    Signal(flume::Sender<()>),
+}
+
+struct Worker {
+    stream: StreamId,
+    shared: Arc<Shared>,
+    jitter: Option<(XorShift, u64)>,
+    executed: u64,
+}
+
+/// Starts the worker thread for `stream`.
+pub(crate) fn spawn(
+    stream: StreamId,
+    shared: Arc<Shared>,
+    rx: flume::Receiver<Op>,
+) -> Result<(), SimError> {
+    let jitter = shared
+        .random_delays()
+        .map(|(seed, max)| (XorShift::new(seed ^ stream.0), max));
+    let worker = Worker {
+        stream,
+        shared,
+        jitter,
+        executed: 0,
+    };
+    std::thread::Builder::new()
+        .name(format!("pinpool-sim-stream-{}", stream.0))
+        .spawn(move || worker.run(rx))
+        .map(drop)
+        .map_err(|_| SimError::ThreadGone("pinpool-sim-stream"))
+}
+
+impl Worker {
+    fn run(mut self, rx: flume::Receiver<Op>) {
+        while let Ok(op) = rx.recv() {
+            self.jitter();
+            match op {
+                Op::Work(work) => self.execute(&work),
+                Op::Hold(release) => {
+                    // Returns on release() or when the guard is dropped.
+                    let _ = release.recv();
+                }
+                Op::Signal(reply) => {
+                    let _ = reply.send(());
+                }
+            }
+        }
+    }
+
+    fn jitter(&mut self) {
+        if let Some((rng, max)) = &mut self.jitter {
+            let nanos = rng.below(*max);
+            if nanos > 0 {
+                std::thread::sleep(Duration::from_nanos(nanos));
+            }
+        }
+    }
+
+    fn execute(&mut self, work: &Work) {
+        self.executed += 1;
+        match work {
+            Work::Delay(d) => std::thread::sleep(*d),
+            Work::CopyToDevice { src, dst, expect } => {
+                // The bytes checked are exactly the bytes copied.
+                let seen = src.read_with(|| {
+                    checksum(src.bytes().iter().zip(dst.bytes()).map(|(s, d)| {
+                        let b = s.load(Ordering::Relaxed);
+                        d.store(b, Ordering::Relaxed);
+                        b
+                    }))
+                });
+                self.check(src, expect, seen, "host→device copy source");
+            }
+            Work::CopyToHost { src, dst, expect } => {
+                self.check(dst, expect, dst.snapshot(), "device→host copy destination");
+                dst.device_write(|bytes| {
+                    for (s, d) in src.bytes().iter().zip(bytes) {
+                        d.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
+                    }
+                });
+            }
+            Work::WriteHost { dst, byte, expect } => {
+                self.check(
+                    dst,
+                    expect,
+                    dst.snapshot(),
+                    "host-writing kernel destination",
+                );
+                dst.device_write(|bytes| {
+                    bytes.iter().for_each(|d| d.store(*byte, Ordering::Relaxed));
+                });
+            }
+            Work::Event(state) => state.complete(),
+            Work::Launch(graph) => {
+                for w in graph.iter() {
+                    self.jitter();
+                    self.execute(w);
+                }
+            }
+        }
+    }
+
+    fn check(&self, range: &HostRange, expect: &Option<Expect>, now: Option<Expect>, what: &str) {
+        if expect
+            .as_ref()
+            .is_some_and(|e| range.changed_by_host(e, now))
+        {
+            self.early_reuse(what, range);
+        }
+    }
+
+    fn early_reuse(&self, what: &str, range: &HostRange) {
+        self.shared.report(
+            ViolationKind::EarlyReuse,
+            Some(self.stream),
+            format!(
+                "{what} ({} bytes at {:#x}, operation #{}) changed between enqueue and execution",
+                range.len, range.addr, self.executed
+            ),
+        );
+    }
+}
