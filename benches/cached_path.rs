@@ -1,1 +1,84 @@
-fn main(){}
+//! The cached path on the simulated runtime: allocate a size seen before and free it, on one
+//! thread and on several; and the async path. Runs anywhere; the GPU harness is
+//! `examples/gpu_bench.rs`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use pinpool::PinnedAllocator;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn pair(c: &mut Criterion) {
+    let rt = runtime();
+    let pool = rt
+        .block_on(async { PinnedAllocator::builder().build() })
+        .expect("allocator");
+    let mut g = c.benchmark_group("pair");
+    for size in [4096usize, 1 << 20, 64 << 20] {
+        drop(pool.alloc_blocking(size).expect("warm"));
+        g.throughput(Throughput::Elements(1));
+        g.bench_with_input(BenchmarkId::new("blocking", size), &size, |b, &size| {
+            b.iter(|| drop(pool.alloc_blocking(size).expect("alloc")))
+        });
+        g.bench_with_input(BenchmarkId::new("async", size), &size, |b, &size| {
+            b.to_async(&rt)
+                .iter(|| async { drop(pool.alloc(size).await.expect("alloc")) })
+        });
+    }
+    g.finish();
+}
+
+fn threads(c: &mut Criterion) {
+    let rt = runtime();
+    let pool = rt
+        .block_on(async { PinnedAllocator::builder().build() })
+        .expect("allocator");
+    let mut g = c.benchmark_group("threads");
+    let n = std::thread::available_parallelism().map_or(2, |n| n.get());
+    for same_class in [true, false] {
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(
+            BenchmarkId::new(
+                if same_class {
+                    "same_class"
+                } else {
+                    "own_class"
+                },
+                n,
+            ),
+            |b| {
+                b.iter_custom(|iters| {
+                    let start = Arc::new(std::sync::Barrier::new(n));
+                    let t0 = Instant::now();
+                    std::thread::scope(|s| {
+                        for t in 0..n {
+                            let pool = &pool;
+                            let start = start.clone();
+                            s.spawn(move || {
+                                let size = if same_class { 4096 } else { 4096 << t };
+                                drop(pool.alloc_blocking(size).expect("warm"));
+                                start.wait();
+                                for _ in 0..iters {
+                                    drop(pool.alloc_blocking(size).expect("alloc"));
+                                }
+                            });
+                        }
+                    });
+                    t0.elapsed()
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(benches, pair, threads);
+criterion_main!(benches);

@@ -178,6 +178,11 @@ impl<R: Runtime> PinnedAllocator<R> {
         self.engine.pool_stats(pool)
     }
 
+    /// Ids of the capture pools alive.
+    pub fn pools(&self) -> Vec<PoolId> {
+        self.engine.pools()
+    }
+
     /// Sets every peak statistic to its current value.
     pub fn reset_peak_stats(&self) {
         self.engine.reset_peak_stats()

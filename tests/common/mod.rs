@@ -1,0 +1,71 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pinpool::sim::SimRuntime;
+use pinpool::{Builder, PinnedAllocator};
+
+/// An allocator on a fresh simulated runtime (call inside a tokio runtime).
+pub fn sim_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .build()
+        .expect("allocator builds inside a runtime");
+    (pool, sim)
+}
+
+/// Waits (up to 5 s) until `cond` holds; panics with `what` otherwise.
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// The same, for plain threads.
+pub fn eventually_blocking(what: &str, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "timed out waiting for: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Invariant 2 at a quiescent point: every pool's reserved bytes are cached, in use, waiting
+/// or kept; the runtime holds exactly what the pools reserve; and the bytes in use are those
+/// of the buffers the test holds (`in_use_blocks` of them).
+pub async fn assert_books_balance(
+    pool: &PinnedAllocator<SimRuntime>,
+    sim: &SimRuntime,
+    in_use_blocks: usize,
+) {
+    let inv = pool.inventory().await.expect("inventory");
+    let mut reserved = 0;
+    let mut in_use = 0;
+    for p in &inv {
+        assert_eq!(
+            p.reserved_bytes,
+            p.cached_bytes + p.in_use_bytes + p.waiting_bytes + p.kept_bytes,
+            "pool {:?} does not balance: {p:?}",
+            p.pool
+        );
+        reserved += p.reserved_bytes;
+        in_use += p.in_use_blocks;
+    }
+    assert_eq!(
+        sim.live_bytes(),
+        reserved,
+        "runtime holds what the pools reserve: {inv:?}"
+    );
+    assert_eq!(pool.stats().allocated_bytes.current as usize, reserved);
+    assert_eq!(in_use, in_use_blocks, "blocks in use: {inv:?}");
+}
