@@ -3,6 +3,7 @@
 
 pub use pinpool_actors::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
 
+pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod plan;
