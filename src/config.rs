@@ -7,7 +7,7 @@
 //! never a panic and never a silently ignored key.
 //!
 //! To add a key: add a field (with its default in [`Config::default`]), add its name to
-//! [`Config::KEYS`], parse it in [`Config::set`], and print it in the `Display` impl.
+//! [`Config::KEYS`], parse it in `Config::set`, and print it in the `Display` impl.
 
 use std::fmt;
 use std::str::FromStr;
@@ -21,11 +21,12 @@ pub const ENV_VAR: &str = "PINPOOL_CONF";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum PinStrategy {
     /// `cuMemHostAlloc` (portable, not write-combined). Simple, but holds a driver-wide lock
-    /// for the whole call: about 350 ms for 1 GiB on an H100 host.
+    /// for the whole call: 350 to 600 ms for 1 GiB on H100 hosts.
     #[default]
     HostAlloc,
     /// `mmap`, optionally transparent huge pages, pages pre-faulted on several threads, then
-    /// `cuMemHostRegister`. Much faster for large sizes; sizes round up to the page size.
+    /// `cuMemHostRegister`. Much faster for large sizes (about 50 ms for 1 GiB with huge
+    /// pages and 16 threads, 120 ms without huge pages); sizes round up to the page size.
     Register,
 }
 

@@ -59,6 +59,13 @@ pub fn cuda_available() -> bool {
 }
 
 /// How many CUDA devices the driver reports; [`CudaInitError::NoDriver`] without a driver.
+///
+/// ```
+/// match pinpool::cuda::device_count() {
+///     Ok(count) => println!("{count} CUDA device(s)"),
+///     Err(error) => println!("no CUDA: {error}"),
+/// }
+/// ```
 pub fn device_count() -> Result<usize, CudaInitError> {
     load_driver()?;
     match result::init() {
@@ -283,6 +290,14 @@ impl Runtime for CudaRuntime {
 /// stream (0), `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD` (2) are the same in every
 /// context, so for those the context's address is mixed in, with the top bit set: user-space
 /// addresses never have it set, so these ids cannot equal a created stream's.
+///
+/// ```no_run
+/// let runtime = pinpool::cuda::CudaRuntime::new(0)?;
+/// let ctx = runtime.context();
+/// let (default, created) = (ctx.default_stream(), ctx.new_stream()?);
+/// assert_ne!(pinpool::cuda::stream_id(&default), pinpool::cuda::stream_id(&created));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn stream_id(stream: &CudaStream) -> StreamId {
     let handle = stream.cu_stream() as usize as u64;
     if handle > 2 {
