@@ -29,6 +29,7 @@
 
 mod allocator;
 mod buffer;
+pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod plan;
