@@ -1,1 +1,270 @@
-fn main() {}
+//! A simulated inference server: the main job.
+//!
+//! Many concurrent request tasks each stage an input in a pinned buffer, copy it to the
+//! device on one of a few streams, run a "kernel", copy the result back into a second pinned
+//! buffer, wait for it, and free both. Sizes vary the way batched requests do. At the end it
+//! prints throughput, the cache hit rate and the allocator's statistics.
+//!
+//! ```text
+//! cargo run --release --example serve -- [--requests N] [--concurrency N] [--streams N]
+//! ```
+//!
+//! It runs on the simulated runtime (software streams that check every copy for early reuse).
+
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pinpool::sim::{DeviceBuffer, SimRuntime, SimStream};
+use pinpool::{Builder, PinnedAllocator, Runtime};
+
+struct Args {
+    requests: u64,
+    concurrency: usize,
+    streams: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        requests: 20_000,
+        concurrency: 64,
+        streams: 4,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| -> Result<u64, String> {
+            it.next()
+                .ok_or(format!("{name} needs a value"))?
+                .parse::<u64>()
+                .map_err(|e| format!("{name}: {e}"))
+        };
+        match flag.as_str() {
+            "--requests" => a.requests = value("--requests")?,
+            "--concurrency" => a.concurrency = value("--concurrency")?.max(1) as usize,
+            "--streams" => a.streams = value("--streams")?.max(1) as usize,
+            "-h" | "--help" => {
+                println!("usage: serve [--requests N] [--concurrency N] [--streams N]");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other:?} (try --help)")),
+        }
+    }
+    Ok(a)
+}
+
+/// Request sizes: batch × sequence length × hidden size, as a server sees them.
+fn request_size(rng: &mut u64) -> usize {
+    let r = xorshift(rng);
+    let batch = 1 + (r % 16) as usize;
+    let seq = [128usize, 256, 384, 512, 1024][(r >> 8) as usize % 5];
+    let hidden = [64usize, 128][(r >> 16) as usize % 2];
+    batch * seq * hidden
+}
+
+fn xorshift(s: &mut u64) -> u64 {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    *s
+}
+
+/// Bytes of each buffer actually copied (the simulated device checks them all).
+const COPY: usize = 16 << 10;
+
+#[derive(Default)]
+struct Counters {
+    done: AtomicU64,
+    bytes: AtomicU64,
+    alloc_ns: AtomicU64,
+}
+
+async fn serve_one(
+    pool: &PinnedAllocator<SimRuntime>,
+    stream: &SimStream,
+    dev: &DeviceBuffer,
+    size: usize,
+    tag: u8,
+    counters: &Counters,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let rt = pool.runtime();
+    let t0 = Instant::now();
+    let mut input = pool.alloc(size).await?;
+    let mut output = pool.alloc(size / 4).await?;
+    counters
+        .alloc_ns
+        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+
+    input.fill(tag);
+    stream.copy_to_device(input.as_ptr(), COPY.min(size), dev)?;
+    input.record_stream(stream);
+    drop(input); // freed at once; reused only after the copy has run
+    stream.delay(Duration::from_micros(20)); // the model
+    let n = COPY.min(output.len());
+    stream.copy_to_host(dev, output.as_mut_ptr(), n)?;
+    output.record_stream(stream);
+    let done = rt.record_event(stream)?;
+    while !rt.query_event(&done)? {
+        tokio::time::sleep(Duration::from_micros(100)).await;
+    }
+    rt.release_event(done);
+    if output[..n].iter().any(|&b| b != tag) {
+        return Err("the result came back wrong".into());
+    }
+    drop(output);
+    counters.done.fetch_add(1, Ordering::Relaxed);
+    counters.bytes.fetch_add(size as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+fn progress(done: u64, total: u64, start: Instant, final_line: bool) {
+    let width = 30;
+    let filled = (done * width / total.max(1)) as usize;
+    let rate = done as f64 / start.elapsed().as_secs_f64().max(1e-9);
+    let bar = format!(
+        "[{}{}] {done}/{total} requests  {:.1}k req/s",
+        "=".repeat(filled),
+        " ".repeat(width as usize - filled),
+        rate / 1e3
+    );
+    let mut err = std::io::stderr();
+    if err.is_terminal() {
+        let _ = write!(err, "\r{bar}{}", if final_line { "\n" } else { "" });
+    } else {
+        let _ = writeln!(err, "{bar}");
+    }
+    let _ = err.flush();
+}
+
+#[tokio::main]
+async fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("serve: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!(
+        "pinpool serve: runtime=sim (software streams; every copy is checked for early reuse)"
+    );
+    println!(
+        "{} requests, {} concurrent, {} streams",
+        args.requests, args.concurrency, args.streams
+    );
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .build()
+        .expect("allocator");
+    let streams: Vec<SimStream> = (0..args.streams).map(|_| sim.stream()).collect();
+    let counters = Arc::new(Counters::default());
+    let next = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+
+    let ticker = {
+        let counters = counters.clone();
+        let total = args.requests;
+        tokio::spawn(async move {
+            let every = if std::io::stderr().is_terminal() {
+                100
+            } else {
+                1000
+            };
+            loop {
+                tokio::time::sleep(Duration::from_millis(every)).await;
+                progress(counters.done.load(Ordering::Relaxed), total, start, false);
+            }
+        })
+    };
+
+    let mut workers = Vec::new();
+    for w in 0..args.concurrency {
+        let pool = pool.clone();
+        let stream = streams[w % streams.len()].clone();
+        let counters = counters.clone();
+        let next = next.clone();
+        let total = args.requests;
+        workers.push(tokio::spawn(async move {
+            let dev = DeviceBuffer::new(COPY);
+            let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= total {
+                    return Ok::<_, String>(());
+                }
+                let size = request_size(&mut rng);
+                serve_one(&pool, &stream, &dev, size, (i % 251) as u8 + 1, &counters)
+                    .await
+                    .map_err(|e| format!("request {i}: {e}"))?;
+            }
+        }));
+    }
+    let mut failed = false;
+    for w in workers {
+        if let Err(e) = w.await.expect("worker task") {
+            eprintln!("serve: {e}");
+            failed = true;
+        }
+    }
+    ticker.abort();
+    let elapsed = start.elapsed();
+    progress(
+        counters.done.load(Ordering::Relaxed),
+        args.requests,
+        start,
+        true,
+    );
+    for s in &streams {
+        s.synchronize().expect("stream");
+    }
+
+    let stats = pool.stats();
+    let done = counters.done.load(Ordering::Relaxed);
+    let allocs = stats.active_requests.allocated.max(1);
+    let hit = 1.0 - stats.num_host_alloc as f64 / allocs as f64;
+    let mib = |b: i64| b as f64 / (1 << 20) as f64;
+    println!();
+    println!("| metric | value |");
+    println!("| --- | --- |");
+    println!("| requests served | {done} |");
+    println!("| wall time | {:.2} s |", elapsed.as_secs_f64());
+    println!(
+        "| throughput | {:.0} req/s |",
+        done as f64 / elapsed.as_secs_f64()
+    );
+    println!(
+        "| staged | {:.2} GB/s |",
+        counters.bytes.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e9
+    );
+    println!(
+        "| mean time to get both buffers (incl. scheduling) | {:.2} µs |",
+        counters.alloc_ns.load(Ordering::Relaxed) as f64 / done.max(1) as f64 / 1e3
+    );
+    println!(
+        "| buffers allocated | {} |",
+        stats.active_requests.allocated
+    );
+    println!("| cache hit rate | {:.3} % |", hit * 100.0);
+    println!("| fresh pinned allocations | {} |", stats.num_host_alloc);
+    println!(
+        "| reserved now / peak | {:.1} / {:.1} MiB |",
+        mib(stats.allocated_bytes.current),
+        mib(stats.allocated_bytes.peak)
+    );
+    println!(
+        "| active bytes peak | {:.1} MiB |",
+        mib(stats.active_bytes.peak)
+    );
+    println!(
+        "| host alloc time total / max | {:.1} ms / {} µs |",
+        stats.host_alloc_time.total as f64 / 1e3,
+        stats.host_alloc_time.max
+    );
+    println!("| early reuses detected | {} |", sim.violations());
+    if sim.violations() > 0 || failed {
+        for v in sim.violation_log().iter().take(5) {
+            eprintln!("violation: {v:?}");
+        }
+        std::process::exit(1);
+    }
+}

@@ -23,6 +23,9 @@ use crate::runtime::Runtime;
 use crate::shard::default_shard_count;
 use crate::stats::HostStats;
 
+/// What a pool actor answers to a miss.
+type MissReply<R> = Result<Box<crate::block::Block<R>>, Error>;
+
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
 /// Configures and starts an [`Engine`].
@@ -213,7 +216,7 @@ impl<R: Runtime> Engine<R> {
     fn ask_pool(
         pool: &PoolShared<R>,
         class: SizeClass,
-    ) -> Result<flume::Receiver<Result<Box<crate::block::Block<R>>, Error>>, Error> {
+    ) -> Result<flume::Receiver<MissReply<R>>, Error> {
         let (tx, rx) = flume::bounded(1);
         pool.mailbox
             .send(PoolMsg::Miss { class, reply: tx })

@@ -7,6 +7,10 @@
 //!
 //! Most users want the `pinpool` crate, which wraps this engine in `PinnedAllocator`.
 
+// Blocks travel between threads and actors as `Box<Block>` so that moving one is a pointer
+// copy and the allocation is made once per block, not once per trip.
+#![allow(clippy::vec_box, clippy::boxed_local)]
+
 mod block;
 mod engine;
 mod error;

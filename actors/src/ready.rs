@@ -16,9 +16,12 @@ struct Queue<R: Runtime> {
     rx: Receiver<Box<Block<R>>>,
 }
 
+/// One shard's queues, one per class, on cache lines of their own.
+type Shard<R> = CachePadded<Box<[Queue<R>]>>;
+
 /// The ready blocks of one pool.
 pub(crate) struct ReadyQueues<R: Runtime> {
-    shards: Box<[CachePadded<Box<[Queue<R>]>>]>,
+    shards: Box<[Shard<R>]>,
     mask: usize,
 }
 

@@ -4,7 +4,8 @@
 //! pool actor. Active requests and bytes change on the cached path, so they live in
 //! per-thread shards: a block's counters are charged to the shard of the thread that took it,
 //! and credited back to the same shard when it becomes reusable. `current` is exact at
-//! quiescent points; `peak` is the sum of the shards' peaks, an upper bound of the true peak
+//! quiescent points; `peak` is the sum of the shards' peaks (for bytes, capped by the reserved
+//! peak), an upper bound of the true peak
 //! that is exact when one thread does the work (PyTorch sums per-bucket peaks the same way).
 
 use std::collections::BTreeMap;
@@ -326,9 +327,14 @@ impl PoolStats {
             active_bytes.add(&s.bytes.read());
         }
         let allocations = self.allocations.read();
+        let allocated_bytes = self.allocated_bytes.read();
+        // Active bytes never exceed reserved bytes: a tighter bound on the summed peaks.
+        active_bytes.peak = active_bytes
+            .peak
+            .min(allocated_bytes.peak.max(active_bytes.current));
         HostStats {
             allocations,
-            allocated_bytes: self.allocated_bytes.read(),
+            allocated_bytes,
             active_requests,
             active_bytes,
             num_host_alloc: allocations.allocated,
