@@ -5,6 +5,13 @@
 //! completed — invariant 3 — then taking fresh memory on a blocking thread — invariant 6),
 //! keeps blocks used by captured work (invariant 4), empties the cache, and on shutdown gives
 //! every block back to the runtime as it comes home (invariant 2).
+//!
+//! This file holds the pool's shared part, its messages and its loop; `cache`, `fresh` and
+//! `books` hold what the actor does.
+
+mod books;
+mod cache;
+mod fresh;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -153,7 +160,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
     shared
 }
 
-struct PoolActor<R: Runtime> {
+pub(crate) struct PoolActor<R: Runtime> {
     shared: Arc<PoolShared<R>>,
     rx: Receiver<PoolMsg<R>>,
     kept: Vec<Box<Block<R>>>,
@@ -225,207 +232,6 @@ impl<R: Runtime> PoolActor<R> {
                 self.shared.closed.store(true, Ordering::Release);
                 self.empty_cache(true).await;
             }
-        }
-    }
-
-    /// A block back outside the ready queues: kept blocks stay kept, others are reusable.
-    async fn home(&mut self, mut block: Box<Block<R>>) {
-        if block.state == BlockState::Waiting {
-            // Its events were lost with the poller: never reuse it.
-            let stats = &self.shared.stats;
-            stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
-            stats
-                .waiting_bytes
-                .fetch_sub(block.size as i64, Ordering::Relaxed);
-            stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
-            stats
-                .kept_bytes
-                .fetch_add(block.size as i64, Ordering::Relaxed);
-            block.state = BlockState::Kept;
-        }
-        if block.state == BlockState::Kept {
-            self.kept.push(block);
-            return;
-        }
-        if self.closing {
-            self.free_blocks(vec![block]).await;
-        } else {
-            block.state = BlockState::Cached;
-            self.shared.ready.put(block);
-        }
-    }
-
-    async fn miss(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        if let Some(b) = self.shared.ready.take(class.index) {
-            return Ok(b);
-        }
-        // Invariant 3: notice completed events before taking fresh memory.
-        if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
-            self.flush_events().await;
-            if let Some(b) = self.shared.ready.take(class.index) {
-                return Ok(b);
-            }
-        }
-        self.fresh(class).await
-    }
-
-    async fn flush_events(&self) {
-        let (tx, rx) = flume::bounded(1);
-        if self
-            .shared
-            .poller
-            .send(PollerMsg::Flush { reply: tx })
-            .is_ok()
-        {
-            let _ = rx.recv_async().await;
-        }
-    }
-
-    async fn fresh(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        let first = self.host_alloc(class.size).await;
-        let memory = match first {
-            Ok(m) => m,
-            Err(e) if e.out_of_memory => {
-                // Out of memory from the runtime itself: empty the cache and retry once.
-                self.shared
-                    .stats
-                    .num_alloc_retries
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::info!(
-                    bytes = class.size,
-                    "host allocation out of memory; emptying the cache and retrying"
-                );
-                self.empty_cache(false).await;
-                match self.host_alloc(class.size).await {
-                    Ok(m) => m,
-                    Err(e) => return Err(self.oom(class.size, e)),
-                }
-            }
-            Err(e) => return Err(Error::Runtime(e)),
-        };
-        Ok(Block::new(memory, class.index, self.shared.clone()))
-    }
-
-    fn oom(&self, requested: usize, e: RuntimeError) -> Error {
-        self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
-        if e.out_of_memory {
-            Error::OutOfMemory {
-                requested,
-                reserved: self.shared.stats.allocated_bytes.read().current.max(0) as usize,
-                limit: None,
-            }
-        } else {
-            Error::Runtime(e)
-        }
-    }
-
-    async fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
-        let span = tracing::debug_span!("host_alloc", pool = %self.shared.id, bytes = size);
-        let _enter = span.enter();
-        let rt = self.shared.runtime.clone();
-        let t0 = Instant::now();
-        let res = tokio::task::spawn_blocking(move || rt.host_alloc(size))
-            .await
-            .unwrap_or_else(|e| {
-                Err(RuntimeError::new(
-                    "host_alloc",
-                    format!("blocking task failed: {e}"),
-                ))
-            });
-        let stats = &self.shared.stats;
-        stats.host_alloc_time.record(t0.elapsed());
-        match &res {
-            Ok(m) => {
-                stats.allocations.increase(1);
-                stats.allocated_bytes.increase(m.size as i64);
-                tracing::debug!(
-                    bytes = m.size,
-                    took_us = t0.elapsed().as_micros() as u64,
-                    "fresh pinned memory"
-                );
-            }
-            Err(e) => tracing::warn!(error = %e, "host allocation failed"),
-        }
-        res
-    }
-
-    /// Frees blocks on a blocking thread and keeps the books.
-    async fn free_blocks(&self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
-        if blocks.is_empty() {
-            return (0, 0);
-        }
-        let n = blocks.len();
-        let bytes = blocks.iter().map(|b| b.memory.size).sum();
-        let shared = self.shared.clone();
-        let job = tokio::task::spawn_blocking(move || {
-            for b in blocks {
-                shared.clone().free_block_now(b);
-            }
-        });
-        if let Err(e) = job.await {
-            tracing::error!(error = %e, "freeing pinned memory failed");
-        }
-        (n, bytes)
-    }
-
-    async fn free_kept(&mut self) -> (usize, usize) {
-        let kept = std::mem::take(&mut self.kept);
-        let stats = &self.shared.stats;
-        for b in &kept {
-            stats.kept_blocks.fetch_sub(1, Ordering::Relaxed);
-            stats.kept_bytes.fetch_sub(b.size as i64, Ordering::Relaxed);
-        }
-        self.free_blocks(kept).await
-    }
-
-    async fn empty_cache(&mut self, include_kept: bool) -> EmptyReport {
-        let span = tracing::info_span!("empty_cache", pool = %self.shared.id);
-        let _enter = span.enter();
-        if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
-            self.flush_events().await;
-        }
-        let blocks = self.shared.ready.drain();
-        let (mut n, mut bytes) = self.free_blocks(blocks).await;
-        if include_kept {
-            let (kn, kb) = self.free_kept().await;
-            n += kn;
-            bytes += kb;
-        }
-        let reserved_after = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
-        tracing::debug!(
-            freed_blocks = n,
-            freed_bytes = bytes,
-            reserved_after,
-            "cache emptied"
-        );
-        EmptyReport {
-            freed_blocks: n,
-            freed_bytes: bytes,
-            reserved_after,
-        }
-    }
-
-    fn inventory(&self) -> Inventory {
-        let s = self.shared.stats.read();
-        let (cached_blocks, cached_bytes) = self.shared.ready.census();
-        let reserved_bytes = s.allocated_bytes.current.max(0) as usize;
-        let segments = s.allocations.current.max(0) as usize;
-        let kept_blocks = self.kept.len();
-        let kept_bytes: usize = self.kept.iter().map(|b| b.memory.size).sum();
-        let waiting_blocks = s.waiting_blocks.max(0) as usize;
-        let waiting_bytes = s.waiting_bytes.max(0) as usize;
-        Inventory {
-            pool: self.shared.id,
-            reserved_bytes,
-            segments,
-            cached_blocks,
-            cached_bytes,
-            waiting_blocks,
-            waiting_bytes,
-            kept_blocks,
-            kept_bytes,
-            in_use_blocks: segments.saturating_sub(cached_blocks + waiting_blocks + kept_blocks),
-            in_use_bytes: reserved_bytes.saturating_sub(cached_bytes + waiting_bytes + kept_bytes),
         }
     }
 }
