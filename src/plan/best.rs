@@ -13,7 +13,7 @@ use super::rng::Rng;
 /// Above this many conflict edges the search is skipped and the greedy plan returned.
 const MAX_EDGES: usize = 16_000_000;
 /// Placement work (allocations placed plus neighbours scanned) allowed for the search.
-const SEARCH_WORK: u64 = 60_000_000;
+const SEARCH_WORK: u64 = 30_000_000;
 /// Upper bound on search iterations, for small instances.
 const MAX_ITERATIONS: u64 = 30_000;
 const SEED: u64 = 0x7069_6e70_6f6f_6c21;
@@ -30,19 +30,29 @@ pub(crate) fn plan(problem: &Problem) -> Vec<u64> {
         .collect();
     let mut placer = Placer::new(problem, &conflicts);
 
-    let mut best: Option<(u64, Vec<u32>, Fit)> = None;
-    for order in orderings(problem, &conflicts, &items) {
-        for fit in [Fit::Best, Fit::First] {
+    // The best ordering for each placement rule, then a search from each.
+    let mut starts: Vec<(u64, Vec<u32>, Fit)> = Vec::new();
+    for fit in [Fit::Best, Fit::First] {
+        let mut best: Option<(u64, Vec<u32>)> = None;
+        for order in orderings(problem, &conflicts, &items) {
             let arena = placer.place_all(&order, fit);
-            if best.as_ref().is_none_or(|(a, _, _)| arena < *a) {
-                best = Some((arena, order.clone(), fit));
+            if best.as_ref().is_none_or(|(a, _)| arena < *a) {
+                best = Some((arena, order));
             }
         }
+        starts.extend(best.map(|(arena, order)| (arena, order, fit)));
     }
-    let Some((_, order, fit)) = best else {
+    let budget = SEARCH_WORK / starts.len().max(1) as u64;
+    let mut found: Option<(u64, Vec<u64>)> = None;
+    for (_, order, fit) in starts {
+        let (arena, offsets) = improve(&mut placer, problem, &conflicts, order, fit, budget);
+        if found.as_ref().is_none_or(|(a, _)| arena < *a) {
+            found = Some((arena, offsets));
+        }
+    }
+    let Some((arena, offsets)) = found else {
         return greedy; // nothing occupies memory
     };
-    let (arena, offsets) = improve(&mut placer, problem, &conflicts, order, fit);
     if arena < greedy_arena {
         offsets
     } else {
@@ -111,11 +121,12 @@ fn improve(
     conflicts: &Conflicts,
     mut order: Vec<u32>,
     fit: Fit,
+    budget: u64,
 ) -> (u64, Vec<u64>) {
     let mut arena = placer.place_all(&order, fit);
     let lower_bound = problem.peak_live();
     let cost = (order.len() + conflicts.entries()) as u64 + 1;
-    let iterations = (SEARCH_WORK / cost).min(MAX_ITERATIONS);
+    let iterations = (budget / cost).min(MAX_ITERATIONS / 2);
     let mut rng = Rng::new(SEED);
     let mut position = vec![0usize; problem.len()];
     let mut saved = placer.offsets.clone();
@@ -124,12 +135,18 @@ fn improve(
         if arena <= lower_bound {
             break;
         }
+        // Alternate between the allocations at the very top and all those above the bound.
+        let line = if rng.below(2) == 0 {
+            arena - 1
+        } else {
+            lower_bound
+        };
         critical.clear();
         critical.extend(
             order
                 .iter()
                 .copied()
-                .filter(|&i| placer.offsets[i as usize] + problem.size[i as usize] == arena),
+                .filter(|&i| placer.offsets[i as usize] + problem.size[i as usize] > line),
         );
         let Some(&pick) = critical.get(rng.below(critical.len().max(1))) else {
             break;
