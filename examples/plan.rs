@@ -5,6 +5,9 @@
 //! cargo run --release --example plan -- /work/shared/traces/*.trace.gz /work/shared/traces/minimalloc/*.csv
 //! ```
 //!
+//! `--random N` instead plans a synthetic instance of N allocations (fixed seed), to time
+//! the planners on large inputs.
+//!
 //! Accepts `.trace.gz` (or plain text) traces and MiniMalloc `.csv` files. Every plan is
 //! checked with `pinpool::plan::check`; bad input or an unsound plan exits nonzero.
 
@@ -13,7 +16,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use pinpool::plan::{check, Planner};
-use pinpool::trace::Trace;
+use pinpool::trace::{Trace, TraceEvent};
 
 fn main() -> ExitCode {
     let files: Vec<String> = std::env::args().skip(1).collect();
@@ -23,7 +26,12 @@ fn main() -> ExitCode {
     }
     let mut ratios = vec![Vec::new(); Planner::ALL.len()];
     for file in &files {
-        let trace = match Trace::open(file) {
+        let trace = match random_spec(&files, file) {
+            Some(n) => Ok(random_trace(n)),
+            None if file == "--random" => continue,
+            None => Trace::open(file),
+        };
+        let trace = match trace {
             Ok(trace) => trace,
             Err(err) => {
                 eprintln!("error: {err}");
@@ -68,4 +76,44 @@ fn main() -> ExitCode {
         );
     }
     ExitCode::SUCCESS
+}
+
+/// `N` when `file` follows `--random`.
+fn random_spec(files: &[String], file: &str) -> Option<usize> {
+    let position = files.iter().position(|f| f == file)?;
+    if position > 0 && files[position - 1] == "--random" {
+        file.parse().ok()
+    } else {
+        None
+    }
+}
+
+/// A server-like synthetic trace of `n` allocations: sizes 512 B to 4 MiB, about 60 live at
+/// a time, a few long-lived ones. Deterministic.
+fn random_trace(n: usize) -> Trace {
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut events = Vec::new();
+    let mut live: Vec<usize> = Vec::new();
+    for id in 0..n {
+        while live.len() > 60 || (!live.is_empty() && next() % 3 == 0) {
+            let victim = live.swap_remove((next() % live.len() as u64) as usize);
+            events.push(TraceEvent::Free { id: victim });
+        }
+        let bytes = 512 << (next() % 14);
+        events.push(TraceEvent::Alloc {
+            id,
+            bytes,
+            stream: 0,
+        });
+        if next() % 1000 != 0 {
+            live.push(id);
+        }
+    }
+    Trace::from_events(events).expect("generated events are well formed")
 }

@@ -11,9 +11,10 @@ use super::problem::{Conflicts, Problem};
 use super::rng::Rng;
 
 /// Above this many conflict edges the search is skipped and the greedy plan returned.
-const MAX_EDGES: usize = 16_000_000;
-/// Placement work (allocations placed plus neighbours scanned) allowed for the search.
-const SEARCH_WORK: u64 = 30_000_000;
+const MAX_EDGES: usize = 4_000_000;
+/// Placement work (allocations placed plus neighbours scanned) allowed in all.
+const WORK: u64 = 30_000_000;
+const FITS: [Fit; 2] = [Fit::Best, Fit::First];
 /// Upper bound on search iterations, for small instances.
 const MAX_ITERATIONS: u64 = 30_000;
 const SEED: u64 = 0x7069_6e70_6f6f_6c21;
@@ -30,21 +31,31 @@ pub(crate) fn plan(problem: &Problem) -> Vec<u64> {
         .collect();
     let mut placer = Placer::new(problem, &conflicts);
 
-    // The best ordering for each placement rule, then a search from each.
-    let mut starts: Vec<(u64, Vec<u32>, Fit)> = Vec::new();
-    for fit in [Fit::Best, Fit::First] {
-        let mut best: Option<(u64, Vec<u32>)> = None;
-        for order in orderings(problem, &conflicts, &items) {
+    // The best ordering for each placement rule, then a search from each. Each full
+    // placement costs about `cost` steps; all of it comes out of one budget.
+    let cost = (items.len() + conflicts.entries()) as u64 + 1;
+    let mut work_left = WORK;
+    let mut best: [Option<(u64, Vec<u32>)>; 2] = [None, None];
+    'orderings: for order in orderings(problem, &conflicts, &items) {
+        for (slot, fit) in FITS.into_iter().enumerate() {
+            if work_left < cost && best[0].is_some() {
+                break 'orderings;
+            }
+            work_left = work_left.saturating_sub(cost);
             let arena = placer.place_all(&order, fit);
-            if best.as_ref().is_none_or(|(a, _)| arena < *a) {
-                best = Some((arena, order));
+            if best[slot].as_ref().is_none_or(|(a, _)| arena < *a) {
+                best[slot] = Some((arena, order.clone()));
             }
         }
-        starts.extend(best.map(|(arena, order)| (arena, order, fit)));
     }
-    let budget = SEARCH_WORK / starts.len().max(1) as u64;
+    let starts: Vec<(Vec<u32>, Fit)> = best
+        .into_iter()
+        .zip(FITS)
+        .filter_map(|(found, fit)| found.map(|(_, order)| (order, fit)))
+        .collect();
+    let budget = work_left / starts.len().max(1) as u64;
     let mut found: Option<(u64, Vec<u64>)> = None;
-    for (_, order, fit) in starts {
+    for (order, fit) in starts {
         let (arena, offsets) = improve(&mut placer, problem, &conflicts, order, fit, budget);
         if found.as_ref().is_none_or(|(a, _)| arena < *a) {
             found = Some((arena, offsets));
