@@ -15,8 +15,10 @@ const MAX_EDGES: usize = 4_000_000;
 /// Placement work (allocations placed plus neighbours scanned) allowed in all.
 const WORK: u64 = 30_000_000;
 const FITS: [Fit; 2] = [Fit::Best, Fit::First];
-/// Upper bound on search iterations, for small instances.
-const MAX_ITERATIONS: u64 = 30_000;
+/// Search iterations allowed per allocation, for small instances.
+const ITERATIONS_PER_ALLOCATION: u64 = 40;
+/// The search stops after this many iterations per allocation without a smaller arena.
+const PATIENCE_PER_ALLOCATION: u64 = 10;
 const SEED: u64 = 0x7069_6e70_6f6f_6c21;
 
 pub(crate) fn plan(problem: &Problem) -> Vec<u64> {
@@ -43,7 +45,7 @@ pub(crate) fn plan(problem: &Problem) -> Vec<u64> {
             }
             work_left = work_left.saturating_sub(cost);
             let arena = placer.place_all(&order, fit);
-            if best[slot].as_ref().is_none_or(|(a, _)| arena < *a) {
+            if best[slot].as_ref().map_or(true, |(a, _)| arena < *a) {
                 best[slot] = Some((arena, order.clone()));
             }
         }
@@ -57,7 +59,7 @@ pub(crate) fn plan(problem: &Problem) -> Vec<u64> {
     let mut found: Option<(u64, Vec<u64>)> = None;
     for (order, fit) in starts {
         let (arena, offsets) = improve(&mut placer, problem, &conflicts, order, fit, budget);
-        if found.as_ref().is_none_or(|(a, _)| arena < *a) {
+        if found.as_ref().map_or(true, |(a, _)| arena < *a) {
             found = Some((arena, offsets));
         }
     }
@@ -137,15 +139,18 @@ fn improve(
     let mut arena = placer.place_all(&order, fit);
     let lower_bound = problem.peak_live();
     let cost = (order.len() + conflicts.entries()) as u64 + 1;
-    let iterations = (budget / cost).min(MAX_ITERATIONS / 2);
+    let iterations = (budget / cost).min(ITERATIONS_PER_ALLOCATION * order.len() as u64 + 100);
+    let patience = PATIENCE_PER_ALLOCATION * order.len() as u64 + 50;
+    let mut since_improvement = 0;
     let mut rng = Rng::new(SEED);
     let mut position = vec![0usize; problem.len()];
     let mut saved = placer.offsets.clone();
     let mut critical = Vec::new();
     for _ in 0..iterations {
-        if arena <= lower_bound {
+        if arena <= lower_bound || since_improvement > patience {
             break;
         }
+        since_improvement += 1;
         // Alternate between the allocations at the very top and all those above the bound.
         let line = if rng.below(2) == 0 {
             arena - 1
@@ -174,6 +179,9 @@ fn improve(
         order[to..=from].rotate_right(1);
         let candidate = placer.place_from(&order, to, fit);
         if candidate <= arena {
+            if candidate < arena {
+                since_improvement = 0;
+            }
             arena = candidate;
         } else {
             order[to..=from].rotate_left(1);

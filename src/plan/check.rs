@@ -66,7 +66,10 @@ pub fn check(plan: &Plan) -> Result<(), Violation> {
             });
         }
         let size = align_up(lifetime.size, alignment).unwrap_or(u64::MAX);
-        if offset.checked_add(size).is_none_or(|end| end > arena_size) {
+        if offset
+            .checked_add(size)
+            .map_or(true, |end| end > arena_size)
+        {
             return Err(Violation::OutOfArena {
                 index,
                 offset,

@@ -78,7 +78,7 @@ impl<'a> Placer<'a> {
                 match fit {
                     Fit::First => return cursor,
                     Fit::Best => {
-                        if best.is_none_or(|(g, _)| gap < g) {
+                        if best.map_or(true, |(g, _)| gap < g) {
                             best = Some((gap, cursor));
                         }
                     }
