@@ -1,1 +1,275 @@
-//! Allocation planning (stub).
+//! Planning repeated work into one arena: given the sizes and lifetimes of the allocations
+//! of one iteration (from a [`Recorder`] or a [`Trace`](crate::trace::Trace)), choose an
+//! offset for each inside a single arena so that allocations live at the same time never
+//! share bytes; then serve a later iteration from that arena with a [`PlanCursor`].
+//!
+//! Owns [`Plan`] and the planners ([`Planner::Greedy`], after PyTorch's
+//! `CPUProfilingAllocator`, and [`Planner::Best`]), the independent plan checker
+//! ([`check`]), the run-time pieces ([`Recorder`], [`PlanCursor`], [`Plan::validate`]) and
+//! their typed errors. Nothing here allocates memory for real or knows about CUDA.
+//!
+//! # Example
+//!
+//! ```
+//! use pinpool::plan::{check, Observed, Planner, Recorder};
+//!
+//! // Record one iteration.
+//! let mut recorder = Recorder::new();
+//! let a = recorder.on_alloc(1000);
+//! let b = recorder.on_alloc(3000);
+//! recorder.on_free(a)?;
+//! let c = recorder.on_alloc(900); // may reuse `a`'s bytes
+//! recorder.on_free(b)?;
+//! recorder.on_free(c)?;
+//! let lifetimes = recorder.finish();
+//!
+//! // Plan it: sizes are rounded up to 64 bytes.
+//! let plan = Planner::Best.plan(&lifetimes)?;
+//! assert_eq!(plan.arena_size(), 1024 + 3008);
+//! assert_eq!(plan.lower_bound(), 4000);
+//! check(&plan)?;
+//!
+//! // Serve the next iteration from the plan.
+//! let mut cursor = plan.cursor();
+//! let first = cursor.on_alloc(1000)?;
+//! let second = cursor.on_alloc(3000)?;
+//! cursor.on_free(first.number)?;
+//! assert_eq!(cursor.on_alloc(900)?.offset, first.offset);
+//! assert!(cursor.on_alloc(64).is_err()); // a fourth allocation was not planned
+//!
+//! // Or check a whole observed run at once.
+//! let run = [Observed::Alloc { size: 1000 }, Observed::Alloc { size: 3000 }];
+//! assert!(plan.validate(run).is_err()); // the run stops short of the plan
+//! # let _ = second;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod best;
+mod check;
+mod cursor;
+mod greedy;
+mod place;
+mod problem;
+mod recorder;
+mod rng;
+
+pub use check::{check, Violation};
+pub use cursor::{Mismatch, Observed, PlanCursor, Served, ValidationError};
+pub use recorder::{RecordError, Recorder};
+
+use crate::trace::Lifetime;
+use problem::Problem;
+
+/// Alignment used by [`Planner::plan`]: every offset is a multiple of it, and every size is
+/// rounded up to it.
+pub const DEFAULT_ALIGNMENT: u64 = 64;
+
+/// Why a plan could not be made.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// The alignment is not a power of two.
+    #[error("alignment {alignment} is not a power of two")]
+    BadAlignment {
+        /// The alignment given.
+        alignment: u64,
+    },
+    /// A lifetime ends before it starts.
+    #[error("allocation {index} ends ({end}) before it starts ({start})")]
+    ReversedLifetime {
+        /// Index of the allocation in the input.
+        index: usize,
+        /// Its start.
+        start: u64,
+        /// Its end.
+        end: u64,
+    },
+    /// The aligned sizes add up to more than `u64::MAX`.
+    #[error("allocation sizes add up to more than 2^64 bytes")]
+    TooLarge,
+    /// [`Plan::from_parts`] got a different number of offsets and lifetimes.
+    #[error("{offsets} offsets for {lifetimes} allocations")]
+    LengthMismatch {
+        /// Number of lifetimes.
+        lifetimes: usize,
+        /// Number of offsets.
+        offsets: usize,
+    },
+}
+
+/// A planning algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Planner {
+    /// PyTorch's greedy plan: events in time order, each allocation in the smallest free
+    /// chunk that fits, else at the end of the arena. Fast, and the baseline.
+    Greedy,
+    /// Several orderings with first- and best-fit placement, then a local search on the
+    /// allocations that reach the top of the arena. Never worse than `Greedy`;
+    /// deterministic.
+    Best,
+}
+
+impl Planner {
+    /// Every planner, baseline first.
+    pub const ALL: [Planner; 2] = [Planner::Greedy, Planner::Best];
+
+    /// Short name: `"greedy"` or `"best"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Planner::Greedy => "greedy",
+            Planner::Best => "best",
+        }
+    }
+
+    /// Plans `lifetimes` (one allocation each, in the order the plan's offsets will have)
+    /// with [`DEFAULT_ALIGNMENT`].
+    pub fn plan(self, lifetimes: &[Lifetime]) -> Result<Plan, PlanError> {
+        self.plan_aligned(lifetimes, DEFAULT_ALIGNMENT)
+    }
+
+    /// Plans `lifetimes` with the given power-of-two `alignment`.
+    ///
+    /// ```
+    /// use pinpool::plan::Planner;
+    /// use pinpool::trace::Lifetime;
+    /// let lifetimes = [Lifetime { id: 0, size: 10, start: 0, end: 1 }];
+    /// assert_eq!(Planner::Greedy.plan_aligned(&lifetimes, 16)?.arena_size(), 16);
+    /// assert!(Planner::Greedy.plan_aligned(&lifetimes, 12).is_err());
+    /// # Ok::<(), pinpool::plan::PlanError>(())
+    /// ```
+    pub fn plan_aligned(self, lifetimes: &[Lifetime], alignment: u64) -> Result<Plan, PlanError> {
+        let problem = Problem::new(lifetimes, alignment)?;
+        let offsets = match self {
+            Planner::Greedy => greedy::plan(&problem),
+            Planner::Best => best::plan(&problem),
+        };
+        let arena_size = (0..problem.len())
+            .filter(|&i| problem.occupies(i))
+            .map(|i| offsets[i] + problem.size[i])
+            .max()
+            .unwrap_or(0);
+        Ok(Plan {
+            lifetimes: lifetimes.to_vec(),
+            offsets,
+            alignment,
+            arena_size,
+        })
+    }
+}
+
+/// Peak live bytes of `lifetimes` (requested sizes): the maximum over time of the sum of the
+/// sizes of the allocations live then. No plan can use a smaller arena. Saturates at
+/// `u64::MAX`.
+///
+/// ```
+/// use pinpool::trace::Lifetime;
+/// let l = |size, start, end| Lifetime { id: 0, size, start, end };
+/// assert_eq!(pinpool::plan::lower_bound(&[l(5, 0, 2), l(7, 1, 3), l(9, 2, 4)]), 16);
+/// ```
+pub fn lower_bound(lifetimes: &[Lifetime]) -> u64 {
+    let mut events: Vec<(u64, bool, u64)> = Vec::with_capacity(2 * lifetimes.len());
+    for l in lifetimes.iter().filter(|l| l.start < l.end) {
+        events.push((l.start, true, l.size));
+        events.push((l.end, false, l.size));
+    }
+    events.sort_unstable();
+    let (mut live, mut peak) = (0u64, 0u64);
+    for (_, is_alloc, size) in events {
+        if is_alloc {
+            live = live.saturating_add(size);
+            peak = peak.max(live);
+        } else {
+            live = live.saturating_sub(size);
+        }
+    }
+    peak
+}
+
+/// An offset in one arena for each planned allocation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    lifetimes: Vec<Lifetime>,
+    offsets: Vec<u64>,
+    alignment: u64,
+    arena_size: u64,
+}
+
+impl Plan {
+    /// Assembles a plan from its parts (for plans made elsewhere, or stored). Nothing but the
+    /// lengths and the alignment is checked here: run [`check`] on the result.
+    pub fn from_parts(
+        lifetimes: Vec<Lifetime>,
+        offsets: Vec<u64>,
+        alignment: u64,
+        arena_size: u64,
+    ) -> Result<Plan, PlanError> {
+        problem::check_alignment(alignment)?;
+        if lifetimes.len() != offsets.len() {
+            return Err(PlanError::LengthMismatch {
+                lifetimes: lifetimes.len(),
+                offsets: offsets.len(),
+            });
+        }
+        Ok(Plan {
+            lifetimes,
+            offsets,
+            alignment,
+            arena_size,
+        })
+    }
+
+    /// The planned allocations, as given to the planner.
+    pub fn lifetimes(&self) -> &[Lifetime] {
+        &self.lifetimes
+    }
+
+    /// Offset of each allocation in the arena, indexed like [`Plan::lifetimes`].
+    pub fn offsets(&self) -> &[u64] {
+        &self.offsets
+    }
+
+    /// Bytes the arena needs.
+    pub fn arena_size(&self) -> u64 {
+        self.arena_size
+    }
+
+    /// Alignment of every offset, and granularity of every size.
+    pub fn alignment(&self) -> u64 {
+        self.alignment
+    }
+
+    /// Number of planned allocations.
+    pub fn len(&self) -> usize {
+        self.offsets.len()
+    }
+
+    /// Whether the plan has no allocations.
+    pub fn is_empty(&self) -> bool {
+        self.offsets.is_empty()
+    }
+
+    /// Size of allocation `index` rounded up to the alignment; `None` if out of range or
+    /// if rounding overflows.
+    pub fn aligned_size(&self, index: usize) -> Option<u64> {
+        problem::align_up(self.lifetimes.get(index)?.size, self.alignment)
+    }
+
+    /// [`lower_bound`] of the planned allocations.
+    pub fn lower_bound(&self) -> u64 {
+        lower_bound(&self.lifetimes)
+    }
+
+    /// A cursor that serves a later run of the same work from this plan.
+    pub fn cursor(&self) -> PlanCursor {
+        PlanCursor::new(self)
+    }
+
+    /// Checks the events of a later run against the plan and reports the first mismatch.
+    /// A free names the allocation by its number in the run (0 for its first allocation).
+    /// The run must make every planned allocation.
+    pub fn validate(
+        &self,
+        events: impl IntoIterator<Item = Observed>,
+    ) -> Result<(), ValidationError> {
+        cursor::validate(self, events)
+    }
+}

@@ -1,1 +1,0 @@
-//! Allocation trace files (stub).

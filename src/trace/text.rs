@@ -1,0 +1,110 @@
+//! The text trace format, gzip-compressed or plain:
+//!
+//! ```text
+//! # comment
+//! a <id> <bytes> <stream>    allocation number <id> (dense, in order) of <bytes> on <stream>
+//! f <id>                     allocation <id> is freed
+//! ```
+//!
+//! Blank lines are ignored. Compression is detected from the gzip magic bytes.
+
+use std::io::{BufRead, BufReader, Read};
+
+use flate2::read::MultiGzDecoder;
+
+use super::build::{Builder, IdRule};
+use super::{Trace, TraceError, TraceErrorKind, TraceEvent};
+
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+/// Reads a text trace from `reader` (gzip or plain); `origin` names it in errors.
+pub fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError> {
+    let mut reader = BufReader::new(reader);
+    let head = reader.fill_buf().map_err(|source| TraceError::Read {
+        origin: origin.to_owned(),
+        line: 1,
+        source,
+    })?;
+    if head.starts_with(&GZIP_MAGIC) {
+        read_lines(BufReader::new(MultiGzDecoder::new(reader)), origin)
+    } else {
+        read_lines(reader, origin)
+    }
+}
+
+fn read_lines(mut reader: impl BufRead, origin: &str) -> Result<Trace, TraceError> {
+    let mut builder = Builder::new(IdRule::InOrder);
+    let mut buf = Vec::new();
+    let mut line_no = 0;
+    loop {
+        buf.clear();
+        line_no += 1;
+        let read = reader
+            .read_until(b'\n', &mut buf)
+            .map_err(|source| TraceError::Read {
+                origin: origin.to_owned(),
+                line: line_no,
+                source,
+            })?;
+        if read == 0 {
+            return Ok(builder.finish());
+        }
+        let fail = |kind| TraceError::invalid(origin, line_no, kind);
+        let line = std::str::from_utf8(&buf).map_err(|_| fail(TraceErrorKind::NotUtf8))?;
+        if let Some(event) = parse_line(line).map_err(fail)? {
+            builder.push(event).map_err(fail)?;
+        }
+    }
+}
+
+/// Parses one line; `None` for blank lines and comments.
+fn parse_line(line: &str) -> Result<Option<TraceEvent>, TraceErrorKind> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return Ok(None);
+    }
+    let mut fields = line.split_ascii_whitespace();
+    let tag = fields.next().unwrap_or_default();
+    let event = match tag {
+        "a" => TraceEvent::Alloc {
+            id: id_field(fields.next(), "id")?,
+            bytes: number(fields.next(), "bytes")?,
+            stream: number(fields.next(), "stream")?,
+        },
+        "f" => TraceEvent::Free {
+            id: id_field(fields.next(), "id")?,
+        },
+        other => {
+            return Err(TraceErrorKind::UnknownTag {
+                tag: other.to_owned(),
+            })
+        }
+    };
+    match fields.next() {
+        Some(extra) => Err(TraceErrorKind::ExtraField {
+            text: extra.to_owned(),
+        }),
+        None => Ok(Some(event)),
+    }
+}
+
+pub(super) fn number(text: Option<&str>, field: &'static str) -> Result<u64, TraceErrorKind> {
+    let text = text.ok_or(TraceErrorKind::MissingField { field })?;
+    // `u64::from_str` accepts a leading `+`; the formats do not.
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad_number(text, field));
+    }
+    text.parse().map_err(|_| bad_number(text, field))
+}
+
+pub(super) fn id_field(text: Option<&str>, field: &'static str) -> Result<usize, TraceErrorKind> {
+    let value = number(text, field)?;
+    usize::try_from(value).map_err(|_| bad_number(text.unwrap_or_default(), field))
+}
+
+fn bad_number(text: &str, field: &'static str) -> TraceErrorKind {
+    TraceErrorKind::BadNumber {
+        field,
+        text: text.to_owned(),
+    }
+}
