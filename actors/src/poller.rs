@@ -61,6 +61,12 @@ impl<R: Runtime> Drop for Poller<R> {
     /// block whose events have completed by now goes home; one still used by device work
     /// is leaked: freeing it could let the device write into memory given to someone else.
     fn drop(&mut self) {
+        // Blocks still in the mailbox would keep their pools (and this mailbox) alive forever.
+        while let Ok(msg) = self.rx.try_recv() {
+            if let PollerMsg::Wait { block, events } = msg {
+                self.pending.push(Pending { block, events });
+            }
+        }
         self.poll();
         for p in self.pending.drain(..) {
             tracing::warn!(

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use flume::{Receiver, Sender};
 
-use crate::block::Block;
+use crate::block::{Block, BlockState};
 use crate::error::Error;
 use crate::policy::SizeClass;
 use crate::poller::PollerMsg;
@@ -183,7 +183,18 @@ impl<R: Runtime> Drop for PoolActor<R> {
         // The task was dropped with its tokio runtime: from now on frees cannot reach the
         // actor, so they free on the spot; what is cached now is freed here.
         self.shared.closed.store(true, Ordering::SeqCst);
-        for b in self.shared.ready.drain() {
+        // Blocks already in the mailbox would keep the pool (and the mailbox) alive forever.
+        let mut homeless = self.shared.ready.drain();
+        for msg in self.rx.try_iter() {
+            match msg {
+                PoolMsg::Home(b) | PoolMsg::Keep(b) => match b.state {
+                    BlockState::Kept | BlockState::Waiting => self.kept.push(b),
+                    _ => homeless.push(b),
+                },
+                _ => {} // replies dropped: their callers get `Error::Shutdown`
+            }
+        }
+        for b in homeless {
             if let Err(mut b) = self.shared.free_block_now(b) {
                 b.freed = true;
             }
