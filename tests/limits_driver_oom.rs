@@ -22,7 +22,10 @@ async fn runtime_out_of_memory_empties_every_cache_and_retries_once() {
     pool.end_allocate_to_pool(id).await.unwrap();
     assert_eq!(sim.live_bytes(), 768 * KIB, "cached in two pools");
 
-    let big = pool.alloc(MIB).await.expect("the retry after emptying succeeds");
+    let big = pool
+        .alloc(MIB)
+        .await
+        .expect("the retry after emptying succeeds");
     let s = pool.stats();
     assert_eq!(s.num_alloc_retries, 1);
     assert_eq!(s.num_ooms, 0);

@@ -78,7 +78,10 @@ async fn emptying_for_room_reaches_capture_pools() {
     pool.end_allocate_to_pool(id).await.unwrap();
     assert_eq!(pool.reserved_bytes(), 512 * KIB);
 
-    let big = pool.try_alloc(MIB).await.expect("the capture pool's cache made room");
+    let big = pool
+        .try_alloc(MIB)
+        .await
+        .expect("the capture pool's cache made room");
     assert_eq!(pool.pool_stats(id).unwrap().allocated_bytes.current, 0);
     assert_eq!(sim.live_bytes(), MIB);
     drop(big);
@@ -123,7 +126,11 @@ async fn a_request_larger_than_the_limit_fails_at_once() {
         } if requested == MIB + 1 && l == MIB
     ));
     assert!(pool.alloc_blocking(3 * MIB).is_err());
-    assert_eq!(sim.total_host_allocs(), 0, "nothing was asked of the runtime");
+    assert_eq!(
+        sim.total_host_allocs(),
+        0,
+        "nothing was asked of the runtime"
+    );
     assert_eq!(pool.stats().num_ooms, 2);
 }
 
@@ -165,10 +172,7 @@ async fn the_builder_timeout_applies_to_alloc() {
         .build()
         .unwrap();
     let held = pool.alloc(MIB).await.unwrap();
-    assert!(matches!(
-        pool.alloc(MIB).await,
-        Err(Error::Timeout { .. })
-    ));
+    assert!(matches!(pool.alloc(MIB).await, Err(Error::Timeout { .. })));
     let snap = pool.snapshot().await.unwrap();
     assert_eq!(snap.config.alloc_timeout_ms, Some(20));
     drop(held);
@@ -237,7 +241,11 @@ async fn same_size_waiters_are_served_in_arrival_order() {
             .unwrap();
     }
     assert_eq!(order_rx.drain().collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
-    assert_eq!(sim.total_host_allocs(), 1, "one block went from waiter to waiter");
+    assert_eq!(
+        sim.total_host_allocs(),
+        1,
+        "one block went from waiter to waiter"
+    );
     assert_books_balance(&pool, &sim, 0).await;
 }
 
@@ -283,10 +291,17 @@ async fn raising_the_limit_lets_waiters_in() {
         .unwrap()
         .unwrap();
     assert_eq!(sim.live_bytes(), 2 * MIB);
-    assert_eq!(pool.set_max_bytes(Some(0)), Err(Error::InvalidLimit {
-        reason: "a cap of 0 bytes leaves no room for any request".into()
-    }));
-    assert_eq!(pool.max_bytes(), Some(2 * MIB), "a refused cap changes nothing");
+    assert_eq!(
+        pool.set_max_bytes(Some(0)),
+        Err(Error::InvalidLimit {
+            reason: "a cap of 0 bytes leaves no room for any request".into()
+        })
+    );
+    assert_eq!(
+        pool.max_bytes(),
+        Some(2 * MIB),
+        "a refused cap changes nothing"
+    );
     drop((held, got));
 }
 
@@ -317,7 +332,10 @@ fn alloc_blocking_waits_with_a_timeout() {
     };
     std::thread::sleep(Duration::from_millis(30));
     drop(held);
-    let got = waiter.join().unwrap().expect("served when the buffer came back");
+    let got = waiter
+        .join()
+        .unwrap()
+        .expect("served when the buffer came back");
     assert_eq!(sim.total_host_allocs(), 1);
     drop(got);
     drop(pool);
@@ -337,10 +355,37 @@ impl Lcg {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dropped_waiting_futures_leave_no_trace() {
+#[tokio::test]
+async fn a_dropped_waiter_does_not_hold_up_the_one_behind_it() {
     let (pool, sim) = limited(MIB);
-    let mut rng = Lcg(7);
+    let held = pool.alloc(MIB).await.unwrap();
+    let first = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.alloc(MIB).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.alloc(512 * KIB).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    first.abort();
+    let _ = first.await;
+    drop(held);
+    let got = tokio::time::timeout(Duration::from_secs(5), second)
+        .await
+        .expect("served although the waiter before it was dropped")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.capacity(), 512 * KIB);
+    drop(got);
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+/// Many requests under a tight cap, dropped at random points of their wait (by a timeout
+/// around `alloc`, or by aborting their task); returns how many were served.
+async fn churn(pool: &PinnedAllocator<SimRuntime>, seed: u64) -> (usize, usize) {
+    let mut rng = Lcg(seed);
     let mut tasks = Vec::new();
     for i in 0..60 {
         let pool = pool.clone();
@@ -349,41 +394,64 @@ async fn dropped_waiting_futures_leave_no_trace() {
         let hold = Duration::from_micros(rng.next(2000));
         let abort_after = (i % 3 == 0).then(|| Duration::from_micros(rng.next(2000)));
         let task = tokio::spawn(async move {
-            // Dropped by the timeout at an arbitrary point of its wait.
-            if let Ok(Ok(buf)) = tokio::time::timeout(give_up, pool.alloc(size)).await {
-                tokio::time::sleep(hold).await;
-                drop(buf);
+            match tokio::time::timeout(give_up, pool.alloc(size)).await {
+                Ok(Ok(buf)) => {
+                    tokio::time::sleep(hold).await;
+                    drop(buf);
+                    true
+                }
+                _ => false,
             }
         });
-        match abort_after {
-            Some(d) => {
-                let abort = task.abort_handle();
-                tokio::spawn(async move {
-                    tokio::time::sleep(d).await;
-                    abort.abort();
-                });
-            }
-            None => {}
+        if let Some(d) = abort_after {
+            let abort = task.abort_handle();
+            tokio::spawn(async move {
+                tokio::time::sleep(d).await;
+                abort.abort();
+            });
         }
         tasks.push(task);
         if rng.next(4) == 0 {
             tokio::time::sleep(Duration::from_micros(rng.next(500))).await;
         }
     }
+    let (mut served, mut dropped) = (0, 0);
     for t in tasks {
-        let _ = t.await;
+        match t.await {
+            Ok(true) => served += 1,
+            _ => dropped += 1,
+        }
     }
-    // Everything balances and nothing is left queued.
-    eventually("no block in flight", || pool.stats().active_requests.current == 0).await;
-    assert_books_balance(&pool, &sim, 0).await;
-    assert!(pool.reserved_bytes() <= MIB);
-    assert_eq!(pool.reserved_bytes(), sim.live_bytes());
-    let whole = tokio::time::timeout(Duration::from_secs(5), pool.alloc(MIB))
-        .await
-        .expect("a later request is not stuck behind dead waiters")
-        .unwrap();
-    assert_eq!(sim.live_bytes(), MIB);
-    drop(whole);
+    (served, dropped)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_waiting_futures_leave_no_trace() {
+    let (pool, sim) = limited(MIB);
+    let (mut served, mut dropped) = (0, 0);
+    for seed in 1..=4 {
+        let (s, d) = churn(&pool, seed).await;
+        served += s;
+        dropped += d;
+        // Everything balances and nothing is left queued.
+        eventually("no block in flight", || {
+            pool.stats().active_requests.current == 0
+        })
+        .await;
+        assert_books_balance(&pool, &sim, 0).await;
+        assert!(pool.reserved_bytes() <= MIB);
+        assert_eq!(pool.reserved_bytes(), sim.live_bytes());
+        let whole = tokio::time::timeout(Duration::from_secs(5), pool.alloc(MIB))
+            .await
+            .expect("a later request is not stuck behind dead waiters")
+            .unwrap();
+        assert_eq!(sim.live_bytes(), MIB);
+        drop(whole);
+    }
+    assert!(
+        served > 0 && dropped > 0,
+        "served {served}, dropped {dropped}"
+    );
     assert_eq!(sim.violations(), 0);
     drop(pool);
     eventually("all memory back", || sim.live_bytes() == 0).await;

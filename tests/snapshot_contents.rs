@@ -128,7 +128,10 @@ async fn a_snapshot_round_trips_through_json() {
 async fn cache_info_reports_the_largest_and_total_cached() {
     let (pool, _sim) = sim_pool();
     let info = pool.cache_info().await.unwrap();
-    assert_eq!((info.largest_block, info.total_cached, info.cached_blocks), (0, 0, 0));
+    assert_eq!(
+        (info.largest_block, info.total_cached, info.cached_blocks),
+        (0, 0, 0)
+    );
     let held = pool.alloc(64 * KIB).await.unwrap();
     drop(pool.alloc(16 * KIB).await.unwrap());
     drop(pool.alloc(4 * KIB).await.unwrap());
@@ -157,11 +160,13 @@ async fn base_allocation_finds_the_segment_of_any_interior_pointer() {
         assert_eq!(base.pool, PoolId::DEFAULT);
     }
     assert_eq!(
-        pool.base_allocation(start.wrapping_add(8 * KIB)).await.unwrap(),
+        pool.base_allocation(start.wrapping_add(8 * KIB))
+            .await
+            .unwrap(),
         None,
         "one past the end is outside"
     );
-    let foreign = vec![0u8; 16];
+    let foreign = [0u8; 16];
     assert_eq!(pool.base_allocation(foreign.as_ptr()).await.unwrap(), None);
     drop(a);
 }
@@ -177,16 +182,22 @@ async fn check_pool_live_allocations_matches_exactly_the_blocks_in_use() {
         .check_pool_live_allocations(d, &[a.as_ptr(), b.as_ptr(), c.as_ptr()])
         .await
         .unwrap());
-    assert!(!pool
-        .check_pool_live_allocations(d, &[a.as_ptr(), b.as_ptr()])
-        .await
-        .unwrap(), "one missing");
+    assert!(
+        !pool
+            .check_pool_live_allocations(d, &[a.as_ptr(), b.as_ptr()])
+            .await
+            .unwrap(),
+        "one missing"
+    );
     let c_ptr = c.as_ptr();
     drop(c);
-    assert!(!pool
-        .check_pool_live_allocations(d, &[a.as_ptr(), b.as_ptr(), c_ptr])
-        .await
-        .unwrap(), "a cached block is not live");
+    assert!(
+        !pool
+            .check_pool_live_allocations(d, &[a.as_ptr(), b.as_ptr(), c_ptr])
+            .await
+            .unwrap(),
+        "a cached block is not live"
+    );
     assert!(pool
         .check_pool_live_allocations(d, &[a.as_ptr(), b.as_ptr()])
         .await
@@ -196,7 +207,10 @@ async fn check_pool_live_allocations_matches_exactly_the_blocks_in_use() {
     let id = pool.new_pool_id();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     let p = pool.alloc_on(KIB, &stream).await.unwrap();
-    assert!(pool.check_pool_live_allocations(id, &[p.as_ptr()]).await.unwrap());
+    assert!(pool
+        .check_pool_live_allocations(id, &[p.as_ptr()])
+        .await
+        .unwrap());
     assert!(
         pool.check_pool_live_allocations(d, &[a.as_ptr(), b.as_ptr()])
             .await

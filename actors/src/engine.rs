@@ -306,7 +306,11 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// [`Engine::alloc_blocking`], waiting at most `timeout` for room.
-    pub fn alloc_blocking_timeout(&self, size: usize, timeout: Duration) -> Result<Lease<R>, Error> {
+    pub fn alloc_blocking_timeout(
+        &self,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<Lease<R>, Error> {
         self.alloc_blocking_inner(size, None, Wait::Upto(timeout))
     }
 

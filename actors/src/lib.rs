@@ -36,8 +36,8 @@ pub use policy::{PowerOfTwo, SizeClass, SizePolicy};
 pub use pool::{EmptyReport, Inventory};
 pub use pool_id::PoolId;
 pub use router::StreamFilter;
+pub use runtime::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
 pub use snapshot::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, SegmentInfo,
 };
-pub use runtime::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
 pub use stats::{DurationStat, HostStats, Stat};

@@ -291,8 +291,11 @@ impl<R: Runtime> Engine<R> {
     pub async fn cache_info(&self) -> Result<CacheInfo, Error> {
         let mut info = CacheInfo::default();
         for v in self.pool_views().await? {
-            let sizes: BTreeMap<usize, usize> =
-                v.segments.iter().map(|s| (s.addr(), s.memory.size)).collect();
+            let sizes: BTreeMap<usize, usize> = v
+                .segments
+                .iter()
+                .map(|s| (s.addr(), s.memory.size))
+                .collect();
             for a in &v.cached {
                 let size = sizes.get(a).copied().unwrap_or(0);
                 info.largest_block = info.largest_block.max(size);

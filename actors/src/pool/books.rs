@@ -47,7 +47,10 @@ impl<R: Runtime> PoolActor<R> {
     pub(super) fn describe(&mut self) -> PoolView {
         self.forget_freed();
         let ready = self.shared.ready.drain();
-        let cached = ready.iter().map(|b| b.memory.ptr.as_ptr() as usize).collect();
+        let cached = ready
+            .iter()
+            .map(|b| b.memory.ptr.as_ptr() as usize)
+            .collect();
         for b in ready {
             self.shared.ready.put(b);
         }

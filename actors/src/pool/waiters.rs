@@ -22,6 +22,10 @@ pub(crate) struct Waiter<R: Runtime> {
 impl<R: Runtime> PoolActor<R> {
     /// A miss: served from the cache or fresh memory; queued (or refused) when it does not fit.
     pub(super) async fn on_miss(&mut self, class: SizeClass, ask: Ask, reply: Reply<MissReply<R>>) {
+        if reply.is_disconnected() {
+            // Dropped before the pool got to it.
+            return;
+        }
         self.prune();
         if !self.waiters.is_empty() {
             // Others came first: no overtaking.
