@@ -107,7 +107,12 @@ impl<R: Runtime> Block<R> {
             for e in events {
                 rt.release_event(e);
             }
-            self.pool.stats.deactivate(self.shard, self.size);
+            let stats = &self.pool.stats;
+            stats.deactivate(self.shard, self.size);
+            stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
+            stats
+                .kept_bytes
+                .fetch_add(self.size as i64, Ordering::Relaxed);
             self.state = BlockState::Kept;
             let mailbox = self.pool.mailbox.clone();
             if let Err(flume::SendError(PoolMsg::Keep(b))) = mailbox.send(PoolMsg::Keep(self)) {
@@ -170,7 +175,12 @@ impl<R: Runtime> Block<R> {
     /// that is safe, leak it otherwise.
     pub(crate) fn orphaned(mut self: Box<Self>) {
         match self.state {
-            BlockState::InUse | BlockState::Cached => self.pool.clone().free_block_now(self),
+            BlockState::InUse | BlockState::Cached => {
+                let pool = self.pool.clone();
+                if let Err(mut b) = pool.free_block_now(self) {
+                    b.freed = true; // the runtime refused; leaked rather than reused
+                }
+            }
             BlockState::Waiting | BlockState::Kept => {
                 tracing::warn!(
                     bytes = self.memory.size,

@@ -58,6 +58,24 @@ struct Poller<R: Runtime> {
     pending: Vec<Pending<R>>,
 }
 
+impl<R: Runtime> Drop for Poller<R> {
+    /// The poller stops when every pool is gone, or is dropped with its tokio runtime. A
+    /// block whose events have completed by now goes home; one still used by device work
+    /// is leaked: freeing it could let the device write into memory given to someone else.
+    fn drop(&mut self) {
+        self.poll();
+        for p in self.pending.drain(..) {
+            tracing::warn!(
+                bytes = p.block.memory.size,
+                "event poller stopped with a block still used by device work; leaked"
+            );
+            let mut block = p.block;
+            block.freed = true;
+            drop(p.events);
+        }
+    }
+}
+
 impl<R: Runtime> Poller<R> {
     async fn run(mut self) {
         let mut interval = MIN_INTERVAL;
@@ -80,11 +98,6 @@ impl<R: Runtime> Poller<R> {
                     interval = if returned > 0 { MIN_INTERVAL } else { (interval * 2).min(MAX_INTERVAL) };
                 }
             }
-        }
-        // Every pool is gone; whatever is still pending goes home or is freed when safe.
-        for p in self.pending.drain(..) {
-            drop(p.events);
-            drop(p.block);
         }
         tracing::debug!("event poller stopped");
     }

@@ -65,22 +65,41 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Frees blocks on a blocking thread and keeps the books.
-    pub(super) async fn free_blocks(&self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
+    /// Frees blocks on a blocking thread and keeps the books. A block the runtime refuses
+    /// to free is held back with the kept blocks (never reused) and tried again when they go.
+    pub(super) async fn free_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
         if blocks.is_empty() {
             return (0, 0);
         }
-        let n = blocks.len();
-        let bytes = blocks.iter().map(|b| b.memory.size).sum();
         let shared = self.shared.clone();
         let job = tokio::task::spawn_blocking(move || {
+            let mut freed = (0, 0);
+            let mut refused = Vec::new();
             for b in blocks {
-                shared.clone().free_block_now(b);
+                let size = b.memory.size;
+                match shared.free_block_now(b) {
+                    Ok(()) => freed = (freed.0 + 1, freed.1 + size),
+                    Err(b) => refused.push(b),
+                }
             }
+            (freed, refused)
         });
-        if let Err(e) = job.await {
-            tracing::error!(error = %e, "freeing pinned memory failed");
+        match job.await {
+            Ok((freed, refused)) => {
+                for mut b in refused {
+                    let stats = &self.shared.stats;
+                    stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
+                    stats.kept_bytes.fetch_add(b.size as i64, Ordering::Relaxed);
+                    b.state = BlockState::Kept;
+                    self.kept.push(b);
+                }
+                freed
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "freeing pinned memory failed");
+                (0, 0)
+            }
         }
-        (n, bytes)
     }
 
     pub(super) async fn free_kept(&mut self) -> (usize, usize) {
@@ -94,8 +113,6 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     pub(super) async fn empty_cache(&mut self, include_kept: bool) -> EmptyReport {
-        let span = tracing::info_span!("empty_cache", pool = %self.shared.id);
-        let _enter = span.enter();
         if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
             self.flush_events().await;
         }
@@ -108,6 +125,7 @@ impl<R: Runtime> PoolActor<R> {
         }
         let reserved_after = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
         tracing::debug!(
+            pool = %self.shared.id,
             freed_blocks = n,
             freed_bytes = bytes,
             reserved_after,

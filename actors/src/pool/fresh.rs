@@ -8,6 +8,8 @@
 
 use std::time::Instant;
 
+use tracing::Instrument;
+
 use super::{PoolActor, SegmentView};
 use crate::block::Block;
 use crate::error::Error;
@@ -52,17 +54,23 @@ impl<R: Runtime> PoolActor<R> {
 
     pub(super) async fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         let span = tracing::debug_span!("host_alloc", pool = %self.shared.id, bytes = size);
-        let _enter = span.enter();
         let rt = self.shared.runtime.clone();
         let t0 = Instant::now();
-        let res = tokio::task::spawn_blocking(move || rt.host_alloc(size))
-            .await
-            .unwrap_or_else(|e| {
-                Err(RuntimeError::new(
-                    "host_alloc",
-                    format!("blocking task failed: {e}"),
-                ))
-            });
+        // The result comes back over a channel: if nobody is left to take it (the actor was
+        // dropped with its tokio runtime mid-call), the blocking thread gives it back itself.
+        let (tx, rx) = flume::bounded(1);
+        tokio::task::spawn_blocking(move || {
+            let res = rt.host_alloc(size);
+            if let Err(flume::SendError(Ok(memory))) = tx.send(res) {
+                let _ = rt.host_free(memory);
+            }
+        });
+        let res = rx.recv_async().instrument(span).await.unwrap_or_else(|e| {
+            Err(RuntimeError::new(
+                "host_alloc",
+                format!("blocking task failed: {e}"),
+            ))
+        });
         let stats = &self.shared.stats;
         stats.host_alloc_time.record(t0.elapsed());
         match &res {

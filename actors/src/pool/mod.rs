@@ -24,13 +24,13 @@ use std::time::{Duration, Instant};
 
 use flume::{Receiver, Sender};
 
-use crate::block::{Block, BlockState};
+use crate::block::Block;
 use crate::limit::{Ask, Budget, MissReply};
 use crate::policy::SizeClass;
 use crate::poller::PollerMsg;
 use crate::pool_id::PoolId;
 use crate::ready::ReadyQueues;
-use crate::runtime::{HostMemory, Runtime, RuntimeError};
+use crate::runtime::{HostMemory, Runtime};
 use crate::snapshot::BlockMeta;
 use crate::spawn::spawn_named;
 use crate::stats::PoolStats;
@@ -152,24 +152,31 @@ pub(crate) struct PoolShared<R: Runtime> {
 }
 
 impl<R: Runtime> PoolShared<R> {
-    /// Gives a block's memory back to the runtime on this thread and keeps the books.
-    pub(crate) fn free_block_now(self: Arc<Self>, mut block: Box<Block<R>>) {
-        block.freed = true;
-        // Struck from the registry before the runtime may hand the address out again.
-        let _ = self.forgotten.0.send(block.memory.ptr.as_ptr() as usize);
+    /// Gives a block's memory back to the runtime on this thread and keeps the books
+    /// (stats, the budget, and the registry of segments). When the runtime refuses, the
+    /// block is handed back, still reserved and still counted.
+    pub(crate) fn free_block_now(&self, mut block: Box<Block<R>>) -> Result<(), Box<Block<R>>> {
         let t0 = Instant::now();
         let res = self.runtime.host_free(block.memory);
-        self.account_free(&block.memory, t0.elapsed(), res);
-    }
-
-    fn account_free(&self, memory: &HostMemory, took: Duration, res: Result<(), RuntimeError>) {
-        self.stats.host_free_time.record(took);
-        if let Err(e) = res {
-            tracing::error!(error = %e, bytes = memory.size, "freeing pinned memory failed");
+        self.stats.host_free_time.record(t0.elapsed());
+        match res {
+            Ok(()) => {
+                block.freed = true;
+                self.stats.allocations.decrease(1);
+                self.stats
+                    .allocated_bytes
+                    .decrease(block.memory.size as i64);
+                // The actor awaits its frees before it takes fresh memory, so the address is
+                // struck before the runtime can hand it back to this pool.
+                let _ = self.forgotten.0.send(block.memory.ptr.as_ptr() as usize);
+                self.budget.release(block.memory.size);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, bytes = block.memory.size, "freeing pinned memory failed");
+                Err(block)
+            }
         }
-        self.stats.allocations.decrease(1);
-        self.stats.allocated_bytes.decrease(memory.size as i64);
-        self.budget.release(memory.size);
     }
 
     /// Asks the actor to look at its queued requests again (once per look).
@@ -213,6 +220,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
         rx,
         kept: Vec::new(),
         closing: false,
+        finished: false,
         waiters: VecDeque::new(),
         segments: BTreeMap::new(),
     };
@@ -230,31 +238,67 @@ pub(crate) struct PoolActor<R: Runtime> {
     rx: Receiver<PoolMsg<R>>,
     kept: Vec<Box<Block<R>>>,
     closing: bool,
+    /// Set when the loop ended on its own; unset when the task is dropped by its runtime.
+    finished: bool,
     /// Requests waiting for room, oldest first.
     waiters: VecDeque<waiters::Waiter<R>>,
     /// Every segment the pool holds, by address.
     segments: BTreeMap<usize, SegmentView>,
 }
 
-/// How often a closing pool looks for blocks that slipped into its ready queues.
+impl<R: Runtime> Drop for PoolActor<R> {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        // The task was dropped with its tokio runtime: from now on frees cannot reach the
+        // actor, so they free on the spot; what is cached now is freed here.
+        self.shared
+            .divert
+            .fetch_or(DIVERT_CLOSING, Ordering::SeqCst);
+        for b in self.shared.ready.drain() {
+            if let Err(mut b) = self.shared.free_block_now(b) {
+                b.freed = true;
+            }
+        }
+        for mut b in self.kept.drain(..) {
+            // Kept for graph replays (or refused by the runtime): never safe to reuse, and
+            // nobody is left to say when it is safe to free.
+            tracing::warn!(
+                bytes = b.memory.size,
+                "pool torn down with its runtime; kept block leaked"
+            );
+            b.freed = true;
+        }
+    }
+}
+
+/// How often a closing pool looks for blocks that slipped into its ready queues (doubling
+/// up to the maximum while buffers stay out).
 const CLOSING_SWEEP: Duration = Duration::from_millis(5);
+const MAX_CLOSING_SWEEP: Duration = Duration::from_secs(1);
 /// How often a pool looks at its waiters and ready queues while requests wait for room
 /// (a free that raced with the raising of the pressure flag lands in a ready queue).
 const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 
 impl<R: Runtime> PoolActor<R> {
     async fn run(mut self) {
+        let mut sweep = CLOSING_SWEEP;
         loop {
             if self.closing {
                 if self.shared.stats.allocations.read().current <= 0 {
                     break;
                 }
-                match tokio::time::timeout(CLOSING_SWEEP, self.rx.recv_async()).await {
+                match tokio::time::timeout(sweep, self.rx.recv_async()).await {
                     Ok(Ok(msg)) => self.handle(msg).await,
                     Ok(Err(_)) => break,
                     Err(_) => {
+                        // Blocks that slipped into the ready queues as the pool closed, and
+                        // blocks whose free the runtime refused, are tried again.
                         let blocks = self.shared.ready.drain();
                         self.free_blocks(blocks).await;
+                        self.free_kept().await;
+                        sweep = (sweep * 2).min(MAX_CLOSING_SWEEP);
                     }
                 }
             } else if self.shared.budget.under_pressure() || !self.waiters.is_empty() {
@@ -277,19 +321,15 @@ impl<R: Runtime> PoolActor<R> {
             }
         }
         self.drop_waiters();
+        self.finished = true;
         tracing::debug!(pool = %self.shared.id, "pool actor stopped");
     }
 
     async fn handle(&mut self, msg: PoolMsg<R>) {
         match msg {
             PoolMsg::Miss { class, ask, reply } => self.on_miss(class, ask, reply).await,
-            PoolMsg::Keep(mut block) => {
-                let stats = &self.shared.stats;
-                stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
-                stats
-                    .kept_bytes
-                    .fetch_add(block.size as i64, Ordering::Relaxed);
-                block.state = BlockState::Kept;
+            PoolMsg::Keep(block) => {
+                // Counted as kept by the thread that freed it.
                 self.kept.push(block);
                 if self.closing {
                     self.free_kept().await;
