@@ -36,9 +36,10 @@ pub mod plan;
 pub mod sim;
 pub mod trace;
 
-pub use allocator::{Builder, PinnedAllocator};
+pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
 pub use pinpool_actors::{
-    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, PinMethod, PoolId,
-    PowerOfTwo, Runtime, RuntimeError, SizeClass, SizePolicy, Stat, StreamFilter, StreamId,
+    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DurationStat, EmptyReport,
+    Error, HostMemory, HostStats, Inventory, MemorySnapshot, PinMethod, PoolId, PowerOfTwo,
+    Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StreamFilter, StreamId,
 };

@@ -13,6 +13,7 @@ use crate::keepalive;
 use crate::poller::PollerMsg;
 use crate::pool::{PoolMsg, PoolShared};
 use crate::runtime::{HostMemory, Runtime, StreamId};
+use crate::snapshot::BlockMeta;
 
 /// Where a block is in its life; decides what happens when it is dropped by accident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +45,8 @@ pub(crate) struct Block<R: Runtime> {
     /// Set once the memory has been given back to the runtime.
     pub(crate) freed: bool,
     pub(crate) pool: Arc<PoolShared<R>>,
+    /// What the holder writes for snapshots (requested bytes, streams).
+    pub(crate) meta: Arc<BlockMeta>,
 }
 
 impl<R: Runtime> Block<R> {
@@ -58,6 +61,7 @@ impl<R: Runtime> Block<R> {
             state: BlockState::InUse,
             freed: false,
             pool,
+            meta: Arc::default(),
         })
     }
 
@@ -200,12 +204,13 @@ impl<R: Runtime> Block<R> {
             state: self.state,
             freed: false,
             pool: self.pool.clone(),
+            meta: self.meta.clone(),
         })
     }
 }
 
 /// Puts a block that is ready for reuse back where requests find it: its pool's ready
-/// queue, or its pool actor once the pool is closing.
+/// queue, or its pool actor once the pool is closing or requests wait for room.
 #[inline]
 pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     keepalive::ensure(&block.pool);
@@ -214,7 +219,7 @@ pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     // its next call, so the pool outlives this function even after the block (and the
     // reference it carries) has moved into a queue and been taken by another thread.
     let pool = unsafe { &*pool };
-    if pool.closed.load(Ordering::Acquire) {
+    if pool.divert.load(Ordering::Acquire) != 0 {
         block.state = BlockState::InUse;
         if let Err(flume::SendError(PoolMsg::Home(b))) = pool.mailbox.send(PoolMsg::Home(block)) {
             b.orphaned();

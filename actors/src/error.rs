@@ -27,6 +27,21 @@ pub enum Error {
         /// The configured cap on reserved bytes, if any.
         limit: Option<usize>,
     },
+    /// A request waited for room under the memory limit longer than its timeout.
+    #[error("gave up waiting for {requested} bytes of pinned memory after {timeout:?}")]
+    Timeout {
+        /// Bytes asked for.
+        requested: usize,
+        /// How long it waited.
+        timeout: std::time::Duration,
+    },
+    /// A memory limit that cannot be set: a fraction outside (0, 1], a cap of 0 bytes, or
+    /// host memory that could not be read.
+    #[error("invalid memory limit: {reason}")]
+    InvalidLimit {
+        /// What is wrong.
+        reason: String,
+    },
     /// The CUDA (or simulated) runtime reported a failure.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),

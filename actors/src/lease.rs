@@ -35,6 +35,7 @@ impl<R: Runtime> Lease<R> {
         block.shard = shard;
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
+        block.meta.lent(len);
         block.pool.stats.activate(shard, block.size);
         Lease {
             block: Some(block),
@@ -96,6 +97,7 @@ impl<R: Runtime> Lease<R> {
         if let Some(b) = &mut self.block {
             let id = b.pool.runtime.stream_id(stream);
             if !b.streams.iter().any(|(s, _)| *s == id) {
+                b.meta.recorded(id);
                 b.streams.push((id, stream.clone()));
             }
         }

@@ -16,6 +16,7 @@ mod engine;
 mod error;
 mod keepalive;
 mod lease;
+mod limit;
 mod policy;
 mod poller;
 mod pool;
@@ -24,6 +25,7 @@ mod ready;
 mod router;
 pub mod runtime;
 mod shard;
+mod snapshot;
 mod spawn;
 mod stats;
 
@@ -35,4 +37,7 @@ pub use pool::{EmptyReport, Inventory};
 pub use pool_id::PoolId;
 pub use router::StreamFilter;
 pub use runtime::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
+pub use snapshot::{
+    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, SegmentInfo,
+};
 pub use stats::{DurationStat, HostStats, Stat};

@@ -25,6 +25,8 @@ pub(crate) enum PollerMsg<R: Runtime> {
     },
     /// Poll now, then reply.
     Flush { reply: Reply<()> },
+    /// The addresses of the blocks pending (for snapshots).
+    Pending { reply: Reply<Vec<usize>> },
 }
 
 struct Pending<R: Runtime> {
@@ -112,6 +114,14 @@ impl<R: Runtime> Poller<R> {
             PollerMsg::Flush { reply } => {
                 self.poll();
                 let _ = reply.send(());
+            }
+            PollerMsg::Pending { reply } => {
+                let _ = reply.send(
+                    self.pending
+                        .iter()
+                        .map(|p| p.block.memory.ptr.as_ptr() as usize)
+                        .collect(),
+                );
             }
         }
     }

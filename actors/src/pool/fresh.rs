@@ -1,12 +1,16 @@
-//! Fresh pinned memory: asked of the runtime on a blocking thread (invariant 6), timed, and
-//! retried once after emptying the cache when the runtime runs out.
+//! Fresh pinned memory: its bytes reserved from the allocator's budget first (the memory
+//! limit), then asked of the runtime on a blocking thread (invariant 6), timed, and entered in
+//! the pool's registry of segments.
+//!
+//! Running out — at the cap, or in the runtime itself — is reported as
+//! `Error::OutOfMemory` (with the cap in `limit`, or `None` for the runtime); the caller
+//! empties the caches and retries (see [`crate::limit`]).
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use tracing::Instrument;
 
-use super::PoolActor;
+use super::{PoolActor, SegmentView};
 use crate::block::Block;
 use crate::error::Error;
 use crate::policy::SizeClass;
@@ -14,41 +18,38 @@ use crate::runtime::{HostMemory, Runtime, RuntimeError};
 
 impl<R: Runtime> PoolActor<R> {
     pub(super) async fn fresh(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        let first = self.host_alloc(class.size).await;
-        let memory = match first {
-            Ok(m) => m,
-            Err(e) if e.out_of_memory => {
-                // Out of memory from the runtime itself: empty the cache and retry once.
-                self.shared
-                    .stats
-                    .num_alloc_retries
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::info!(
-                    bytes = class.size,
-                    "host allocation out of memory; emptying the cache and retrying"
-                );
-                self.empty_cache(false).await;
-                match self.host_alloc(class.size).await {
-                    Ok(m) => m,
-                    Err(e) => return Err(self.oom(class.size, e)),
-                }
-            }
-            Err(e) => return Err(Error::Runtime(e)),
-        };
-        Ok(Block::new(memory, class.index, self.shared.clone()))
-    }
-
-    pub(super) fn oom(&self, requested: usize, e: RuntimeError) -> Error {
-        self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
-        if e.out_of_memory {
-            Error::OutOfMemory {
-                requested,
-                reserved: self.shared.stats.allocated_bytes.read().current.max(0) as usize,
-                limit: None,
-            }
-        } else {
-            Error::Runtime(e)
+        let budget = self.shared.budget.clone();
+        if !budget.try_reserve(class.size) {
+            return Err(Error::OutOfMemory {
+                requested: class.size,
+                reserved: budget.reserved(),
+                limit: budget.limit(),
+            });
         }
+        let memory = match self.host_alloc(class.size).await {
+            Ok(m) => m,
+            Err(e) => {
+                budget.release(class.size);
+                if e.out_of_memory {
+                    return Err(Error::OutOfMemory {
+                        requested: class.size,
+                        reserved: budget.reserved(),
+                        limit: None,
+                    });
+                }
+                return Err(Error::Runtime(e));
+            }
+        };
+        if memory.size > class.size {
+            // The runtime rounded up; the budget counts what is really held.
+            budget.force_reserve(memory.size - class.size);
+        }
+        let block = Block::new(memory, class.index, self.shared.clone());
+        self.remember_segment(SegmentView {
+            memory,
+            meta: block.meta.clone(),
+        });
+        Ok(block)
     }
 
     pub(super) async fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {

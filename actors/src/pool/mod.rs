@@ -6,26 +6,32 @@
 //! keeps blocks used by captured work (invariant 4), empties the cache, and on shutdown gives
 //! every block back to the runtime as it comes home (invariant 2).
 //!
-//! This file holds the pool's shared part, its messages and its loop; `cache`, `fresh` and
-//! `books` hold what the actor does.
+//! Under a memory limit it also queues the requests that wait for room, first come first
+//! served (see [`crate::limit`]), and serves them as blocks come back or room is made.
+//!
+//! This file holds the pool's shared part, its messages and its loop; `cache`, `fresh`,
+//! `waiters` and `books` hold what the actor does.
 
 mod books;
 mod cache;
 mod fresh;
+mod waiters;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flume::{Receiver, Sender};
 
 use crate::block::{Block, BlockState};
-use crate::error::Error;
+use crate::limit::{Ask, Budget, MissReply};
 use crate::policy::SizeClass;
 use crate::poller::PollerMsg;
 use crate::pool_id::PoolId;
 use crate::ready::ReadyQueues;
-use crate::runtime::Runtime;
+use crate::runtime::{HostMemory, Runtime};
+use crate::snapshot::BlockMeta;
 use crate::spawn::spawn_named;
 use crate::stats::PoolStats;
 
@@ -34,10 +40,12 @@ pub(crate) type Reply<T> = Sender<T>;
 
 /// Messages a pool actor answers.
 pub(crate) enum PoolMsg<R: Runtime> {
-    /// No ready block of `class`: find one or get fresh memory.
+    /// No ready block of `class`: find one or get fresh memory (or queue the request when
+    /// it must wait for room).
     Miss {
         class: SizeClass,
-        reply: Reply<Result<Box<Block<R>>, Error>>,
+        ask: Ask,
+        reply: Reply<MissReply<R>>,
     },
     /// A block used by captured work: keep it while the pool lives.
     Keep(Box<Block<R>>),
@@ -50,6 +58,10 @@ pub(crate) enum PoolMsg<R: Runtime> {
     },
     /// Count what the pool holds (for checking invariant 2 at quiescent points).
     Inventory { reply: Reply<Inventory> },
+    /// List the pool's segments and its cached and kept blocks (for snapshots).
+    Describe { reply: Reply<PoolView> },
+    /// Look at the queued requests again: room was made, or one was cancelled.
+    Wake,
     /// The pool's owner is gone: give everything back as it comes home, then stop.
     Close,
 }
@@ -92,6 +104,32 @@ pub struct Inventory {
     pub in_use_bytes: usize,
 }
 
+/// A segment of the pool, as its registry knows it.
+#[derive(Clone)]
+pub(crate) struct SegmentView {
+    pub(crate) memory: HostMemory,
+    pub(crate) meta: Arc<BlockMeta>,
+}
+
+impl SegmentView {
+    pub(crate) fn addr(&self) -> usize {
+        self.memory.ptr.as_ptr() as usize
+    }
+}
+
+/// What a pool holds, by address, at one moment (for snapshots).
+pub(crate) struct PoolView {
+    pub(crate) pool: PoolId,
+    pub(crate) segments: Vec<SegmentView>,
+    pub(crate) cached: Vec<usize>,
+    pub(crate) kept: Vec<usize>,
+}
+
+/// `divert` bit: the pool is closing.
+pub(crate) const DIVERT_CLOSING: u8 = 1;
+/// `divert` bit: requests wait for room somewhere in the allocator.
+pub(crate) const DIVERT_PRESSURE: u8 = 2;
+
 /// The part of a pool every handle and block can reach.
 pub(crate) struct PoolShared<R: Runtime> {
     pub(crate) id: PoolId,
@@ -100,13 +138,23 @@ pub(crate) struct PoolShared<R: Runtime> {
     pub(crate) mailbox: Sender<PoolMsg<R>>,
     pub(crate) poller: Sender<PollerMsg<R>>,
     pub(crate) stats: PoolStats,
-    /// Set when the pool is closing: frees go to the actor, not the ready queues.
-    pub(crate) closed: AtomicBool,
+    /// Non-zero when frees must go to the actor, not the ready queues: the pool is closing
+    /// ([`DIVERT_CLOSING`]), or requests wait for room ([`DIVERT_PRESSURE`]).
+    pub(crate) divert: AtomicU8,
+    /// The allocator's budget of reserved bytes, shared by all its pools.
+    pub(crate) budget: Arc<Budget<R>>,
+    /// Requests queued in this pool.
+    pub(crate) queued: AtomicUsize,
+    /// A `Wake` is on its way to the actor.
+    woken: AtomicBool,
+    /// Addresses of segments freed, for the actor to strike from its registry.
+    forgotten: (Sender<usize>, Receiver<usize>),
 }
 
 impl<R: Runtime> PoolShared<R> {
-    /// Gives a block's memory back to the runtime on this thread and keeps the books. When
-    /// the runtime refuses, the block is handed back, still reserved and still counted.
+    /// Gives a block's memory back to the runtime on this thread and keeps the books
+    /// (stats, the budget, and the registry of segments). When the runtime refuses, the
+    /// block is handed back, still reserved and still counted.
     pub(crate) fn free_block_now(&self, mut block: Box<Block<R>>) -> Result<(), Box<Block<R>>> {
         let t0 = Instant::now();
         let res = self.runtime.host_free(block.memory);
@@ -118,12 +166,23 @@ impl<R: Runtime> PoolShared<R> {
                 self.stats
                     .allocated_bytes
                     .decrease(block.memory.size as i64);
+                // The actor awaits its frees before it takes fresh memory, so the address is
+                // struck before the runtime can hand it back to this pool.
+                let _ = self.forgotten.0.send(block.memory.ptr.as_ptr() as usize);
+                self.budget.release(block.memory.size);
                 Ok(())
             }
             Err(e) => {
                 tracing::error!(error = %e, bytes = block.memory.size, "freeing pinned memory failed");
                 Err(block)
             }
+        }
+    }
+
+    /// Asks the actor to look at its queued requests again (once per look).
+    pub(crate) fn nudge(&self) {
+        if self.queued.load(Ordering::SeqCst) > 0 && !self.woken.swap(true, Ordering::SeqCst) {
+            let _ = self.mailbox.send(PoolMsg::Wake);
         }
     }
 }
@@ -136,6 +195,7 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) shards: usize,
     pub(crate) poller: Sender<PollerMsg<R>>,
     pub(crate) handle: tokio::runtime::Handle,
+    pub(crate) budget: Arc<Budget<R>>,
 }
 
 /// Starts a pool actor and returns the pool's shared part.
@@ -148,14 +208,21 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
         mailbox: tx,
         poller: spec.poller,
         stats: PoolStats::new(spec.shards),
-        closed: AtomicBool::new(false),
+        divert: AtomicU8::new(0),
+        budget: spec.budget,
+        queued: AtomicUsize::new(0),
+        woken: AtomicBool::new(false),
+        forgotten: flume::unbounded(),
     });
+    shared.budget.register(&shared);
     let actor = PoolActor {
         shared: shared.clone(),
         rx,
         kept: Vec::new(),
         closing: false,
         finished: false,
+        waiters: VecDeque::new(),
+        segments: BTreeMap::new(),
     };
     let name = if spec.id.is_default() {
         "pinpool::pool(default)".to_string()
@@ -173,6 +240,10 @@ pub(crate) struct PoolActor<R: Runtime> {
     closing: bool,
     /// Set when the loop ended on its own; unset when the task is dropped by its runtime.
     finished: bool,
+    /// Requests waiting for room, oldest first.
+    waiters: VecDeque<waiters::Waiter<R>>,
+    /// Every segment the pool holds, by address.
+    segments: BTreeMap<usize, SegmentView>,
 }
 
 impl<R: Runtime> Drop for PoolActor<R> {
@@ -182,7 +253,9 @@ impl<R: Runtime> Drop for PoolActor<R> {
         }
         // The task was dropped with its tokio runtime: from now on frees cannot reach the
         // actor, so they free on the spot; what is cached now is freed here.
-        self.shared.closed.store(true, Ordering::SeqCst);
+        self.shared
+            .divert
+            .fetch_or(DIVERT_CLOSING, Ordering::SeqCst);
         // Blocks already in the mailbox would keep the pool (and the mailbox) alive forever.
         let mut homeless = self.shared.ready.drain();
         for msg in self.rx.try_iter() {
@@ -215,6 +288,9 @@ impl<R: Runtime> Drop for PoolActor<R> {
 /// up to the maximum while buffers stay out).
 const CLOSING_SWEEP: Duration = Duration::from_millis(5);
 const MAX_CLOSING_SWEEP: Duration = Duration::from_secs(1);
+/// How often a pool looks at its waiters and ready queues while requests wait for room
+/// (a free that raced with the raising of the pressure flag lands in a ready queue).
+const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 
 impl<R: Runtime> PoolActor<R> {
     async fn run(mut self) {
@@ -236,6 +312,18 @@ impl<R: Runtime> PoolActor<R> {
                         sweep = (sweep * 2).min(MAX_CLOSING_SWEEP);
                     }
                 }
+            } else if self.shared.budget.under_pressure() || !self.waiters.is_empty() {
+                let sweep = tokio::time::Instant::now() + PRESSURE_SWEEP;
+                match tokio::time::timeout_at(sweep, self.rx.recv_async()).await {
+                    Ok(Ok(msg)) => {
+                        self.handle(msg).await;
+                        if tokio::time::Instant::now() >= sweep {
+                            self.relieve().await;
+                        }
+                    }
+                    Ok(Err(_)) => break,
+                    Err(_) => self.relieve().await,
+                }
             } else {
                 match self.rx.recv_async().await {
                     Ok(msg) => self.handle(msg).await,
@@ -243,19 +331,14 @@ impl<R: Runtime> PoolActor<R> {
                 }
             }
         }
+        self.drop_waiters();
         self.finished = true;
         tracing::debug!(pool = %self.shared.id, "pool actor stopped");
     }
 
     async fn handle(&mut self, msg: PoolMsg<R>) {
         match msg {
-            PoolMsg::Miss { class, reply } => {
-                let result = self.miss(class).await;
-                if let Err(flume::SendError(Ok(block))) = reply.send(result) {
-                    // The request was cancelled: the block is ready for someone else.
-                    self.home(block).await;
-                }
-            }
+            PoolMsg::Miss { class, ask, reply } => self.on_miss(class, ask, reply).await,
             PoolMsg::Keep(block) => {
                 // Counted as kept by the thread that freed it.
                 self.kept.push(block);
@@ -263,7 +346,7 @@ impl<R: Runtime> PoolActor<R> {
                     self.free_kept().await;
                 }
             }
-            PoolMsg::Home(block) => self.home(block).await,
+            PoolMsg::Home(block) => self.take_back(block).await,
             PoolMsg::EmptyCache {
                 include_kept,
                 reply,
@@ -274,9 +357,19 @@ impl<R: Runtime> PoolActor<R> {
             PoolMsg::Inventory { reply } => {
                 let _ = reply.send(self.inventory());
             }
+            PoolMsg::Describe { reply } => {
+                let _ = reply.send(self.describe());
+            }
+            PoolMsg::Wake => {
+                self.shared.woken.store(false, Ordering::SeqCst);
+                self.serve_waiters().await;
+            }
             PoolMsg::Close => {
                 self.closing = true;
-                self.shared.closed.store(true, Ordering::Release);
+                self.shared
+                    .divert
+                    .fetch_or(DIVERT_CLOSING, Ordering::Release);
+                self.drop_waiters();
                 self.empty_cache(true).await;
             }
         }
