@@ -50,12 +50,18 @@ mod cursor;
 mod greedy;
 mod place;
 mod problem;
+mod record;
 mod recorder;
 mod rng;
+mod serve;
+mod session;
 
 pub use check::{check, Violation};
 pub use cursor::{Mismatch, Observed, PlanCursor, Served, ValidationError};
+pub use record::{PlanRecorder, PlanValidator, RecordedBuffer, Recording};
 pub use recorder::{RecordError, Recorder};
+pub use serve::{ArenaSession, PlanBuffer, ServeStats};
+pub use session::{ArenaPlan, PlanSessionError};
 
 use crate::trace::Lifetime;
 use problem::Problem;
