@@ -89,9 +89,10 @@ fn release<R: Runtime>(runtime: &R, events: Vec<Option<R::Event>>) {
 
 /// Whether every event has completed (a failed record or query counts as not completed).
 fn completed<R: Runtime>(runtime: &R, events: &[Option<R::Event>]) -> bool {
-    events
-        .iter()
-        .all(|e| e.as_ref().is_some_and(|e| runtime.query_event(e) == Ok(true)))
+    events.iter().all(|e| {
+        e.as_ref()
+            .is_some_and(|e| runtime.query_event(e) == Ok(true))
+    })
 }
 
 /// A slot of the plan held by a buffer; dropping it sends the free to the session.
@@ -486,7 +487,9 @@ impl<R: Runtime> ArenaSession<R> {
 
     /// Whether no buffer but the session holds the arena (then every free was sent).
     fn exclusive(&mut self) -> bool {
-        self.arena.as_mut().map_or(true, |a| Arc::get_mut(a).is_some())
+        self.arena
+            .as_mut()
+            .map_or(true, |a| Arc::get_mut(a).is_some())
     }
 
     /// With every buffer of the iteration gone: whether the arena must be replaced (stream
@@ -632,11 +635,7 @@ impl<R: Runtime> std::fmt::Debug for ArenaSession<R> {
 }
 
 impl<R: Runtime> PinnedAllocator<R> {
-    fn new_arena_session(
-        &self,
-        plan: &ArenaPlan,
-        claim: Claim,
-    ) -> (ArenaSession<R>, usize) {
+    fn new_arena_session(&self, plan: &ArenaPlan, claim: Claim) -> (ArenaSession<R>, usize) {
         let (tx, rx) = flume::unbounded();
         let session = ArenaSession {
             pool: self.clone(),
