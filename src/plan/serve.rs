@@ -400,6 +400,10 @@ impl<R: Runtime> ArenaSession<R> {
             return Step::Pool(None);
         }
         let Some(arena) = self.arena.clone() else {
+            tracing::warn!(
+                allocator = self.plan.allocator_id(),
+                "no arena (a reset failed to take one): served by the pool until the next reset"
+            );
             return Step::Pool(None);
         };
         let served = match self.cursor.on_alloc(size as u64) {
@@ -446,7 +450,7 @@ impl<R: Runtime> ArenaSession<R> {
         })
     }
 
-    fn from_pool(
+    fn pool_buffer(
         &mut self,
         result: Result<PinnedBuffer<R>, pinpool_actors::Error>,
         ticket: Option<Ticket<R>>,
@@ -469,7 +473,7 @@ impl<R: Runtime> ArenaSession<R> {
             Step::Ready(buf) => Ok(buf),
             Step::Pool(ticket) => {
                 let result = self.pool.alloc(size).await;
-                self.from_pool(result, ticket)
+                self.pool_buffer(result, ticket)
             }
         }
     }
@@ -480,7 +484,7 @@ impl<R: Runtime> ArenaSession<R> {
             Step::Ready(buf) => Ok(buf),
             Step::Pool(ticket) => {
                 let result = self.pool.alloc_blocking(size);
-                self.from_pool(result, ticket)
+                self.pool_buffer(result, ticket)
             }
         }
     }
