@@ -32,13 +32,17 @@ mod buffer;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod history;
 pub mod plan;
+pub mod report;
 pub mod sim;
 pub mod trace;
 
 pub use allocator::{Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
+pub use history::ReportError;
 pub use pinpool_actors::{
     DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, PinMethod, PoolId,
     PowerOfTwo, Runtime, RuntimeError, SizeClass, SizePolicy, Stat, StreamFilter, StreamId,
 };
+pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

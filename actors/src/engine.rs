@@ -75,12 +75,14 @@ impl<R: Runtime> EngineBuilder<R> {
         let id = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
         let shards = self.shards.unwrap_or_else(default_shard_count);
         let classes = self.policy.num_classes();
+        let history = crate::history::start(&handle);
         let (poller_tx, poller_rx) = flume::unbounded();
         start_poller(self.runtime.clone(), poller_rx, &handle);
         let spec = {
             let runtime = self.runtime.clone();
             let poller = poller_tx.clone();
             let handle = handle.clone();
+            let history = history.clone();
             move |id: PoolId| PoolSpec {
                 id,
                 runtime: runtime.clone(),
@@ -88,6 +90,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 shards,
                 poller: poller.clone(),
                 handle: handle.clone(),
+                history: history.clone(),
             }
         };
         let default = start_pool(spec(PoolId::DEFAULT));
@@ -110,6 +113,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 table,
                 router: router_tx,
                 poller: poller_tx,
+                history,
             }),
         })
     }
@@ -124,6 +128,7 @@ struct EngineInner<R: Runtime> {
     router: Sender<RouterMsg<R>>,
     #[allow(dead_code)]
     poller: Sender<PollerMsg<R>>,
+    history: Arc<crate::history::Recorder>,
 }
 
 impl<R: Runtime> Drop for EngineInner<R> {
@@ -165,6 +170,11 @@ impl<R: Runtime> Engine<R> {
     /// The runtime underneath.
     pub fn runtime(&self) -> &Arc<R> {
         &self.inner.runtime
+    }
+
+    /// The history recorder (see [`crate::history`]).
+    pub(crate) fn recorder(&self) -> &Arc<crate::history::Recorder> {
+        &self.inner.history
     }
 
     /// The size policy in force.

@@ -30,7 +30,12 @@ impl<R: Runtime> PoolActor<R> {
                 self.empty_cache(false).await;
                 match self.host_alloc(class.size).await {
                     Ok(m) => m,
-                    Err(e) => return Err(self.oom(class.size, e)),
+                    Err(e) => {
+                        return Err(crate::history::on_oom(
+                            &self.shared,
+                            self.oom(class.size, e),
+                        ))
+                    }
                 }
             }
             Err(e) => return Err(Error::Runtime(e)),
@@ -74,6 +79,7 @@ impl<R: Runtime> PoolActor<R> {
         stats.host_alloc_time.record(t0.elapsed());
         match &res {
             Ok(m) => {
+                crate::history::on_segment_alloc(&self.shared, m);
                 stats.allocations.increase(1);
                 stats.allocated_bytes.increase(m.size as i64);
                 tracing::debug!(

@@ -102,6 +102,7 @@ pub(crate) struct PoolShared<R: Runtime> {
     pub(crate) stats: PoolStats,
     /// Set when the pool is closing: frees go to the actor, not the ready queues.
     pub(crate) closed: AtomicBool,
+    pub(crate) history: Arc<crate::history::Recorder>,
 }
 
 impl<R: Runtime> PoolShared<R> {
@@ -113,6 +114,7 @@ impl<R: Runtime> PoolShared<R> {
         self.stats.host_free_time.record(t0.elapsed());
         match res {
             Ok(()) => {
+                crate::history::on_segment_free(self, &block.memory);
                 block.freed = true;
                 self.stats.allocations.decrease(1);
                 self.stats
@@ -136,6 +138,7 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) shards: usize,
     pub(crate) poller: Sender<PollerMsg<R>>,
     pub(crate) handle: tokio::runtime::Handle,
+    pub(crate) history: Arc<crate::history::Recorder>,
 }
 
 /// Starts a pool actor and returns the pool's shared part.
@@ -149,6 +152,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
         poller: spec.poller,
         stats: PoolStats::new(spec.shards),
         closed: AtomicBool::new(false),
+        history: spec.history,
     });
     let actor = PoolActor {
         shared: shared.clone(),
