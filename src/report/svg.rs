@@ -187,6 +187,18 @@ pub(super) fn chart(
         if let Some(py) = prev {
             let _ = write!(d, "{:.1},{py:.1}", x(t_end));
         }
+        if pick == 2 && prev.is_some() {
+            // Bytes in use as a shaded area under their curve.
+            let _ = writeln!(
+                out,
+                "<polygon fill=\"{color}\" fill-opacity=\"0.15\" stroke=\"none\" \
+                 points=\"{d} {:.1},{:.1} {:.1},{:.1}\"/>",
+                x(t_end),
+                y(0),
+                x(t_start),
+                y(0)
+            );
+        }
         let _ = writeln!(
             out,
             "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2.5\" \
