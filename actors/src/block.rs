@@ -161,6 +161,7 @@ impl<R: Runtime> Block<R> {
 
     /// A block whose events have all completed becomes reusable.
     pub(crate) fn returned_from_waiting(mut self: Box<Self>) {
+        crate::history::on_free_completed(&self);
         let stats = &self.pool.stats;
         stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
         stats

@@ -104,12 +104,14 @@ impl<R: Runtime> EngineBuilder<R> {
             self.policy.name(),
         ));
         let classes = self.policy.num_classes();
+        let history = crate::history::start(&handle);
         let (poller_tx, poller_rx) = flume::unbounded();
         start_poller(self.runtime.clone(), poller_rx, &handle);
         let spec = {
             let runtime = self.runtime.clone();
             let poller = poller_tx.clone();
             let handle = handle.clone();
+            let history = history.clone();
             move |id: PoolId| PoolSpec {
                 id,
                 runtime: runtime.clone(),
@@ -118,6 +120,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 poller: poller.clone(),
                 handle: handle.clone(),
                 budget: budget.clone(),
+                history: history.clone(),
             }
         };
         let default = start_pool(spec(PoolId::DEFAULT));
@@ -141,6 +144,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 table,
                 router: router_tx,
                 poller: poller_tx,
+                history,
             }),
         })
     }
@@ -155,6 +159,7 @@ struct EngineInner<R: Runtime> {
     router: Sender<RouterMsg<R>>,
     #[allow(dead_code)]
     poller: Sender<PollerMsg<R>>,
+    history: Arc<crate::history::Recorder>,
 }
 
 impl<R: Runtime> Drop for EngineInner<R> {
@@ -196,6 +201,11 @@ impl<R: Runtime> Engine<R> {
     /// The runtime underneath.
     pub fn runtime(&self) -> &Arc<R> {
         &self.inner.runtime
+    }
+
+    /// The history recorder (see [`crate::history`]).
+    pub(crate) fn recorder(&self) -> &Arc<crate::history::Recorder> {
+        &self.inner.history
     }
 
     /// The size policy in force.
@@ -257,7 +267,9 @@ impl<R: Runtime> Engine<R> {
                 class,
                 during_capture,
             } => {
-                let block = miss_async(&pool, class, size, wait).await?;
+                let block = miss_async(&pool, class, size, wait)
+                    .await
+                    .map_err(|e| crate::history::on_oom(&pool, e))?;
                 Ok(Lease::new(block, size, during_capture, self.inner.id))
             }
         }
@@ -276,7 +288,8 @@ impl<R: Runtime> Engine<R> {
                 class,
                 during_capture,
             } => {
-                let block = miss_blocking(&pool, class, size, wait)?;
+                let block = miss_blocking(&pool, class, size, wait)
+                    .map_err(|e| crate::history::on_oom(&pool, e))?;
                 Ok(Lease::new(block, size, during_capture, self.inner.id))
             }
         }

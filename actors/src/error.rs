@@ -81,6 +81,9 @@ pub enum Error {
     /// The allocator was built outside a tokio runtime and no handle was given.
     #[error("no tokio runtime: build the allocator inside one, or give the builder a handle")]
     NoTokioRuntime,
+    /// `record_history(true, 0, ..)`: a history ring needs room for at least one entry.
+    #[error("a history ring needs room for at least one entry (max_entries was 0)")]
+    EmptyHistoryRing,
 }
 
 fn limit_text(limit: Option<usize>) -> String {

@@ -31,6 +31,7 @@ impl<R: Runtime> Lease<R> {
         during_capture: bool,
         engine: u64,
     ) -> Self {
+        crate::history::on_alloc(&block, len);
         let shard = block.pool.ready.my_shard();
         block.shard = shard;
         block.during_capture = during_capture;
@@ -115,6 +116,7 @@ impl<R: Runtime> Lease<R> {
 impl<R: Runtime> Drop for Lease<R> {
     fn drop(&mut self) {
         if let Some(b) = self.block.take() {
+            crate::history::on_free(&b, self.len);
             b.release();
         }
     }

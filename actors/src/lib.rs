@@ -14,9 +14,11 @@
 mod block;
 mod engine;
 mod error;
+mod history;
 mod keepalive;
 mod lease;
 mod limit;
+mod observe;
 mod policy;
 mod poller;
 mod pool;
@@ -31,7 +33,9 @@ mod stats;
 
 pub use engine::{Engine, EngineBuilder};
 pub use error::Error;
+pub use history::{History, HistoryContext, TraceAction, TraceEntry};
 pub use lease::Lease;
+pub use observe::{OomObserver, OomReport, TraceTracker};
 pub use policy::{PowerOfTwo, SizeClass, SizePolicy};
 pub use pool::{EmptyReport, Inventory};
 pub use pool_id::PoolId;

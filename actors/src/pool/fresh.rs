@@ -75,6 +75,7 @@ impl<R: Runtime> PoolActor<R> {
         stats.host_alloc_time.record(t0.elapsed());
         match &res {
             Ok(m) => {
+                crate::history::on_segment_alloc(&self.shared, m);
                 stats.allocations.increase(1);
                 stats.allocated_bytes.increase(m.size as i64);
                 tracing::debug!(

@@ -149,6 +149,7 @@ pub(crate) struct PoolShared<R: Runtime> {
     woken: AtomicBool,
     /// Addresses of segments freed, for the actor to strike from its registry.
     forgotten: (Sender<usize>, Receiver<usize>),
+    pub(crate) history: Arc<crate::history::Recorder>,
 }
 
 impl<R: Runtime> PoolShared<R> {
@@ -161,6 +162,7 @@ impl<R: Runtime> PoolShared<R> {
         self.stats.host_free_time.record(t0.elapsed());
         match res {
             Ok(()) => {
+                crate::history::on_segment_free(self, &block.memory);
                 block.freed = true;
                 self.stats.allocations.decrease(1);
                 self.stats
@@ -196,6 +198,7 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) poller: Sender<PollerMsg<R>>,
     pub(crate) handle: tokio::runtime::Handle,
     pub(crate) budget: Arc<Budget<R>>,
+    pub(crate) history: Arc<crate::history::Recorder>,
 }
 
 /// Starts a pool actor and returns the pool's shared part.
@@ -213,6 +216,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
         queued: AtomicUsize::new(0),
         woken: AtomicBool::new(false),
         forgotten: flume::unbounded(),
+        history: spec.history,
     });
     shared.budget.register(&shared);
     let actor = PoolActor {
