@@ -66,6 +66,35 @@ pub enum Error {
     /// The allocator was built outside a tokio runtime and no handle was given.
     #[error("no tokio runtime: build the allocator inside one, or give the builder a handle")]
     NoTokioRuntime,
+    /// The GPU runtime could not start: no CUDA driver, a driver too old, or a failed
+    /// initialisation call. The message says which.
+    #[error("no usable CUDA device: {message}")]
+    DeviceUnavailable {
+        /// What went wrong, in the runtime's words.
+        message: String,
+    },
+    /// The driver works, but there is no device with this ordinal.
+    #[error("no CUDA device {ordinal}: {count} device(s) present")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        count: usize,
+    },
+    /// The configuration (e.g. the `PINPOOL_CONF` environment variable) is malformed.
+    #[error("invalid configuration: {message}")]
+    InvalidConfig {
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A copy whose destination is shorter than its source.
+    #[error("cannot copy {src_len} bytes into a destination of {dst_len} bytes")]
+    LengthMismatch {
+        /// Bytes of the source.
+        src_len: usize,
+        /// Bytes of the destination.
+        dst_len: usize,
+    },
 }
 
 fn limit_text(limit: Option<usize>) -> String {
