@@ -121,7 +121,11 @@ async fn serve_one(
     Ok(())
 }
 
-fn spawn_ticker(counters: Arc<Counters>, total: u64, start: Instant) -> tokio::task::JoinHandle<()> {
+fn spawn_ticker(
+    counters: Arc<Counters>,
+    total: u64,
+    start: Instant,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let every = if std::io::stderr().is_terminal() {
             100
@@ -377,7 +381,9 @@ mod gpu {
             let total = args.requests;
             workers.push(tokio::spawn(async move {
                 let mut dev = Device {
-                    input: stream.alloc_zeros::<u8>(MAX_REQUEST).map_err(|e| e.to_string())?,
+                    input: stream
+                        .alloc_zeros::<u8>(MAX_REQUEST)
+                        .map_err(|e| e.to_string())?,
                     output: stream
                         .alloc_zeros::<u8>(MAX_REQUEST / 4)
                         .map_err(|e| e.to_string())?,
@@ -390,9 +396,16 @@ mod gpu {
                         return Ok::<_, String>(());
                     }
                     let size = request_size(&mut rng);
-                    serve_one(&pool, &stream, &mut dev, size, (i % 251) as u8 + 1, &counters)
-                        .await
-                        .map_err(|e| format!("request {i}: {e}"))?;
+                    serve_one(
+                        &pool,
+                        &stream,
+                        &mut dev,
+                        size,
+                        (i % 251) as u8 + 1,
+                        &counters,
+                    )
+                    .await
+                    .map_err(|e| format!("request {i}: {e}"))?;
                 }
             }));
         }

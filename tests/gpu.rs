@@ -137,7 +137,10 @@ async fn the_same_block_is_reused_once_its_copy_has_completed() {
         buf.copy_to_device(&stream, &mut dev).unwrap();
         drop(buf);
         stream.synchronize().unwrap();
-        assert!(stream.clone_dtoh(&dev).unwrap() == expected, "round {round}");
+        assert!(
+            stream.clone_dtoh(&dev).unwrap() == expected,
+            "round {round}"
+        );
         // Let the event poller see the completed event.
         let start = Instant::now();
         while pool.stats().waiting_blocks > 0 {
@@ -145,7 +148,10 @@ async fn the_same_block_is_reused_once_its_copy_has_completed() {
             tokio::time::sleep(Duration::from_micros(200)).await;
         }
     }
-    assert!(ptrs.iter().all(|&p| p == ptrs[0]), "one block serves every round");
+    assert!(
+        ptrs.iter().all(|&p| p == ptrs[0]),
+        "one block serves every round"
+    );
     assert_eq!(pool.stats().num_host_alloc, 1);
     println!("gpu reuse_after_copy rounds=50 host_allocs=1");
 }
@@ -173,7 +179,10 @@ async fn the_event_is_recorded_on_the_stream_that_used_the_block() {
 
     assert!(stream_done(&rt, &a), "stream A is idle");
     let other = pool.alloc(MIB).await.unwrap();
-    assert!(!stream_done(&rt, &b), "stream B finished its memsets at once");
+    assert!(
+        !stream_done(&rt, &b),
+        "stream B finished its memsets at once"
+    );
     assert_ne!(other.as_ptr(), ptr, "reused while stream B was busy");
     b.synchronize().unwrap();
     let tries = alloc_until(&pool, MIB, ptr, Duration::from_secs(2)).await;
@@ -217,7 +226,11 @@ async fn begin(pool: &PinnedAllocator<CudaRuntime>, stream: &Arc<CudaStream>, id
         .unwrap();
 }
 
-async fn end(pool: &PinnedAllocator<CudaRuntime>, stream: &Arc<CudaStream>, id: PoolId) -> CudaGraph {
+async fn end(
+    pool: &PinnedAllocator<CudaRuntime>,
+    stream: &Arc<CudaStream>,
+    id: PoolId,
+) -> CudaGraph {
     let graph = stream
         .end_capture(CUgraphInstantiate_flags(0))
         .unwrap()
@@ -229,7 +242,12 @@ async fn end(pool: &PinnedAllocator<CudaRuntime>, stream: &Arc<CudaStream>, id: 
 /// Blocks kept for graph replays, over every pool (a round trip to the pools, so that every
 /// block freed before the call is counted).
 async fn kept_blocks(pool: &PinnedAllocator<CudaRuntime>) -> usize {
-    pool.inventory().await.unwrap().iter().map(|i| i.kept_blocks).sum()
+    pool.inventory()
+        .await
+        .unwrap()
+        .iter()
+        .map(|i| i.kept_blocks)
+        .sum()
 }
 
 /// Replays `graph` after clearing `dev`, and returns what it wrote there.
@@ -262,11 +280,19 @@ async fn capture_pools_keep_blocks_that_real_cuda_graphs_read() {
     let b = pool.alloc_on(MIB, &stream).await.unwrap();
     assert_eq!(a.pool(), Some(id));
     assert!(a.allocated_during_capture() && b.allocated_during_capture());
-    assert_ne!(a.as_ptr(), b.as_ptr(), "two live allocations during capture differ");
+    assert_ne!(
+        a.as_ptr(),
+        b.as_ptr(),
+        "two live allocations during capture differ"
+    );
     let unused = b.as_ptr();
     drop(b);
     let c = pool.alloc_on(MIB, &stream).await.unwrap();
-    assert_eq!(c.as_ptr(), unused, "a block freed during capture without use is reused");
+    assert_eq!(
+        c.as_ptr(),
+        unused,
+        "a block freed during capture without use is reused"
+    );
     drop(c);
     let expected1 = pattern(MIB, 1);
     a.copy_from_slice(&expected1);
@@ -274,7 +300,11 @@ async fn capture_pools_keep_blocks_that_real_cuda_graphs_read() {
     let kept1 = a.as_ptr();
     drop(a);
     let d = pool.alloc_on(MIB, &stream).await.unwrap();
-    assert_ne!(d.as_ptr(), kept1, "a block used by captured work was reused");
+    assert_ne!(
+        d.as_ptr(),
+        kept1,
+        "a block used by captured work was reused"
+    );
     drop(d);
     let graph1 = end(&pool, &stream, id).await;
     assert_eq!(kept_blocks(&pool).await, 1);
@@ -301,8 +331,14 @@ async fn capture_pools_keep_blocks_that_real_cuda_graphs_read() {
             x.fill(0xEE);
             churn.push(x);
         }
-        assert!(replay(&graph1, &stream, &mut dev1) == expected1, "graph 1, replay {round}");
-        assert!(replay(&graph2, &stream, &mut dev2) == expected2, "graph 2, replay {round}");
+        assert!(
+            replay(&graph1, &stream, &mut dev1) == expected1,
+            "graph 1, replay {round}"
+        );
+        assert!(
+            replay(&graph2, &stream, &mut dev2) == expected2,
+            "graph 2, replay {round}"
+        );
     }
     println!("gpu capture_pools graphs=2 replays=3 kept_blocks=2 bytes=right");
 
@@ -381,14 +417,20 @@ async fn cudarc_copies_are_asynchronous_only_when_the_stream_is_recorded() {
     // Not recorded: cudarc waits for the copy before returning.
     keep_busy(&stream, &mut scratch, 200);
     stream.memcpy_htod(&buf, &mut dev).unwrap();
-    assert!(stream_done(&rt, &stream), "an unrecorded copy returned before it ran");
+    assert!(
+        stream_done(&rt, &stream),
+        "an unrecorded copy returned before it ran"
+    );
     assert!(buf.recorded_streams().is_empty());
 
     // Recorded: the call returns at once, and the free waits for the copy instead.
     buf.record_stream(&stream);
     keep_busy(&stream, &mut scratch, 200);
     stream.memcpy_htod(&buf, &mut dev).unwrap();
-    assert!(!stream_done(&rt, &stream), "a recorded copy waited for the stream");
+    assert!(
+        !stream_done(&rt, &stream),
+        "a recorded copy waited for the stream"
+    );
     drop(buf);
     assert_eq!(pool.stats().waiting_blocks, 1);
     stream.memcpy_dtoh(&dev, &mut vec![0u8; MIB]).unwrap();
@@ -411,7 +453,10 @@ async fn a_copy_into_a_shorter_destination_is_a_typed_error_and_enqueues_nothing
             dst_len: 1000
         }
     );
-    assert!(buf.recorded_streams().is_empty(), "nothing was enqueued or recorded");
+    assert!(
+        buf.recorded_streams().is_empty(),
+        "nothing was enqueued or recorded"
+    );
     let big = stream.alloc_zeros::<u8>(8192).unwrap();
     let err = buf.copy_from_device(&stream, &big).unwrap_err();
     assert_eq!(
@@ -461,11 +506,17 @@ async fn without_a_gpu_the_builder_gives_a_typed_error_and_best_available_falls_
         if again.as_ptr() == ptr {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(2), "the idle stream's block never came back");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "the idle stream's block never came back"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     if !cuda_available() {
-        let err = PinnedAllocator::builder().cuda(0).err().expect("no GPU here");
+        let err = PinnedAllocator::builder()
+            .cuda(0)
+            .err()
+            .expect("no GPU here");
         assert!(
             matches!(
                 err,
