@@ -6,7 +6,13 @@
 //! prints throughput, the cache hit rate and the allocator's statistics.
 //!
 //! ```text
-//! cargo run --release --example serve -- [--requests N] [--concurrency N] [--streams N]
+//! cargo run --release --example serve -- [--requests N] [--concurrency N] [--streams N] [--max-mib N]
+//! ```
+//!
+//! By default reserved pinned memory is capped at 40 MiB, below what the workload would
+//! reserve unbounded: requests over the cap wait for buffers to come back (backpressure).
+//!
+//! ```text
 //! ```
 //!
 //! It runs on the simulated runtime (software streams that check every copy for early reuse).
@@ -27,6 +33,19 @@ struct Args {
     requests: u64,
     concurrency: usize,
     streams: usize,
+    /// Cap on reserved pinned memory, in MiB (0: none).
+    max_mib: u64,
+}
+
+impl Args {
+    /// The allocator builder's memory cap.
+    fn apply<R: Runtime>(&self, b: Builder<R>) -> Builder<R> {
+        if self.max_mib > 0 {
+            b.max_bytes((self.max_mib as usize) << 20)
+        } else {
+            b
+        }
+    }
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -34,6 +53,7 @@ fn parse_args() -> Result<Args, String> {
         requests: 20_000,
         concurrency: 64,
         streams: 4,
+        max_mib: 40,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -47,8 +67,13 @@ fn parse_args() -> Result<Args, String> {
             "--requests" => a.requests = value("--requests")?,
             "--concurrency" => a.concurrency = value("--concurrency")?.max(1) as usize,
             "--streams" => a.streams = value("--streams")?.max(1) as usize,
+            "--max-mib" => a.max_mib = value("--max-mib")?,
             "-h" | "--help" => {
-                println!("usage: serve [--requests N] [--concurrency N] [--streams N]");
+                println!(
+                    "usage: serve [--requests N] [--concurrency N] [--streams N] [--max-mib N]\n\
+                     --max-mib caps reserved pinned memory (default 40; 0 for none): requests\n\
+                     over the cap wait for buffers to come back instead of failing"
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
@@ -182,6 +207,15 @@ fn report(stats: &pinpool::HostStats, counters: &Counters, elapsed: Duration) {
         stats.host_alloc_time.total as f64 / 1e3,
         stats.host_alloc_time.max
     );
+    match stats.limit_bytes {
+        Some(limit) => println!(
+            "| memory limit | {:.1} MiB (cache emptied to make room {} times; requests refused {}) |",
+            mib(limit),
+            stats.num_alloc_retries,
+            stats.num_ooms
+        ),
+        None => println!("| memory limit | none |"),
+    }
 }
 
 fn progress(done: u64, total: u64, start: Instant, final_line: bool) {
@@ -215,7 +249,7 @@ async fn main() {
     #[cfg(feature = "cuda")]
     match PinnedAllocator::builder().cuda(0) {
         Ok(builder) => {
-            let pool = builder.build().expect("allocator");
+            let pool = args.apply(builder).build().expect("allocator");
             if !gpu::serve(pool, &args).await {
                 std::process::exit(1);
             }
@@ -231,11 +265,19 @@ async fn serve_sim(args: Args) {
         "pinpool serve: runtime=sim (software streams; every copy is checked for early reuse)"
     );
     println!(
-        "{} requests, {} concurrent, {} streams",
-        args.requests, args.concurrency, args.streams
+        "{} requests, {} concurrent, {} streams, memory limit {}",
+        args.requests,
+        args.concurrency,
+        args.streams,
+        if args.max_mib > 0 {
+            format!("{} MiB", args.max_mib)
+        } else {
+            "none".into()
+        }
     );
     let sim = SimRuntime::new();
-    let pool = Builder::new(Arc::new(sim.clone()))
+    let pool = args
+        .apply(Builder::new(Arc::new(sim.clone())))
         .build()
         .expect("allocator");
     let streams: Vec<SimStream> = (0..args.streams).map(|_| sim.stream()).collect();
