@@ -164,6 +164,28 @@ fn spawn_ticker(
     })
 }
 
+/// Waits for the request tasks, stops the progress ticker and prints the last progress line;
+/// returns whether any request failed, and the wall time.
+async fn join_workers(
+    workers: Vec<tokio::task::JoinHandle<Result<(), String>>>,
+    ticker: tokio::task::JoinHandle<()>,
+    counters: &Counters,
+    total: u64,
+    start: Instant,
+) -> (bool, Duration) {
+    let mut failed = false;
+    for w in workers {
+        if let Err(e) = w.await.expect("worker task") {
+            eprintln!("serve: {e}");
+            failed = true;
+        }
+    }
+    ticker.abort();
+    let elapsed = start.elapsed();
+    progress(counters.done.load(Ordering::Relaxed), total, start, true);
+    (failed, elapsed)
+}
+
 /// Prints the table of results common to both runtimes.
 fn report(stats: &pinpool::HostStats, counters: &Counters, elapsed: Duration) {
     let done = counters.done.load(Ordering::Relaxed);
@@ -309,21 +331,7 @@ async fn serve_sim(args: Args) {
             }
         }));
     }
-    let mut failed = false;
-    for w in workers {
-        if let Err(e) = w.await.expect("worker task") {
-            eprintln!("serve: {e}");
-            failed = true;
-        }
-    }
-    ticker.abort();
-    let elapsed = start.elapsed();
-    progress(
-        counters.done.load(Ordering::Relaxed),
-        args.requests,
-        start,
-        true,
-    );
+    let (failed, elapsed) = join_workers(workers, ticker, &counters, args.requests, start).await;
     for s in &streams {
         s.synchronize().expect("stream");
     }
@@ -451,21 +459,8 @@ mod gpu {
                 }
             }));
         }
-        let mut failed = false;
-        for w in workers {
-            if let Err(e) = w.await.expect("worker task") {
-                eprintln!("serve: {e}");
-                failed = true;
-            }
-        }
-        ticker.abort();
-        let elapsed = start.elapsed();
-        progress(
-            counters.done.load(Ordering::Relaxed),
-            args.requests,
-            start,
-            true,
-        );
+        let (failed, elapsed) =
+            super::join_workers(workers, ticker, &counters, args.requests, start).await;
         for s in &streams {
             s.synchronize().expect("stream");
         }
