@@ -39,6 +39,7 @@ pub mod trace;
 pub use allocator::{Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
 pub use pinpool_actors::{
-    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, PinMethod, PoolId,
-    PowerOfTwo, Runtime, RuntimeError, SizeClass, SizePolicy, Stat, StreamFilter, StreamId,
+    BestFit, BlockLayout, Carving, DurationStat, EmptyReport, Error, HostMemory, HostStats,
+    Inventory, PinMethod, PoolId, PowerOfTwo, Runtime, RuntimeError, SizeClass, SizePolicy, Stat,
+    StreamFilter, StreamId,
 };

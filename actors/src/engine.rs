@@ -75,6 +75,7 @@ impl<R: Runtime> EngineBuilder<R> {
         let id = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
         let shards = self.shards.unwrap_or_else(default_shard_count);
         let classes = self.policy.num_classes();
+        let layout = self.policy.layout();
         let (poller_tx, poller_rx) = flume::unbounded();
         start_poller(self.runtime.clone(), poller_rx, &handle);
         let spec = {
@@ -88,6 +89,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 shards,
                 poller: poller.clone(),
                 handle: handle.clone(),
+                layout,
             }
         };
         let default = start_pool(spec(PoolId::DEFAULT));

@@ -12,6 +12,7 @@
 #![allow(clippy::vec_box, clippy::boxed_local)]
 
 mod block;
+mod carve;
 mod engine;
 mod error;
 mod keepalive;
@@ -30,7 +31,7 @@ mod stats;
 pub use engine::{Engine, EngineBuilder};
 pub use error::Error;
 pub use lease::Lease;
-pub use policy::{PowerOfTwo, SizeClass, SizePolicy};
+pub use policy::{BestFit, BlockLayout, Carving, PowerOfTwo, SizeClass, SizePolicy};
 pub use pool::{EmptyReport, Inventory};
 pub use pool_id::PoolId;
 pub use router::StreamFilter;

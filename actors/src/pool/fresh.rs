@@ -12,9 +12,14 @@ use crate::runtime::{HostMemory, Runtime, RuntimeError};
 
 impl<R: Runtime> PoolActor<R> {
     pub(super) async fn fresh(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        let first = self.host_alloc(class.size).await;
-        let memory = match first {
-            Ok(m) => m,
+        let memory = self.fresh_memory(class.size).await?;
+        Ok(Block::new(memory, class.index, self.shared.clone()))
+    }
+
+    /// `size` bytes of fresh memory, retried once after emptying the cache on out of memory.
+    pub(super) async fn fresh_memory(&mut self, size: usize) -> Result<HostMemory, Error> {
+        match self.host_alloc(size).await {
+            Ok(m) => Ok(m),
             Err(e) if e.out_of_memory => {
                 // Out of memory from the runtime itself: empty the cache and retry once.
                 self.shared
@@ -22,18 +27,14 @@ impl<R: Runtime> PoolActor<R> {
                     .num_alloc_retries
                     .fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
-                    bytes = class.size,
+                    bytes = size,
                     "host allocation out of memory; emptying the cache and retrying"
                 );
                 self.empty_cache(false).await;
-                match self.host_alloc(class.size).await {
-                    Ok(m) => m,
-                    Err(e) => return Err(self.oom(class.size, e)),
-                }
+                self.host_alloc(size).await.map_err(|e| self.oom(size, e))
             }
-            Err(e) => return Err(Error::Runtime(e)),
-        };
-        Ok(Block::new(memory, class.index, self.shared.clone()))
+            Err(e) => Err(Error::Runtime(e)),
+        }
     }
 
     pub(super) fn oom(&self, requested: usize, e: RuntimeError) -> Error {

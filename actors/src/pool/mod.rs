@@ -12,6 +12,9 @@
 mod books;
 mod cache;
 mod fresh;
+mod segments;
+
+pub(crate) use segments::Segment;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -21,7 +24,7 @@ use flume::{Receiver, Sender};
 
 use crate::block::{Block, BlockState};
 use crate::error::Error;
-use crate::policy::SizeClass;
+use crate::policy::{BlockLayout, SizeClass};
 use crate::poller::PollerMsg;
 use crate::pool_id::PoolId;
 use crate::ready::ReadyQueues;
@@ -102,6 +105,8 @@ pub(crate) struct PoolShared<R: Runtime> {
     pub(crate) stats: PoolStats,
     /// Set when the pool is closing: frees go to the actor, not the ready queues.
     pub(crate) closed: AtomicBool,
+    /// Freed blocks larger than this go to the actor, not the ready queues.
+    pub(crate) max_cached_size: usize,
 }
 
 impl<R: Runtime> PoolShared<R> {
@@ -131,6 +136,7 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) shards: usize,
     pub(crate) poller: Sender<PollerMsg<R>>,
     pub(crate) handle: tokio::runtime::Handle,
+    pub(crate) layout: BlockLayout,
 }
 
 /// Starts a pool actor and returns the pool's shared part.
@@ -144,12 +150,17 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
         poller: spec.poller,
         stats: PoolStats::new(spec.shards),
         closed: AtomicBool::new(false),
+        max_cached_size: match spec.layout {
+            BlockLayout::Whole => usize::MAX,
+            BlockLayout::Carved(c) => c.max_cached_size,
+        },
     });
     let actor = PoolActor {
         shared: shared.clone(),
         rx,
         kept: Vec::new(),
         closing: false,
+        segments: segments::Segments::for_layout(spec.layout),
     };
     let name = if spec.id.is_default() {
         "pinpool::pool(default)".to_string()
@@ -165,6 +176,8 @@ pub(crate) struct PoolActor<R: Runtime> {
     rx: Receiver<PoolMsg<R>>,
     kept: Vec<Box<Block<R>>>,
     closing: bool,
+    /// Free ranges of the pool's segments, when the layout carves blocks out of them.
+    segments: Option<segments::Segments<R>>,
 }
 
 /// How often a closing pool looks for blocks that slipped into its ready queues.

@@ -1,0 +1,252 @@
+//! Carved segments: for a policy whose layout is [`BlockLayout::Carved`], the pool's host
+//! allocations (segments) and the free ranges in them, and how the pool actor answers a miss
+//! from them.
+//!
+//! Owns the [`Carver`] of the pool's segments; every block of such a pool is a range of one
+//! segment and holds an `Arc` of it. A block's range is free in the carver only while no one
+//! else holds the block: blocks in ready queues are drained into the carver on a miss that no
+//! free range fits (and only then coalesce), while blocks waiting on events (with the poller)
+//! or kept for graph replays (in the pool's `kept`) are never in it, so they are never cut
+//! into a new block early (invariants 1 and 4). Fresh memory is taken only after completed
+//! events have been noticed (invariant 3), on a blocking thread (invariant 6). A segment goes
+//! back to the runtime only when no piece of it is lent (invariant 2); if the actor is gone,
+//! the last block of a segment gives it back, unless device work may still use a piece.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{PoolActor, PoolShared};
+use crate::block::Block;
+use crate::carve::{Carver, Piece, SegId};
+use crate::error::Error;
+use crate::policy::{BlockLayout, Carving, SizeClass};
+use crate::runtime::{HostMemory, Runtime, RuntimeError};
+
+/// One host allocation that blocks are cut out of.
+pub(crate) struct Segment<R: Runtime> {
+    id: SegId,
+    memory: HostMemory,
+    pool: Arc<PoolShared<R>>,
+    /// Device work may still use a piece: never give the memory back.
+    leaked: AtomicBool,
+    /// The pool actor gave the memory back.
+    given_back: AtomicBool,
+}
+
+impl<R: Runtime> Segment<R> {
+    /// Marks the segment as never to be given back (a piece may still be used by the device).
+    pub(crate) fn leak(&self) {
+        self.leaked.store(true, Ordering::Relaxed);
+    }
+}
+
+impl<R: Runtime> Drop for Segment<R> {
+    fn drop(&mut self) {
+        if self.given_back.load(Ordering::Acquire) {
+            return;
+        }
+        if self.leaked.load(Ordering::Relaxed) {
+            tracing::warn!(
+                bytes = self.memory.size,
+                "pinned segment still used by device work outlived its allocator's actors; leaked"
+            );
+            return;
+        }
+        // The pool actor is gone and this was the last holder: give the memory back here.
+        let t0 = Instant::now();
+        let res = self.pool.runtime.host_free(self.memory);
+        self.pool.account_free(&self.memory, t0.elapsed(), res);
+    }
+}
+
+/// The free ranges of a pool's segments.
+pub(super) struct Segments<R: Runtime> {
+    carver: Carver<Arc<Segment<R>>>,
+    carving: Carving,
+}
+
+impl<R: Runtime> Segments<R> {
+    /// Segments for a carving layout; `None` for whole blocks.
+    pub(super) fn for_layout(layout: BlockLayout) -> Option<Self> {
+        match layout {
+            BlockLayout::Whole => None,
+            BlockLayout::Carved(carving) => Some(Self {
+                carver: Carver::new(),
+                carving,
+            }),
+        }
+    }
+
+    /// (free ranges, free bytes, lent pieces), for the books.
+    pub(super) fn census(&self) -> (usize, usize, usize) {
+        (
+            self.carver.free_ranges(),
+            self.carver.free_bytes(),
+            self.carver.lent_pieces(),
+        )
+    }
+
+    /// Bytes of a fresh segment for a block of `size` bytes.
+    fn segment_size(&self, size: usize) -> usize {
+        let c = &self.carving;
+        if size <= c.small_limit {
+            c.small_segment.max(size)
+        } else {
+            size.checked_next_multiple_of(c.large_round.max(1))
+                .unwrap_or(size)
+        }
+    }
+}
+
+impl<R: Runtime> PoolActor<R> {
+    /// Cuts a block of `class` out of the best-fitting free range, if one fits.
+    fn carve_block(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let segs = self.segments.as_mut()?;
+        let piece = segs.carver.carve(class.size)?;
+        let seg = segs.carver.payload(piece.seg)?.clone();
+        // The piece lies inside the segment (the carver never hands out a range beyond it),
+        // so the pointer stays inside one allocation and is not null.
+        let ptr = std::ptr::NonNull::new(seg.memory.ptr.as_ptr().wrapping_add(piece.offset))?;
+        let memory = HostMemory {
+            ptr,
+            size: piece.len,
+            method: seg.memory.method,
+        };
+        let mut block = Block::new(memory, class.index, self.shared.clone());
+        block.segment = Some(seg);
+        Some(block)
+    }
+
+    /// Takes a carved block's range back into the free ranges, merging it with free
+    /// neighbours. Returns false for a block that was not carved (left untouched).
+    fn absorb(&mut self, block: &mut Box<Block<R>>) -> bool {
+        let (Some(segs), Some(seg)) = (self.segments.as_mut(), block.segment.as_ref()) else {
+            return false;
+        };
+        let piece = Piece {
+            seg: seg.id,
+            offset: block.memory.ptr.as_ptr() as usize - seg.memory.ptr.as_ptr() as usize,
+            len: block.size,
+        };
+        if let Err(e) = segs.carver.release(piece) {
+            // Bookkeeping gone wrong: keep the range out of circulation rather than risk
+            // handing it out twice.
+            tracing::error!(
+                ?e,
+                ?piece,
+                "carved block could not be taken back; range leaked"
+            );
+        }
+        block.freed = true;
+        block.segment = None;
+        true
+    }
+
+    /// Moves every block of the ready queues into the free ranges.
+    fn absorb_ready(&mut self) {
+        for mut b in self.shared.ready.drain() {
+            if !self.absorb(&mut b) {
+                self.shared.ready.put(b);
+            }
+        }
+    }
+
+    /// Takes carved blocks back; returns those that were not carved.
+    pub(super) fn absorb_all(&mut self, blocks: Vec<Box<Block<R>>>) -> Vec<Box<Block<R>>> {
+        blocks
+            .into_iter()
+            .filter_map(|mut b| (!self.absorb(&mut b)).then_some(b))
+            .collect()
+    }
+
+    /// Whether the pool carves, and the block is too large to cache.
+    pub(super) fn uncacheable(&self, block: &Block<R>) -> bool {
+        block.segment.is_some()
+            && self
+                .segments
+                .as_ref()
+                .is_some_and(|s| block.size > s.carving.max_cached_size)
+    }
+
+    /// A miss under a carving layout: a free range, then the ready queues drained and
+    /// coalesced, then (after noticing completed events) the same again, then a fresh segment.
+    pub(super) async fn miss_carved(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
+        if let Some(b) = self.carve_block(class) {
+            return Ok(b);
+        }
+        self.absorb_ready();
+        if let Some(b) = self.carve_block(class) {
+            return Ok(b);
+        }
+        if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
+            self.flush_events().await;
+            self.absorb_ready();
+            if let Some(b) = self.carve_block(class) {
+                return Ok(b);
+            }
+        }
+        let size = match &self.segments {
+            Some(s) => s.segment_size(class.size),
+            None => class.size,
+        };
+        let memory = self.fresh_memory(size).await?;
+        self.add_segment(memory);
+        self.carve_block(class).ok_or_else(|| {
+            Error::Runtime(RuntimeError::new(
+                "carve",
+                format!(
+                    "a fresh segment of {size} bytes did not hold {} bytes",
+                    class.size
+                ),
+            ))
+        })
+    }
+
+    fn add_segment(&mut self, memory: HostMemory) {
+        let pool = self.shared.clone();
+        if let Some(segs) = self.segments.as_mut() {
+            segs.carver.add_segment_with(memory.size, |id| {
+                Arc::new(Segment {
+                    id,
+                    memory,
+                    pool,
+                    leaked: AtomicBool::new(false),
+                    given_back: AtomicBool::new(false),
+                })
+            });
+        }
+    }
+
+    /// Gives back every wholly free segment (only those larger than `max_cached_size`
+    /// unless `all`), on a blocking thread. Returns (segments, bytes).
+    pub(super) async fn give_back_free_segments(&mut self, all: bool) -> (usize, usize) {
+        let Some(segs) = self.segments.as_mut() else {
+            return (0, 0);
+        };
+        let max = segs.carving.max_cached_size;
+        let gone = segs.carver.remove_free_segments(|size| !all && size <= max);
+        if gone.is_empty() {
+            return (0, 0);
+        }
+        let n = gone.len();
+        let bytes = gone.iter().map(|(s, _)| s.memory.size).sum();
+        let shared = self.shared.clone();
+        let job = tokio::task::spawn_blocking(move || {
+            for (seg, _) in gone {
+                // Every piece came back, so no block holds the segment: this is the last `Arc`
+                // (if not, the last holder gives it back when it goes).
+                if let Ok(seg) = Arc::try_unwrap(seg) {
+                    let t0 = Instant::now();
+                    let res = shared.runtime.host_free(seg.memory);
+                    shared.account_free(&seg.memory, t0.elapsed(), res);
+                    seg.given_back.store(true, Ordering::Release);
+                }
+            }
+        });
+        if let Err(e) = job.await {
+            tracing::error!(error = %e, "freeing pinned memory failed");
+        }
+        (n, bytes)
+    }
+}
