@@ -142,6 +142,23 @@ impl<T> Carver<T> {
         })
     }
 
+    /// Hands out a whole free range of at least `size` bytes and less than `size + max_waste`
+    /// (the smallest such), without splitting it; `None` when there is none.
+    pub(crate) fn take_whole(&mut self, size: usize, max_waste: usize) -> Option<Piece> {
+        let want = align_up(size.max(1))?;
+        let &(len, seg, offset) = self.by_size.range((want, SegId(0), 0)..).next()?;
+        if len - want >= max_waste.max(ALIGN) {
+            return None;
+        }
+        self.by_size.remove(&(len, seg, offset));
+        let s = self.segments.get_mut(&seg)?;
+        s.free.remove(&offset);
+        s.lent += 1;
+        self.free_bytes -= len;
+        self.lent_pieces += 1;
+        Some(Piece { seg, offset, len })
+    }
+
     /// Takes back a lent piece and merges it with free neighbours. Returns whether its
     /// segment is now wholly free.
     pub(crate) fn release(&mut self, piece: Piece) -> Result<bool, CarveError> {
@@ -200,6 +217,15 @@ impl<T> Carver<T> {
             .collect();
         ids.into_iter()
             .filter_map(|id| self.remove_segment(id))
+            .collect()
+    }
+
+    /// The wholly free segments and their sizes.
+    pub(crate) fn free_segments(&self) -> Vec<(SegId, usize)> {
+        self.segments
+            .iter()
+            .filter(|(_, s)| s.lent == 0)
+            .map(|(id, s)| (*id, s.size))
             .collect()
     }
 
@@ -355,6 +381,17 @@ mod tests {
             assert!(p.len >= want);
             assert!(p.len - want < max_waste, "{} for {}", p.len, want);
         }
+    }
+
+    #[test]
+    fn a_whole_range_is_handed_out_only_within_the_waste_bound() {
+        let mut c = Carver::new();
+        c.add_segment(10 * MIB, ());
+        assert_eq!(c.take_whole(8 * MIB, MIB), None);
+        let p = c.take_whole(9 * MIB + 512, MIB).unwrap();
+        assert_eq!((p.offset, p.len), (0, 10 * MIB));
+        assert_eq!(c.free_bytes(), 0);
+        assert_eq!(c.release(p), Ok(true));
     }
 
     #[test]

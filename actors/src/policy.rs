@@ -54,6 +54,9 @@ pub struct Carving {
     /// Blocks larger than this are not cached: once free, their segment goes back to the
     /// runtime as soon as no piece of it is lent.
     pub max_cached_size: usize,
+    /// When a miss needs fresh memory, first give back the segments that are wholly free
+    /// (none of them could serve the miss): keeps the peak of reserved memory down.
+    pub release_before_fresh: bool,
 }
 
 /// The largest request [`BestFit`] accepts: 1 TiB.
@@ -91,12 +94,19 @@ impl Default for BestFit {
                 small_segment: 2 << 20,
                 large_round: 4096,
                 max_cached_size: usize::MAX,
+                release_before_fresh: true,
             },
         }
     }
 }
 
 impl BestFit {
+    /// Keep wholly free segments when a miss needs fresh memory (default: give them back).
+    pub fn keep_free_segments(mut self) -> Self {
+        self.carving.release_before_fresh = false;
+        self
+    }
+
     /// Blocks above `bytes` are not cached: their memory goes back to the runtime once free.
     pub fn max_cached_size(mut self, bytes: usize) -> Self {
         self.carving.max_cached_size = bytes;

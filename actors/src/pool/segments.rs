@@ -23,9 +23,14 @@ use crate::error::Error;
 use crate::policy::{BlockLayout, Carving, SizeClass};
 use crate::runtime::{HostMemory, Runtime, RuntimeError};
 
+/// A large request reuses a free segment at most 1/8 larger than itself.
+const LARGE_WASTE_DIVISOR: usize = 8;
+
 /// One host allocation that blocks are cut out of.
 pub(crate) struct Segment<R: Runtime> {
     id: SegId,
+    /// Shared by small blocks (in the small carver) rather than cut for large ones.
+    small: bool,
     memory: HostMemory,
     pool: Arc<PoolShared<R>>,
     /// Device work may still use a piece: never give the memory back.
@@ -60,9 +65,11 @@ impl<R: Runtime> Drop for Segment<R> {
     }
 }
 
-/// The free ranges of a pool's segments.
+/// The free ranges of a pool's segments: small blocks and large ones are cut out of
+/// different segments, so that small blocks do not pin holes into large free ranges.
 pub(super) struct Segments<R: Runtime> {
-    carver: Carver<Arc<Segment<R>>>,
+    small: Carver<Arc<Segment<R>>>,
+    large: Carver<Arc<Segment<R>>>,
     carving: Carving,
 }
 
@@ -72,7 +79,8 @@ impl<R: Runtime> Segments<R> {
         match layout {
             BlockLayout::Whole => None,
             BlockLayout::Carved(carving) => Some(Self {
-                carver: Carver::new(),
+                small: Carver::new(),
+                large: Carver::new(),
                 carving,
             }),
         }
@@ -80,11 +88,24 @@ impl<R: Runtime> Segments<R> {
 
     /// (free ranges, free bytes, lent pieces), for the books.
     pub(super) fn census(&self) -> (usize, usize, usize) {
+        let (s, l) = (&self.small, &self.large);
         (
-            self.carver.free_ranges(),
-            self.carver.free_bytes(),
-            self.carver.lent_pieces(),
+            s.free_ranges() + l.free_ranges(),
+            s.free_bytes() + l.free_bytes(),
+            s.lent_pieces() + l.lent_pieces(),
         )
+    }
+
+    fn carver(&mut self, small: bool) -> &mut Carver<Arc<Segment<R>>> {
+        if small {
+            &mut self.small
+        } else {
+            &mut self.large
+        }
+    }
+
+    fn is_small(&self, size: usize) -> bool {
+        size <= self.carving.small_limit
     }
 
     /// Bytes of a fresh segment for a block of `size` bytes.
@@ -103,8 +124,17 @@ impl<R: Runtime> PoolActor<R> {
     /// Cuts a block of `class` out of the best-fitting free range, if one fits.
     fn carve_block(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         let segs = self.segments.as_mut()?;
-        let piece = segs.carver.carve(class.size)?;
-        let seg = segs.carver.payload(piece.seg)?.clone();
+        let piece = if segs.is_small(class.size) {
+            segs.small.carve(class.size)?
+        } else {
+            // A large free range is reused whole, and only when it wastes little: split, it
+            // could no longer go back to the runtime when the peak needs room.
+            segs.large
+                .take_whole(class.size, class.size / LARGE_WASTE_DIVISOR)
+                .or_else(|| segs.large.carve(class.size))?
+        };
+        let carver = segs.carver(segs.is_small(class.size));
+        let seg = carver.payload(piece.seg)?.clone();
         // The piece lies inside the segment (the carver never hands out a range beyond it),
         // so the pointer stays inside one allocation and is not null.
         let ptr = std::ptr::NonNull::new(seg.memory.ptr.as_ptr().wrapping_add(piece.offset))?;
@@ -129,7 +159,7 @@ impl<R: Runtime> PoolActor<R> {
             offset: block.memory.ptr.as_ptr() as usize - seg.memory.ptr.as_ptr() as usize,
             len: block.size,
         };
-        if let Err(e) = segs.carver.release(piece) {
+        if let Err(e) = segs.carver(seg.small).release(piece) {
             // Bookkeeping gone wrong: keep the range out of circulation rather than risk
             // handing it out twice.
             tracing::error!(
@@ -190,8 +220,18 @@ impl<R: Runtime> PoolActor<R> {
             Some(s) => s.segment_size(class.size),
             None => class.size,
         };
+        let reserved = self.shared.stats.allocated_bytes.read();
+        let over = (reserved.current.max(0) as usize + size)
+            .saturating_sub(reserved.peak.max(0) as usize);
+        if over > 0 && self.segments.as_ref().is_some_and(|s| s.carving.release_before_fresh) {
+            // Nothing free fits, and the fresh segment would raise the peak of reserved
+            // bytes: give back wholly free segments (none of them could serve it), largest
+            // first, until it would not, or none is left.
+            self.give_back_room(over).await;
+        }
         let memory = self.fresh_memory(size).await?;
-        self.add_segment(memory);
+        let small = self.segments.as_ref().is_some_and(|s| s.is_small(class.size));
+        self.add_segment(memory, small);
         self.carve_block(class).ok_or_else(|| {
             Error::Runtime(RuntimeError::new(
                 "carve",
@@ -203,12 +243,13 @@ impl<R: Runtime> PoolActor<R> {
         })
     }
 
-    fn add_segment(&mut self, memory: HostMemory) {
+    fn add_segment(&mut self, memory: HostMemory, small: bool) {
         let pool = self.shared.clone();
         if let Some(segs) = self.segments.as_mut() {
-            segs.carver.add_segment_with(memory.size, |id| {
+            segs.carver(small).add_segment_with(memory.size, |id| {
                 Arc::new(Segment {
                     id,
+                    small,
                     memory,
                     pool,
                     leaked: AtomicBool::new(false),
@@ -218,6 +259,31 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
+    /// Gives back wholly free segments, largest first, until `bytes` have gone back.
+    async fn give_back_room(&mut self, bytes: usize) {
+        let Some(segs) = self.segments.as_mut() else {
+            return;
+        };
+        let mut candidates: Vec<(usize, bool, SegId)> = Vec::new();
+        for small in [true, false] {
+            let c = segs.carver(small);
+            candidates.extend(c.free_segments().into_iter().map(|(id, n)| (n, small, id)));
+        }
+        candidates.sort_unstable_by(|a, b| b.cmp(a));
+        let mut freed = 0;
+        let mut gone = Vec::new();
+        for (n, small, id) in candidates {
+            if freed >= bytes {
+                break;
+            }
+            if let Some(g) = segs.carver(small).remove_segment(id) {
+                gone.push(g);
+                freed += n;
+            }
+        }
+        self.host_free_segments(gone).await;
+    }
+
     /// Gives back every wholly free segment (only those larger than `max_cached_size`
     /// unless `all`), on a blocking thread. Returns (segments, bytes).
     pub(super) async fn give_back_free_segments(&mut self, all: bool) -> (usize, usize) {
@@ -225,7 +291,13 @@ impl<R: Runtime> PoolActor<R> {
             return (0, 0);
         };
         let max = segs.carving.max_cached_size;
-        let gone = segs.carver.remove_free_segments(|size| !all && size <= max);
+        let mut gone = segs.small.remove_free_segments(|size| !all && size <= max);
+        gone.extend(segs.large.remove_free_segments(|size| !all && size <= max));
+        self.host_free_segments(gone).await
+    }
+
+    /// Gives segments taken out of the carvers back to the runtime on a blocking thread.
+    async fn host_free_segments(&self, gone: Vec<(Arc<Segment<R>>, usize)>) -> (usize, usize) {
         if gone.is_empty() {
             return (0, 0);
         }
