@@ -45,10 +45,7 @@ pub enum ReplayError {
     /// A trace could not be read (the message names the file and line).
     Trace(TraceError),
     /// The allocator failed.
-    Alloc {
-        file: String,
-        error: pinpool::Error,
-    },
+    Alloc { file: String, error: pinpool::Error },
     /// No tokio runtime could be started.
     Runtime(std::io::Error),
 }
@@ -157,11 +154,7 @@ impl Report {
 }
 
 /// Replays `trace` (named `file` in the report) through a fresh allocator with `policy`.
-pub fn replay_trace(
-    trace: &Trace,
-    file: &str,
-    policy_name: &str,
-) -> Result<Report, ReplayError> {
+pub fn replay_trace(trace: &Trace, file: &str, policy_name: &str) -> Result<Report, ReplayError> {
     let policy = policy(policy_name)
         .ok_or_else(|| ReplayError::Usage(format!("unknown policy {policy_name:?}")))?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -221,16 +221,24 @@ impl<R: Runtime> PoolActor<R> {
             None => class.size,
         };
         let reserved = self.shared.stats.allocated_bytes.read();
-        let over = (reserved.current.max(0) as usize + size)
-            .saturating_sub(reserved.peak.max(0) as usize);
-        if over > 0 && self.segments.as_ref().is_some_and(|s| s.carving.release_before_fresh) {
+        let over =
+            (reserved.current.max(0) as usize + size).saturating_sub(reserved.peak.max(0) as usize);
+        if over > 0
+            && self
+                .segments
+                .as_ref()
+                .is_some_and(|s| s.carving.release_before_fresh)
+        {
             // Nothing free fits, and the fresh segment would raise the peak of reserved
             // bytes: give back wholly free segments (none of them could serve it), largest
             // first, until it would not, or none is left.
             self.give_back_room(over).await;
         }
         let memory = self.fresh_memory(size).await?;
-        let small = self.segments.as_ref().is_some_and(|s| s.is_small(class.size));
+        let small = self
+            .segments
+            .as_ref()
+            .is_some_and(|s| s.is_small(class.size));
         self.add_segment(memory, small);
         self.carve_block(class).ok_or_else(|| {
             Error::Runtime(RuntimeError::new(
