@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::assert_books_balance;
 use pinpool::sim::{DeviceBuffer, SimRuntime};
-use pinpool::{BestFit, Builder, PinnedAllocator, SizePolicy};
+use pinpool::{BestFit, BlockStatus, Builder, PinnedAllocator, SizePolicy};
 
 fn best_fit_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
@@ -179,4 +179,91 @@ async fn the_cached_path_serves_a_size_seen_before_from_the_same_block() {
     }
     assert_eq!(sim.total_host_allocs(), 1);
     assert_eq!(BestFit::default().class_of(100_000).unwrap().size % 512, 0);
+}
+
+#[tokio::test]
+async fn a_snapshot_lists_each_segment_with_its_carved_blocks_and_free_ranges() {
+    let (pool, sim) = best_fit_pool();
+    let stream = sim.stream();
+    let hold = stream.hold();
+    let a = pool.alloc(4096).await.unwrap();
+    let mut b = pool.alloc(8192).await.unwrap();
+    let c = pool.alloc(16384).await.unwrap();
+    b.record_stream(&stream);
+    let (pa, pb, pc) = (a.as_ptr() as usize, b.as_ptr() as usize, c.as_ptr() as usize);
+    drop(b);
+    drop(c);
+    let snap = pool.snapshot().await.unwrap();
+    assert_eq!(snap.config.policy, "bestfit");
+    assert_eq!(snap.segments.len(), 1, "small blocks share one segment");
+    let seg = &snap.segments[0];
+    assert_eq!(seg.total_size, 2 << 20);
+    // The pieces tile the segment in address order.
+    let mut at = seg.address;
+    for blk in &seg.blocks {
+        assert_eq!(blk.address, at);
+        at += blk.size;
+    }
+    assert_eq!(at, seg.address + seg.total_size);
+    let state = |addr| seg.blocks.iter().find(|b| b.address == addr).unwrap();
+    assert_eq!(state(pa).state, BlockStatus::InUse);
+    assert_eq!(state(pa).requested_size, 4096);
+    assert_eq!(state(pb).state, BlockStatus::Waiting);
+    assert_eq!(state(pc).state, BlockStatus::Cached);
+    let free: Vec<_> = seg.blocks.iter().filter(|b| b.requested_size == 0).collect();
+    assert_eq!(free.len(), 1);
+    assert_eq!(free[0].state, BlockStatus::Cached);
+    let info = pool.cache_info().await.unwrap();
+    assert_eq!(info.total_cached, (2 << 20) - 4096 - 8192);
+    hold.release();
+    stream.synchronize().unwrap();
+    drop(a);
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn fresh_segments_count_against_the_memory_limit_and_carving_does_not() {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
+        .max_bytes(3 << 20)
+        .build()
+        .unwrap();
+    // The first small request reserves a whole 2 MiB segment.
+    let a = pool.try_alloc(4096).await.unwrap();
+    assert_eq!(pool.reserved_bytes(), 2 << 20);
+    // Carving more out of it reserves nothing.
+    let b = pool.try_alloc(1 << 20).await.unwrap();
+    assert_eq!(pool.reserved_bytes(), 2 << 20);
+    // A second segment does not fit under the cap.
+    let err = pool.try_alloc(1 << 20).await.unwrap_err();
+    assert!(matches!(err, pinpool::Error::OutOfMemory { .. }), "{err:?}");
+    assert_eq!(sim.live_bytes(), 2 << 20);
+    drop((a, b));
+    // Once free, the segment serves the larger request after going back for room.
+    let big = pool.try_alloc((2 << 20) + 4096).await.unwrap();
+    assert!(big.capacity() >= (2 << 20) + 4096);
+    assert!(pool.reserved_bytes() <= 3 << 20);
+    drop(big);
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn a_refused_segment_free_is_kept_on_the_books_and_retried() {
+    use pinpool::sim::FaultPoint;
+    let (pool, sim) = best_fit_pool();
+    drop(pool.alloc(4096).await.unwrap());
+    sim.faults().fail_next(FaultPoint::HostFree, 1);
+    let report = pool.empty_cache().await.unwrap();
+    assert_eq!(report.freed_blocks, 0);
+    assert_eq!(sim.live_bytes(), 2 << 20);
+    assert_eq!(pool.stats().kept_blocks, 1);
+    assert_books_balance(&pool, &sim, 0).await;
+    let snap = pool.snapshot().await.unwrap();
+    assert_eq!(snap.segments[0].blocks[0].state, BlockStatus::Kept);
+    drop(pool);
+    common::eventually("retried when the allocator closes", || {
+        sim.live_bytes() == 0
+    })
+    .await;
 }
