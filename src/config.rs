@@ -572,7 +572,11 @@ mod size_policy_tests {
         assert_eq!(c.size_policy.policy().name(), "bestfit");
         assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
         assert_eq!(
-            Config::parse("size_policy:pow2").unwrap().size_policy.policy().name(),
+            Config::parse("size_policy:pow2")
+                .unwrap()
+                .size_policy
+                .policy()
+                .name(),
             "pow2"
         );
         let err = Config::parse("size_policy:lru").unwrap_err();

@@ -190,7 +190,11 @@ async fn a_snapshot_lists_each_segment_with_its_carved_blocks_and_free_ranges() 
     let mut b = pool.alloc(8192).await.unwrap();
     let c = pool.alloc(16384).await.unwrap();
     b.record_stream(&stream);
-    let (pa, pb, pc) = (a.as_ptr() as usize, b.as_ptr() as usize, c.as_ptr() as usize);
+    let (pa, pb, pc) = (
+        a.as_ptr() as usize,
+        b.as_ptr() as usize,
+        c.as_ptr() as usize,
+    );
     drop(b);
     drop(c);
     let snap = pool.snapshot().await.unwrap();
@@ -210,7 +214,11 @@ async fn a_snapshot_lists_each_segment_with_its_carved_blocks_and_free_ranges() 
     assert_eq!(state(pa).requested_size, 4096);
     assert_eq!(state(pb).state, BlockStatus::Waiting);
     assert_eq!(state(pc).state, BlockStatus::Cached);
-    let free: Vec<_> = seg.blocks.iter().filter(|b| b.requested_size == 0).collect();
+    let free: Vec<_> = seg
+        .blocks
+        .iter()
+        .filter(|b| b.requested_size == 0)
+        .collect();
     assert_eq!(free.len(), 1);
     assert_eq!(free[0].state, BlockStatus::Cached);
     let info = pool.cache_info().await.unwrap();
