@@ -171,6 +171,21 @@ impl<R: Runtime> Builder<R> {
         self.map(|i| i.policy(policy))
     }
 
+    /// Applies the allocator settings of a [`Config`](crate::config::Config) (today its
+    /// `size_policy`; pinning settings belong to the runtime).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config: pinpool::config::Config = "size_policy:bestfit".parse()?;
+    /// let pool = pinpool::PinnedAllocator::builder().config(&config).build()?;
+    /// assert_eq!(pool.engine().policy().name(), "bestfit");
+    /// # Ok(()) }
+    /// ```
+    pub fn config(self, config: &crate::config::Config) -> Self {
+        self.policy(config.size_policy.policy())
+    }
+
     /// The tokio runtime for the actors (default: the current one).
     pub fn handle(self, handle: tokio::runtime::Handle) -> Self {
         self.map(|i| i.handle(handle))

@@ -42,8 +42,9 @@ pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
 pub use history::ReportError;
 pub use pinpool_actors::{
-    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DurationStat, EmptyReport,
-    Error, HostMemory, HostStats, Inventory, MemorySnapshot, PinMethod, PoolId, PowerOfTwo,
-    Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StreamFilter, StreamId,
+    BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
+    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, MemorySnapshot, PinMethod,
+    PoolId, PowerOfTwo, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat,
+    StreamFilter, StreamId,
 };
 pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::keepalive;
 use crate::poller::PollerMsg;
-use crate::pool::{PoolMsg, PoolShared};
+use crate::pool::{PoolMsg, PoolShared, Segment};
 use crate::runtime::{HostMemory, Runtime, StreamId};
 use crate::snapshot::BlockMeta;
 
@@ -29,7 +29,7 @@ pub(crate) enum BlockState {
 }
 
 pub(crate) struct Block<R: Runtime> {
-    /// The pinned memory (a whole host allocation).
+    /// The pinned memory: a whole host allocation, or a range of `segment`.
     pub(crate) memory: HostMemory,
     /// Bytes of the block (`memory.size`, kept beside the class for the cached path).
     pub(crate) size: usize,
@@ -47,6 +47,8 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) pool: Arc<PoolShared<R>>,
     /// What the holder writes for snapshots (requested bytes, streams).
     pub(crate) meta: Arc<BlockMeta>,
+    /// The segment the block was cut out of (`None`: the block is a host allocation).
+    pub(crate) segment: Option<Arc<Segment<R>>>,
 }
 
 impl<R: Runtime> Block<R> {
@@ -62,6 +64,7 @@ impl<R: Runtime> Block<R> {
             freed: false,
             pool,
             meta: Arc::default(),
+            segment: None,
         })
     }
 
@@ -175,6 +178,15 @@ impl<R: Runtime> Block<R> {
     /// A block that no actor can take any more (its tokio runtime is gone): free it here when
     /// that is safe, leak it otherwise.
     pub(crate) fn orphaned(mut self: Box<Self>) {
+        if let Some(segment) = self.segment.take() {
+            // A range of a segment: the segment goes back to the runtime with its last piece,
+            // unless device work may still use this one.
+            if matches!(self.state, BlockState::Waiting | BlockState::Kept) {
+                segment.leak();
+            }
+            self.freed = true;
+            return;
+        }
         match self.state {
             BlockState::InUse | BlockState::Cached => {
                 let pool = self.pool.clone();
@@ -206,12 +218,14 @@ impl<R: Runtime> Block<R> {
             freed: false,
             pool: self.pool.clone(),
             meta: self.meta.clone(),
+            segment: self.segment.take(),
         })
     }
 }
 
 /// Puts a block that is ready for reuse back where requests find it: its pool's ready
-/// queue, or its pool actor once the pool is closing or requests wait for room.
+/// queue, or its pool actor once the pool is closing or requests wait for room, or when the
+/// block is too large to cache.
 #[inline]
 pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     keepalive::ensure(&block.pool);
@@ -220,7 +234,7 @@ pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     // its next call, so the pool outlives this function even after the block (and the
     // reference it carries) has moved into a queue and been taken by another thread.
     let pool = unsafe { &*pool };
-    if pool.divert.load(Ordering::Acquire) != 0 {
+    if pool.divert.load(Ordering::Acquire) != 0 || block.size > pool.max_cached_size {
         block.state = BlockState::InUse;
         if let Err(flume::SendError(PoolMsg::Home(b))) = pool.mailbox.send(PoolMsg::Home(block)) {
             b.orphaned();

@@ -104,6 +104,7 @@ impl<R: Runtime> EngineBuilder<R> {
             self.policy.name(),
         ));
         let classes = self.policy.num_classes();
+        let layout = self.policy.layout();
         let history = crate::history::start(&handle);
         let (poller_tx, poller_rx) = flume::unbounded();
         start_poller(self.runtime.clone(), poller_rx, &handle);
@@ -121,6 +122,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 handle: handle.clone(),
                 budget: budget.clone(),
                 history: history.clone(),
+                layout,
             }
         };
         let default = start_pool(spec(PoolId::DEFAULT));

@@ -12,6 +12,7 @@
 #![allow(clippy::vec_box, clippy::boxed_local)]
 
 mod block;
+mod carve;
 mod engine;
 mod error;
 mod history;
@@ -36,7 +37,7 @@ pub use error::Error;
 pub use history::{History, HistoryContext, TraceAction, TraceEntry};
 pub use lease::Lease;
 pub use observe::{OomObserver, OomReport, TraceTracker};
-pub use policy::{PowerOfTwo, SizeClass, SizePolicy};
+pub use policy::{BestFit, BlockLayout, Carving, PowerOfTwo, SizeClass, SizePolicy};
 pub use pool::{EmptyReport, Inventory};
 pub use pool_id::PoolId;
 pub use router::StreamFilter;

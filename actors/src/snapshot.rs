@@ -3,8 +3,11 @@
 //! `check_pool_live_allocations`).
 //!
 //! Each pool keeps a registry of the segments it made (it makes and frees them all). A
-//! block's state is derived: cached when it is in a ready queue, kept when its pool keeps it
-//! for graph replays, waiting when the event poller holds it, in use otherwise. Taken at a
+//! segment is one block, or, under a policy that carves blocks out of segments, the blocks
+//! cut out of it and its free ranges (listed as cached blocks with nothing requested). A
+//! block's state is derived: cached when it is in a ready queue or a free range, kept when
+//! its pool keeps it for graph replays, waiting when the event poller holds it, in use
+//! otherwise. Taken at a
 //! quiescent point a snapshot is exact; taken while buffers move, a block between two owners
 //! shows as in use.
 //!
@@ -241,8 +244,17 @@ impl<R: Runtime> Engine<R> {
         for v in views {
             let cached: HashSet<usize> = v.cached.iter().copied().collect();
             let kept: HashSet<usize> = v.kept.iter().copied().collect();
-            for s in v.segments {
-                let addr = s.memory.ptr.as_ptr() as usize;
+            let block = |addr: usize, size: usize, meta: Option<&BlockMeta>| {
+                let Some(meta) = meta else {
+                    // A free range of a carved segment.
+                    return BlockInfo {
+                        address: addr,
+                        size,
+                        requested_size: 0,
+                        state: BlockStatus::Cached,
+                        streams: Vec::new(),
+                    };
+                };
                 let state = if cached.contains(&addr) {
                     BlockStatus::Cached
                 } else if kept.contains(&addr) {
@@ -255,20 +267,32 @@ impl<R: Runtime> Engine<R> {
                 let streams = if state == BlockStatus::Cached {
                     Vec::new()
                 } else {
-                    s.meta.streams()
+                    meta.streams()
+                };
+                BlockInfo {
+                    address: addr,
+                    size,
+                    requested_size: meta.requested(),
+                    state,
+                    streams,
+                }
+            };
+            for s in v.segments {
+                let addr = s.memory.ptr.as_ptr() as usize;
+                let blocks = if s.pieces.is_empty() {
+                    vec![block(addr, s.memory.size, Some(&s.meta))]
+                } else {
+                    s.pieces
+                        .iter()
+                        .map(|p| block(p.addr, p.size, p.meta.as_deref()))
+                        .collect()
                 };
                 segments.push(SegmentInfo {
                     address: addr,
                     total_size: s.memory.size,
                     pool: v.pool.0,
                     pin_method: s.memory.method.to_string(),
-                    blocks: vec![BlockInfo {
-                        address: addr,
-                        size: s.memory.size,
-                        requested_size: s.meta.requested(),
-                        state,
-                        streams,
-                    }],
+                    blocks,
                 });
             }
         }
@@ -291,13 +315,22 @@ impl<R: Runtime> Engine<R> {
     pub async fn cache_info(&self) -> Result<CacheInfo, Error> {
         let mut info = CacheInfo::default();
         for v in self.pool_views().await? {
-            let sizes: BTreeMap<usize, usize> = v
-                .segments
-                .iter()
-                .map(|s| (s.addr(), s.memory.size))
-                .collect();
-            for a in &v.cached {
-                let size = sizes.get(a).copied().unwrap_or(0);
+            let mut sizes: BTreeMap<usize, usize> = BTreeMap::new();
+            let mut free_ranges = Vec::new();
+            for s in &v.segments {
+                if s.pieces.is_empty() {
+                    sizes.insert(s.addr(), s.memory.size);
+                }
+                for p in &s.pieces {
+                    if p.meta.is_some() {
+                        sizes.insert(p.addr, p.size);
+                    } else {
+                        free_ranges.push(p.size);
+                    }
+                }
+            }
+            let cached = v.cached.iter().map(|a| sizes.get(a).copied().unwrap_or(0));
+            for size in cached.chain(free_ranges) {
                 info.largest_block = info.largest_block.max(size);
                 info.total_cached += size;
                 info.cached_blocks += 1;

@@ -1,5 +1,6 @@
 //! The pool's cache: answering a miss from ready blocks (after noticing completed events —
-//! invariant 3), taking blocks home, and emptying the cache.
+//! invariant 3; under a carving layout, from free ranges of segments: see `segments`), taking
+//! blocks home, and emptying the cache.
 
 use std::sync::atomic::Ordering;
 
@@ -32,6 +33,10 @@ impl<R: Runtime> PoolActor<R> {
         }
         if self.closing {
             self.free_blocks(vec![block]).await;
+        } else if self.uncacheable(&block) {
+            // Too large to cache: back into its segment, which goes back once wholly free.
+            self.absorb_all(vec![block]);
+            self.give_back_free_segments(false).await;
         } else {
             block.state = BlockState::Cached;
             self.shared.ready.put(block);
@@ -41,6 +46,9 @@ impl<R: Runtime> PoolActor<R> {
     pub(super) async fn miss(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
         if let Some(b) = self.shared.ready.take(class.index) {
             return Ok(b);
+        }
+        if self.carved.is_some() {
+            return self.miss_carved(class).await;
         }
         // Invariant 3: notice completed events before taking fresh memory.
         if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
@@ -64,10 +72,18 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    /// Frees blocks on a blocking thread and keeps the books.
     /// Frees blocks on a blocking thread and keeps the books. A block the runtime refuses
     /// to free is held back with the kept blocks (never reused) and tried again when they go.
+    /// Carved blocks go back into their segments, and every wholly free segment is given
+    /// back. Returns the host allocations given back and their bytes.
     pub(super) async fn free_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
+        let blocks = self.absorb_all(blocks);
+        let (sn, sbytes) = self.give_back_free_segments(true).await;
+        let (n, bytes) = self.free_whole_blocks(blocks).await;
+        (n + sn, bytes + sbytes)
+    }
+
+    async fn free_whole_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
         if blocks.is_empty() {
             return (0, 0);
         }
@@ -109,7 +125,9 @@ impl<R: Runtime> PoolActor<R> {
             stats.kept_blocks.fetch_sub(1, Ordering::Relaxed);
             stats.kept_bytes.fetch_sub(b.size as i64, Ordering::Relaxed);
         }
-        self.free_blocks(kept).await
+        let (n, bytes) = self.free_blocks(kept).await;
+        let (rn, rbytes) = self.retry_refused_segments().await;
+        (n + rn, bytes + rbytes)
     }
 
     pub(super) async fn empty_cache(&mut self, include_kept: bool) -> EmptyReport {

@@ -18,21 +18,35 @@ use crate::runtime::{HostMemory, Runtime, RuntimeError};
 
 impl<R: Runtime> PoolActor<R> {
     pub(super) async fn fresh(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
+        let memory = self.fresh_memory(class.size).await?;
+        let block = Block::new(memory, class.index, self.shared.clone());
+        self.remember_segment(SegmentView {
+            memory,
+            meta: block.meta.clone(),
+            pieces: Vec::new(),
+        });
+        Ok(block)
+    }
+
+    /// `size` bytes of fresh memory: reserved from the budget first, then asked of the
+    /// runtime; the bytes go back to the budget when the runtime fails. The caller enters the
+    /// memory in the registry.
+    pub(super) async fn fresh_memory(&mut self, size: usize) -> Result<HostMemory, Error> {
         let budget = self.shared.budget.clone();
-        if !budget.try_reserve(class.size) {
+        if !budget.try_reserve(size) {
             return Err(Error::OutOfMemory {
-                requested: class.size,
+                requested: size,
                 reserved: budget.reserved(),
                 limit: budget.limit(),
             });
         }
-        let memory = match self.host_alloc(class.size).await {
+        let memory = match self.host_alloc(size).await {
             Ok(m) => m,
             Err(e) => {
-                budget.release(class.size);
+                budget.release(size);
                 if e.out_of_memory {
                     return Err(Error::OutOfMemory {
-                        requested: class.size,
+                        requested: size,
                         reserved: budget.reserved(),
                         limit: None,
                     });
@@ -40,16 +54,11 @@ impl<R: Runtime> PoolActor<R> {
                 return Err(Error::Runtime(e));
             }
         };
-        if memory.size > class.size {
+        if memory.size > size {
             // The runtime rounded up; the budget counts what is really held.
-            budget.force_reserve(memory.size - class.size);
+            budget.force_reserve(memory.size - size);
         }
-        let block = Block::new(memory, class.index, self.shared.clone());
-        self.remember_segment(SegmentView {
-            memory,
-            meta: block.meta.clone(),
-        });
-        Ok(block)
+        Ok(memory)
     }
 
     pub(super) async fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {

@@ -9,13 +9,19 @@
 //! Under a memory limit it also queues the requests that wait for room, first come first
 //! served (see [`crate::limit`]), and serves them as blocks come back or room is made.
 //!
+//! Under a policy whose layout carves blocks out of shared segments ([`BlockLayout::Carved`])
+//! it also owns the free ranges of those segments (see `segments`).
+//!
 //! This file holds the pool's shared part, its messages and its loop; `cache`, `fresh`,
-//! `waiters` and `books` hold what the actor does.
+//! `segments`, `waiters` and `books` hold what the actor does.
 
 mod books;
 mod cache;
 mod fresh;
+mod segments;
 mod waiters;
+
+pub(crate) use segments::Segment;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -26,11 +32,11 @@ use flume::{Receiver, Sender};
 
 use crate::block::{Block, BlockState};
 use crate::limit::{Ask, Budget, MissReply};
-use crate::policy::SizeClass;
+use crate::policy::{BlockLayout, SizeClass};
 use crate::poller::PollerMsg;
 use crate::pool_id::PoolId;
 use crate::ready::ReadyQueues;
-use crate::runtime::{HostMemory, Runtime};
+use crate::runtime::{HostMemory, Runtime, RuntimeError};
 use crate::snapshot::BlockMeta;
 use crate::spawn::spawn_named;
 use crate::stats::PoolStats;
@@ -108,7 +114,20 @@ pub struct Inventory {
 #[derive(Clone)]
 pub(crate) struct SegmentView {
     pub(crate) memory: HostMemory,
+    /// The record of the segment's block, when the segment is one whole block.
     pub(crate) meta: Arc<BlockMeta>,
+    /// The segment's pieces in address order, when blocks are carved out of it (filled in by
+    /// `describe`; empty for a whole block).
+    pub(crate) pieces: Vec<PieceView>,
+}
+
+/// One piece of a carved segment: a block cut out of it, or a free range.
+#[derive(Clone)]
+pub(crate) struct PieceView {
+    pub(crate) addr: usize,
+    pub(crate) size: usize,
+    /// The block's record; `None` for a free range.
+    pub(crate) meta: Option<Arc<BlockMeta>>,
 }
 
 impl SegmentView {
@@ -150,33 +169,52 @@ pub(crate) struct PoolShared<R: Runtime> {
     /// Addresses of segments freed, for the actor to strike from its registry.
     forgotten: (Sender<usize>, Receiver<usize>),
     pub(crate) history: Arc<crate::history::Recorder>,
+    /// Freed blocks larger than this go to the actor, not the ready queues.
+    pub(crate) max_cached_size: usize,
 }
 
 impl<R: Runtime> PoolShared<R> {
     /// Gives a block's memory back to the runtime on this thread and keeps the books
     /// (stats, the budget, and the registry of segments). When the runtime refuses, the
     /// block is handed back, still reserved and still counted.
+    ///
+    /// A block carved out of a segment is not a host allocation: it lets go of its segment,
+    /// which goes back to the runtime with its last piece (see `segments`).
     pub(crate) fn free_block_now(&self, mut block: Box<Block<R>>) -> Result<(), Box<Block<R>>> {
+        if let Some(segment) = block.segment.take() {
+            block.freed = true;
+            drop(segment);
+            return Ok(());
+        }
+        match self.free_memory_now(block.memory) {
+            Ok(()) => {
+                block.freed = true;
+                Ok(())
+            }
+            Err(_) => Err(block),
+        }
+    }
+
+    /// Gives a host allocation back to the runtime on this thread and keeps the books (stats,
+    /// history, the budget, and the registry of segments).
+    pub(crate) fn free_memory_now(&self, memory: HostMemory) -> Result<(), RuntimeError> {
         let t0 = Instant::now();
-        let res = self.runtime.host_free(block.memory);
+        let res = self.runtime.host_free(memory);
         self.stats.host_free_time.record(t0.elapsed());
         match res {
             Ok(()) => {
-                crate::history::on_segment_free(self, &block.memory);
-                block.freed = true;
+                crate::history::on_segment_free(self, &memory);
                 self.stats.allocations.decrease(1);
-                self.stats
-                    .allocated_bytes
-                    .decrease(block.memory.size as i64);
+                self.stats.allocated_bytes.decrease(memory.size as i64);
                 // The actor awaits its frees before it takes fresh memory, so the address is
                 // struck before the runtime can hand it back to this pool.
-                let _ = self.forgotten.0.send(block.memory.ptr.as_ptr() as usize);
-                self.budget.release(block.memory.size);
+                let _ = self.forgotten.0.send(memory.ptr.as_ptr() as usize);
+                self.budget.release(memory.size);
                 Ok(())
             }
             Err(e) => {
-                tracing::error!(error = %e, bytes = block.memory.size, "freeing pinned memory failed");
-                Err(block)
+                tracing::error!(error = %e, bytes = memory.size, "freeing pinned memory failed");
+                Err(e)
             }
         }
     }
@@ -199,6 +237,7 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) handle: tokio::runtime::Handle,
     pub(crate) budget: Arc<Budget<R>>,
     pub(crate) history: Arc<crate::history::Recorder>,
+    pub(crate) layout: BlockLayout,
 }
 
 /// Starts a pool actor and returns the pool's shared part.
@@ -217,6 +256,10 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
         woken: AtomicBool::new(false),
         forgotten: flume::unbounded(),
         history: spec.history,
+        max_cached_size: match spec.layout {
+            BlockLayout::Whole => usize::MAX,
+            BlockLayout::Carved(c) => c.max_cached_size,
+        },
     });
     shared.budget.register(&shared);
     let actor = PoolActor {
@@ -227,6 +270,8 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
         finished: false,
         waiters: VecDeque::new(),
         segments: BTreeMap::new(),
+        carved: segments::Segments::for_layout(spec.layout),
+        refused: Vec::new(),
     };
     let name = if spec.id.is_default() {
         "pinpool::pool(default)".to_string()
@@ -248,6 +293,11 @@ pub(crate) struct PoolActor<R: Runtime> {
     waiters: VecDeque<waiters::Waiter<R>>,
     /// Every segment the pool holds, by address.
     segments: BTreeMap<usize, SegmentView>,
+    /// Free ranges of the pool's segments, when the layout carves blocks out of them.
+    carved: Option<segments::Segments<R>>,
+    /// Carved segments whose free the runtime refused: never reused, tried again with the
+    /// kept blocks (counted as kept).
+    refused: Vec<Arc<Segment<R>>>,
 }
 
 impl<R: Runtime> Drop for PoolActor<R> {
@@ -276,7 +326,13 @@ impl<R: Runtime> Drop for PoolActor<R> {
                 b.freed = true;
             }
         }
+        for s in self.refused.drain(..) {
+            s.leak();
+        }
         for mut b in self.kept.drain(..) {
+            if let Some(s) = &b.segment {
+                s.leak();
+            }
             // Kept for graph replays (or refused by the runtime): never safe to reuse, and
             // nobody is left to say when it is safe to free.
             tracing::warn!(

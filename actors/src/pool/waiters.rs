@@ -189,7 +189,13 @@ impl<R: Runtime> PoolActor<R> {
                 }
                 continue;
             }
-            match self.fresh(class).await {
+            let got = if self.carved.is_some() {
+                // A free range of a segment, or a fresh segment.
+                self.miss_carved(class).await
+            } else {
+                self.fresh(class).await
+            };
+            match got {
                 Ok(b) => {
                     if let Some(b) = self.offer(b) {
                         // The head went away meanwhile.
