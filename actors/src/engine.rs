@@ -76,7 +76,7 @@ impl<R: Runtime> EngineBuilder<R> {
         let shards = self.shards.unwrap_or_else(default_shard_count);
         let classes = self.policy.num_classes();
         let (poller_tx, poller_rx) = flume::unbounded();
-        start_poller(self.runtime.clone(), poller_rx, &handle);
+        start_poller(poller_rx, &handle);
         let spec = {
             let runtime = self.runtime.clone();
             let poller = poller_tx.clone();
@@ -203,14 +203,35 @@ impl<R: Runtime> Engine<R> {
                 }
             }
         };
-        Ok(match pool.ready.take(class.index) {
-            Some(block) => Step::Ready(Lease::new(block, size, during_capture, inner.id)),
+        if let Some(block) = pool.ready.take(class.index) {
+            return Ok(Step::Ready(Lease::new(
+                block,
+                size,
+                during_capture,
+                inner.id,
+            )));
+        }
+        Ok(Self::miss_here(pool, class, size, during_capture, inner.id))
+    }
+
+    /// Before asking the pool actor: a block this thread freed after a stream used it may
+    /// have completed its events by now (one inline query; invariant 1).
+    #[cold]
+    fn miss_here(
+        pool: &Arc<PoolShared<R>>,
+        class: SizeClass,
+        size: usize,
+        during_capture: bool,
+        engine: u64,
+    ) -> Step<R> {
+        match pool.ready.take_parked(class.index, &pool.poller) {
+            Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),
             None => Step::Miss {
                 pool: pool.clone(),
                 class,
                 during_capture,
             },
-        })
+        }
     }
 
     fn ask_pool(

@@ -210,6 +210,61 @@ impl AtomicStat {
     }
 }
 
+/// A statistic of the cached path, kept in one thread shard: two atomic additions per
+/// change instead of four. `current` is not stored but derived, `allocated - freed + base`,
+/// where `base` carries what `reset_accumulated` moved out of the two totals.
+#[derive(Debug, Default)]
+pub(crate) struct ShardStat {
+    allocated: AtomicI64,
+    freed: AtomicI64,
+    base: AtomicI64,
+    peak: AtomicI64,
+}
+
+impl ShardStat {
+    #[inline]
+    fn current(&self) -> i64 {
+        self.allocated.load(Relaxed) - self.freed.load(Relaxed) + self.base.load(Relaxed)
+    }
+
+    #[inline]
+    pub(crate) fn increase(&self, n: i64) {
+        let now = self.allocated.fetch_add(n, Relaxed) + n - self.freed.load(Relaxed)
+            + self.base.load(Relaxed);
+        if now > self.peak.load(Relaxed) {
+            self.peak.fetch_max(now, Relaxed);
+        }
+    }
+
+    #[inline]
+    pub(crate) fn decrease(&self, n: i64) {
+        self.freed.fetch_add(n, Relaxed);
+    }
+
+    pub(crate) fn read(&self) -> Stat {
+        let allocated = self.allocated.load(Relaxed);
+        let freed = self.freed.load(Relaxed);
+        Stat {
+            current: allocated - freed + self.base.load(Relaxed),
+            peak: self.peak.load(Relaxed),
+            allocated,
+            freed,
+        }
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.current(), Relaxed);
+    }
+
+    pub(crate) fn reset_accumulated(&self) {
+        // Swaps, so that a change racing with the reset lands either in what moves to
+        // `base` or in what stays: `current` stays exact.
+        let a = self.allocated.swap(0, Relaxed);
+        let f = self.freed.swap(0, Relaxed);
+        self.base.fetch_add(a - f, Relaxed);
+    }
+}
+
 /// Timings kept in atomics (microseconds).
 #[derive(Debug)]
 pub(crate) struct AtomicDuration {
@@ -266,8 +321,8 @@ impl AtomicDuration {
 /// One thread shard's active counters.
 #[derive(Debug, Default)]
 pub(crate) struct ActiveShard {
-    pub(crate) requests: AtomicStat,
-    pub(crate) bytes: AtomicStat,
+    pub(crate) requests: ShardStat,
+    pub(crate) bytes: ShardStat,
 }
 
 /// The books of one pool.

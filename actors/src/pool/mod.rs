@@ -181,6 +181,7 @@ impl<R: Runtime> PoolActor<R> {
                     Ok(Ok(msg)) => self.handle(msg).await,
                     Ok(Err(_)) => break,
                     Err(_) => {
+                        self.shared.ready.unpark_all(&self.shared.poller);
                         let blocks = self.shared.ready.drain();
                         self.free_blocks(blocks).await;
                     }
