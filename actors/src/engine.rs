@@ -203,7 +203,7 @@ impl<R: Runtime> Engine<R> {
                 }
             }
         };
-        if let Some(block) = pool.ready.take(class.index) {
+        if let Some(block) = pool.ready.take_mine(class.index) {
             return Ok(Step::Ready(Lease::new(
                 block,
                 size,
@@ -215,7 +215,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Before asking the pool actor: a block this thread freed after a stream used it may
-    /// have completed its events by now (one inline query; invariant 1).
+    /// have completed its events by now (one inline query; invariant 1); failing that, a
+    /// ready block in another thread's shard.
     #[cold]
     fn miss_here(
         pool: &Arc<PoolShared<R>>,
@@ -224,7 +225,11 @@ impl<R: Runtime> Engine<R> {
         during_capture: bool,
         engine: u64,
     ) -> Step<R> {
-        match pool.ready.take_parked(class.index, &pool.poller) {
+        let ready = &pool.ready;
+        let found = ready
+            .take_parked(class.index, &pool.poller)
+            .or_else(|| ready.steal(ready.my_shard(), class.index));
+        match found {
             Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),
             None => Step::Miss {
                 pool: pool.clone(),

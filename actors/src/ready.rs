@@ -180,9 +180,24 @@ impl<R: Runtime> ReadyQueues<R> {
 
     #[cold]
     fn take_slow(&self, me: usize, class: usize) -> Option<Box<Block<R>>> {
-        if let Ok(b) = self.shards[me].queues[class].rx.try_recv() {
-            return Some(b);
-        }
+        self.take_queued(me, class).or_else(|| self.steal(me, class))
+    }
+
+    /// This thread's slot and queue for `class`, without looking at other shards.
+    #[inline]
+    pub(crate) fn take_mine(&self, class: usize) -> Option<Box<Block<R>>> {
+        let me = self.my_shard();
+        take_slot(self.slot(me, class)).or_else(|| self.take_queued(me, class))
+    }
+
+    #[cold]
+    fn take_queued(&self, me: usize, class: usize) -> Option<Box<Block<R>>> {
+        self.shards[me].queues[class].rx.try_recv().ok()
+    }
+
+    /// A ready block of `class` from another thread's shard.
+    #[cold]
+    pub(crate) fn steal(&self, me: usize, class: usize) -> Option<Box<Block<R>>> {
         (1..self.shards.len())
             .map(|i| (me + i) & self.mask)
             .find_map(|s| {
