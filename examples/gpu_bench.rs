@@ -90,7 +90,9 @@ fn pair_ns<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool, repeat: usize) {
             .map(|_| {
                 let t0 = Instant::now();
                 for _ in 0..n {
-                    drop(std::hint::black_box(pool.alloc_blocking(size).expect("alloc")));
+                    drop(std::hint::black_box(
+                        pool.alloc_blocking(size).expect("alloc"),
+                    ));
                 }
                 ns_per(t0, n)
             })
@@ -128,14 +130,20 @@ fn mt<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
                 for t in 0..threads {
                     let ready = &ready;
                     s.spawn(move || {
-                        let size = if same == 1 { 1 << 16 } else { 4096usize << (t % 12) };
+                        let size = if same == 1 {
+                            1 << 16
+                        } else {
+                            4096usize << (t % 12)
+                        };
                         drop(pool.alloc_blocking(size).expect("warm"));
                         ready.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         while ready.load(std::sync::atomic::Ordering::SeqCst) < threads {
                             std::hint::spin_loop();
                         }
                         for _ in 0..k {
-                            drop(std::hint::black_box(pool.alloc_blocking(size).expect("alloc")));
+                            drop(std::hint::black_box(
+                                pool.alloc_blocking(size).expect("alloc"),
+                            ));
                         }
                     });
                 }
@@ -314,71 +322,115 @@ mod gpu {
         unsafe { result::free_sync(dev) }?;
         println!("pinpool h2d_GBps source=pinpool {ours:.2}");
         println!("pinpool h2d_GBps source=plain_pinned {theirs:.2}");
-        println!("pinpool h2d_ratio_pct pinpool_over_plain {:.1}", 100.0 * ours / theirs);
+        println!(
+            "pinpool h2d_ratio_pct pinpool_over_plain {:.1}",
+            100.0 * ours / theirs
+        );
         Ok(())
     }
 
     /// From an event's completion to the block being handed out again, p50 and p99: the
-    /// buffer is used by a copy of a few hundred microseconds, freed, and the moment the
-    /// copy's completion is seen (by spinning on a marker event recorded right after it) a
-    /// request of the same class is made, on the freeing thread and on another thread.
+    /// buffer is used by a copy of about 300 µs, freed, and the moment the copy's completion
+    /// is seen (by spinning on a marker event recorded right after it) a request of the same
+    /// class is made, on the freeing thread, or on another thread that spins on the marker.
     fn event_latency(
         pool: &PinnedAllocator<CudaRuntime>,
         cuda: &Arc<CudaRuntime>,
         stream: &Arc<cudarc::driver::CudaStream>,
         quick: bool,
     ) -> Result<(), Box<dyn std::error::Error>> {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
         let n = if quick { 50 } else { 400 };
         let size = 16usize << 20;
         cuda.context().bind_to_thread()?;
         // SAFETY: a plain device allocation of `size`, freed below.
         let dev = unsafe { result::malloc_sync(size) }?;
         let marker = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+        struct Marker(sys::CUevent);
+        // SAFETY: an event handle may be queried from any thread.
+        unsafe impl Sync for Marker {}
+        let marker_ref = &Marker(marker);
+        // One iteration: use, free, mark; returns once the marker is recorded.
+        let step = || -> Result<(), Box<dyn std::error::Error>> {
+            let mut buf = pool.alloc_blocking(size)?;
+            buf.record_stream(stream);
+            // SAFETY: `dev` holds `size` bytes; the buffer outlives the copy because its
+            // free records an event after it, and reuse waits for that event.
+            unsafe { result::memcpy_htod_async(dev, &buf[..], stream.cu_stream()) }?;
+            drop(buf);
+            // SAFETY: `marker` and the stream are live.
+            unsafe { result::event::record(marker, stream.cu_stream()) }?;
+            Ok(())
+        };
+        let spin = |m: &Marker| {
+            // SAFETY: the marker is live until the end of this function.
+            while unsafe { result::event::query(m.0) }.is_err() {
+                std::hint::spin_loop();
+            }
+        };
         for other_thread in [false, true] {
             let mut lat = Vec::with_capacity(n);
             let fresh0 = pool.stats().num_host_alloc;
-            for _ in 0..n {
-                let mut buf = pool.alloc_blocking(size)?;
-                let ptr = buf.as_ptr();
-                buf.record_stream(stream);
-                // SAFETY: `dev` holds `size` bytes; the buffer outlives the copy because
-                // its free records an event after it, and reuse waits for that event.
-                unsafe { result::memcpy_htod_async(dev, &buf[..], stream.cu_stream()) }?;
-                drop(buf);
-                // SAFETY: `marker` and the stream are live.
-                unsafe { result::event::record(marker, stream.cu_stream()) }?;
-                // SAFETY: `marker` is live.
-                while unsafe { result::event::query(marker) }.is_err() {
-                    std::hint::spin_loop();
+            if !other_thread {
+                for _ in 0..n {
+                    step()?;
+                    spin(marker_ref);
+                    let t0 = Instant::now();
+                    let again = pool.alloc_blocking(size)?;
+                    lat.push(t0.elapsed().as_secs_f64() * 1e6);
+                    drop(again);
                 }
-                let t0 = Instant::now();
-                let again = if other_thread {
-                    std::thread::scope(|s| s.spawn(|| pool.alloc_blocking(size)).join())
-                        .map_err(|_| "thread panicked")??
-                } else {
-                    pool.alloc_blocking(size)?
-                };
-                let us = t0.elapsed().as_secs_f64() * 1e6;
-                if again.as_ptr() == ptr {
-                    lat.push(us);
+            } else {
+                let go = AtomicUsize::new(0);
+                let done = AtomicUsize::new(0);
+                let helper = std::thread::scope(|s| {
+                    let h = s.spawn(|| -> Result<Vec<f64>, pinpool::Error> {
+                        let mut lat = Vec::with_capacity(n);
+                        for i in 1..=n {
+                            while go.load(SeqCst) < i {
+                                std::hint::spin_loop();
+                            }
+                            spin(marker_ref);
+                            let t0 = Instant::now();
+                            let again = pool.alloc_blocking(size)?;
+                            lat.push(t0.elapsed().as_secs_f64() * 1e6);
+                            drop(again);
+                            done.store(i, SeqCst);
+                        }
+                        Ok(lat)
+                    });
+                    let mut err = None;
+                    for i in 1..=n {
+                        if let Err(e) = step() {
+                            err = Some(e.to_string());
+                        }
+                        go.store(i, SeqCst);
+                        while done.load(SeqCst) < i && !h.is_finished() {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    (h.join(), err)
+                });
+                match helper {
+                    (Ok(Ok(l)), None) => lat = l,
+                    (_, Some(e)) => return Err(e.into()),
+                    (Ok(Err(e)), _) => return Err(e.into()),
+                    (Err(_), _) => return Err("helper thread panicked".into()),
                 }
             }
             let who = if other_thread { "other" } else { "same" };
             eprintln!(
-                "  ({who} thread: {} of {n} got the block back; fresh allocations {})",
-                lat.len(),
+                "  ({who} thread: fresh allocations during {n} rounds: {})",
                 pool.stats().num_host_alloc - fresh0
             );
-            if !lat.is_empty() {
-                println!(
-                    "pinpool event_to_reusable_us thread={who} p50 {:.2}",
-                    percentile(&mut lat, 0.5)
-                );
-                println!(
-                    "pinpool event_to_reusable_us thread={who} p99 {:.2}",
-                    percentile(&mut lat, 0.99)
-                );
-            }
+            println!(
+                "pinpool event_to_reusable_us thread={who} p50 {:.2}",
+                percentile(&mut lat, 0.5)
+            );
+            println!(
+                "pinpool event_to_reusable_us thread={who} p99 {:.2}",
+                percentile(&mut lat, 0.99)
+            );
         }
         // SAFETY: the marker is no longer recorded anywhere; `dev` is idle after the sync.
         stream.synchronize()?;

@@ -216,7 +216,8 @@ impl<R: Runtime> Engine<R> {
 
     /// Before asking the pool actor: a block this thread freed after a stream used it may
     /// have completed its events by now (one inline query; invariant 1); failing that, a
-    /// ready block in another thread's shard.
+    /// ready block in another thread's shard, or a block another thread parked whose events
+    /// have completed.
     #[cold]
     fn miss_here(
         pool: &Arc<PoolShared<R>>,
@@ -228,7 +229,8 @@ impl<R: Runtime> Engine<R> {
         let ready = &pool.ready;
         let found = ready
             .take_parked(class.index, &pool.poller)
-            .or_else(|| ready.steal(ready.my_shard(), class.index));
+            .or_else(|| ready.steal(ready.my_shard(), class.index))
+            .or_else(|| ready.steal_parked(class.index, &pool.poller));
         match found {
             Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),
             None => Step::Miss {

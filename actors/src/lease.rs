@@ -31,11 +31,9 @@ impl<R: Runtime> Lease<R> {
         during_capture: bool,
         engine: u64,
     ) -> Self {
-        let shard = block.pool.ready.my_shard();
-        block.shard = shard;
+        block.shard = block.pool.stats.activate(block.size);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
-        block.pool.stats.activate(shard, block.size);
         Lease {
             block: Some(block),
             len,

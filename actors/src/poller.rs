@@ -14,8 +14,8 @@ use flume::Receiver;
 use std::sync::Arc;
 
 use crate::block::Block;
-use crate::ready::Parked;
 use crate::pool::Reply;
+use crate::ready::Parked;
 use crate::runtime::Runtime;
 use crate::spawn::spawn_named;
 

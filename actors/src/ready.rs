@@ -30,7 +30,7 @@ use flume::{Receiver, Sender};
 use crate::block::Block;
 use crate::poller::PollerMsg;
 use crate::runtime::Runtime;
-use crate::shard::{thread_number, CachePadded};
+use crate::shard::{CachePadded, ThreadSlot};
 
 struct Queue<R: Runtime> {
     tx: Sender<Box<Block<R>>>,
@@ -130,7 +130,9 @@ impl<R: Runtime> ReadyQueues<R> {
     pub(crate) fn new(classes: usize, shards: usize) -> Self {
         debug_assert!(shards.is_power_of_two());
         let lines_per_shard = classes.div_ceil(SLOTS_PER_LINE).max(1);
-        let slots = (0..shards * lines_per_shard).map(|_| empty_line()).collect();
+        let slots = (0..shards * lines_per_shard)
+            .map(|_| empty_line())
+            .collect();
         let shards: Box<[_]> = (0..shards)
             .map(|_| Shard {
                 queues: (0..classes)
@@ -160,7 +162,7 @@ impl<R: Runtime> ReadyQueues<R> {
     /// This thread's shard.
     #[inline]
     pub(crate) fn my_shard(&self) -> usize {
-        thread_number() & self.mask
+        ThreadSlot::current(self.mask).shard
     }
 
     #[inline]
@@ -180,7 +182,8 @@ impl<R: Runtime> ReadyQueues<R> {
 
     #[cold]
     fn take_slow(&self, me: usize, class: usize) -> Option<Box<Block<R>>> {
-        self.take_queued(me, class).or_else(|| self.steal(me, class))
+        self.take_queued(me, class)
+            .or_else(|| self.steal(me, class))
     }
 
     /// This thread's slot and queue for `class`, without looking at other shards.
@@ -207,22 +210,18 @@ impl<R: Runtime> ReadyQueues<R> {
     }
 
     /// Puts a block that is ready for reuse into this thread's slot for its class, or its
-    /// queue when the slot is full.
+    /// queue when the slot is full. Only the thread that owns a shard fills its slots, so an
+    /// empty slot stays empty until that thread's own store (others only empty slots): a
+    /// plain release store suffices.
     #[inline]
     pub(crate) fn put(&self, block: Box<Block<R>>) {
-        let me = self.my_shard();
-        let class = block.class;
-        let slot = self.slot(me, class);
-        if slot.load(Ordering::Relaxed).is_null() {
-            let p = Box::into_raw(block);
-            match slot.compare_exchange(ptr::null_mut(), p, Ordering::Release, Ordering::Relaxed)
-            {
-                Ok(_) => return,
-                // SAFETY: the exchange failed, so `p` was not published: we still own it.
-                Err(_) => return self.put_queue(me, unsafe { Box::from_raw(p) }),
-            }
+        let me = ThreadSlot::current(self.mask);
+        let slot = self.slot(me.shard, block.class);
+        if me.owns && slot.load(Ordering::Relaxed).is_null() {
+            slot.store(Box::into_raw(block), Ordering::Release);
+            return;
         }
-        self.put_queue(me, block);
+        self.put_queue(me.shard, block);
     }
 
     #[cold]
@@ -307,14 +306,36 @@ impl<R: Runtime> ReadyQueues<R> {
             .collect()
     }
 
-    /// A parked block of `class` from this thread's shard whose events have all completed
-    /// (events released, stats moved from waiting), or `None`.
+    /// A parked block of `class` whose events have all completed (events released, stats
+    /// moved from waiting), from this thread's shard, or `None`.
     pub(crate) fn take_parked(
         &self,
         class: usize,
         poller: &Sender<PollerMsg<R>>,
     ) -> Option<Box<Block<R>>> {
-        let parked = &self.parked.shards[self.my_shard()];
+        self.take_parked_from(self.my_shard(), class, poller)
+    }
+
+    /// The same, from the other threads' shards (a miss would otherwise ask the pool actor).
+    #[cold]
+    pub(crate) fn steal_parked(
+        &self,
+        class: usize,
+        poller: &Sender<PollerMsg<R>>,
+    ) -> Option<Box<Block<R>>> {
+        let me = self.my_shard();
+        (1..self.shards.len())
+            .map(|i| (me + i) & self.mask)
+            .find_map(|s| self.take_parked_from(s, class, poller))
+    }
+
+    fn take_parked_from(
+        &self,
+        shard: usize,
+        class: usize,
+        poller: &Sender<PollerMsg<R>>,
+    ) -> Option<Box<Block<R>>> {
+        let parked = &self.parked.shards[shard];
         for s in parked.iter() {
             if s.load(Ordering::Relaxed).is_null() {
                 continue;
