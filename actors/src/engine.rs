@@ -60,7 +60,7 @@ impl<R: Runtime> EngineBuilder<R> {
     }
 
     /// Number of thread shards for ready queues and stats (rounded up to a power of two;
-    /// default: the machine's parallelism).
+    /// default: twice the machine's parallelism, at most 64).
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards.clamp(1, 1024).next_power_of_two());
         self

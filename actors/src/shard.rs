@@ -94,11 +94,15 @@ impl ThreadSlot {
     }
 }
 
-/// How many shards to make: the machine's parallelism rounded up to a power of two, capped.
+/// How many shards to make: twice the machine's parallelism, rounded up to a power of two,
+/// capped. Numbers go to every thread that touches a pool (actors, the poller, tokio
+/// workers, blocking threads) as well as to the application's, so one shard per core would
+/// leave some of a full set of application threads sharing shards.
 pub(crate) fn default_shard_count() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(4)
+        .saturating_mul(2)
         .next_power_of_two()
         .clamp(1, 64)
 }
