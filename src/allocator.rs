@@ -3,11 +3,17 @@
 //! A cheap `Clone + Send + Sync` handle. Building it spawns the actors on the current tokio
 //! runtime (or the one given to the builder); dropping the last handle closes them, and every
 //! block goes back to the runtime as its buffer comes home.
+//!
+//! The memory limit (`max_bytes`, `memory_fraction`) is one budget for the whole allocator:
+//! the default pool and every capture pool reserve from it before they take fresh memory.
 
+use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use pinpool_actors::{
-    EmptyReport, Engine, EngineBuilder, Error, HostStats, Inventory, PoolId, Runtime, SizePolicy,
+    BaseAllocation, CacheInfo, EmptyReport, Engine, EngineBuilder, Error, HostStats, Inventory,
+    MemorySnapshot, PoolId, Runtime, SizePolicy,
 };
 
 use crate::buffer::PinnedBuffer;
@@ -48,9 +54,70 @@ impl PinnedAllocator<SimRuntime> {
     }
 }
 
+/// Bytes of host RAM (`MemTotal` in `/proc/meminfo`), what
+/// [`Builder::memory_fraction`] takes a fraction of.
+///
+/// ```
+/// # fn main() -> Result<(), pinpool::Error> {
+/// # if !std::path::Path::new("/proc/meminfo").exists() { return Ok(()); }
+/// let ram = pinpool::host_memory_bytes()?;
+/// assert!(ram > 0);
+/// # Ok(()) }
+/// ```
+pub fn host_memory_bytes() -> Result<usize, Error> {
+    let text = std::fs::read_to_string("/proc/meminfo").map_err(|e| Error::InvalidLimit {
+        reason: format!("cannot read /proc/meminfo: {e}"),
+    })?;
+    parse_mem_total(&text).ok_or_else(|| Error::InvalidLimit {
+        reason: "no MemTotal line in /proc/meminfo".into(),
+    })
+}
+
+/// `MemTotal:       131891740 kB` → bytes.
+fn parse_mem_total(meminfo: &str) -> Option<usize> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let mut words = line["MemTotal:".len()..].split_whitespace();
+    let n: usize = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => n.checked_mul(1024),
+        None => Some(n),
+        Some(_) => None,
+    }
+}
+
+/// The cap that `fraction` of host RAM gives.
+fn fraction_of_host(fraction: f64) -> Result<usize, Error> {
+    if !(fraction > 0.0 && fraction <= 1.0) {
+        return Err(Error::InvalidLimit {
+            reason: format!("memory fraction {fraction} is not in (0, 1]"),
+        });
+    }
+    let bytes = (host_memory_bytes()? as f64 * fraction) as usize;
+    if bytes == 0 {
+        return Err(Error::InvalidLimit {
+            reason: format!("memory fraction {fraction} of host memory is 0 bytes"),
+        });
+    }
+    Ok(bytes)
+}
+
 /// Configures a [`PinnedAllocator`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), pinpool::Error> {
+/// use std::time::Duration;
+///
+/// let pool = pinpool::PinnedAllocator::builder()
+///     .max_bytes(64 << 20) // at most 64 MiB pinned
+///     .alloc_timeout(Duration::from_secs(5)) // `alloc` waits at most 5 s for room
+///     .build()?;
+/// assert_eq!(pool.max_bytes(), Some(64 << 20));
+/// # Ok(()) }
+/// ```
 pub struct Builder<R: Runtime> {
     inner: EngineBuilder<R>,
+    fraction: Option<f64>,
 }
 
 impl<R: Runtime> Builder<R> {
@@ -58,39 +125,85 @@ impl<R: Runtime> Builder<R> {
     pub fn new(runtime: Arc<R>) -> Self {
         Self {
             inner: EngineBuilder::new(runtime),
+            fraction: None,
         }
     }
 
-    /// Use `runtime` instead.
+    fn map(self, f: impl FnOnce(EngineBuilder<R>) -> EngineBuilder<R>) -> Self {
+        Self {
+            inner: f(self.inner),
+            fraction: self.fraction,
+        }
+    }
+
+    /// Caps the pinned bytes the allocator reserves, over all its pools (default: no cap).
+    /// A request that would pass the cap first has every pool's cache emptied; if it still
+    /// does not fit, [`PinnedAllocator::alloc`] waits, first come first served, for buffers
+    /// to come back, and [`PinnedAllocator::try_alloc`] fails with [`Error::OutOfMemory`]. A
+    /// request larger than the cap fails at once. `build` refuses a cap of 0.
+    pub fn max_bytes(self, bytes: usize) -> Self {
+        let mut b = self.map(|i| i.max_bytes(bytes));
+        b.fraction = None;
+        b
+    }
+
+    /// Caps the pinned bytes at `fraction` of host RAM (`MemTotal` of `/proc/meminfo`), as
+    /// `torch.cuda.set_per_process_memory_fraction` does for device memory. `build` fails
+    /// with [`Error::InvalidLimit`] unless `fraction` is in (0, 1].
+    pub fn memory_fraction(mut self, fraction: f64) -> Self {
+        self.fraction = Some(fraction);
+        self
+    }
+
+    /// How long [`PinnedAllocator::alloc`] and `alloc_blocking` wait for room under the cap
+    /// before failing with [`Error::Timeout`] (default: as long as it takes).
+    pub fn alloc_timeout(self, timeout: Duration) -> Self {
+        self.map(|i| i.alloc_timeout(timeout))
+    }
+
+    /// Use `runtime` instead (other settings start over).
     pub fn runtime<R2: Runtime>(self, runtime: Arc<R2>) -> Builder<R2> {
         Builder::new(runtime)
     }
 
     /// The size policy (default: powers of two, as PyTorch).
     pub fn policy(self, policy: Arc<dyn SizePolicy>) -> Self {
-        Self {
-            inner: self.inner.policy(policy),
-        }
+        self.map(|i| i.policy(policy))
+    }
+
+    /// Applies the allocator settings of a [`Config`](crate::config::Config) (today its
+    /// `size_policy`; pinning settings belong to the runtime).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config: pinpool::config::Config = "size_policy:bestfit".parse()?;
+    /// let pool = pinpool::PinnedAllocator::builder().config(&config).build()?;
+    /// assert_eq!(pool.engine().policy().name(), "bestfit");
+    /// # Ok(()) }
+    /// ```
+    pub fn config(self, config: &crate::config::Config) -> Self {
+        self.policy(config.size_policy.policy())
     }
 
     /// The tokio runtime for the actors (default: the current one).
     pub fn handle(self, handle: tokio::runtime::Handle) -> Self {
-        Self {
-            inner: self.inner.handle(handle),
-        }
+        self.map(|i| i.handle(handle))
     }
 
     /// Thread shards for the cached path (default: the machine's parallelism).
     pub fn shards(self, shards: usize) -> Self {
-        Self {
-            inner: self.inner.shards(shards),
-        }
+        self.map(|i| i.shards(shards))
     }
 
     /// Spawns the actors.
     pub fn build(self) -> Result<PinnedAllocator<R>, Error> {
+        let mut inner = self.inner;
+        if let Some(f) = self.fraction {
+            inner = inner.max_bytes(fraction_of_host(f)?);
+        }
         Ok(PinnedAllocator {
-            engine: self.inner.build()?,
+            engine: inner.build()?,
         })
     }
 }
@@ -108,8 +221,38 @@ impl<R: Runtime> PinnedAllocator<R> {
 
     /// Allocates `size` bytes from the default pool. A size seen before is served from the
     /// cache without a round trip to any actor; 0 gives an empty buffer.
+    ///
+    /// Under a memory cap ([`Builder::max_bytes`]) a request that does not fit waits, first
+    /// come first served, until buffers come back (up to [`Builder::alloc_timeout`], then
+    /// [`Error::Timeout`]). Cancel-safe: dropping the future leaves nothing queued and loses
+    /// no memory.
     pub async fn alloc(&self, size: usize) -> Result<PinnedBuffer<R>, Error> {
         self.engine.alloc(size).await.map(PinnedBuffer::new)
+    }
+
+    /// [`PinnedAllocator::alloc`], waiting at most `timeout` for room under the cap.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use std::time::Duration;
+    ///
+    /// let pool = pinpool::PinnedAllocator::builder().max_bytes(1 << 20).build()?;
+    /// let held = pool.alloc(1 << 20).await?;
+    /// let err = pool.alloc_timeout(1 << 20, Duration::from_millis(10)).await.unwrap_err();
+    /// assert!(matches!(err, pinpool::Error::Timeout { .. }));
+    /// drop(held);
+    /// # Ok(()) }
+    /// ```
+    pub async fn alloc_timeout(
+        &self,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<PinnedBuffer<R>, Error> {
+        self.engine
+            .alloc_timeout(size, timeout)
+            .await
+            .map(PinnedBuffer::new)
     }
 
     /// Allocates `size` bytes for work on `stream`: from a capture's private pool when a
@@ -126,15 +269,154 @@ impl<R: Runtime> PinnedAllocator<R> {
     }
 
     /// Allocates without ever waiting for other buffers to come back: where `alloc` would
-    /// wait at a memory limit, this fails at once with [`Error::OutOfMemory`].
+    /// wait at a memory limit, this fails at once with [`Error::OutOfMemory`] (after
+    /// emptying the caches, as `alloc` does).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// let pool = pinpool::PinnedAllocator::builder().max_bytes(1 << 20).build()?;
+    /// let held = pool.alloc(1 << 20).await?;
+    /// let err = pool.try_alloc(4096).await.unwrap_err();
+    /// assert!(matches!(err, pinpool::Error::OutOfMemory { limit: Some(_), .. }));
+    /// drop(held);
+    /// # Ok(()) }
+    /// ```
     pub async fn try_alloc(&self, size: usize) -> Result<PinnedBuffer<R>, Error> {
-        self.engine.alloc(size).await.map(PinnedBuffer::new)
+        self.engine.try_alloc(size).await.map(PinnedBuffer::new)
+    }
+
+    /// [`PinnedAllocator::try_alloc`] for work on `stream` (see [`PinnedAllocator::alloc_on`]).
+    pub async fn try_alloc_on(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+    ) -> Result<PinnedBuffer<R>, Error> {
+        self.engine
+            .try_alloc_on(size, stream)
+            .await
+            .map(PinnedBuffer::new)
     }
 
     /// [`PinnedAllocator::alloc`] for threads outside the tokio runtime: blocks the calling
-    /// thread on a cache miss. Do not call it from async code.
+    /// thread on a cache miss, and while it waits for room under the cap (up to
+    /// [`Builder::alloc_timeout`]). Do not call it from async code.
     pub fn alloc_blocking(&self, size: usize) -> Result<PinnedBuffer<R>, Error> {
         self.engine.alloc_blocking(size).map(PinnedBuffer::new)
+    }
+
+    /// [`PinnedAllocator::alloc_blocking`], waiting at most `timeout` for room.
+    pub fn alloc_blocking_timeout(
+        &self,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<PinnedBuffer<R>, Error> {
+        self.engine
+            .alloc_blocking_timeout(size, timeout)
+            .map(PinnedBuffer::new)
+    }
+
+    /// The cap on reserved bytes, if any.
+    pub fn max_bytes(&self) -> Option<usize> {
+        self.engine.max_bytes()
+    }
+
+    /// Sets (`Some`) or lifts (`None`) the cap while running. Lowering it frees nothing by
+    /// itself; raising it lets waiting requests in. [`Error::InvalidLimit`] for 0.
+    pub fn set_max_bytes(&self, bytes: Option<usize>) -> Result<(), Error> {
+        self.engine.set_max_bytes(bytes)
+    }
+
+    /// Sets the cap to `fraction` of host RAM ([`Error::InvalidLimit`] unless `fraction` is
+    /// in (0, 1]; nothing changes then).
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
+        self.engine.set_max_bytes(Some(fraction_of_host(fraction)?))
+    }
+
+    /// Pinned bytes reserved by all pools together (what the cap limits).
+    pub fn reserved_bytes(&self) -> usize {
+        self.engine.reserved_bytes()
+    }
+
+    /// Every segment and block (address, size, requested size, state, streams) and the
+    /// configuration in force; serializable with serde.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use pinpool::BlockStatus;
+    ///
+    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// let buf = pool.alloc(1000).await?;
+    /// let snap = pool.snapshot().await?;
+    /// let (segment, block) = snap.blocks().next().unwrap();
+    /// assert_eq!(segment.address, buf.as_ptr() as usize);
+    /// assert_eq!((block.state, block.size, block.requested_size), (BlockStatus::InUse, 1024, 1000));
+    /// assert_eq!(snap.config.runtime, "sim");
+    /// # Ok(()) }
+    /// ```
+    pub async fn snapshot(&self) -> Result<MemorySnapshot, Error> {
+        self.engine.snapshot().await
+    }
+
+    /// The largest cached block and the bytes cached, over all pools.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// drop(pool.alloc(4096).await?);
+    /// drop(pool.alloc(100).await?);
+    /// let info = pool.cache_info().await?;
+    /// assert_eq!((info.largest_block, info.total_cached), (4096, 4096 + 128));
+    /// # Ok(()) }
+    /// ```
+    pub async fn cache_info(&self) -> Result<CacheInfo, Error> {
+        self.engine.cache_info().await
+    }
+
+    /// The segment that holds `ptr` (base address, size, pool), or `None` when this
+    /// allocator holds no segment containing it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// let buf = pool.alloc(4096).await?;
+    /// let inside = buf.as_ptr().wrapping_add(100);
+    /// let base = pool.base_allocation(inside).await?.unwrap();
+    /// assert_eq!((base.base, base.size), (buf.as_ptr() as usize, 4096));
+    /// assert_eq!(pool.base_allocation(&0u8 as *const u8).await?, None);
+    /// # Ok(()) }
+    /// ```
+    pub fn base_allocation(
+        &self,
+        ptr: *const u8,
+    ) -> impl Future<Output = Result<Option<BaseAllocation>, Error>> + Send + '_ {
+        self.engine.base_allocation(ptr)
+    }
+
+    /// Whether the blocks in use in `pool` start exactly at the `expected` pointers.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use pinpool::PoolId;
+    ///
+    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// let a = pool.alloc(64).await?;
+    /// let b = pool.alloc(64).await?;
+    /// assert!(pool.check_pool_live_allocations(PoolId::DEFAULT, &[a.as_ptr(), b.as_ptr()]).await?);
+    /// drop(b);
+    /// assert!(pool.check_pool_live_allocations(PoolId::DEFAULT, &[a.as_ptr()]).await?);
+    /// # Ok(()) }
+    /// ```
+    pub fn check_pool_live_allocations(
+        &self,
+        pool: PoolId,
+        expected: &[*const u8],
+    ) -> impl Future<Output = Result<bool, Error>> + Send + '_ {
+        self.engine.check_pool_live_allocations(pool, expected)
     }
 
     /// [`PinnedAllocator::alloc_on`] for threads outside the tokio runtime.

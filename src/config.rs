@@ -30,6 +30,40 @@ pub enum PinStrategy {
     Register,
 }
 
+/// Which size policy an allocator built with [`crate::Builder::config`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum SizePolicyChoice {
+    /// Round up to a power of two, one free list per power of two ([`crate::PowerOfTwo`]).
+    #[default]
+    Pow2,
+    /// Fine size classes carved out of shared segments ([`crate::BestFit`]).
+    BestFit,
+}
+
+impl SizePolicyChoice {
+    /// The value as written in `PINPOOL_CONF` (the policy's name).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SizePolicyChoice::Pow2 => "pow2",
+            SizePolicyChoice::BestFit => "bestfit",
+        }
+    }
+
+    /// The policy itself.
+    pub fn policy(self) -> std::sync::Arc<dyn crate::SizePolicy> {
+        match self {
+            SizePolicyChoice::Pow2 => std::sync::Arc::new(crate::PowerOfTwo),
+            SizePolicyChoice::BestFit => std::sync::Arc::new(crate::BestFit::default()),
+        }
+    }
+}
+
+impl fmt::Display for SizePolicyChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl PinStrategy {
     /// The spelling used in `PINPOOL_CONF`.
     pub fn as_str(self) -> &'static str {
@@ -80,6 +114,9 @@ pub struct Config {
     /// Whether `register` allocations ask for transparent huge pages and round sizes to the
     /// huge page size (key `huge_pages`: `true`/`false`, also `1`/`0`, `on`/`off`, `yes`/`no`).
     pub huge_pages: bool,
+    /// The size policy (key `size_policy`: `pow2` or `bestfit`), applied by
+    /// [`crate::Builder::config`].
+    pub size_policy: SizePolicyChoice,
 }
 
 impl Default for Config {
@@ -88,6 +125,7 @@ impl Default for Config {
             pin_method: PinStrategy::default(),
             prefault_threads: default_prefault_threads(),
             huge_pages: true,
+            size_policy: SizePolicyChoice::default(),
         }
     }
 }
@@ -101,7 +139,12 @@ fn default_prefault_threads() -> usize {
 
 impl Config {
     /// Every key `PINPOOL_CONF` accepts, in the order `Display` prints them.
-    pub const KEYS: &'static [&'static str] = &["pin_method", "prefault_threads", "huge_pages"];
+    pub const KEYS: &'static [&'static str] = &[
+        "pin_method",
+        "prefault_threads",
+        "huge_pages",
+        "size_policy",
+    ];
 
     /// The largest accepted `prefault_threads`.
     pub const MAX_PREFAULT_THREADS: usize = 1024;
@@ -197,6 +240,13 @@ impl Config {
             "huge_pages" => {
                 self.huge_pages = parse_bool(value).ok_or_else(|| invalid("a boolean"))?
             }
+            "size_policy" => {
+                self.size_policy = match value {
+                    "pow2" => SizePolicyChoice::Pow2,
+                    "bestfit" => SizePolicyChoice::BestFit,
+                    _ => return Err(invalid("`pow2` or `bestfit`")),
+                }
+            }
             // `parse` checks keys against `KEYS` first; a key listed there but not handled
             // here is reported rather than ignored.
             _ => {
@@ -219,6 +269,12 @@ impl Config {
     /// 1..=[`Config::MAX_PREFAULT_THREADS`].
     pub fn with_prefault_threads(mut self, threads: usize) -> Self {
         self.prefault_threads = threads.clamp(1, Self::MAX_PREFAULT_THREADS);
+        self
+    }
+
+    /// This configuration with `size_policy` set.
+    pub fn with_size_policy(mut self, size_policy: SizePolicyChoice) -> Self {
+        self.size_policy = size_policy;
         self
     }
 
@@ -250,8 +306,8 @@ impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "pin_method:{},prefault_threads:{},huge_pages:{}",
-            self.pin_method, self.prefault_threads, self.huge_pages
+            "pin_method:{},prefault_threads:{},huge_pages:{},size_policy:{}",
+            self.pin_method, self.prefault_threads, self.huge_pages, self.size_policy
         )
     }
 }
@@ -501,5 +557,29 @@ mod tests {
             PinMethod::HostAlloc
         );
         assert_eq!(PinMethod::from(PinStrategy::Register), PinMethod::Register);
+    }
+}
+
+#[cfg(test)]
+mod size_policy_tests {
+    use super::*;
+
+    #[test]
+    fn size_policy_parses_pow2_and_bestfit_and_round_trips() {
+        assert_eq!(Config::default().size_policy, SizePolicyChoice::Pow2);
+        let c = Config::parse("size_policy: bestfit").unwrap();
+        assert_eq!(c.size_policy, SizePolicyChoice::BestFit);
+        assert_eq!(c.size_policy.policy().name(), "bestfit");
+        assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
+        assert_eq!(
+            Config::parse("size_policy:pow2")
+                .unwrap()
+                .size_policy
+                .policy()
+                .name(),
+            "pow2"
+        );
+        let err = Config::parse("size_policy:lru").unwrap_err();
+        assert!(matches!(err, ConfigError::InvalidValue { .. }), "{err}");
     }
 }

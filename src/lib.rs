@@ -32,13 +32,19 @@ mod buffer;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod history;
 pub mod plan;
+pub mod report;
 pub mod sim;
 pub mod trace;
 
-pub use allocator::{Builder, PinnedAllocator};
+pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
+pub use history::ReportError;
 pub use pinpool_actors::{
-    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, PinMethod, PoolId,
-    PowerOfTwo, Runtime, RuntimeError, SizeClass, SizePolicy, Stat, StreamFilter, StreamId,
+    BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
+    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, MemorySnapshot, PinMethod,
+    PoolId, PowerOfTwo, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat,
+    StreamFilter, StreamId,
 };
+pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

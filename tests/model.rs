@@ -170,8 +170,11 @@ impl Harness {
                     .copied()
                     .filter(|s| self.holds[*s].is_some())
                     .collect();
-                let captured_use =
-                    l.buf.allocated_during_capture() && !l.buf.recorded_streams().is_empty();
+                // Kept only while its pool lives: a pool released before the free no longer
+                // protects the block (its graphs are gone).
+                let captured_use = l.buf.allocated_during_capture()
+                    && !l.buf.recorded_streams().is_empty()
+                    && l.buf.pool() == Some(self.pool_id);
                 drop(l.buf);
                 if captured_use {
                     self.kept.insert(ptr);

@@ -11,8 +11,9 @@ use std::sync::Arc;
 
 use crate::keepalive;
 use crate::poller::PollerMsg;
-use crate::pool::{PoolMsg, PoolShared};
+use crate::pool::{PoolMsg, PoolShared, Segment};
 use crate::runtime::{HostMemory, Runtime, StreamId};
+use crate::snapshot::BlockMeta;
 
 /// Where a block is in its life; decides what happens when it is dropped by accident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,7 +43,7 @@ impl<E> Events<E> {
 unsafe impl<E: Send> Sync for Events<E> {}
 
 pub(crate) struct Block<R: Runtime> {
-    /// The pinned memory (a whole host allocation).
+    /// The pinned memory: a whole host allocation, or a range of `segment`.
     pub(crate) memory: HostMemory,
     /// Bytes of the block (`memory.size`, kept beside the class for the cached path).
     pub(crate) size: usize,
@@ -60,6 +61,10 @@ pub(crate) struct Block<R: Runtime> {
     /// Set once the memory has been given back to the runtime.
     pub(crate) freed: bool,
     pub(crate) pool: Arc<PoolShared<R>>,
+    /// What the holder writes for snapshots (requested bytes, streams).
+    pub(crate) meta: Arc<BlockMeta>,
+    /// The segment the block was cut out of (`None`: the block is a host allocation).
+    pub(crate) segment: Option<Arc<Segment<R>>>,
 }
 
 impl<R: Runtime> Block<R> {
@@ -75,6 +80,8 @@ impl<R: Runtime> Block<R> {
             state: BlockState::InUse,
             freed: false,
             pool,
+            meta: Arc::default(),
+            segment: None,
         })
     }
 
@@ -121,7 +128,12 @@ impl<R: Runtime> Block<R> {
             for e in self.events.get_mut().drain(..) {
                 rt.release_event(e);
             }
-            self.pool.stats.deactivate(self.shard, self.size);
+            let stats = &self.pool.stats;
+            stats.deactivate(self.shard, self.size);
+            stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
+            stats
+                .kept_bytes
+                .fetch_add(self.size as i64, Ordering::Relaxed);
             self.state = BlockState::Kept;
             let mailbox = self.pool.mailbox.clone();
             if let Err(flume::SendError(PoolMsg::Keep(b))) = mailbox.send(PoolMsg::Keep(self)) {
@@ -140,9 +152,10 @@ impl<R: Runtime> Block<R> {
             // pool until its next call, so the pool outlives this function even once the
             // block (and the reference it carries) is parked and taken by another thread.
             let pool = unsafe { &*pool };
-            if pool.closed.load(Ordering::Acquire) {
-                // A closing pool sweeps parked blocks only now and then: go straight to the
-                // poller.
+            if pool.divert.load(Ordering::Acquire) != 0 || self.size > pool.max_cached_size {
+                // A closing pool, or one whose requests wait for room, wants blocks back
+                // through its actor, and so does every block too large to cache: go straight
+                // to the poller, which sends them home when their events complete.
                 if let Err(flume::SendError(PollerMsg::Wait(b))) =
                     pool.poller.send(PollerMsg::Wait(self))
                 {
@@ -201,6 +214,7 @@ impl<R: Runtime> Block<R> {
     /// active; it is ready to be handed out again.
     pub(crate) fn leave_waiting(&mut self) {
         debug_assert!(self.events.get_mut().is_empty());
+        crate::history::on_free_completed(self);
         let stats = &self.pool.stats;
         stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
         stats
@@ -219,8 +233,22 @@ impl<R: Runtime> Block<R> {
     /// A block that no actor can take any more (its tokio runtime is gone): free it here when
     /// that is safe, leak it otherwise.
     pub(crate) fn orphaned(mut self: Box<Self>) {
+        if let Some(segment) = self.segment.take() {
+            // A range of a segment: the segment goes back to the runtime with its last piece,
+            // unless device work may still use this one.
+            if matches!(self.state, BlockState::Waiting | BlockState::Kept) {
+                segment.leak();
+            }
+            self.freed = true;
+            return;
+        }
         match self.state {
-            BlockState::InUse | BlockState::Cached => self.pool.clone().free_block_now(self),
+            BlockState::InUse | BlockState::Cached => {
+                let pool = self.pool.clone();
+                if let Err(mut b) = pool.free_block_now(self) {
+                    b.freed = true; // the runtime refused; leaked rather than reused
+                }
+            }
             BlockState::Waiting | BlockState::Kept => {
                 tracing::warn!(
                     bytes = self.memory.size,
@@ -245,12 +273,15 @@ impl<R: Runtime> Block<R> {
             state: self.state,
             freed: false,
             pool: self.pool.clone(),
+            meta: self.meta.clone(),
+            segment: self.segment.take(),
         })
     }
 }
 
 /// Puts a block that is ready for reuse back where requests find it: its pool's ready
-/// queue, or its pool actor once the pool is closing.
+/// queue, or its pool actor once the pool is closing or requests wait for room, or when the
+/// block is too large to cache.
 #[inline]
 pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     keepalive::ensure(&block.pool);
@@ -259,7 +290,7 @@ pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     // its next call, so the pool outlives this function even after the block (and the
     // reference it carries) has moved into a queue and been taken by another thread.
     let pool = unsafe { &*pool };
-    if pool.closed.load(Ordering::Acquire) {
+    if pool.divert.load(Ordering::Acquire) != 0 || block.size > pool.max_cached_size {
         block.state = BlockState::InUse;
         if let Err(flume::SendError(PoolMsg::Home(b))) = pool.mailbox.send(PoolMsg::Home(block)) {
             b.orphaned();

@@ -8,12 +8,14 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use flume::Sender;
 
 use crate::error::Error;
 use crate::lease::Lease;
+use crate::limit::{miss_async, miss_blocking, Budget, Wait};
 use crate::policy::{PowerOfTwo, SizeClass, SizePolicy};
 use crate::poller::{start_poller, PollerMsg};
 use crate::pool::{start_pool, EmptyReport, Inventory, PoolMsg, PoolShared, PoolSpec, Reply};
@@ -23,9 +25,6 @@ use crate::runtime::Runtime;
 use crate::shard::default_shard_count;
 use crate::stats::HostStats;
 
-/// What a pool actor answers to a miss.
-type MissReply<R> = Result<Box<crate::block::Block<R>>, Error>;
-
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
 /// Configures and starts an [`Engine`].
@@ -34,6 +33,8 @@ pub struct EngineBuilder<R: Runtime> {
     policy: Arc<dyn SizePolicy>,
     handle: Option<tokio::runtime::Handle>,
     shards: Option<usize>,
+    max_bytes: Option<usize>,
+    alloc_timeout: Option<Duration>,
 }
 
 impl<R: Runtime> EngineBuilder<R> {
@@ -44,7 +45,24 @@ impl<R: Runtime> EngineBuilder<R> {
             policy: Arc::new(PowerOfTwo),
             handle: None,
             shards: None,
+            max_bytes: None,
+            alloc_timeout: None,
         }
+    }
+
+    /// Caps the pinned bytes reserved by all pools together (default: no cap). A request
+    /// that would pass the cap first has every cache emptied; if it still does not fit,
+    /// `alloc` waits for buffers to come back and `try_alloc` fails. `build` refuses 0.
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = Some(bytes);
+        self
+    }
+
+    /// How long `alloc` waits for room under the cap before failing with
+    /// [`Error::Timeout`] (default: as long as it takes).
+    pub fn alloc_timeout(mut self, timeout: Duration) -> Self {
+        self.alloc_timeout = Some(timeout);
+        self
     }
 
     /// The size policy (default: [`PowerOfTwo`]).
@@ -72,15 +90,29 @@ impl<R: Runtime> EngineBuilder<R> {
             Some(h) => h,
             None => tokio::runtime::Handle::try_current().map_err(|_| Error::NoTokioRuntime)?,
         };
+        if self.max_bytes == Some(0) {
+            return Err(Error::InvalidLimit {
+                reason: "a cap of 0 bytes leaves no room for any request".into(),
+            });
+        }
         let id = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
         let shards = self.shards.unwrap_or_else(default_shard_count);
+        let budget = Arc::new(Budget::new(
+            self.max_bytes,
+            self.alloc_timeout,
+            shards,
+            self.policy.name(),
+        ));
         let classes = self.policy.num_classes();
+        let layout = self.policy.layout();
+        let history = crate::history::start(&handle);
         let (poller_tx, poller_rx) = flume::unbounded();
         start_poller(poller_rx, &handle);
         let spec = {
             let runtime = self.runtime.clone();
             let poller = poller_tx.clone();
             let handle = handle.clone();
+            let history = history.clone();
             move |id: PoolId| PoolSpec {
                 id,
                 runtime: runtime.clone(),
@@ -88,6 +120,9 @@ impl<R: Runtime> EngineBuilder<R> {
                 shards,
                 poller: poller.clone(),
                 handle: handle.clone(),
+                budget: budget.clone(),
+                history: history.clone(),
+                layout,
             }
         };
         let default = start_pool(spec(PoolId::DEFAULT));
@@ -99,6 +134,7 @@ impl<R: Runtime> EngineBuilder<R> {
             runtime = self.runtime.name(),
             policy = self.policy.name(),
             shards,
+            max_bytes = self.max_bytes,
             "allocator started"
         );
         Ok(Engine {
@@ -110,6 +146,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 table,
                 router: router_tx,
                 poller: poller_tx,
+                history,
             }),
         })
     }
@@ -124,6 +161,7 @@ struct EngineInner<R: Runtime> {
     router: Sender<RouterMsg<R>>,
     #[allow(dead_code)]
     poller: Sender<PollerMsg<R>>,
+    history: Arc<crate::history::Recorder>,
 }
 
 impl<R: Runtime> Drop for EngineInner<R> {
@@ -165,6 +203,11 @@ impl<R: Runtime> Engine<R> {
     /// The runtime underneath.
     pub fn runtime(&self) -> &Arc<R> {
         &self.inner.runtime
+    }
+
+    /// The history recorder (see [`crate::history`]).
+    pub(crate) fn recorder(&self) -> &Arc<crate::history::Recorder> {
+        &self.inner.history
     }
 
     /// The size policy in force.
@@ -241,21 +284,11 @@ impl<R: Runtime> Engine<R> {
         }
     }
 
-    fn ask_pool(
-        pool: &PoolShared<R>,
-        class: SizeClass,
-    ) -> Result<flume::Receiver<MissReply<R>>, Error> {
-        let (tx, rx) = flume::bounded(1);
-        pool.mailbox
-            .send(PoolMsg::Miss { class, reply: tx })
-            .map_err(|_| Error::Shutdown)?;
-        Ok(rx)
-    }
-
     async fn alloc_inner(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
+        wait: Wait,
     ) -> Result<Lease<R>, Error> {
         match self.step(size, stream)? {
             Step::Ready(lease) => Ok(lease),
@@ -264,8 +297,9 @@ impl<R: Runtime> Engine<R> {
                 class,
                 during_capture,
             } => {
-                let rx = Self::ask_pool(&pool, class)?;
-                let block = rx.recv_async().await.map_err(|_| Error::Shutdown)??;
+                let block = miss_async(&pool, class, size, wait)
+                    .await
+                    .map_err(|e| crate::history::on_oom(&pool, e))?;
                 Ok(Lease::new(block, size, during_capture, self.inner.id))
             }
         }
@@ -275,6 +309,7 @@ impl<R: Runtime> Engine<R> {
         &self,
         size: usize,
         stream: Option<&R::Stream>,
+        wait: Wait,
     ) -> Result<Lease<R>, Error> {
         match self.step(size, stream)? {
             Step::Ready(lease) => Ok(lease),
@@ -283,33 +318,88 @@ impl<R: Runtime> Engine<R> {
                 class,
                 during_capture,
             } => {
-                let rx = Self::ask_pool(&pool, class)?;
-                let block = rx.recv().map_err(|_| Error::Shutdown)??;
+                let block = miss_blocking(&pool, class, size, wait)
+                    .map_err(|e| crate::history::on_oom(&pool, e))?;
                 Ok(Lease::new(block, size, during_capture, self.inner.id))
             }
         }
     }
 
-    /// Allocates `size` bytes in the default pool.
+    /// Allocates `size` bytes in the default pool. Under a memory cap, waits for room (up
+    /// to the builder's `alloc_timeout`) when even an emptied cache leaves none. Cancel-safe:
+    /// dropping the future leaves nothing queued and loses no memory.
     pub async fn alloc(&self, size: usize) -> Result<Lease<R>, Error> {
-        self.alloc_inner(size, None).await
+        self.alloc_inner(size, None, Wait::Default).await
+    }
+
+    /// [`Engine::alloc`], waiting at most `timeout` for room ([`Error::Timeout`] after).
+    pub async fn alloc_timeout(&self, size: usize, timeout: Duration) -> Result<Lease<R>, Error> {
+        self.alloc_inner(size, None, Wait::Upto(timeout)).await
+    }
+
+    /// [`Engine::alloc`] that never waits for room: fails with [`Error::OutOfMemory`] where
+    /// `alloc` would wait.
+    pub async fn try_alloc(&self, size: usize) -> Result<Lease<R>, Error> {
+        self.alloc_inner(size, None, Wait::Never).await
+    }
+
+    /// [`Engine::try_alloc`] for work on `stream` (see [`Engine::alloc_on`]).
+    pub async fn try_alloc_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
+        self.alloc_inner(size, Some(stream), Wait::Never).await
+    }
+
+    /// [`Engine::alloc_blocking`], waiting at most `timeout` for room.
+    pub fn alloc_blocking_timeout(
+        &self,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<Lease<R>, Error> {
+        self.alloc_blocking_inner(size, None, Wait::Upto(timeout))
+    }
+
+    /// The cap on reserved bytes, if any.
+    pub fn max_bytes(&self) -> Option<usize> {
+        self.inner.default.budget.limit()
+    }
+
+    /// Sets or lifts the cap. Lowering it frees nothing by itself (the next request that
+    /// does not fit empties the caches); raising it lets waiting requests in.
+    pub fn set_max_bytes(&self, bytes: Option<usize>) -> Result<(), Error> {
+        if bytes == Some(0) {
+            return Err(Error::InvalidLimit {
+                reason: "a cap of 0 bytes leaves no room for any request".into(),
+            });
+        }
+        self.inner.default.budget.set_limit(bytes);
+        Ok(())
+    }
+
+    /// Pinned bytes reserved by all pools together (what the cap limits).
+    pub fn reserved_bytes(&self) -> usize {
+        self.inner.default.budget.reserved()
+    }
+
+    /// The default pool's shared part (its budget reaches every pool).
+    pub(crate) fn default_pool(&self) -> &Arc<PoolShared<R>> {
+        &self.inner.default
     }
 
     /// Allocates `size` bytes for work on `stream`: in a capture's private pool when a
     /// capture's filter accepts the stream, in the default pool otherwise.
     pub async fn alloc_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        self.alloc_inner(size, Some(stream)).await
+        self.alloc_inner(size, Some(stream), Wait::Default).await
     }
 
     /// [`Engine::alloc`] for threads outside the tokio runtime. It blocks the calling thread
-    /// on a miss; do not call it from async code on a current-thread runtime.
+    /// on a miss (and while it waits for room, up to the builder's `alloc_timeout`); do not
+    /// call it from async code on a current-thread runtime.
     pub fn alloc_blocking(&self, size: usize) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_inner(size, None)
+        self.alloc_blocking_inner(size, None, Wait::Default)
     }
 
     /// [`Engine::alloc_on`] for threads outside the tokio runtime.
     pub fn alloc_blocking_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_inner(size, Some(stream))
+        self.alloc_blocking_inner(size, Some(stream), Wait::Default)
     }
 
     /// Records `stream` on a lease, after checking that this allocator lent it.
@@ -385,20 +475,24 @@ impl<R: Runtime> Engine<R> {
         for (_, p) in self.inner.table.load().pools.iter() {
             s.merge(&p.stats.read());
         }
+        s.limit_bytes = self.max_bytes().map(|l| l as i64);
         s
     }
 
     /// Statistics of one pool (`None` for a pool that does not exist or is gone).
     pub fn pool_stats(&self, id: PoolId) -> Option<HostStats> {
+        let limit = self.max_bytes().map(|l| l as i64);
         if id.is_default() {
-            return Some(self.inner.default.stats.read());
+            let mut s = self.inner.default.stats.read();
+            s.limit_bytes = limit;
+            return Some(s);
         }
         let table = self.inner.table.load();
-        table
-            .pools
-            .iter()
-            .find(|(p, _)| *p == id)
-            .map(|(_, p)| p.stats.read())
+        table.pools.iter().find(|(p, _)| *p == id).map(|(_, p)| {
+            let mut s = p.stats.read();
+            s.limit_bytes = limit;
+            s
+        })
     }
 
     /// Ids of the capture pools alive.

@@ -27,6 +27,21 @@ pub enum Error {
         /// The configured cap on reserved bytes, if any.
         limit: Option<usize>,
     },
+    /// A request waited for room under the memory limit longer than its timeout.
+    #[error("gave up waiting for {requested} bytes of pinned memory after {timeout:?}")]
+    Timeout {
+        /// Bytes asked for.
+        requested: usize,
+        /// How long it waited.
+        timeout: std::time::Duration,
+    },
+    /// A memory limit that cannot be set: a fraction outside (0, 1], a cap of 0 bytes, or
+    /// host memory that could not be read.
+    #[error("invalid memory limit: {reason}")]
+    InvalidLimit {
+        /// What is wrong.
+        reason: String,
+    },
     /// The CUDA (or simulated) runtime reported a failure.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
@@ -66,6 +81,38 @@ pub enum Error {
     /// The allocator was built outside a tokio runtime and no handle was given.
     #[error("no tokio runtime: build the allocator inside one, or give the builder a handle")]
     NoTokioRuntime,
+    /// `record_history(true, 0, ..)`: a history ring needs room for at least one entry.
+    #[error("a history ring needs room for at least one entry (max_entries was 0)")]
+    EmptyHistoryRing,
+    /// The GPU runtime could not start: no CUDA driver, a driver too old, or a failed
+    /// initialisation call. The message says which.
+    #[error("no usable CUDA device: {message}")]
+    DeviceUnavailable {
+        /// What went wrong, in the runtime's words.
+        message: String,
+    },
+    /// The driver works, but there is no device with this ordinal.
+    #[error("no CUDA device {ordinal}: {count} device(s) present")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        count: usize,
+    },
+    /// The configuration (e.g. the `PINPOOL_CONF` environment variable) is malformed.
+    #[error("invalid configuration: {message}")]
+    InvalidConfig {
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A copy whose destination is shorter than its source.
+    #[error("cannot copy {src_len} bytes into a destination of {dst_len} bytes")]
+    LengthMismatch {
+        /// Bytes of the source.
+        src_len: usize,
+        /// Bytes of the destination.
+        dst_len: usize,
+    },
 }
 
 fn limit_text(limit: Option<usize>) -> String {

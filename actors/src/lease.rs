@@ -31,9 +31,11 @@ impl<R: Runtime> Lease<R> {
         during_capture: bool,
         engine: u64,
     ) -> Self {
+        crate::history::on_alloc(&block, len);
         block.shard = block.pool.stats.activate(block.size);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
+        block.meta.lent(len);
         Lease {
             block: Some(block),
             len,
@@ -94,6 +96,7 @@ impl<R: Runtime> Lease<R> {
         if let Some(b) = &mut self.block {
             let id = b.pool.runtime.stream_id(stream);
             if !b.streams.iter().any(|(s, _)| *s == id) {
+                b.meta.recorded(id);
                 b.streams.push((id, stream.clone()));
             }
         }
@@ -111,6 +114,7 @@ impl<R: Runtime> Lease<R> {
 impl<R: Runtime> Drop for Lease<R> {
     fn drop(&mut self) {
         if let Some(b) = self.block.take() {
+            crate::history::on_free(&b, self.len);
             b.release();
         }
     }

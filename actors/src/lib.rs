@@ -12,10 +12,14 @@
 #![allow(clippy::vec_box, clippy::boxed_local)]
 
 mod block;
+mod carve;
 mod engine;
 mod error;
+mod history;
 mod keepalive;
 mod lease;
+mod limit;
+mod observe;
 mod policy;
 mod poller;
 mod pool;
@@ -24,15 +28,21 @@ mod ready;
 mod router;
 pub mod runtime;
 mod shard;
+mod snapshot;
 mod spawn;
 mod stats;
 
 pub use engine::{Engine, EngineBuilder};
 pub use error::Error;
+pub use history::{History, HistoryContext, TraceAction, TraceEntry};
 pub use lease::Lease;
-pub use policy::{PowerOfTwo, SizeClass, SizePolicy};
+pub use observe::{OomObserver, OomReport, TraceTracker};
+pub use policy::{BestFit, BlockLayout, Carving, PowerOfTwo, SizeClass, SizePolicy};
 pub use pool::{EmptyReport, Inventory};
 pub use pool_id::PoolId;
 pub use router::StreamFilter;
 pub use runtime::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
+pub use snapshot::{
+    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, SegmentInfo,
+};
 pub use stats::{DurationStat, HostStats, Stat};

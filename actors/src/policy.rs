@@ -1,7 +1,12 @@
 //! Size policies: how a request's size maps to a size class and to the bytes reserved for it.
 //!
-//! A class is the unit of reuse: a freed block is handed out again only to a request of the
-//! same class. The cached path indexes ready queues by class, so `class_of` must be cheap.
+//! A class is the unit of reuse on the cached path: a freed block goes back to the ready
+//! queue of its class and is handed out again to a request of that class, so every block of
+//! a class is at least as large as the class's size and `class_of` must be cheap. What
+//! happens on a miss is the policy's [`BlockLayout`]: [`PowerOfTwo`] gives every block a
+//! host allocation of its own; [`BestFit`] cuts blocks of their class's exact size out of
+//! shared segments and coalesces them again (see `carve`), so that a miss is served from
+//! any free memory that fits before fresh memory is taken.
 
 /// A request's class: which ready queue serves it, and how many bytes its block has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +27,131 @@ pub trait SizePolicy: Send + Sync + 'static {
     fn class_of(&self, size: usize) -> Option<SizeClass>;
     /// The largest request `class_of` accepts.
     fn max_request(&self) -> usize;
+    /// How blocks are laid out in host allocations (default: one allocation per block).
+    fn layout(&self) -> BlockLayout {
+        BlockLayout::Whole
+    }
+}
+
+/// How a pool lays its blocks out in host allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockLayout {
+    /// Every block is a host allocation of its class's size, reused only by its class.
+    Whole,
+    /// Blocks are cut out of segments (host allocations) and coalesce when they come back.
+    Carved(Carving),
+}
+
+/// Parameters of [`BlockLayout::Carved`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Carving {
+    /// Blocks up to this size share segments of `small_segment` bytes.
+    pub small_limit: usize,
+    /// Size of a shared segment for small blocks.
+    pub small_segment: usize,
+    /// A larger block gets a segment of its own size rounded up to this (a page).
+    pub large_round: usize,
+    /// Blocks larger than this are not cached: once free, their segment goes back to the
+    /// runtime as soon as no piece of it is lent.
+    pub max_cached_size: usize,
+    /// When a miss needs fresh memory, first give back the segments that are wholly free
+    /// (none of them could serve the miss): keeps the peak of reserved memory down.
+    pub release_before_fresh: bool,
+}
+
+/// The largest request [`BestFit`] accepts: 1 TiB.
+const BEST_FIT_MAX_LOG2: u32 = 40;
+/// Classes per doubling above `BEST_FIT_SMALL` (rounding wastes at most 1/16 = 6.25%).
+const STEPS_LOG2: u32 = 4;
+/// Up to this size, classes are the multiples of 512 bytes.
+const BEST_FIT_SMALL: usize = 512 << STEPS_LOG2;
+const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
+
+/// Fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per doubling, so a
+/// class rounds up by at most 6.25%) whose blocks are cut out of shared segments: small
+/// blocks (up to 1 MiB) from 2 MiB segments, larger ones from a segment of their own class
+/// size. A miss is served by the best-fitting free range of any segment, after the pool has
+/// drained its ready queues and coalesced free neighbours; fresh memory is taken only when
+/// no free range fits.
+///
+/// ```
+/// use pinpool_actors::{BestFit, SizePolicy};
+/// let p = BestFit::default();
+/// // A 1025 MiB request reserves 1088 MiB, where powers of two would reserve 2 GiB.
+/// assert_eq!(p.class_of(1025 << 20).unwrap().size, 1088 << 20);
+/// assert_eq!(p.class_of(300).unwrap().size, 512);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BestFit {
+    carving: Carving,
+}
+
+impl Default for BestFit {
+    fn default() -> Self {
+        Self {
+            carving: Carving {
+                small_limit: 1 << 20,
+                small_segment: 2 << 20,
+                large_round: 4096,
+                max_cached_size: usize::MAX,
+                release_before_fresh: true,
+            },
+        }
+    }
+}
+
+impl BestFit {
+    /// Keep wholly free segments when a miss needs fresh memory (default: give them back).
+    pub fn keep_free_segments(mut self) -> Self {
+        self.carving.release_before_fresh = false;
+        self
+    }
+
+    /// Blocks above `bytes` are not cached: their memory goes back to the runtime once free.
+    pub fn max_cached_size(mut self, bytes: usize) -> Self {
+        self.carving.max_cached_size = bytes;
+        self
+    }
+}
+
+impl SizePolicy for BestFit {
+    fn name(&self) -> &'static str {
+        "bestfit"
+    }
+
+    fn num_classes(&self) -> usize {
+        (1 << STEPS_LOG2) * (1 + (BEST_FIT_MAX_LOG2 - SMALL_LOG2) as usize)
+    }
+
+    #[inline]
+    fn class_of(&self, size: usize) -> Option<SizeClass> {
+        if size == 0 || size > self.max_request() {
+            return None;
+        }
+        if size <= BEST_FIT_SMALL {
+            let m = size.div_ceil(512);
+            return Some(SizeClass {
+                index: m - 1,
+                size: m * 512,
+            });
+        }
+        // size in (2^k, 2^(k+1)], k >= SMALL_LOG2: 16 steps of 2^(k-4).
+        let k = usize::BITS - 1 - (size - 1).leading_zeros();
+        let step_log2 = k - STEPS_LOG2;
+        let m = (size - 1) >> step_log2; // in 16..=31
+        Some(SizeClass {
+            index: (1 << STEPS_LOG2) * (1 + (k - SMALL_LOG2) as usize) + (m - (1 << STEPS_LOG2)),
+            size: (m + 1) << step_log2,
+        })
+    }
+
+    fn max_request(&self) -> usize {
+        1usize << BEST_FIT_MAX_LOG2
+    }
+
+    fn layout(&self) -> BlockLayout {
+        BlockLayout::Carved(self.carving)
+    }
 }
 
 /// PyTorch's policy: round up to a power of two; one class per power of two.
@@ -60,6 +190,79 @@ impl SizePolicy for PowerOfTwo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn best_fit_classes_are_contiguous_monotonic_and_never_below_the_request() {
+        let p = BestFit::default();
+        let mut last = p.class_of(1).unwrap();
+        assert_eq!(
+            last,
+            SizeClass {
+                index: 0,
+                size: 512
+            }
+        );
+        let mut size = 2;
+        while size <= p.max_request() {
+            for s in [size - 1, size, size + 1, size + size / 3] {
+                let Some(c) = p.class_of(s) else { continue };
+                assert!(c.size >= s, "class {c:?} for {s}");
+                assert!(c.size - s < (s / 16).max(512), "class {c:?} for {s}");
+                assert!(c.index < p.num_classes());
+                // A class's size maps to the class itself.
+                assert_eq!(p.class_of(c.size), Some(c));
+                assert_eq!(c.size % 512, 0);
+            }
+            let c = p.class_of(size).unwrap();
+            assert!(c.index == last.index || c.index == last.index + 1 || c.size > last.size);
+            last = c;
+            size *= 2;
+        }
+        assert_eq!(p.class_of(8192).unwrap().index, 15);
+        assert_eq!(
+            p.class_of(8193).unwrap(),
+            SizeClass {
+                index: 16,
+                size: 8704
+            }
+        );
+        assert_eq!(p.class_of(16384).unwrap().index, 31);
+        assert_eq!(
+            p.class_of(16385).unwrap(),
+            SizeClass {
+                index: 32,
+                size: 17408
+            }
+        );
+        assert_eq!(
+            p.class_of(p.max_request()).unwrap().index,
+            p.num_classes() - 1
+        );
+        assert_eq!(p.class_of(p.max_request() + 1), None);
+        assert_eq!(p.class_of(0), None);
+    }
+
+    #[test]
+    fn best_fit_serves_a_1025_mib_request_with_at_most_1100_mib() {
+        let c = BestFit::default().class_of(1025 << 20).unwrap();
+        assert!(c.size <= 1100 << 20);
+        assert_eq!(PowerOfTwo.class_of(1025 << 20).unwrap().size, 2048 << 20);
+    }
+
+    #[test]
+    fn every_best_fit_class_index_is_used_by_exactly_one_size() {
+        let p = BestFit::default();
+        let mut sizes = vec![0usize; p.num_classes()];
+        let mut s = 512;
+        while s <= p.max_request() {
+            let c = p.class_of(s).unwrap();
+            assert!(sizes[c.index] == 0 || sizes[c.index] == c.size);
+            sizes[c.index] = c.size;
+            s = c.size + 1;
+        }
+        assert!(sizes.iter().all(|&s| s > 0));
+        assert!(sizes.windows(2).all(|w| w[0] < w[1]));
+    }
 
     #[test]
     fn power_of_two_rounds_up_and_indexes_by_log2() {

@@ -27,6 +27,8 @@ pub(crate) enum PollerMsg<R: Runtime> {
     Watch(Arc<Parked<R>>),
     /// Poll now, then reply.
     Flush { reply: Reply<()> },
+    /// The addresses of the blocks pending (for snapshots).
+    Pending { reply: Reply<Vec<usize>> },
 }
 
 /// Shortest and longest wait between polls while blocks are pending.
@@ -53,6 +55,35 @@ struct Poller<R: Runtime> {
     pending: Vec<Box<Block<R>>>,
 }
 
+impl<R: Runtime> Drop for Poller<R> {
+    /// The poller stops when every pool is gone, or is dropped with its tokio runtime. A
+    /// block whose events have completed by now goes home; one still used by device work
+    /// is leaked: freeing it could let the device write into memory given to someone else.
+    fn drop(&mut self) {
+        // Blocks still in the mailbox would keep their pools (and this mailbox) alive forever.
+        // So would blocks parked in the slots it watches.
+        while let Ok(msg) = self.rx.try_recv() {
+            match msg {
+                PollerMsg::Wait(block) => self.pending.push(block),
+                PollerMsg::Watch(parked) => self.watched.push(parked),
+                _ => {}
+            }
+        }
+        for parked in self.watched.drain(..) {
+            self.pending.extend(parked.take_all());
+        }
+        self.poll();
+        for mut block in self.pending.drain(..) {
+            tracing::warn!(
+                bytes = block.memory.size,
+                "event poller stopped with a block still used by device work; leaked"
+            );
+            block.freed = true;
+            block.events.get_mut().clear();
+        }
+    }
+}
+
 impl<R: Runtime> Poller<R> {
     async fn run(mut self) {
         let mut interval = MIN_INTERVAL;
@@ -76,11 +107,6 @@ impl<R: Runtime> Poller<R> {
                 }
             }
         }
-        // Every pool is gone; whatever is still pending goes home or is freed when safe.
-        for mut b in self.pending.drain(..) {
-            b.events.get_mut().clear();
-            drop(b);
-        }
         tracing::debug!("event poller stopped");
     }
 
@@ -95,6 +121,18 @@ impl<R: Runtime> Poller<R> {
             PollerMsg::Flush { reply } => {
                 self.poll();
                 let _ = reply.send(());
+            }
+            PollerMsg::Pending { reply } => {
+                // Parked blocks are pending too: take them in to list them.
+                for parked in &self.watched {
+                    self.pending.extend(parked.take_all());
+                }
+                let _ = reply.send(
+                    self.pending
+                        .iter()
+                        .map(|b| b.memory.ptr.as_ptr() as usize)
+                        .collect(),
+                );
             }
         }
     }

@@ -84,6 +84,14 @@ impl<R: Runtime> Parked<R> {
         (seen, home)
     }
 
+    /// Takes every parked block out of the slots.
+    pub(crate) fn take_all(&self) -> Vec<Box<Block<R>>> {
+        self.shards
+            .iter()
+            .flat_map(|l| l.iter().filter_map(take_slot))
+            .collect()
+    }
+
     /// Stops being watched unless a block is parked; returns whether it still is watched.
     /// A park racing with this either sees `watched` false (and asks to be watched again) or
     /// is seen here (both sides use sequentially consistent operations).

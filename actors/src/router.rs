@@ -163,6 +163,9 @@ impl<R: Runtime> Router<R> {
         }
         self.captures.push((id, filter));
         tracing::info!(pool = %id, "capture begins allocating to pool");
+        if let Some(p) = self.pools.get(&id) {
+            crate::history::on_capture(&p.shared, true)
+        }
         self.publish();
         Ok(())
     }
@@ -173,6 +176,9 @@ impl<R: Runtime> Router<R> {
         };
         self.captures.remove(i);
         tracing::info!(pool = %id, "capture ends allocating to pool");
+        if let Some(p) = self.pools.get(&id) {
+            crate::history::on_capture(&p.shared, false)
+        }
         self.publish();
         Ok(())
     }

@@ -99,6 +99,8 @@ pub struct HostStats {
     pub num_alloc_retries: i64,
     /// Requests that failed for want of memory.
     pub num_ooms: i64,
+    /// The cap on reserved bytes of the whole allocator, if one is set.
+    pub limit_bytes: Option<i64>,
 }
 
 impl HostStats {
@@ -118,6 +120,7 @@ impl HostStats {
         self.kept_bytes += o.kept_bytes;
         self.num_alloc_retries += o.num_alloc_retries;
         self.num_ooms += o.num_ooms;
+        self.limit_bytes = self.limit_bytes.or(o.limit_bytes);
     }
 
     /// Bytes cached: reserved, but neither active nor kept.
@@ -161,6 +164,9 @@ impl HostStats {
             ("num_ooms", self.num_ooms),
         ] {
             m.insert(k.to_string(), v);
+        }
+        if let Some(l) = self.limit_bytes {
+            m.insert("limit_bytes".to_string(), l);
         }
         m
     }
@@ -431,6 +437,7 @@ impl PoolStats {
             kept_bytes: self.kept_bytes.load(Relaxed),
             num_alloc_retries: self.num_alloc_retries.load(Relaxed),
             num_ooms: self.num_ooms.load(Relaxed),
+            limit_bytes: None,
         }
     }
 

@@ -99,6 +99,20 @@ impl RegisterLayout {
         }
     }
 
+    /// The layout for one allocation of `size` bytes: huge pages only for allocations of at
+    /// least one huge page, so that small blocks are not each rounded up to 2 MiB.
+    pub(crate) fn for_size(&self, size: usize) -> Self {
+        if self.huge_pages && size < self.page {
+            Self {
+                page: self.base_page,
+                huge_pages: false,
+                ..*self
+            }
+        } else {
+            *self
+        }
+    }
+
     /// `size` rounded up to the page granule; `None` when that overflows.
     pub(crate) fn rounded(&self, size: usize) -> Option<usize> {
         size.checked_next_multiple_of(self.page)
@@ -125,11 +139,12 @@ fn huge_page_size() -> usize {
 }
 
 /// `mmap` + huge pages + pre-fault + `cuMemHostRegister(PORTABLE)`; `size` rounds up to
-/// `layout.page`.
+/// the page granule of [`RegisterLayout::for_size`].
 pub(crate) fn alloc_registered(
     size: usize,
     layout: &RegisterLayout,
 ) -> Result<HostMemory, RuntimeError> {
+    let layout = &layout.for_size(size);
     let len = layout
         .rounded(size)
         .ok_or_else(|| RuntimeError::new("mmap", format!("size {size} is too large")))?;
@@ -321,6 +336,22 @@ mod tests {
         assert_eq!(layout.rounded(2 << 20), Some(2 << 20));
         assert_eq!(layout.rounded((2 << 20) + 1), Some(4 << 20));
         assert_eq!(layout.rounded(usize::MAX), None);
+    }
+
+    #[test]
+    fn allocations_below_a_huge_page_use_base_pages() {
+        let layout = RegisterLayout {
+            base_page: 4096,
+            page: 2 << 20,
+            huge_pages: true,
+            prefault_threads: 4,
+        };
+        let small = layout.for_size(5000);
+        assert!(!small.huge_pages);
+        assert_eq!(small.rounded(5000), Some(8192));
+        let big = layout.for_size(2 << 20);
+        assert!(big.huge_pages);
+        assert_eq!(big.rounded((2 << 20) + 1), Some(4 << 20));
     }
 
     #[test]

@@ -6,14 +6,22 @@
 //! - `host`: the two ways of pinning (`cuMemHostAlloc`; `mmap` + pre-fault + register).
 //! - `events`: pooled events, one free list per context.
 //! - `runtime`: [`CudaRuntime`] itself, detection ([`cuda_available`]).
+//! - `builder`: [`Builder::cuda`](crate::Builder::cuda) and
+//!   [`Builder::best_available`](crate::Builder::best_available) on the public builder.
+//! - `auto`: [`AutoRuntime`], the GPU where there is one and the simulation elsewhere.
+//! - `copy`: cudarc's `HostSlice` for `PinnedBuffer<CudaRuntime>`, and copy calls that
+//!   record the stream by themselves.
 //!
 //! Copies with cudarc: `CudaStream::memcpy_htod`/`memcpy_dtoh` take any
-//! `cudarc::driver::HostSlice`, an unsealed trait a buffer type outside cudarc can implement.
-//! Whatever its `stream_synced_slice` does runs *before* the copy is enqueued, so it must only
-//! note the stream as a user of the buffer (the event is recorded when the buffer is freed,
-//! after the copy) and return `SyncOnDrop::Sync(None)`. It receives `&CudaStream`, not the
-//! `Arc`, so copy methods of pinpool's own that take `&Arc<CudaStream>` are the safe way to
-//! keep the stream alive until that event is recorded.
+//! `cudarc::driver::HostSlice`, an unsealed trait that `PinnedBuffer<CudaRuntime>`
+//! implements. Its `stream_synced_slice` runs *before* the copy is enqueued and receives
+//! `&CudaStream` (not the `Arc` that `record_stream` needs) through `&self`, so it cannot note
+//! the stream itself: when the stream is already recorded on the buffer it returns
+//! `SyncOnDrop::Sync(None)` (the copy is asynchronous, and the event recorded at the free
+//! orders after it); otherwise it has cudarc synchronise the stream after enqueuing the copy.
+//! [`PinnedBuffer::copy_to_device`](crate::PinnedBuffer::copy_to_device) and
+//! [`PinnedBuffer::copy_from_device`](crate::PinnedBuffer::copy_from_device) take
+//! `&Arc<CudaStream>`, record it, and check lengths: use those.
 //!
 //! ```
 //! if pinpool::cuda::cuda_available() {
@@ -23,7 +31,10 @@
 //! # Ok::<(), pinpool::cuda::CudaInitError>(())
 //! ```
 
+mod auto;
+mod builder;
 mod context;
+mod copy;
 mod error;
 mod events;
 mod host;
@@ -32,6 +43,7 @@ mod runtime;
 #[cfg(test)]
 mod gpu_tests;
 
+pub use auto::{AutoEvent, AutoRuntime, AutoStream};
 pub use error::CudaInitError;
 pub use events::PooledEvent;
 pub use runtime::{cuda_available, device_count, stream_id, CudaRuntime};

@@ -178,8 +178,8 @@ impl CudaRuntime {
         &self.config
     }
 
-    /// The granule `register` allocations are rounded to (the huge page size when huge
-    /// pages are on, else the base page size).
+    /// The granule `register` allocations of at least one huge page are rounded to (the huge
+    /// page size when huge pages are on, else the base page size); smaller ones use base pages.
     pub fn register_granule(&self) -> usize {
         self.layout.page
     }

@@ -1,14 +1,90 @@
-//! Planning repeated work into one arena: given the sizes and lifetimes of the allocations
-//! of one iteration (from a [`Recorder`] or a [`Trace`](crate::trace::Trace)), choose an
-//! offset for each inside a single arena so that allocations live at the same time never
-//! share bytes; then serve a later iteration from that arena with a [`PlanCursor`].
+//! Planning repeated work into one arena, after PyTorch's `CPUProfilingAllocator`: record
+//! the allocations of one iteration (sizes, and when each is freed), choose an offset for
+//! each inside a single arena so that allocations alive at the same time never share bytes,
+//! then serve later iterations from one pinned arena — every allocation becomes pointer
+//! arithmetic, with no allocator work at all.
+//!
+//! # On the allocator
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use pinpool::PinnedAllocator;
+//!
+//! let pool = PinnedAllocator::builder().build()?;
+//! let stream = pool.runtime().stream();
+//!
+//! // 1. Record one iteration: only allocations made through the recorder count.
+//! let rec = pool.record_plan()?;
+//! let a = rec.alloc(1000).await?;
+//! let b = rec.alloc(3000).await?;
+//! drop(a);
+//! let c = rec.alloc(900).await?;
+//! drop((b, c));
+//! let recording = rec.finish();
+//!
+//! // 2. Plan it (`Planner::Best`), checked and bound to this allocator.
+//! let plan = recording.plan()?;
+//! assert_eq!(plan.arena_size(), 4032);
+//!
+//! // 3. Optionally, check a later run against the plan without serving it.
+//! let check = pool.validate_plan(&plan)?;
+//! let x = check.alloc(1000).await?;
+//! drop(x);
+//! assert!(check.finish().is_err()); // the run stopped after one of three allocations
+//!
+//! // 4. Serve iterations from one pinned arena.
+//! let mut session = pool.serve_plan(&plan).await?;
+//! for _ in 0..3 {
+//!     let mut a = session.alloc(1000).await?; // a view of the arena
+//!     a.fill(1);
+//!     let mut b = session.alloc(3000).await?;
+//!     b.record_stream(&stream); // its bytes wait for the stream's work
+//!     drop(a);
+//!     let c = session.alloc(900).await?; // in a's bytes
+//!     assert!(b.is_served() && c.is_served());
+//!     drop((b, c));
+//!     session.reset().await?; // once this iteration's buffers are gone
+//! }
+//! // A request the plan does not expect is served by the pool, with a warning.
+//! let odd = session.alloc(5).await?;
+//! assert!(!odd.is_served() && session.mismatch().is_some());
+//! # Ok(()) }
+//! ```
+//!
+//! - **Recording** ([`PinnedAllocator::record_plan`](crate::PinnedAllocator::record_plan),
+//!   or the closure forms `record_plan_with` / `record_plan_with_blocking`): a
+//!   [`PlanRecorder`] allocates from the pool and notes each allocation and each free (the
+//!   [`RecordedBuffer`]s it lends note their drop) on a channel, whose order is the run's
+//!   order; clones record from several tasks at once.
+//! - **Planning**: [`Recording::plan`] (or [`Recording::plan_with`] a [`Planner`]) gives an
+//!   [`ArenaPlan`]: a plan that passed [`check`], bound to the allocator. A plan made
+//!   elsewhere is bound with `adopt_plan`, which checks it the same way.
+//! - **Validation**: a [`PlanValidator`] lends ordinary pool buffers and reports the first
+//!   [`Mismatch`] of the run as a [`ValidationError`].
+//! - **Serving**: an [`ArenaSession`] takes one [`PinnedBuffer`](crate::PinnedBuffer) of the
+//!   arena's size from the pool and answers each request that matches the plan with a
+//!   [`PlanBuffer`] viewing the arena at its planned offset. A request that departs from
+//!   the plan (size, order of frees, one too many) is served by the pool with a
+//!   `tracing::warn!`, and so is the rest of the iteration; [`ArenaSession::mismatch`] says
+//!   why. `reset` starts the next iteration once every buffer of this one is dropped
+//!   (`try_reset` refuses instead).
+//! - **Streams**: a served buffer's recorded streams get an event when it drops. Planned
+//!   bytes whose events have not completed are not handed out again in the iteration (that
+//!   request is served by the pool); at a reset with such events left, the arena goes back
+//!   to the pool with the streams recorded on it (so the pool reuses it only after them) and
+//!   a new arena is taken from the pool. With copies in flight across iterations the pool
+//!   thus alternates two cached arenas; without streams the arena is kept.
+//! - **One session at a time**: an allocator runs one recording, validation or serving
+//!   session at a time ([`PlanSessionError::Nested`] otherwise), and a plan serves or
+//!   validates only on the allocator it was made for ([`PlanSessionError::ForeignPlan`]).
+//!
+//! # The planning core
 //!
 //! Owns [`Plan`] and the planners ([`Planner::Greedy`], after PyTorch's
 //! `CPUProfilingAllocator`, and [`Planner::Best`]), the independent plan checker
-//! ([`check`]), the run-time pieces ([`Recorder`], [`PlanCursor`], [`Plan::validate`]) and
-//! their typed errors. Nothing here allocates memory for real or knows about CUDA.
-//!
-//! # Example
+//! ([`check`]), the allocator-free run-time pieces ([`Recorder`], [`PlanCursor`],
+//! [`Plan::validate`]) and their typed errors. They can be used on their own, on traces:
 //!
 //! ```
 //! use pinpool::plan::{check, Observed, Planner, Recorder};
@@ -50,12 +126,18 @@ mod cursor;
 mod greedy;
 mod place;
 mod problem;
+mod record;
 mod recorder;
 mod rng;
+mod serve;
+mod session;
 
 pub use check::{check, Violation};
 pub use cursor::{Mismatch, Observed, PlanCursor, Served, ValidationError};
+pub use record::{PlanRecorder, PlanValidator, RecordedBuffer, Recording};
 pub use recorder::{RecordError, Recorder};
+pub use serve::{ArenaSession, PlanBuffer, ServeStats};
+pub use session::{ArenaPlan, PlanSessionError};
 
 use crate::trace::Lifetime;
 use problem::Problem;

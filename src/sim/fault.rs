@@ -70,6 +70,7 @@ const PPM: u32 = 1_000_000;
 /// ```
 pub struct Faults {
     fail_next: [AtomicU64; 4],
+    panic_next: [AtomicU64; 4],
     probability_ppm: [AtomicU32; 4],
     injected: [AtomicU64; 4],
     host_alloc_oom: AtomicBool,
@@ -80,6 +81,7 @@ impl Default for Faults {
     fn default() -> Self {
         Self {
             fail_next: Default::default(),
+            panic_next: Default::default(),
             probability_ppm: Default::default(),
             injected: Default::default(),
             host_alloc_oom: AtomicBool::new(true),
@@ -102,6 +104,12 @@ impl Faults {
     /// Makes the next `n` calls at `point` fail (adds to any count still pending).
     pub fn fail_next(&self, point: FaultPoint, n: u64) {
         self.fail_next[point.index()].fetch_add(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` calls at `point` panic, as a bug in a driver binding would: for
+    /// tests that an actor dying turns into errors for its callers rather than a hang.
+    pub fn panic_next(&self, point: FaultPoint, n: u64) {
+        self.panic_next[point.index()].fetch_add(n, Ordering::SeqCst);
     }
 
     /// Makes each call at `point` fail with probability `p` (clamped to `0.0..=1.0`, with a
@@ -129,6 +137,7 @@ impl Faults {
     pub fn clear(&self) {
         for p in FaultPoint::ALL {
             self.fail_next[p.index()].store(0, Ordering::SeqCst);
+            self.panic_next[p.index()].store(0, Ordering::SeqCst);
             self.probability_ppm[p.index()].store(0, Ordering::SeqCst);
         }
     }
@@ -141,6 +150,13 @@ impl Faults {
     /// Decides whether this call at `point` fails; if so, returns the error to report.
     pub(crate) fn check(&self, point: FaultPoint) -> Result<(), RuntimeError> {
         let i = point.index();
+        if self.panic_next[i]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            self.injected[i].fetch_add(1, Ordering::SeqCst);
+            panic!("injected panic in {}", point.op());
+        }
         let counted = self.fail_next[i]
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
@@ -175,6 +191,16 @@ mod tests {
         assert_eq!(results, [true, true, true, false, false]);
         assert_eq!(f.injected(FaultPoint::QueryEvent), 3);
         assert!(f.check(FaultPoint::HostAlloc).is_ok());
+    }
+
+    #[test]
+    fn panic_next_panics_exactly_n_times() {
+        let f = Faults::default();
+        f.panic_next(FaultPoint::QueryEvent, 1);
+        let r = std::panic::catch_unwind(|| f.check(FaultPoint::QueryEvent));
+        assert!(r.is_err());
+        assert!(f.check(FaultPoint::QueryEvent).is_ok());
+        assert_eq!(f.injected(FaultPoint::QueryEvent), 1);
     }
 
     #[test]

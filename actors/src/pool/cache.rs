@@ -1,5 +1,6 @@
 //! The pool's cache: answering a miss from ready blocks (after noticing completed events —
-//! invariant 3), taking blocks home, and emptying the cache.
+//! invariant 3; under a carving layout, from free ranges of segments: see `segments`), taking
+//! blocks home, and emptying the cache.
 
 use std::sync::atomic::Ordering;
 
@@ -32,6 +33,10 @@ impl<R: Runtime> PoolActor<R> {
         }
         if self.closing {
             self.free_blocks(vec![block]).await;
+        } else if self.uncacheable(&block) {
+            // Too large to cache: back into its segment, which goes back once wholly free.
+            self.absorb_all(vec![block]);
+            self.give_back_free_segments(false).await;
         } else {
             block.state = BlockState::Cached;
             self.shared.ready.put(block);
@@ -41,6 +46,9 @@ impl<R: Runtime> PoolActor<R> {
     pub(super) async fn miss(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
         if let Some(b) = self.shared.ready.take(class.index) {
             return Ok(b);
+        }
+        if self.carved.is_some() {
+            return self.miss_carved(class).await;
         }
         // Invariant 3: notice completed events before taking fresh memory.
         if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
@@ -66,23 +74,50 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    /// Frees blocks on a blocking thread and keeps the books.
-    pub(super) async fn free_blocks(&self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
+    /// Frees blocks on a blocking thread and keeps the books. A block the runtime refuses
+    /// to free is held back with the kept blocks (never reused) and tried again when they go.
+    /// Carved blocks go back into their segments, and every wholly free segment is given
+    /// back. Returns the host allocations given back and their bytes.
+    pub(super) async fn free_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
+        let blocks = self.absorb_all(blocks);
+        let (sn, sbytes) = self.give_back_free_segments(true).await;
+        let (n, bytes) = self.free_whole_blocks(blocks).await;
+        (n + sn, bytes + sbytes)
+    }
+
+    async fn free_whole_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
         if blocks.is_empty() {
             return (0, 0);
         }
-        let n = blocks.len();
-        let bytes = blocks.iter().map(|b| b.memory.size).sum();
         let shared = self.shared.clone();
         let job = tokio::task::spawn_blocking(move || {
+            let mut freed = (0, 0);
+            let mut refused = Vec::new();
             for b in blocks {
-                shared.clone().free_block_now(b);
+                let size = b.memory.size;
+                match shared.free_block_now(b) {
+                    Ok(()) => freed = (freed.0 + 1, freed.1 + size),
+                    Err(b) => refused.push(b),
+                }
             }
+            (freed, refused)
         });
-        if let Err(e) = job.await {
-            tracing::error!(error = %e, "freeing pinned memory failed");
+        match job.await {
+            Ok((freed, refused)) => {
+                for mut b in refused {
+                    let stats = &self.shared.stats;
+                    stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
+                    stats.kept_bytes.fetch_add(b.size as i64, Ordering::Relaxed);
+                    b.state = BlockState::Kept;
+                    self.kept.push(b);
+                }
+                freed
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "freeing pinned memory failed");
+                (0, 0)
+            }
         }
-        (n, bytes)
     }
 
     pub(super) async fn free_kept(&mut self) -> (usize, usize) {
@@ -92,12 +127,12 @@ impl<R: Runtime> PoolActor<R> {
             stats.kept_blocks.fetch_sub(1, Ordering::Relaxed);
             stats.kept_bytes.fetch_sub(b.size as i64, Ordering::Relaxed);
         }
-        self.free_blocks(kept).await
+        let (n, bytes) = self.free_blocks(kept).await;
+        let (rn, rbytes) = self.retry_refused_segments().await;
+        (n + rn, bytes + rbytes)
     }
 
     pub(super) async fn empty_cache(&mut self, include_kept: bool) -> EmptyReport {
-        let span = tracing::info_span!("empty_cache", pool = %self.shared.id);
-        let _enter = span.enter();
         if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
             self.flush_events().await;
         }
@@ -110,6 +145,7 @@ impl<R: Runtime> PoolActor<R> {
         }
         let reserved_after = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
         tracing::debug!(
+            pool = %self.shared.id,
             freed_blocks = n,
             freed_bytes = bytes,
             reserved_after,

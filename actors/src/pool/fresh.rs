@@ -1,10 +1,16 @@
-//! Fresh pinned memory: asked of the runtime on a blocking thread (invariant 6), timed, and
-//! retried once after emptying the cache when the runtime runs out.
+//! Fresh pinned memory: its bytes reserved from the allocator's budget first (the memory
+//! limit), then asked of the runtime on a blocking thread (invariant 6), timed, and entered in
+//! the pool's registry of segments.
+//!
+//! Running out — at the cap, or in the runtime itself — is reported as
+//! `Error::OutOfMemory` (with the cap in `limit`, or `None` for the runtime); the caller
+//! empties the caches and retries (see [`crate::limit`]).
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::PoolActor;
+use tracing::Instrument;
+
+use super::{PoolActor, SegmentView};
 use crate::block::Block;
 use crate::error::Error;
 use crate::policy::SizeClass;
@@ -12,60 +18,73 @@ use crate::runtime::{HostMemory, Runtime, RuntimeError};
 
 impl<R: Runtime> PoolActor<R> {
     pub(super) async fn fresh(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        let first = self.host_alloc(class.size).await;
-        let memory = match first {
-            Ok(m) => m,
-            Err(e) if e.out_of_memory => {
-                // Out of memory from the runtime itself: empty the cache and retry once.
-                self.shared
-                    .stats
-                    .num_alloc_retries
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::info!(
-                    bytes = class.size,
-                    "host allocation out of memory; emptying the cache and retrying"
-                );
-                self.empty_cache(false).await;
-                match self.host_alloc(class.size).await {
-                    Ok(m) => m,
-                    Err(e) => return Err(self.oom(class.size, e)),
-                }
-            }
-            Err(e) => return Err(Error::Runtime(e)),
-        };
-        Ok(Block::new(memory, class.index, self.shared.clone()))
+        let memory = self.fresh_memory(class.size).await?;
+        let block = Block::new(memory, class.index, self.shared.clone());
+        self.remember_segment(SegmentView {
+            memory,
+            meta: block.meta.clone(),
+            pieces: Vec::new(),
+        });
+        Ok(block)
     }
 
-    pub(super) fn oom(&self, requested: usize, e: RuntimeError) -> Error {
-        self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
-        if e.out_of_memory {
-            Error::OutOfMemory {
-                requested,
-                reserved: self.shared.stats.allocated_bytes.read().current.max(0) as usize,
-                limit: None,
-            }
-        } else {
-            Error::Runtime(e)
+    /// `size` bytes of fresh memory: reserved from the budget first, then asked of the
+    /// runtime; the bytes go back to the budget when the runtime fails. The caller enters the
+    /// memory in the registry.
+    pub(super) async fn fresh_memory(&mut self, size: usize) -> Result<HostMemory, Error> {
+        let budget = self.shared.budget.clone();
+        if !budget.try_reserve(size) {
+            return Err(Error::OutOfMemory {
+                requested: size,
+                reserved: budget.reserved(),
+                limit: budget.limit(),
+            });
         }
+        let memory = match self.host_alloc(size).await {
+            Ok(m) => m,
+            Err(e) => {
+                budget.release(size);
+                if e.out_of_memory {
+                    return Err(Error::OutOfMemory {
+                        requested: size,
+                        reserved: budget.reserved(),
+                        limit: None,
+                    });
+                }
+                return Err(Error::Runtime(e));
+            }
+        };
+        if memory.size > size {
+            // The runtime rounded up; the budget counts what is really held.
+            budget.force_reserve(memory.size - size);
+        }
+        Ok(memory)
     }
 
     pub(super) async fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         let span = tracing::debug_span!("host_alloc", pool = %self.shared.id, bytes = size);
-        let _enter = span.enter();
         let rt = self.shared.runtime.clone();
         let t0 = Instant::now();
-        let res = tokio::task::spawn_blocking(move || rt.host_alloc(size))
-            .await
-            .unwrap_or_else(|e| {
-                Err(RuntimeError::new(
-                    "host_alloc",
-                    format!("blocking task failed: {e}"),
-                ))
-            });
+        // The result comes back over a channel: if nobody is left to take it (the actor was
+        // dropped with its tokio runtime mid-call), the blocking thread gives it back itself.
+        let (tx, rx) = flume::bounded(1);
+        tokio::task::spawn_blocking(move || {
+            let res = rt.host_alloc(size);
+            if let Err(flume::SendError(Ok(memory))) = tx.send(res) {
+                let _ = rt.host_free(memory);
+            }
+        });
+        let res = rx.recv_async().instrument(span).await.unwrap_or_else(|e| {
+            Err(RuntimeError::new(
+                "host_alloc",
+                format!("blocking task failed: {e}"),
+            ))
+        });
         let stats = &self.shared.stats;
         stats.host_alloc_time.record(t0.elapsed());
         match &res {
             Ok(m) => {
+                crate::history::on_segment_alloc(&self.shared, m);
                 stats.allocations.increase(1);
                 stats.allocated_bytes.increase(m.size as i64);
                 tracing::debug!(

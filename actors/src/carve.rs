@@ -1,0 +1,472 @@
+//! Carving: which byte ranges of a pool's segments (host allocations) are free, and how a
+//! request is cut out of them. A pure data structure, no memory and no actors: offsets only.
+//!
+//! Owns, per segment, its free ranges, and across segments an index of free ranges by size
+//! for best fit. It keeps these rules, which the pool relies on:
+//! - a piece lies inside one segment, never across two (a copy from pinned memory must lie
+//!   in one pinned range);
+//! - a piece is never smaller than the request (sizes are rounded up to [`ALIGN`] first);
+//! - a piece is the request rounded up to [`ALIGN`], no larger: a larger free range is split
+//!   and its remainder stays free, so the waste per piece is below [`ALIGN`];
+//! - freed neighbours within a segment coalesce into one free range, so a segment whose
+//!   pieces have all come back is one free range again and can be given back whole;
+//! - a range is either free or lent, never both: a double release is refused.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Offsets and sizes of pieces are multiples of this (bytes).
+pub(crate) const ALIGN: usize = 512;
+
+/// Identity of a segment within one carver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct SegId(pub(crate) u64);
+
+/// A range cut out of a segment and lent out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub(crate) seg: SegId,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
+}
+
+/// Why a release was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CarveError {
+    /// No such segment.
+    UnknownSegment,
+    /// The range is not inside its segment, or overlaps a free range.
+    NotLent,
+}
+
+struct Segment<T> {
+    size: usize,
+    /// Free ranges: offset -> length. Never two adjacent ones (they coalesce).
+    free: BTreeMap<usize, usize>,
+    /// Pieces lent out.
+    lent: usize,
+    payload: T,
+}
+
+/// The free ranges of a set of segments, each carrying a payload `T` (the pinned memory).
+pub(crate) struct Carver<T> {
+    segments: BTreeMap<SegId, Segment<T>>,
+    /// Every free range as (length, segment, offset): best fit is the first at or above a size.
+    by_size: BTreeSet<(usize, SegId, usize)>,
+    next: u64,
+    free_bytes: usize,
+    reserved: usize,
+    lent_pieces: usize,
+}
+
+/// Rounds `size` up to [`ALIGN`] (`None` on overflow).
+pub(crate) fn align_up(size: usize) -> Option<usize> {
+    size.checked_add(ALIGN - 1).map(|s| s & !(ALIGN - 1))
+}
+
+impl<T> Default for Carver<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> Carver<T> {
+    /// An empty carver.
+    pub(crate) fn new() -> Self {
+        Self {
+            segments: BTreeMap::new(),
+            by_size: BTreeSet::new(),
+            next: 0,
+            free_bytes: 0,
+            reserved: 0,
+            lent_pieces: 0,
+        }
+    }
+
+    /// Adds a wholly free segment of `size` bytes (rounded down to [`ALIGN`]).
+    #[cfg(test)]
+    pub(crate) fn add_segment(&mut self, size: usize, payload: T) -> SegId {
+        self.add_segment_with(size, |_| payload)
+    }
+
+    /// Adds a wholly free segment of `size` bytes (rounded down to [`ALIGN`]) whose payload
+    /// is made from its id.
+    pub(crate) fn add_segment_with(
+        &mut self,
+        size: usize,
+        payload: impl FnOnce(SegId) -> T,
+    ) -> SegId {
+        let size = size & !(ALIGN - 1);
+        let id = SegId(self.next);
+        let payload = payload(id);
+        self.next += 1;
+        let mut free = BTreeMap::new();
+        if size > 0 {
+            free.insert(0, size);
+            self.by_size.insert((size, id, 0));
+        }
+        self.segments.insert(
+            id,
+            Segment {
+                size,
+                free,
+                lent: 0,
+                payload,
+            },
+        );
+        self.free_bytes += size;
+        self.reserved += size;
+        id
+    }
+
+    /// Cuts a piece of at least `size` bytes out of the smallest free range that holds it,
+    /// or `None` when no free range does.
+    pub(crate) fn carve(&mut self, size: usize) -> Option<Piece> {
+        let want = align_up(size.max(1))?;
+        let &(len, seg, offset) = self.by_size.range((want, SegId(0), 0)..).next()?;
+        self.by_size.remove(&(len, seg, offset));
+        let s = self.segments.get_mut(&seg)?;
+        s.free.remove(&offset);
+        let rest = len - want;
+        if rest > 0 {
+            s.free.insert(offset + want, rest);
+            self.by_size.insert((rest, seg, offset + want));
+        }
+        let taken = want;
+        s.lent += 1;
+        self.free_bytes -= taken;
+        self.lent_pieces += 1;
+        Some(Piece {
+            seg,
+            offset,
+            len: taken,
+        })
+    }
+
+    /// Hands out a whole free range of at least `size` bytes and less than `size + max_waste`
+    /// (the smallest such), without splitting it; `None` when there is none.
+    pub(crate) fn take_whole(&mut self, size: usize, max_waste: usize) -> Option<Piece> {
+        let want = align_up(size.max(1))?;
+        let &(len, seg, offset) = self.by_size.range((want, SegId(0), 0)..).next()?;
+        if len - want >= max_waste.max(ALIGN) {
+            return None;
+        }
+        self.by_size.remove(&(len, seg, offset));
+        let s = self.segments.get_mut(&seg)?;
+        s.free.remove(&offset);
+        s.lent += 1;
+        self.free_bytes -= len;
+        self.lent_pieces += 1;
+        Some(Piece { seg, offset, len })
+    }
+
+    /// Takes back a lent piece and merges it with free neighbours. Returns whether its
+    /// segment is now wholly free.
+    pub(crate) fn release(&mut self, piece: Piece) -> Result<bool, CarveError> {
+        let s = self
+            .segments
+            .get_mut(&piece.seg)
+            .ok_or(CarveError::UnknownSegment)?;
+        let end = piece
+            .offset
+            .checked_add(piece.len)
+            .ok_or(CarveError::NotLent)?;
+        if piece.len == 0 || end > s.size || s.lent == 0 {
+            return Err(CarveError::NotLent);
+        }
+        let before = s
+            .free
+            .range(..=piece.offset)
+            .next_back()
+            .map(|(&o, &l)| (o, l));
+        let after = s.free.range(piece.offset..).next().map(|(&o, &l)| (o, l));
+        if before.is_some_and(|(o, l)| o + l > piece.offset) || after.is_some_and(|(o, _)| o < end)
+        {
+            return Err(CarveError::NotLent);
+        }
+        let (mut start, mut len) = (piece.offset, piece.len);
+        if let Some((o, l)) = before.filter(|(o, l)| o + l == piece.offset) {
+            s.free.remove(&o);
+            self.by_size.remove(&(l, piece.seg, o));
+            start = o;
+            len += l;
+        }
+        if let Some((o, l)) = after.filter(|(o, _)| *o == end) {
+            s.free.remove(&o);
+            self.by_size.remove(&(l, piece.seg, o));
+            len += l;
+        }
+        s.free.insert(start, len);
+        self.by_size.insert((len, piece.seg, start));
+        s.lent -= 1;
+        self.free_bytes += piece.len;
+        self.lent_pieces -= 1;
+        Ok(s.lent == 0)
+    }
+
+    /// Removes every wholly free segment that `keep` does not want kept, returning payloads
+    /// and sizes.
+    pub(crate) fn remove_free_segments(
+        &mut self,
+        mut keep: impl FnMut(usize) -> bool,
+    ) -> Vec<(T, usize)> {
+        let ids: Vec<SegId> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.lent == 0 && !keep(s.size))
+            .map(|(id, _)| *id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| self.remove_segment(id))
+            .collect()
+    }
+
+    /// The wholly free segments and their sizes.
+    pub(crate) fn free_segments(&self) -> Vec<(SegId, usize)> {
+        self.segments
+            .iter()
+            .filter(|(_, s)| s.lent == 0)
+            .map(|(id, s)| (*id, s.size))
+            .collect()
+    }
+
+    /// Removes one wholly free segment (`None` if it has pieces lent or does not exist).
+    pub(crate) fn remove_segment(&mut self, id: SegId) -> Option<(T, usize)> {
+        if self.segments.get(&id)?.lent != 0 {
+            return None;
+        }
+        let s = self.segments.remove(&id)?;
+        for (&o, &l) in &s.free {
+            self.by_size.remove(&(l, id, o));
+        }
+        self.free_bytes -= s.size;
+        self.reserved -= s.size;
+        Some((s.payload, s.size))
+    }
+
+    /// Every segment's payload with its free ranges (offset, length) in offset order.
+    pub(crate) fn free_ranges_by_segment(&self) -> impl Iterator<Item = (&T, Vec<(usize, usize)>)> {
+        self.segments
+            .values()
+            .map(|s| (&s.payload, s.free.iter().map(|(&o, &l)| (o, l)).collect()))
+    }
+
+    /// The payload of a segment.
+    pub(crate) fn payload(&self, id: SegId) -> Option<&T> {
+        self.segments.get(&id).map(|s| &s.payload)
+    }
+
+    /// Bytes in free ranges.
+    pub(crate) fn free_bytes(&self) -> usize {
+        self.free_bytes
+    }
+
+    /// Number of free ranges.
+    pub(crate) fn free_ranges(&self) -> usize {
+        self.by_size.len()
+    }
+
+    /// Bytes of all segments.
+    #[cfg(test)]
+    pub(crate) fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// Pieces lent out.
+    pub(crate) fn lent_pieces(&self) -> usize {
+        self.lent_pieces
+    }
+
+    /// Number of segments.
+    #[cfg(test)]
+    pub(crate) fn segments(&self) -> usize {
+        self.segments.len()
+    }
+
+    /// The largest free range (0 when none).
+    #[cfg(test)]
+    pub(crate) fn largest_free(&self) -> usize {
+        self.by_size.iter().next_back().map_or(0, |r| r.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KIB: usize = 1024;
+    const MIB: usize = 1024 * 1024;
+
+    #[test]
+    fn carving_splits_a_segment_and_keeps_the_rest_free() {
+        let mut c = Carver::new();
+        let seg = c.add_segment(2 * MIB, ());
+        let p = c.carve(100 * KIB).unwrap();
+        assert_eq!(
+            p,
+            Piece {
+                seg,
+                offset: 0,
+                len: 100 * KIB
+            }
+        );
+        let q = c.carve(100 * KIB).unwrap();
+        assert_eq!(q.offset, 100 * KIB);
+        assert_eq!(c.free_bytes(), 2 * MIB - 200 * KIB);
+        assert_eq!(c.lent_pieces(), 2);
+    }
+
+    #[test]
+    fn released_neighbours_coalesce_into_the_whole_segment() {
+        let mut c = Carver::new();
+        c.add_segment(MIB, ());
+        let a = c.carve(300 * KIB).unwrap();
+        let b = c.carve(300 * KIB).unwrap();
+        let d = c.carve(300 * KIB).unwrap();
+        assert_eq!(c.release(a), Ok(false));
+        assert_eq!(c.release(d), Ok(false));
+        assert_eq!(c.free_ranges(), 2);
+        assert_eq!(c.release(b), Ok(true));
+        assert_eq!(c.free_ranges(), 1);
+        assert_eq!(c.largest_free(), MIB);
+        // The coalesced range serves a request larger than any single piece was.
+        assert_eq!(c.carve(MIB).unwrap().len, MIB);
+    }
+
+    #[test]
+    fn a_piece_never_spans_two_segments() {
+        let mut c = Carver::new();
+        let s1 = c.add_segment(MIB, ());
+        let s2 = c.add_segment(MIB, ());
+        // Two adjacent-in-id free segments of 1 MiB each cannot serve 1.5 MiB.
+        assert_eq!(c.carve(MIB + MIB / 2), None);
+        let p = c.carve(MIB).unwrap();
+        let q = c.carve(MIB).unwrap();
+        assert_ne!(p.seg, q.seg);
+        assert!([s1, s2].contains(&p.seg) && [s1, s2].contains(&q.seg));
+        assert!(p.offset + p.len <= MIB && q.offset + q.len <= MIB);
+        // Freed, they stay two ranges: coalescing never crosses segments.
+        c.release(p).unwrap();
+        c.release(q).unwrap();
+        assert_eq!(c.free_ranges(), 2);
+        assert_eq!(c.carve(MIB + 512), None);
+    }
+
+    #[test]
+    fn a_piece_is_never_smaller_than_the_request() {
+        // PyTorch once handed a 150 MB block to a 200 MB request from a mixed bucket.
+        let mut c = Carver::new();
+        c.add_segment(150 * MIB, ());
+        assert_eq!(c.carve(200 * MIB), None);
+        c.add_segment(250 * MIB, ());
+        let p = c.carve(200 * MIB).unwrap();
+        assert!(p.len >= 200 * MIB);
+        // Odd sizes round up to the alignment, never down.
+        let q = c.carve(1000).unwrap();
+        assert!(q.len >= 1000);
+        assert_eq!(q.len % ALIGN, 0);
+    }
+
+    #[test]
+    fn best_fit_picks_the_smallest_range_that_holds_the_request() {
+        let mut c = Carver::new();
+        let big = c.add_segment(10 * MIB, ());
+        let small = c.add_segment(MIB, ());
+        let p = c.carve(MIB).unwrap();
+        assert_eq!(p.seg, small);
+        let q = c.carve(MIB).unwrap();
+        assert_eq!(q.seg, big);
+    }
+
+    #[test]
+    fn waste_beyond_the_request_stays_below_the_bound() {
+        let max_waste = ALIGN;
+        let mut c = Carver::new();
+        c.add_segment(64 * KIB + 512, ());
+        c.add_segment(MIB, ());
+        for want in [512, 1000, 4 * KIB, 63 * KIB, 64 * KIB, 100 * KIB] {
+            let p = c.carve(want).unwrap();
+            assert!(p.len >= want);
+            assert!(p.len - want < max_waste, "{} for {}", p.len, want);
+        }
+    }
+
+    #[test]
+    fn a_whole_range_is_handed_out_only_within_the_waste_bound() {
+        let mut c = Carver::new();
+        c.add_segment(10 * MIB, ());
+        assert_eq!(c.take_whole(8 * MIB, MIB), None);
+        let p = c.take_whole(9 * MIB + 512, MIB).unwrap();
+        assert_eq!((p.offset, p.len), (0, 10 * MIB));
+        assert_eq!(c.free_bytes(), 0);
+        assert_eq!(c.release(p), Ok(true));
+    }
+
+    #[test]
+    fn releasing_a_range_twice_or_a_foreign_range_is_refused() {
+        let mut c = Carver::new();
+        let seg = c.add_segment(MIB, ());
+        let p = c.carve(4 * KIB).unwrap();
+        let _q = c.carve(4 * KIB).unwrap();
+        assert_eq!(c.release(p), Ok(false));
+        assert_eq!(c.release(p), Err(CarveError::NotLent));
+        let outside = Piece {
+            seg,
+            offset: MIB,
+            len: 512,
+        };
+        assert_eq!(c.release(outside), Err(CarveError::NotLent));
+        let unknown = Piece {
+            seg: SegId(99),
+            offset: 0,
+            len: 512,
+        };
+        assert_eq!(c.release(unknown), Err(CarveError::UnknownSegment));
+        assert_eq!(c.lent_pieces(), 1);
+    }
+
+    #[test]
+    fn only_wholly_free_segments_are_removed() {
+        let mut c = Carver::new();
+        c.add_segment(MIB, 'a');
+        c.add_segment(2 * MIB, 'b');
+        let p = c.carve(2 * MIB).unwrap();
+        let gone = c.remove_free_segments(|_| false);
+        assert_eq!(gone, vec![('a', MIB)]);
+        assert_eq!(c.reserved(), 2 * MIB);
+        assert!(c.remove_segment(p.seg).is_none());
+        c.release(p).unwrap();
+        assert_eq!(c.remove_segment(p.seg), Some(('b', 2 * MIB)));
+        assert_eq!((c.reserved(), c.free_bytes(), c.segments()), (0, 0, 0));
+    }
+
+    #[test]
+    fn free_and_lent_bytes_always_add_up_to_the_segments() {
+        // A small deterministic random walk over carve and release.
+        let mut c = Carver::new();
+        c.add_segment(4 * MIB, ());
+        c.add_segment(3 * MIB, ());
+        let mut lent: Vec<Piece> = Vec::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..2000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if x % 3 == 0 && !lent.is_empty() {
+                let p = lent.swap_remove((x as usize / 3) % lent.len());
+                c.release(p).unwrap();
+            } else {
+                let want = 512 + (x as usize >> 8) % (300 * KIB);
+                if let Some(p) = c.carve(want) {
+                    assert!(p.len >= want && p.len - want < ALIGN);
+                    lent.push(p);
+                }
+            }
+            let lent_bytes: usize = lent.iter().map(|p| p.len).sum();
+            assert_eq!(lent_bytes + c.free_bytes(), c.reserved());
+        }
+        for p in lent.drain(..) {
+            c.release(p).unwrap();
+        }
+        assert_eq!(c.free_ranges(), 2);
+    }
+}

@@ -1,0 +1,248 @@
+//! Requests waiting for room under the memory limit: queued first come first served, and
+//! served as blocks come back (a block of the head's class goes straight to it; any other is
+//! freed to make room) or as room is made elsewhere. A waiter whose future was dropped is
+//! forgotten at the next look; nothing it was sent is lost (invariant 2).
+
+use std::sync::atomic::Ordering;
+
+use super::{PoolActor, Reply};
+use crate::block::{Block, BlockState};
+use crate::error::Error;
+use crate::limit::{Ask, MissReply, Refused};
+use crate::policy::SizeClass;
+use crate::runtime::Runtime;
+
+/// A request queued for room.
+pub(crate) struct Waiter<R: Runtime> {
+    class: SizeClass,
+    requested: usize,
+    reply: Reply<MissReply<R>>,
+}
+
+impl<R: Runtime> PoolActor<R> {
+    /// A miss: served from the cache or fresh memory; queued (or refused) when it does not fit.
+    pub(super) async fn on_miss(&mut self, class: SizeClass, ask: Ask, reply: Reply<MissReply<R>>) {
+        if reply.is_disconnected() {
+            // Dropped before the pool got to it.
+            return;
+        }
+        self.prune();
+        if !self.waiters.is_empty() {
+            // Others came first: no overtaking.
+            if ask.wait {
+                self.enqueue(class, ask.requested, reply);
+            } else {
+                let e = self.out_of_room(ask.requested);
+                let _ = reply.send(Err(Refused::Failed(e)));
+            }
+            return;
+        }
+        let result = match self.miss(class).await {
+            Ok(block) => Ok(block),
+            Err(Error::OutOfMemory { limit, .. }) => {
+                if !ask.emptied {
+                    Err(Refused::NeedRoom)
+                } else if limit.is_some() && ask.wait {
+                    self.enqueue(class, ask.requested, reply);
+                    return;
+                } else if limit.is_some() {
+                    Err(Refused::Failed(self.out_of_room(ask.requested)))
+                } else {
+                    Err(Refused::Failed(self.driver_oom(ask.requested)))
+                }
+            }
+            Err(e) => Err(Refused::Failed(e)),
+        };
+        if let Err(flume::SendError(Ok(block))) = reply.send(result) {
+            // The request was cancelled: the block is ready for someone else.
+            self.take_back(block).await;
+        }
+    }
+
+    /// Counts a failure at the cap and describes it.
+    fn out_of_room(&self, requested: usize) -> Error {
+        self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
+        let budget = &self.shared.budget;
+        tracing::info!(
+            pool = %self.shared.id,
+            requested,
+            reserved = budget.reserved(),
+            limit = budget.limit(),
+            "out of room under the memory limit"
+        );
+        Error::OutOfMemory {
+            requested,
+            reserved: budget.reserved(),
+            limit: budget.limit(),
+        }
+    }
+
+    /// Counts a failure of the runtime itself, after the cache was emptied and the
+    /// allocation retried, and describes it.
+    fn driver_oom(&self, requested: usize) -> Error {
+        self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
+        let reserved = self.shared.budget.reserved();
+        tracing::warn!(pool = %self.shared.id, requested, reserved, "runtime out of pinned memory");
+        Error::OutOfMemory {
+            requested,
+            reserved,
+            limit: None,
+        }
+    }
+
+    fn enqueue(&mut self, class: SizeClass, requested: usize, reply: Reply<MissReply<R>>) {
+        tracing::debug!(pool = %self.shared.id, requested, queued = self.waiters.len() + 1, "request waits for room");
+        self.waiters.push_back(Waiter {
+            class,
+            requested,
+            reply,
+        });
+        self.shared.queued.fetch_add(1, Ordering::SeqCst);
+        self.shared.budget.waiter_added();
+    }
+
+    fn pop_waiter(&mut self) -> Option<Waiter<R>> {
+        let w = self.waiters.pop_front()?;
+        self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+        self.shared.budget.waiter_removed();
+        Some(w)
+    }
+
+    /// Forgets the waiters whose futures were dropped.
+    fn prune(&mut self) {
+        let before = self.waiters.len();
+        self.waiters.retain(|w| !w.reply.is_disconnected());
+        for _ in self.waiters.len()..before {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            self.shared.budget.waiter_removed();
+        }
+    }
+
+    /// Fails every waiter (the pool is closing).
+    pub(super) fn drop_waiters(&mut self) {
+        while let Some(w) = self.pop_waiter() {
+            let _ = w.reply.send(Err(Refused::Failed(Error::Shutdown)));
+        }
+    }
+
+    /// Gives `block` to the oldest waiter when it waits for the block's class; returns the
+    /// block when nobody at the head of the queue wants it.
+    fn offer(&mut self, mut block: Box<Block<R>>) -> Option<Box<Block<R>>> {
+        self.prune();
+        while self
+            .waiters
+            .front()
+            .is_some_and(|w| w.class.index == block.class)
+        {
+            let w = self.pop_waiter()?;
+            block.state = BlockState::InUse;
+            match w.reply.send(Ok(block)) {
+                Ok(()) => return None,
+                Err(flume::SendError(Ok(b))) => block = b,
+                Err(flume::SendError(Err(_))) => return None,
+            }
+        }
+        Some(block)
+    }
+
+    /// A block coming home outside the ready queues: to a waiter, freed for room while
+    /// requests wait, cached otherwise.
+    pub(super) async fn take_back(&mut self, block: Box<Block<R>>) {
+        let pressure = self.shared.budget.under_pressure() || !self.waiters.is_empty();
+        if self.closing
+            || !pressure
+            || matches!(block.state, BlockState::Kept | BlockState::Waiting)
+        {
+            self.home(block).await;
+            return;
+        }
+        let Some(block) = self.offer(block) else {
+            return;
+        };
+        self.free_blocks(vec![block]).await;
+        self.serve_waiters().await;
+    }
+
+    /// Serves queued requests in order while they fit: a ready block of the head's class,
+    /// else fresh memory; when the head does not fit, the pool's cached blocks are freed once
+    /// to make room.
+    pub(super) async fn serve_waiters(&mut self) {
+        let mut emptied = false;
+        loop {
+            self.prune();
+            let Some(head) = self.waiters.front() else {
+                break;
+            };
+            let (class, requested) = (head.class, head.requested);
+            if self.shared.budget.limit().is_some_and(|l| class.size > l) {
+                // The cap was lowered under it: it can never fit.
+                let w = self.pop_waiter();
+                let e = self.out_of_room(requested);
+                if let Some(w) = w {
+                    let _ = w.reply.send(Err(Refused::Failed(e)));
+                }
+                continue;
+            }
+            if let Some(b) = self.shared.ready.take(class.index) {
+                if let Some(b) = self.offer(b) {
+                    self.home(b).await;
+                }
+                continue;
+            }
+            let got = if self.carved.is_some() {
+                // A free range of a segment, or a fresh segment.
+                self.miss_carved(class).await
+            } else {
+                self.fresh(class).await
+            };
+            match got {
+                Ok(b) => {
+                    if let Some(b) = self.offer(b) {
+                        // The head went away meanwhile.
+                        self.home(b).await;
+                    }
+                }
+                Err(Error::OutOfMemory { limit, .. }) => {
+                    if !emptied {
+                        emptied = true;
+                        let blocks = self.shared.ready.drain();
+                        if !blocks.is_empty() {
+                            self.free_blocks(blocks).await;
+                            continue;
+                        }
+                        if limit.is_none() {
+                            continue;
+                        }
+                    }
+                    if limit.is_none() {
+                        let w = self.pop_waiter();
+                        let e = self.driver_oom(requested);
+                        if let Some(w) = w {
+                            let _ = w.reply.send(Err(Refused::Failed(e)));
+                        }
+                        continue;
+                    }
+                    break;
+                }
+                Err(e) => {
+                    if let Some(w) = self.pop_waiter() {
+                        let _ = w.reply.send(Err(Refused::Failed(e)));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The periodic look while requests wait: serve this pool's waiters, or, when requests
+    /// wait elsewhere, free this pool's cached blocks to make room for them.
+    pub(super) async fn relieve(&mut self) {
+        if !self.waiters.is_empty() {
+            self.serve_waiters().await;
+        } else if self.shared.budget.under_pressure() {
+            let blocks = self.shared.ready.drain();
+            if !blocks.is_empty() {
+                self.free_blocks(blocks).await;
+            }
+        }
+    }
+}

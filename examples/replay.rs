@@ -1,0 +1,255 @@
+//! Replays allocation traces through pinpool and reports how much pinned memory each size
+//! policy reserves.
+//!
+//! ```sh
+//! cargo run --release --example replay -- [--policy NAME] FILE...
+//! ```
+//!
+//! Each file (the text format of `pinpool::trace`, gzip or plain, or MiniMalloc CSV) is played
+//! on the simulated runtime through the real engine and its actors: an allocation at each `a`
+//! line, a drop at each `f` line, no streams. For each file and policy it prints peak reserved
+//! bytes over peak live requested bytes, how many requests needed fresh memory (host
+//! allocations), and the time per request, then one summary line per file and policy:
+//!
+//! ```text
+//! replay <file name> policy=<name> reserved_over_peak=<ratio> fresh=<count> ns_per_request=<ns>
+//! ```
+//!
+//! Without `--policy`, every policy runs. A malformed file is an error naming its line, and
+//! the exit status is nonzero.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use pinpool::trace::{Trace, TraceError, TraceEvent};
+use pinpool::{BestFit, PinnedAllocator, PinnedBuffer, PowerOfTwo, SizePolicy};
+
+/// The policies the tool knows, by name.
+pub const POLICIES: &[&str] = &["pow2", "bestfit"];
+
+/// The policy called `name`.
+pub fn policy(name: &str) -> Option<Arc<dyn SizePolicy>> {
+    match name {
+        "pow2" => Some(Arc::new(PowerOfTwo)),
+        "bestfit" => Some(Arc::new(BestFit::default())),
+        _ => None,
+    }
+}
+
+/// What went wrong.
+#[derive(Debug)]
+pub enum ReplayError {
+    /// The command line.
+    Usage(String),
+    /// A trace could not be read (the message names the file and line).
+    Trace(TraceError),
+    /// The allocator failed.
+    Alloc { file: String, error: pinpool::Error },
+    /// No tokio runtime could be started.
+    Runtime(std::io::Error),
+}
+
+impl std::fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplayError::Usage(m) => write!(
+                f,
+                "{m}\nusage: replay [--policy {}] FILE...",
+                POLICIES.join("|")
+            ),
+            ReplayError::Trace(e) => write!(f, "{e}"),
+            ReplayError::Alloc { file, error } => write!(f, "{file}: allocation failed: {error}"),
+            ReplayError::Runtime(e) => write!(f, "could not start a tokio runtime: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ReplayError {}
+
+/// What a command line asks for.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Args {
+    /// Policy names to run, in order.
+    pub policies: Vec<String>,
+    /// Trace files.
+    pub files: Vec<PathBuf>,
+}
+
+/// Parses the arguments after the program name.
+pub fn parse_args(args: &[String]) -> Result<Args, ReplayError> {
+    let mut policies = Vec::new();
+    let mut files = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if let Some(name) = a.strip_prefix("--policy=") {
+            policies.push(name.to_owned());
+        } else if a == "--policy" {
+            let name = it
+                .next()
+                .ok_or_else(|| ReplayError::Usage("--policy needs a name".into()))?;
+            policies.push(name.clone());
+        } else if a.starts_with("--") {
+            return Err(ReplayError::Usage(format!("unknown option {a}")));
+        } else {
+            files.push(PathBuf::from(a));
+        }
+    }
+    for p in &policies {
+        if policy(p).is_none() {
+            return Err(ReplayError::Usage(format!(
+                "unknown policy {p:?} (known: {})",
+                POLICIES.join(", ")
+            )));
+        }
+    }
+    if policies.is_empty() {
+        policies = POLICIES.iter().map(|s| s.to_string()).collect();
+    }
+    if files.is_empty() {
+        return Err(ReplayError::Usage("no trace files given".into()));
+    }
+    Ok(Args { policies, files })
+}
+
+/// The outcome of replaying one trace under one policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    /// The file's name (without its directory).
+    pub file: String,
+    /// The policy's name.
+    pub policy: String,
+    /// Allocation requests replayed.
+    pub requests: usize,
+    /// Peak live requested bytes.
+    pub peak_live: u64,
+    /// Peak reserved (pinned) bytes.
+    pub peak_reserved: u64,
+    /// Requests that needed fresh memory (host allocations made).
+    pub fresh: u64,
+    /// Wall time per request, allocation and free together, in nanoseconds.
+    pub ns_per_request: f64,
+}
+
+impl Report {
+    /// Peak reserved bytes over peak live requested bytes.
+    pub fn reserved_over_peak(&self) -> f64 {
+        if self.peak_live == 0 {
+            return 1.0;
+        }
+        self.peak_reserved as f64 / self.peak_live as f64
+    }
+
+    /// The summary line.
+    pub fn line(&self) -> String {
+        format!(
+            "replay {} policy={} reserved_over_peak={:.3} fresh={} ns_per_request={:.0}",
+            self.file,
+            self.policy,
+            self.reserved_over_peak(),
+            self.fresh,
+            self.ns_per_request
+        )
+    }
+}
+
+/// Replays `trace` (named `file` in the report) through a fresh allocator with `policy`.
+pub fn replay_trace(trace: &Trace, file: &str, policy_name: &str) -> Result<Report, ReplayError> {
+    let policy = policy(policy_name)
+        .ok_or_else(|| ReplayError::Usage(format!("unknown policy {policy_name:?}")))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(ReplayError::Runtime)?;
+    let alloc_err = |error| ReplayError::Alloc {
+        file: file.to_owned(),
+        error,
+    };
+    rt.block_on(async {
+        let pool = PinnedAllocator::builder()
+            .policy(policy)
+            .build()
+            .map_err(alloc_err)?;
+        let mut live: Vec<Option<PinnedBuffer>> = Vec::new();
+        live.resize_with(trace.allocation_count(), || None);
+        let t0 = Instant::now();
+        for event in trace.events() {
+            match *event {
+                TraceEvent::Alloc { id, bytes, .. } => {
+                    let size = usize::try_from(bytes).unwrap_or(usize::MAX);
+                    live[id] = Some(pool.alloc(size).await.map_err(alloc_err)?);
+                }
+                TraceEvent::Free { id } => live[id] = None,
+            }
+        }
+        let elapsed = t0.elapsed();
+        let stats = pool.stats();
+        drop(live);
+        let requests = trace.allocation_count();
+        Ok(Report {
+            file: file.to_owned(),
+            policy: policy_name.to_owned(),
+            requests,
+            peak_live: trace.peak_live_bytes(),
+            peak_reserved: stats.allocated_bytes.peak.max(0) as u64,
+            fresh: stats.num_host_alloc.max(0) as u64,
+            ns_per_request: elapsed.as_nanos() as f64 / requests.max(1) as f64,
+        })
+    })
+}
+
+/// The name a report gives a path: its file name.
+pub fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}
+
+/// Runs a whole command line, printing details as it goes; returns every report.
+pub fn run(args: &[String], mut out: impl FnMut(&str)) -> Result<Vec<Report>, ReplayError> {
+    let args = parse_args(args)?;
+    // Read every file first, so that a malformed one fails before any work is done.
+    let traces = args
+        .files
+        .iter()
+        .map(|p| Trace::open(p).map(|t| (file_name(p), t)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(ReplayError::Trace)?;
+    let mut reports = Vec::new();
+    for (name, trace) in &traces {
+        out(&format!(
+            "{name}: {} requests, peak live {:.1} MiB",
+            trace.allocation_count(),
+            trace.peak_live_bytes() as f64 / (1u64 << 20) as f64
+        ));
+        for p in &args.policies {
+            let r = replay_trace(trace, name, p)?;
+            out(&format!(
+                "  {:<8} peak reserved {:>9.1} MiB = {:.3}x peak live, {} fresh host allocations, {:.0} ns per request",
+                r.policy,
+                r.peak_reserved as f64 / (1u64 << 20) as f64,
+                r.reserved_over_peak(),
+                r.fresh,
+                r.ns_per_request
+            ));
+            reports.push(r);
+        }
+    }
+    for r in &reports {
+        out(&r.line());
+    }
+    Ok(reports)
+}
+
+#[allow(dead_code)]
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Err(e) = run(&args, |line| println!("{line}")) {
+        eprintln!("replay: {e}");
+        std::process::exit(match e {
+            ReplayError::Usage(_) => 2,
+            _ => 1,
+        });
+    }
+}

@@ -1,0 +1,113 @@
+//! Choosing the runtime from the public builder: [`Builder::cuda`] for the real GPU (typed
+//! errors when there is none), [`Builder::best_available`] for the GPU when there is one and
+//! the simulated runtime otherwise.
+//!
+//! Owns no state; it only turns [`CudaInitError`] and [`ConfigError`] into the crate's one
+//! [`Error`] type (invariant 7: no panic without a driver, a typed error instead).
+
+use std::sync::Arc;
+
+use super::auto::AutoRuntime;
+use super::error::CudaInitError;
+use super::runtime::CudaRuntime;
+use crate::config::{Config, ConfigError};
+use crate::{Builder, Error, Runtime};
+
+impl From<CudaInitError> for Error {
+    fn from(error: CudaInitError) -> Self {
+        match error {
+            CudaInitError::NoSuchDevice { ordinal, count } => {
+                Error::NoSuchDevice { ordinal, count }
+            }
+            other => Error::DeviceUnavailable {
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+/// A malformed configuration as the crate's error.
+pub(crate) fn config_error(error: ConfigError) -> Error {
+    Error::InvalidConfig {
+        message: error.to_string(),
+    }
+}
+
+impl<R: Runtime> Builder<R> {
+    /// Switches to the CUDA runtime of device `ordinal`, configured from the `PINPOOL_CONF`
+    /// environment variable ([`Config::from_env`]).
+    ///
+    /// Like [`Builder::runtime`], this starts a fresh builder: choose the runtime first, then
+    /// the other settings. Never panics: without a driver it is
+    /// [`Error::DeviceUnavailable`], without that device [`Error::NoSuchDevice`], and with a
+    /// malformed `PINPOOL_CONF` [`Error::InvalidConfig`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use pinpool::{Error, PinnedAllocator};
+    ///
+    /// match PinnedAllocator::builder().cuda(0) {
+    ///     Ok(builder) => {
+    ///         let pool = builder.build()?;
+    ///         let buf = pool.alloc(1 << 20).await?;
+    ///         assert_eq!(buf.len(), 1 << 20);
+    ///     }
+    ///     Err(Error::DeviceUnavailable { message }) => println!("no GPU: {message}"),
+    ///     Err(other) => return Err(other),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn cuda(self, ordinal: usize) -> Result<Builder<CudaRuntime>, Error> {
+        let config = Config::from_env().map_err(config_error)?;
+        self.cuda_with_config(ordinal, config)
+    }
+
+    /// [`Builder::cuda`] with `config` instead of the environment's.
+    ///
+    /// ```
+    /// use pinpool::config::{Config, PinStrategy};
+    /// use pinpool::PinnedAllocator;
+    ///
+    /// let config = Config::default().with_pin_method(PinStrategy::Register);
+    /// if let Ok(builder) = PinnedAllocator::builder().cuda_with_config(0, config) {
+    ///     # let _ = builder;
+    ///     // builder.build() inside a tokio runtime
+    /// }
+    /// ```
+    pub fn cuda_with_config(
+        self,
+        ordinal: usize,
+        config: Config,
+    ) -> Result<Builder<CudaRuntime>, Error> {
+        let runtime = CudaRuntime::with_config(ordinal, config)?;
+        Ok(self.runtime(Arc::new(runtime)))
+    }
+
+    /// Switches to the best runtime available: CUDA device `ordinal` when a driver and that
+    /// device are present, the simulated runtime otherwise. The choice is logged (at `info`
+    /// level, target `pinpool::cuda`) and can be read back from
+    /// [`AutoRuntime::describe`] through `pool.runtime()`.
+    ///
+    /// Configured from `PINPOOL_CONF`; a malformed one is [`Error::InvalidConfig`] even
+    /// without a GPU (a typo should not go unnoticed until the program meets a GPU). Never
+    /// panics, whatever the machine. Like [`Builder::runtime`], it starts a fresh builder.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use pinpool::PinnedAllocator;
+    ///
+    /// let pool = PinnedAllocator::builder().best_available(0)?.build()?;
+    /// println!("{}", pool.runtime().describe()); // "cuda device 0" or "sim (...)"
+    /// let stream = pool.runtime().new_stream()?;
+    /// let mut buf = pool.alloc(4096).await?;
+    /// buf.fill(1);
+    /// buf.record_stream(&stream);
+    /// # Ok(()) }
+    /// ```
+    pub fn best_available(self, ordinal: usize) -> Result<Builder<AutoRuntime>, Error> {
+        let config = Config::from_env().map_err(config_error)?;
+        Ok(self.runtime(Arc::new(AutoRuntime::detect_with_config(ordinal, config))))
+    }
+}

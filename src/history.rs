@@ -1,0 +1,187 @@
+//! History, observers and the history page on the public face.
+//!
+//! Owns the `PinnedAllocator` calls that record and read the allocator's history (a bounded
+//! ring kept by the history actor), attach observers (run by the observer task, never by an
+//! actor or an allocation), and render the history as an HTML page ([`crate::report`]).
+//! Keeps invariant 5: with history off, the cached path pays one relaxed load of a flag.
+
+use std::path::Path;
+
+use pinpool_actors::{Error, History, HistoryContext, OomReport, Runtime, TraceEntry};
+
+use crate::allocator::PinnedAllocator;
+
+/// Why the history page could not be written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReportError {
+    /// The history could not be read.
+    #[error(transparent)]
+    Allocator(#[from] Error),
+    /// The file could not be written.
+    #[error("writing the history page failed: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl<R: Runtime> PinnedAllocator<R> {
+    /// Turns history recording on or off (like `torch.cuda.memory._record_memory_history`).
+    ///
+    /// While on, the allocator keeps the last `max_entries` [`TraceEntry`]s — allocations,
+    /// frees requested and completed, segments taken and given back, OOMs, captures and
+    /// annotations — with the call sites that `context` asks for. Turning it off keeps what
+    /// was recorded. While off, the cached path pays one relaxed atomic load.
+    /// [`Error::EmptyHistoryRing`] when asked to record into a ring of 0 entries.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use pinpool::{HistoryContext, PinnedAllocator, TraceAction};
+    ///
+    /// let pool = PinnedAllocator::builder().build()?;
+    /// pool.record_history(true, 1000, HistoryContext::None)?;
+    /// drop(pool.alloc(4096).await?);
+    /// let actions: Vec<TraceAction> = pool.history().await?.entries.iter().map(|e| e.action).collect();
+    /// assert_eq!(actions, [TraceAction::SegmentAlloc, TraceAction::Alloc,
+    ///                      TraceAction::FreeRequested, TraceAction::FreeCompleted]);
+    /// # Ok(()) }
+    /// ```
+    pub fn record_history(
+        &self,
+        enabled: bool,
+        max_entries: usize,
+        context: HistoryContext,
+    ) -> Result<(), Error> {
+        self.engine().record_history(enabled, max_entries, context)
+    }
+
+    /// Whether history recording is on.
+    pub fn is_history_enabled(&self) -> bool {
+        self.engine().is_history_enabled()
+    }
+
+    /// Adds a `UserDefined` entry named `name` to the history, to mark a phase of the
+    /// program in the trace and on the history page (nothing while history is off).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// pool.record_history(true, 100, pinpool::HistoryContext::None)?;
+    /// pool.record_annotation("warm-up done");
+    /// let h = pool.history().await?;
+    /// assert_eq!(h.entries[0].name.as_deref(), Some("warm-up done"));
+    /// # Ok(()) }
+    /// ```
+    pub fn record_annotation(&self, name: &str) {
+        self.engine().record_annotation(name)
+    }
+
+    /// The recorded history: a round trip to the history actor.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// let h = pool.history().await?;
+    /// assert!(!h.enabled && h.entries.is_empty());
+    /// # Ok(()) }
+    /// ```
+    pub async fn history(&self) -> Result<History, Error> {
+        self.engine().history().await
+    }
+
+    /// [`PinnedAllocator::history`] for threads outside the tokio runtime.
+    ///
+    /// ```
+    /// # let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).build().unwrap();
+    /// # let pool = rt.block_on(async { pinpool::PinnedAllocator::builder().build() })?;
+    /// pool.record_history(true, 100, pinpool::HistoryContext::None)?;
+    /// drop(pool.alloc_blocking(64)?);
+    /// assert_eq!(pool.history_blocking()?.entries.len(), 4);
+    /// # Ok::<(), pinpool::Error>(())
+    /// ```
+    pub fn history_blocking(&self) -> Result<History, Error> {
+        self.engine().history_blocking()
+    }
+
+    /// Calls `f` with every trace entry recorded while history is on.
+    ///
+    /// `f` runs on the observer task's blocking thread, never inside an actor or an
+    /// allocation: a slow callback delays only later callbacks (entries that find the
+    /// observer's queue full are dropped), a panic is caught and logged, and `f` may call the
+    /// allocator (`stats`, `alloc_blocking`, ...).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use std::sync::Arc;
+    ///
+    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// let seen = Arc::new(AtomicUsize::new(0));
+    /// let counter = seen.clone();
+    /// pool.attach_trace_tracker(move |_entry| { counter.fetch_add(1, Ordering::Relaxed); });
+    /// pool.record_history(true, 100, pinpool::HistoryContext::None)?;
+    /// drop(pool.alloc(64).await?);
+    /// while seen.load(Ordering::Relaxed) < 4 { tokio::task::yield_now().await; }
+    /// # Ok(()) }
+    /// ```
+    pub fn attach_trace_tracker(&self, f: impl Fn(&TraceEntry) + Send + Sync + 'static) {
+        self.engine().attach_trace_tracker(f)
+    }
+
+    /// Calls `f` with an [`OomReport`] for every request that fails for want of pinned
+    /// memory (whether or not history is on). Runs like a trace tracker: on the observer
+    /// task's blocking thread, panics caught.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// pool.attach_oom_observer(|r| eprintln!("{} bytes wanted, {} reserved", r.requested, r.reserved));
+    /// # Ok(()) }
+    /// ```
+    pub fn attach_oom_observer(&self, f: impl Fn(&OomReport) + Send + Sync + 'static) {
+        self.engine().attach_oom_observer(f)
+    }
+
+    /// The history as a self-contained HTML page: reserved, in-use and waiting bytes over
+    /// time per pool, and the largest allocations (see [`crate::report`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// pool.record_history(true, 10_000, pinpool::HistoryContext::Alloc)?;
+    /// let keep = pool.alloc(1 << 20).await?;
+    /// let page = pool.history_html().await?;
+    /// assert!(page.contains("Largest allocations"));
+    /// # drop(keep);
+    /// # Ok(()) }
+    /// ```
+    pub async fn history_html(&self) -> Result<String, Error> {
+        let h = self.history().await?;
+        Ok(crate::report::render_history_html(
+            &h,
+            self.runtime().name(),
+        ))
+    }
+
+    /// Writes [`PinnedAllocator::history_html`] to `path`.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::ReportError> {
+    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// pool.write_history_html("pinpool-history.html").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn write_history_html(&self, path: impl AsRef<Path>) -> Result<(), ReportError> {
+        let page = self.history_html().await?;
+        let path = path.as_ref().to_path_buf();
+        tokio::task::spawn_blocking(move || std::fs::write(path, page))
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))??;
+        Ok(())
+    }
+}
