@@ -1,5 +1,6 @@
 //! The cached path on the simulated runtime: allocate a size seen before and free it, on one
-//! thread and on several; and the async path. Runs anywhere; the GPU harness is
+//! thread and on several; the async path; and the record path (allocate, record a stream,
+//! free). Runs anywhere; the GPU harness, which prints the figures paired with PyTorch's, is
 //! `examples/gpu_bench.rs`.
 
 use std::sync::Arc;
@@ -80,5 +81,26 @@ fn threads(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, pair, threads);
+/// Allocate, record use on a stream, free. The simulated stream completes its event on a
+/// worker thread a little later, so this times the parked-block path and its fallbacks; on a
+/// GPU the event of an idle stream is usually complete by the next request.
+fn record(c: &mut Criterion) {
+    let rt = runtime();
+    let sim = Arc::new(pinpool::sim::SimRuntime::new());
+    let pool = rt
+        .block_on(async { pinpool::Builder::new(sim.clone()).build() })
+        .expect("allocator");
+    let stream = sim.stream();
+    let mut g = c.benchmark_group("record");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("alloc_record_free_1MiB", |b| {
+        b.iter(|| {
+            let mut buf = pool.alloc_blocking(1 << 20).expect("alloc");
+            buf.record_stream(&stream);
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, pair, threads, record);
 criterion_main!(benches);

@@ -28,6 +28,20 @@ pub(crate) enum BlockState {
     Kept,
 }
 
+/// A block's pending events. Reached only through `&mut` (`get_mut`), so sharing a `&Block`
+/// shares no access to them: the block stays `Sync` although events need only be `Send`.
+pub(crate) struct Events<E>(Vec<E>);
+
+impl<E> Events<E> {
+    pub(crate) fn get_mut(&mut self) -> &mut Vec<E> {
+        &mut self.0
+    }
+}
+
+// SAFETY: no method gives access to the events through `&Events`; all access needs `&mut`,
+// which is exclusive, so concurrent `&` access from several threads touches nothing.
+unsafe impl<E: Send> Sync for Events<E> {}
+
 pub(crate) struct Block<R: Runtime> {
     /// The pinned memory: a whole host allocation, or a range of `segment`.
     pub(crate) memory: HostMemory,
@@ -41,6 +55,8 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) during_capture: bool,
     /// Streams recorded since the block was lent.
     pub(crate) streams: Vec<(StreamId, R::Stream)>,
+    /// Events recorded at the free, while the block waits (empty otherwise).
+    pub(crate) events: Events<R::Event>,
     pub(crate) state: BlockState,
     /// Set once the memory has been given back to the runtime.
     pub(crate) freed: bool,
@@ -60,6 +76,7 @@ impl<R: Runtime> Block<R> {
             shard: 0,
             during_capture: false,
             streams: Vec::new(),
+            events: Events(Vec::new()),
             state: BlockState::InUse,
             freed: false,
             pool,
@@ -68,8 +85,9 @@ impl<R: Runtime> Block<R> {
         })
     }
 
-    /// The free of a buffer: back to the ready queue when no stream used the block; to the
-    /// event poller with one event per stream otherwise; kept when captured work used it.
+    /// The free of a buffer: back to the ready queue when no stream used the block; parked
+    /// in the freeing thread's shard with one event per stream otherwise (to be queried inline
+    /// by that thread's next miss, or by the event poller); kept when captured work used it.
     pub(crate) fn release(mut self: Box<Self>) {
         if self.streams.is_empty() {
             self.pool.stats.deactivate(self.shard, self.size);
@@ -78,7 +96,7 @@ impl<R: Runtime> Block<R> {
         }
         let rt = &*self.pool.runtime;
         let mut keep = self.during_capture;
-        let mut events = Vec::with_capacity(self.streams.len());
+        debug_assert!(self.events.get_mut().is_empty());
         if !keep {
             for (_, s) in &self.streams {
                 // An event recorded during capture would become part of the graph and could
@@ -90,7 +108,7 @@ impl<R: Runtime> Block<R> {
                         rt.record_event(s).map(Some)
                     }
                 }) {
-                    Ok(Some(e)) => events.push(e),
+                    Ok(Some(e)) => self.events.get_mut().push(e),
                     Ok(None) => {
                         keep = true;
                         break;
@@ -107,7 +125,7 @@ impl<R: Runtime> Block<R> {
         }
         self.streams.clear();
         if keep {
-            for e in events {
+            for e in self.events.get_mut().drain(..) {
                 rt.release_event(e);
             }
             let stats = &self.pool.stats;
@@ -128,24 +146,54 @@ impl<R: Runtime> Block<R> {
                 .waiting_bytes
                 .fetch_add(self.size as i64, Ordering::Relaxed);
             self.state = BlockState::Waiting;
-            let poller = self.pool.poller.clone();
-            if let Err(flume::SendError(PollerMsg::Wait { block, events })) =
-                poller.send(PollerMsg::Wait {
-                    block: self,
-                    events,
-                })
-            {
-                // The poller is gone with its runtime: wait here for the events.
-                block.wait_here(events);
+            keepalive::ensure(&self.pool);
+            let pool: *const PoolShared<R> = Arc::as_ptr(&self.pool);
+            // SAFETY: `keepalive::ensure` made this thread hold a strong reference to the
+            // pool until its next call, so the pool outlives this function even once the
+            // block (and the reference it carries) is parked and taken by another thread.
+            let pool = unsafe { &*pool };
+            if pool.divert.load(Ordering::Acquire) != 0 || self.size > pool.max_cached_size {
+                // A closing pool, or one whose requests wait for room, wants blocks back
+                // through its actor, and so does every block too large to cache: go straight
+                // to the poller, which sends them home when their events complete.
+                if let Err(flume::SendError(PollerMsg::Wait(b))) =
+                    pool.poller.send(PollerMsg::Wait(self))
+                {
+                    b.wait_here();
+                }
+            } else {
+                pool.ready.park(self, &pool.poller);
             }
         }
     }
 
-    /// Blocks this thread until `events` complete, then gives the block back. Only used when
-    /// the event poller is gone (its tokio runtime was shut down).
-    fn wait_here(mut self: Box<Self>, events: Vec<R::Event>) {
+    /// Whether every event recorded for the block has completed; releases those that have.
+    /// A failed query counts as not completed (it is asked again later).
+    pub(crate) fn events_completed(&mut self) -> bool {
+        let rt = &*self.pool.runtime;
+        let events = self.events.get_mut();
+        while let Some(e) = events.last() {
+            match rt.query_event(e) {
+                Ok(true) => {
+                    if let Some(e) = events.pop() {
+                        rt.release_event(e);
+                    }
+                }
+                Ok(false) => return false,
+                Err(e) => {
+                    tracing::warn!(error = %e, "event query failed; will ask again");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Blocks this thread until the block's events complete, then gives the block back. Only
+    /// used when the event poller is gone (its tokio runtime was shut down).
+    pub(crate) fn wait_here(mut self: Box<Self>) {
         let rt = self.pool.runtime.clone();
-        for e in events {
+        while let Some(e) = self.events.get_mut().pop() {
             loop {
                 match rt.query_event(&e) {
                     Ok(true) => break,
@@ -162,9 +210,11 @@ impl<R: Runtime> Block<R> {
         self.returned_from_waiting();
     }
 
-    /// A block whose events have all completed becomes reusable.
-    pub(crate) fn returned_from_waiting(mut self: Box<Self>) {
-        crate::history::on_free_completed(&self);
+    /// A waiting block whose events have all completed stops being counted as waiting and
+    /// active; it is ready to be handed out again.
+    pub(crate) fn leave_waiting(&mut self) {
+        debug_assert!(self.events.get_mut().is_empty());
+        crate::history::on_free_completed(self);
         let stats = &self.pool.stats;
         stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
         stats
@@ -172,6 +222,11 @@ impl<R: Runtime> Block<R> {
             .fetch_sub(self.size as i64, Ordering::Relaxed);
         stats.deactivate(self.shard, self.size);
         self.state = BlockState::InUse;
+    }
+
+    /// A block whose events have all completed becomes reusable.
+    pub(crate) fn returned_from_waiting(mut self: Box<Self>) {
+        self.leave_waiting();
         give_back(self);
     }
 
@@ -214,6 +269,7 @@ impl<R: Runtime> Block<R> {
             shard: self.shard,
             during_capture: self.during_capture,
             streams: std::mem::take(&mut self.streams),
+            events: Events(std::mem::take(self.events.get_mut())),
             state: self.state,
             freed: false,
             pool: self.pool.clone(),

@@ -78,7 +78,7 @@ impl<R: Runtime> EngineBuilder<R> {
     }
 
     /// Number of thread shards for ready queues and stats (rounded up to a power of two;
-    /// default: the machine's parallelism).
+    /// default: twice the machine's parallelism, at most 64).
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards.clamp(1, 1024).next_power_of_two());
         self
@@ -107,7 +107,7 @@ impl<R: Runtime> EngineBuilder<R> {
         let layout = self.policy.layout();
         let history = crate::history::start(&handle);
         let (poller_tx, poller_rx) = flume::unbounded();
-        start_poller(self.runtime.clone(), poller_rx, &handle);
+        start_poller(poller_rx, &handle);
         let spec = {
             let runtime = self.runtime.clone();
             let poller = poller_tx.clone();
@@ -246,14 +246,42 @@ impl<R: Runtime> Engine<R> {
                 }
             }
         };
-        Ok(match pool.ready.take(class.index) {
-            Some(block) => Step::Ready(Lease::new(block, size, during_capture, inner.id)),
+        if let Some(block) = pool.ready.take_mine(class.index) {
+            return Ok(Step::Ready(Lease::new(
+                block,
+                size,
+                during_capture,
+                inner.id,
+            )));
+        }
+        Ok(Self::miss_here(pool, class, size, during_capture, inner.id))
+    }
+
+    /// Before asking the pool actor: a block this thread freed after a stream used it may
+    /// have completed its events by now (one inline query; invariant 1); failing that, a
+    /// ready block in another thread's shard, or a block another thread parked whose events
+    /// have completed.
+    #[cold]
+    fn miss_here(
+        pool: &Arc<PoolShared<R>>,
+        class: SizeClass,
+        size: usize,
+        during_capture: bool,
+        engine: u64,
+    ) -> Step<R> {
+        let ready = &pool.ready;
+        let found = ready
+            .take_parked(class.index, &pool.poller)
+            .or_else(|| ready.steal(ready.my_shard(), class.index))
+            .or_else(|| ready.steal_parked(class.index, &pool.poller));
+        match found {
+            Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),
             None => Step::Miss {
                 pool: pool.clone(),
                 class,
                 during_capture,
             },
-        })
+        }
     }
 
     async fn alloc_inner(

@@ -32,12 +32,10 @@ impl<R: Runtime> Lease<R> {
         engine: u64,
     ) -> Self {
         crate::history::on_alloc(&block, len);
-        let shard = block.pool.ready.my_shard();
-        block.shard = shard;
+        block.shard = block.pool.stats.activate(block.size);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
         block.meta.lent(len);
-        block.pool.stats.activate(shard, block.size);
         Lease {
             block: Some(block),
             len,

@@ -11,27 +11,24 @@ use std::time::Duration;
 
 use flume::Receiver;
 
+use std::sync::Arc;
+
 use crate::block::Block;
 use crate::pool::Reply;
+use crate::ready::Parked;
 use crate::runtime::Runtime;
 use crate::spawn::spawn_named;
 
 /// Messages the poller answers.
 pub(crate) enum PollerMsg<R: Runtime> {
-    /// A freed block and the events recorded for it.
-    Wait {
-        block: Box<Block<R>>,
-        events: Vec<R::Event>,
-    },
+    /// A freed block, with the events recorded for it in `block.events`.
+    Wait(Box<Block<R>>),
+    /// Watch a pool's parked slots (sent by the first park after a quiet spell).
+    Watch(Arc<Parked<R>>),
     /// Poll now, then reply.
     Flush { reply: Reply<()> },
     /// The addresses of the blocks pending (for snapshots).
     Pending { reply: Reply<Vec<usize>> },
-}
-
-struct Pending<R: Runtime> {
-    block: Box<Block<R>>,
-    events: Vec<R::Event>,
 }
 
 /// Shortest and longest wait between polls while blocks are pending.
@@ -40,12 +37,11 @@ const MAX_INTERVAL: Duration = Duration::from_millis(2);
 
 /// Starts the poller; it stops once every sender of its mailbox is gone.
 pub(crate) fn start_poller<R: Runtime>(
-    runtime: std::sync::Arc<R>,
     rx: Receiver<PollerMsg<R>>,
     handle: &tokio::runtime::Handle,
 ) {
     let actor = Poller {
-        runtime,
+        watched: Vec::new(),
         rx,
         pending: Vec::new(),
     };
@@ -53,9 +49,10 @@ pub(crate) fn start_poller<R: Runtime>(
 }
 
 struct Poller<R: Runtime> {
-    runtime: std::sync::Arc<R>,
+    /// Parked slots to sweep on each poll, while blocks are parked in them.
+    watched: Vec<Arc<Parked<R>>>,
     rx: Receiver<PollerMsg<R>>,
-    pending: Vec<Pending<R>>,
+    pending: Vec<Box<Block<R>>>,
 }
 
 impl<R: Runtime> Drop for Poller<R> {
@@ -64,20 +61,25 @@ impl<R: Runtime> Drop for Poller<R> {
     /// is leaked: freeing it could let the device write into memory given to someone else.
     fn drop(&mut self) {
         // Blocks still in the mailbox would keep their pools (and this mailbox) alive forever.
+        // So would blocks parked in the slots it watches.
         while let Ok(msg) = self.rx.try_recv() {
-            if let PollerMsg::Wait { block, events } = msg {
-                self.pending.push(Pending { block, events });
+            match msg {
+                PollerMsg::Wait(block) => self.pending.push(block),
+                PollerMsg::Watch(parked) => self.watched.push(parked),
+                _ => {}
             }
         }
+        for parked in self.watched.drain(..) {
+            self.pending.extend(parked.take_all());
+        }
         self.poll();
-        for p in self.pending.drain(..) {
+        for mut block in self.pending.drain(..) {
             tracing::warn!(
-                bytes = p.block.memory.size,
+                bytes = block.memory.size,
                 "event poller stopped with a block still used by device work; leaked"
             );
-            let mut block = p.block;
             block.freed = true;
-            drop(p.events);
+            block.events.get_mut().clear();
         }
     }
 }
@@ -86,7 +88,7 @@ impl<R: Runtime> Poller<R> {
     async fn run(mut self) {
         let mut interval = MIN_INTERVAL;
         loop {
-            if self.pending.is_empty() {
+            if self.pending.is_empty() && self.watched.is_empty() {
                 match self.rx.recv_async().await {
                     Ok(msg) => self.handle(msg),
                     Err(_) => break,
@@ -110,46 +112,49 @@ impl<R: Runtime> Poller<R> {
 
     fn handle(&mut self, msg: PollerMsg<R>) {
         match msg {
-            PollerMsg::Wait { block, events } => self.pending.push(Pending { block, events }),
+            PollerMsg::Wait(block) => self.pending.push(block),
+            PollerMsg::Watch(parked) => {
+                if !self.watched.iter().any(|p| Arc::ptr_eq(p, &parked)) {
+                    self.watched.push(parked);
+                }
+            }
             PollerMsg::Flush { reply } => {
                 self.poll();
                 let _ = reply.send(());
             }
             PollerMsg::Pending { reply } => {
+                // Parked blocks are pending too: take them in to list them.
+                for parked in &self.watched {
+                    self.pending.extend(parked.take_all());
+                }
                 let _ = reply.send(
                     self.pending
                         .iter()
-                        .map(|p| p.block.memory.ptr.as_ptr() as usize)
+                        .map(|b| b.memory.ptr.as_ptr() as usize)
                         .collect(),
                 );
             }
         }
     }
 
-    /// Queries every pending event once; returns how many blocks went home.
+    /// Queries every pending block's events once; returns how many blocks went home.
     fn poll(&mut self) -> usize {
-        let rt = &*self.runtime;
         let mut returned = 0;
+        let mut w = 0;
+        while w < self.watched.len() {
+            let (seen, home) = self.watched[w].sweep(&mut self.pending);
+            returned += home;
+            if seen == 0 && !self.watched[w].unwatch_if_empty() {
+                self.watched.swap_remove(w);
+            } else {
+                w += 1;
+            }
+        }
         let mut i = 0;
         while i < self.pending.len() {
-            let p = &mut self.pending[i];
-            let mut j = 0;
-            while j < p.events.len() {
-                match rt.query_event(&p.events[j]) {
-                    Ok(true) => {
-                        let e = p.events.swap_remove(j);
-                        rt.release_event(e);
-                    }
-                    Ok(false) => j += 1,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "event query failed; will ask again");
-                        j += 1;
-                    }
-                }
-            }
-            if p.events.is_empty() {
-                let p = self.pending.swap_remove(i);
-                p.block.returned_from_waiting();
+            if self.pending[i].events_completed() {
+                let b = self.pending.swap_remove(i);
+                b.returned_from_waiting();
                 returned += 1;
             } else {
                 i += 1;

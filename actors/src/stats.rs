@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::Duration;
 
-use crate::shard::CachePadded;
+use crate::shard::{CachePadded, ThreadSlot};
 
 /// One statistic: its current value, its peak, and the totals added and removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -216,6 +216,83 @@ impl AtomicStat {
     }
 }
 
+/// A statistic of the cached path, kept in one thread shard. The thread that owns the shard
+/// (see [`crate::shard::ThreadSlot`]) changes `allocated` and `freed` with plain loads and
+/// stores; other threads add to `remote_allocated`/`remote_freed` atomically. `current` is
+/// derived, and `reset_accumulated` records baselines instead of writing the owner's counters.
+#[derive(Debug, Default)]
+pub(crate) struct ShardStat {
+    allocated: AtomicI64,
+    freed: AtomicI64,
+    remote_allocated: AtomicI64,
+    remote_freed: AtomicI64,
+    peak: AtomicI64,
+    base_allocated: AtomicI64,
+    base_freed: AtomicI64,
+}
+
+impl ShardStat {
+    #[inline]
+    fn totals(&self) -> (i64, i64) {
+        (
+            self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed),
+            self.freed.load(Relaxed) + self.remote_freed.load(Relaxed),
+        )
+    }
+
+    #[inline]
+    fn note_peak(&self) {
+        let (a, f) = self.totals();
+        let now = a - f;
+        if now > self.peak.load(Relaxed) {
+            self.peak.fetch_max(now, Relaxed);
+        }
+    }
+
+    /// Adds `n`; `owner` says whether the calling thread owns the shard.
+    #[inline]
+    pub(crate) fn increase(&self, n: i64, owner: bool) {
+        if owner {
+            self.allocated
+                .store(self.allocated.load(Relaxed) + n, Relaxed);
+        } else {
+            self.remote_allocated.fetch_add(n, Relaxed);
+        }
+        self.note_peak();
+    }
+
+    /// Removes `n`; `owner` says whether the calling thread owns the shard.
+    #[inline]
+    pub(crate) fn decrease(&self, n: i64, owner: bool) {
+        if owner {
+            self.freed.store(self.freed.load(Relaxed) + n, Relaxed);
+        } else {
+            self.remote_freed.fetch_add(n, Relaxed);
+        }
+    }
+
+    pub(crate) fn read(&self) -> Stat {
+        let (a, f) = self.totals();
+        Stat {
+            current: a - f,
+            peak: self.peak.load(Relaxed),
+            allocated: a - self.base_allocated.load(Relaxed),
+            freed: f - self.base_freed.load(Relaxed),
+        }
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        let (a, f) = self.totals();
+        self.peak.store(a - f, Relaxed);
+    }
+
+    pub(crate) fn reset_accumulated(&self) {
+        let (a, f) = self.totals();
+        self.base_allocated.store(a, Relaxed);
+        self.base_freed.store(f, Relaxed);
+    }
+}
+
 /// Timings kept in atomics (microseconds).
 #[derive(Debug)]
 pub(crate) struct AtomicDuration {
@@ -272,8 +349,8 @@ impl AtomicDuration {
 /// One thread shard's active counters.
 #[derive(Debug, Default)]
 pub(crate) struct ActiveShard {
-    pub(crate) requests: AtomicStat,
-    pub(crate) bytes: AtomicStat,
+    pub(crate) requests: ShardStat,
+    pub(crate) bytes: ShardStat,
 }
 
 /// The books of one pool.
@@ -290,6 +367,7 @@ pub(crate) struct PoolStats {
     pub(crate) num_alloc_retries: AtomicI64,
     pub(crate) num_ooms: AtomicI64,
     active: Box<[CachePadded<ActiveShard>]>,
+    mask: usize,
 }
 
 impl PoolStats {
@@ -306,23 +384,29 @@ impl PoolStats {
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
             active: (0..shards).map(|_| CachePadded::default()).collect(),
+            mask: shards - 1,
         }
     }
 
-    /// A block of `bytes` became active, charged to `shard`.
+    /// A block of `bytes` became active, charged to the calling thread's shard; returns the
+    /// shard, to be credited when the block becomes reusable.
     #[inline]
-    pub(crate) fn activate(&self, shard: usize, bytes: usize) {
-        let s = &self.active[shard];
-        s.requests.increase(1);
-        s.bytes.increase(bytes as i64);
+    pub(crate) fn activate(&self, bytes: usize) -> usize {
+        let me = ThreadSlot::current(self.mask);
+        let s = &self.active[me.shard];
+        s.requests.increase(1, me.owns);
+        s.bytes.increase(bytes as i64, me.owns);
+        me.shard
     }
 
     /// A block of `bytes` charged to `shard` became reusable (or kept).
     #[inline]
     pub(crate) fn deactivate(&self, shard: usize, bytes: usize) {
+        let me = ThreadSlot::current(self.mask);
+        let owner = me.owns && me.shard == shard;
         let s = &self.active[shard];
-        s.requests.decrease(1);
-        s.bytes.decrease(bytes as i64);
+        s.requests.decrease(1, owner);
+        s.bytes.decrease(bytes as i64, owner);
     }
 
     pub(crate) fn read(&self) -> HostStats {

@@ -61,6 +61,8 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     pub(super) async fn flush_events(&self) {
+        // Blocks parked by the threads that freed them are polled too.
+        self.shared.ready.unpark_all(&self.shared.poller);
         let (tx, rx) = flume::bounded(1);
         if self
             .shared

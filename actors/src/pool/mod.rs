@@ -365,7 +365,9 @@ impl<R: Runtime> PoolActor<R> {
                     Ok(Err(_)) => break,
                     Err(_) => {
                         // Blocks that slipped into the ready queues as the pool closed, and
-                        // blocks whose free the runtime refused, are tried again.
+                        // blocks whose free the runtime refused, are tried again; blocks
+                        // parked by freeing threads go to the poller.
+                        self.shared.ready.unpark_all(&self.shared.poller);
                         let blocks = self.shared.ready.drain();
                         self.free_blocks(blocks).await;
                         self.free_kept().await;

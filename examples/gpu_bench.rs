@@ -1,0 +1,467 @@
+//! pinpool's side of `../shared/anchors/side_by_side.sh`: the metrics of
+//! `torch_host_bench.cpp`, measured the same way, printed as
+//! `pinpool <metric> [key=value ...] <number>`, plus pinpool's own extras.
+//!
+//! ```sh
+//! cargo run --release --example gpu_bench -- --runtime sim          # any machine
+//! cargo build --release --features cuda --example gpu_bench          # then, on a GPU host:
+//! ../shared/anchors/side_by_side.sh target/release/examples/gpu_bench
+//! ```
+//!
+//! Options: `--runtime cuda|sim` (default: cuda when built with the `cuda` feature),
+//! `--quick` (fewer iterations, for smoke runs).
+//!
+//! What each metric measures (as the anchor does):
+//! - `pair_ns size=S`: one thread, allocate a cached size and free it, 2 000 000 times.
+//! - `pair_with_record_ns size=1048576`: one thread, allocate, record use on an idle stream,
+//!   free; 200 000 times.
+//! - `mt_Mpairs_per_s same_class=C threads=T`: T threads each allocating and freeing 300 000
+//!   times, all 64 KiB (C=1) or `4096 << (t % 12)` (C=0); each thread warms its size first.
+//! - `fresh_alloc_ms size_mb=M`: cache emptied, then the first allocation of M MiB (pinned by
+//!   `register` with huge pages and pre-faulting threads).
+//! - `reserved_MiB_for_request_MiB request=1025`: reserved bytes after a 1 GiB + 1 request.
+//!
+//! Extras: `async_pair_ns` (`alloc().await`, cached, in a tokio task), `h2d_GBps` from a
+//! pinpool buffer and from a plain pinned buffer, `event_to_reusable_us` (p50/p99: from the
+//! moment a buffer's event completes to the moment a request gets that block back), and
+//! `poller_idle_cpu_pct` (process CPU while the allocator is idle).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pinpool::{PinnedAllocator, Runtime};
+
+struct Args {
+    runtime: String,
+    quick: bool,
+    /// Repeat `pair_ns` this many times and print the fastest (for noisy machines).
+    repeat: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        runtime: if cfg!(feature = "cuda") {
+            "cuda".into()
+        } else {
+            "sim".into()
+        },
+        quick: false,
+        repeat: 1,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--runtime" => args.runtime = it.next().ok_or("--runtime needs a value")?,
+            "--quick" => args.quick = true,
+            "--repeat" => {
+                args.repeat = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&r| r > 0)
+                    .ok_or("--repeat needs a positive number")?
+            }
+            "-h" | "--help" => {
+                return Err("usage: gpu_bench [--runtime cuda|sim] [--quick] [--repeat N]".into());
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(args)
+}
+
+fn tokio_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn ns_per(t0: Instant, n: u64) -> f64 {
+    t0.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// One thread: cached allocate + free of one size.
+fn pair_ns<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool, repeat: usize) {
+    for size in [4096usize, 1 << 20, 64 << 20] {
+        let n = if quick { 200_000 } else { 2_000_000 };
+        drop(pool.alloc_blocking(size).expect("warm"));
+        let best = (0..repeat)
+            .map(|_| {
+                let t0 = Instant::now();
+                for _ in 0..n {
+                    drop(std::hint::black_box(
+                        pool.alloc_blocking(size).expect("alloc"),
+                    ));
+                }
+                ns_per(t0, n)
+            })
+            .fold(f64::INFINITY, f64::min);
+        println!("pinpool pair_ns size={size} {best:.1}");
+    }
+}
+
+/// One thread: allocate, record use on an idle stream, free.
+fn pair_with_record<R: Runtime>(pool: &PinnedAllocator<R>, stream: &R::Stream, quick: bool) {
+    let size = 1usize << 20;
+    let n = if quick { 20_000 } else { 200_000 };
+    let fresh_before = pool.stats().num_host_alloc;
+    let t0 = Instant::now();
+    for _ in 0..n {
+        let mut b = pool.alloc_blocking(size).expect("alloc");
+        b.record_stream(stream);
+    }
+    let ns = ns_per(t0, n);
+    println!("pinpool pair_with_record_ns size={size} {ns:.1}");
+    eprintln!(
+        "  (fresh allocations during the record loop: {})",
+        pool.stats().num_host_alloc - fresh_before
+    );
+}
+
+/// T threads allocating and freeing: all one class, or each its own.
+fn mt<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
+    let k: u64 = if quick { 50_000 } else { 300_000 };
+    for same in [0, 1] {
+        for threads in [1usize, 2, 4, 8, 16] {
+            let ready = std::sync::atomic::AtomicUsize::new(0);
+            let t0 = Instant::now();
+            std::thread::scope(|s| {
+                for t in 0..threads {
+                    let ready = &ready;
+                    s.spawn(move || {
+                        let size = if same == 1 {
+                            1 << 16
+                        } else {
+                            4096usize << (t % 12)
+                        };
+                        drop(pool.alloc_blocking(size).expect("warm"));
+                        ready.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        while ready.load(std::sync::atomic::Ordering::SeqCst) < threads {
+                            std::hint::spin_loop();
+                        }
+                        for _ in 0..k {
+                            drop(std::hint::black_box(
+                                pool.alloc_blocking(size).expect("alloc"),
+                            ));
+                        }
+                    });
+                }
+            });
+            let secs = t0.elapsed().as_secs_f64();
+            println!(
+                "pinpool mt_Mpairs_per_s same_class={same} threads={threads} {:.2}",
+                (threads as u64 * k) as f64 / secs / 1e6
+            );
+        }
+    }
+}
+
+/// The async path: `alloc().await` of a cached size inside a tokio task.
+fn async_pair<R: Runtime>(pool: &PinnedAllocator<R>, rt: &tokio::runtime::Runtime, quick: bool) {
+    let n: u64 = if quick { 200_000 } else { 2_000_000 };
+    let size = 1usize << 20;
+    let pool = pool.clone();
+    let ns = rt.block_on(async move {
+        tokio::spawn(async move {
+            drop(pool.alloc(size).await.expect("warm"));
+            let t0 = Instant::now();
+            for _ in 0..n {
+                drop(std::hint::black_box(pool.alloc(size).await.expect("alloc")));
+            }
+            ns_per(t0, n)
+        })
+        .await
+        .expect("task")
+    });
+    println!("pinpool async_pair_ns size={size} {ns:.1}");
+}
+
+/// CPU time of the whole process (user + system), from /proc/self/stat.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // USER_HZ is 100 on every Linux this runs on.
+    Some(Duration::from_millis(ticks * 10))
+}
+
+/// Process CPU while the allocator sits idle for `secs`, in percent of one core.
+fn idle_cpu_pct(secs: f64) -> Option<f64> {
+    let c0 = process_cpu()?;
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let c1 = process_cpu()?;
+    Some(100.0 * (c1 - c0).as_secs_f64() / t0.elapsed().as_secs_f64())
+}
+
+#[cfg(feature = "cuda")]
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn run_sim(args: &Args) {
+    let rt = tokio_runtime();
+    let sim = Arc::new(pinpool::sim::SimRuntime::new());
+    let pool = rt
+        .block_on(async { pinpool::Builder::new(sim.clone()).build() })
+        .expect("allocator");
+    pair_ns(&pool, args.quick, args.repeat);
+    let stream = sim.stream();
+    pair_with_record(&pool, &stream, args.quick);
+    mt(&pool, args.quick);
+    async_pair(&pool, &rt, args.quick);
+    // Idle with nothing pending, then with a block waiting on a stream that never finishes.
+    if let Some(p) = idle_cpu_pct(1.0) {
+        println!("pinpool poller_idle_cpu_pct pending=0 {p:.2}");
+    }
+    let held = sim.stream();
+    let hold = held.hold();
+    for _ in 0..3 {
+        let mut b = pool.alloc_blocking(4096).expect("alloc");
+        b.record_stream(&held);
+    }
+    if let Some(p) = idle_cpu_pct(1.0) {
+        println!("pinpool poller_idle_cpu_pct pending=1 {p:.2}");
+    }
+    hold.release();
+    drop(pool);
+    rt.shutdown_timeout(Duration::from_secs(5));
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use cudarc::driver::{result, sys};
+    use pinpool::config::{Config, PinStrategy};
+    use pinpool::cuda::CudaRuntime;
+
+    pub(super) fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+        let rt = tokio_runtime();
+        let cuda = Arc::new(CudaRuntime::with_config(0, Config::default())?);
+        let pool = rt.block_on(async { pinpool::Builder::new(cuda.clone()).build() })?;
+        let stream = cuda.context().new_stream()?;
+
+        pair_ns(&pool, args.quick, args.repeat);
+        pair_with_record(&pool, &stream, args.quick);
+        mt(&pool, args.quick);
+        fresh(&rt)?;
+        async_pair(&pool, &rt, args.quick);
+        h2d(&pool, &cuda, &stream)?;
+        event_latency(&pool, &cuda, &stream, args.quick)?;
+        if let Some(p) = idle_cpu_pct(2.0) {
+            println!("pinpool poller_idle_cpu_pct pending=0 {p:.2}");
+        }
+        drop(pool);
+        rt.shutdown_timeout(Duration::from_secs(5));
+        Ok(())
+    }
+
+    /// Fresh memory: `register`, transparent huge pages, pre-faulting on 16 threads.
+    fn fresh(rt: &tokio::runtime::Runtime) -> Result<(), Box<dyn std::error::Error>> {
+        let config = Config::default()
+            .with_pin_method(PinStrategy::Register)
+            .with_huge_pages(true)
+            .with_prefault_threads(16);
+        let cuda = Arc::new(CudaRuntime::with_config(0, config)?);
+        let pool = rt.block_on(async { pinpool::Builder::new(cuda).build() })?;
+        for mb in [16usize, 256, 1024] {
+            pool.empty_cache_blocking()?;
+            let t0 = Instant::now();
+            drop(pool.alloc_blocking(mb << 20)?);
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            println!("pinpool fresh_alloc_ms size_mb={mb} {ms:.2}");
+        }
+        pool.empty_cache_blocking()?;
+        pool.reset_peak_stats();
+        drop(pool.alloc_blocking((1 << 30) + 1)?);
+        let peak = pool.stats().allocated_bytes.peak as f64 / 1048576.0;
+        println!("pinpool reserved_MiB_for_request_MiB request=1025 {peak:.0}");
+        pool.empty_cache_blocking()?;
+        Ok(())
+    }
+
+    /// Host→device bandwidth from a pinpool buffer and from a plain `cuMemHostAlloc` buffer.
+    fn h2d(
+        pool: &PinnedAllocator<CudaRuntime>,
+        cuda: &Arc<CudaRuntime>,
+        stream: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let bytes = 256usize << 20;
+        let reps = 10;
+        cuda.context().bind_to_thread()?;
+        // SAFETY: a plain device allocation of `bytes`, freed below.
+        let dev = unsafe { result::malloc_sync(bytes) }?;
+        let time = |src: &[u8]| -> Result<f64, Box<dyn std::error::Error>> {
+            // SAFETY: `dev` holds `bytes` bytes, `src` is `bytes` pinned bytes that outlive
+            // the copies (the stream is synchronized before returning).
+            unsafe { result::memcpy_htod_async(dev, src, stream.cu_stream()) }?;
+            stream.synchronize()?;
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                // SAFETY: as above.
+                unsafe { result::memcpy_htod_async(dev, src, stream.cu_stream()) }?;
+            }
+            stream.synchronize()?;
+            Ok((bytes * reps) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+        };
+        let mut buf = pool.alloc_blocking(bytes)?;
+        buf.fill(1);
+        buf.record_stream(stream);
+        let ours = time(&buf[..])?;
+        drop(buf);
+        let plain = cuda.host_alloc_with(bytes, PinStrategy::HostAlloc)?;
+        // SAFETY: `plain` is `bytes` bytes of pinned memory we own until the free below.
+        let plain_slice = unsafe { std::slice::from_raw_parts_mut(plain.ptr.as_ptr(), bytes) };
+        plain_slice.fill(1);
+        let theirs = time(plain_slice)?;
+        cuda.host_free(plain)?;
+        // SAFETY: `dev` came from `malloc_sync` and every copy into it has finished.
+        unsafe { result::free_sync(dev) }?;
+        println!("pinpool h2d_GBps source=pinpool {ours:.2}");
+        println!("pinpool h2d_GBps source=plain_pinned {theirs:.2}");
+        println!(
+            "pinpool h2d_ratio_pct pinpool_over_plain {:.1}",
+            100.0 * ours / theirs
+        );
+        Ok(())
+    }
+
+    /// From an event's completion to the block being handed out again, p50 and p99: the
+    /// buffer is used by a copy of about 300 µs, freed, and the moment the copy's completion
+    /// is seen (by spinning on a marker event recorded right after it) a request of the same
+    /// class is made, on the freeing thread, or on another thread that spins on the marker.
+    fn event_latency(
+        pool: &PinnedAllocator<CudaRuntime>,
+        cuda: &Arc<CudaRuntime>,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        quick: bool,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let n = if quick { 50 } else { 400 };
+        let size = 16usize << 20;
+        cuda.context().bind_to_thread()?;
+        // SAFETY: a plain device allocation of `size`, freed below.
+        let dev = unsafe { result::malloc_sync(size) }?;
+        let marker = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+        struct Marker(sys::CUevent);
+        // SAFETY: an event handle may be queried from any thread.
+        unsafe impl Sync for Marker {}
+        let marker_ref = &Marker(marker);
+        // One iteration: use, free, mark; returns once the marker is recorded.
+        let step = || -> Result<(), Box<dyn std::error::Error>> {
+            let mut buf = pool.alloc_blocking(size)?;
+            buf.record_stream(stream);
+            // SAFETY: `dev` holds `size` bytes; the buffer outlives the copy because its
+            // free records an event after it, and reuse waits for that event.
+            unsafe { result::memcpy_htod_async(dev, &buf[..], stream.cu_stream()) }?;
+            drop(buf);
+            // SAFETY: `marker` and the stream are live.
+            unsafe { result::event::record(marker, stream.cu_stream()) }?;
+            Ok(())
+        };
+        let spin = |m: &Marker| {
+            // SAFETY: the marker is live until the end of this function.
+            while unsafe { result::event::query(m.0) }.is_err() {
+                std::hint::spin_loop();
+            }
+        };
+        for other_thread in [false, true] {
+            let mut lat = Vec::with_capacity(n);
+            let fresh0 = pool.stats().num_host_alloc;
+            if !other_thread {
+                for _ in 0..n {
+                    step()?;
+                    spin(marker_ref);
+                    let t0 = Instant::now();
+                    let again = pool.alloc_blocking(size)?;
+                    lat.push(t0.elapsed().as_secs_f64() * 1e6);
+                    drop(again);
+                }
+            } else {
+                let go = AtomicUsize::new(0);
+                let done = AtomicUsize::new(0);
+                let helper = std::thread::scope(|s| {
+                    let h = s.spawn(|| -> Result<Vec<f64>, pinpool::Error> {
+                        let mut lat = Vec::with_capacity(n);
+                        for i in 1..=n {
+                            while go.load(SeqCst) < i {
+                                std::hint::spin_loop();
+                            }
+                            spin(marker_ref);
+                            let t0 = Instant::now();
+                            let again = pool.alloc_blocking(size)?;
+                            lat.push(t0.elapsed().as_secs_f64() * 1e6);
+                            drop(again);
+                            done.store(i, SeqCst);
+                        }
+                        Ok(lat)
+                    });
+                    let mut err = None;
+                    for i in 1..=n {
+                        if let Err(e) = step() {
+                            err = Some(e.to_string());
+                        }
+                        go.store(i, SeqCst);
+                        while done.load(SeqCst) < i && !h.is_finished() {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    (h.join(), err)
+                });
+                match helper {
+                    (Ok(Ok(l)), None) => lat = l,
+                    (_, Some(e)) => return Err(e.into()),
+                    (Ok(Err(e)), _) => return Err(e.into()),
+                    (Err(_), _) => return Err("helper thread panicked".into()),
+                }
+            }
+            let who = if other_thread { "other" } else { "same" };
+            eprintln!(
+                "  ({who} thread: fresh allocations during {n} rounds: {})",
+                pool.stats().num_host_alloc - fresh0
+            );
+            println!(
+                "pinpool event_to_reusable_us thread={who} p50 {:.2}",
+                percentile(&mut lat, 0.5)
+            );
+            println!(
+                "pinpool event_to_reusable_us thread={who} p99 {:.2}",
+                percentile(&mut lat, 0.99)
+            );
+        }
+        // SAFETY: the marker is no longer recorded anywhere; `dev` is idle after the sync.
+        stream.synchronize()?;
+        unsafe {
+            result::event::destroy(marker)?;
+            result::free_sync(dev)?;
+        }
+        Ok(())
+    }
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    match args.runtime.as_str() {
+        "sim" => run_sim(&args),
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            if let Err(e) = gpu::run(&args) {
+                eprintln!("gpu_bench: {e}");
+                std::process::exit(1);
+            }
+        }
+        other => {
+            eprintln!("runtime {other:?} is not available in this build (sim, or cuda with --features cuda)");
+            std::process::exit(2);
+        }
+    }
+}
