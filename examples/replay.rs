@@ -23,15 +23,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use pinpool::trace::{Trace, TraceError, TraceEvent};
-use pinpool::{BestFit, PinnedAllocator, PinnedBuffer, PowerOfTwo, SizePolicy};
+use pinpool::{BestFit, PinnedAllocator, PinnedBuffer, PowerOfTwo, SizePolicy, TieredPowerOfTwo};
 
 /// The policies the tool knows, by name.
-pub const POLICIES: &[&str] = &["pow2", "bestfit"];
+pub const POLICIES: &[&str] = &["pow2", "tiered", "bestfit"];
 
 /// The policy called `name`.
 pub fn policy(name: &str) -> Option<Arc<dyn SizePolicy>> {
     match name {
         "pow2" => Some(Arc::new(PowerOfTwo)),
+        "tiered" => Some(Arc::new(TieredPowerOfTwo::default())),
         "bestfit" => Some(Arc::new(BestFit::default())),
         _ => None,
     }

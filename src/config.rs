@@ -33,8 +33,12 @@ pub enum PinStrategy {
 /// Which size policy an allocator built with [`crate::Builder::config`] uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum SizePolicyChoice {
-    /// Round up to a power of two, one free list per power of two ([`crate::PowerOfTwo`]).
+    /// Powers of two up to 512 MiB, sixteenths of a power of two above
+    /// ([`crate::TieredPowerOfTwo`]).
     #[default]
+    Tiered,
+    /// Round up to a power of two, one free list per power of two, as PyTorch
+    /// ([`crate::PowerOfTwo`]).
     Pow2,
     /// Fine size classes carved out of shared segments ([`crate::BestFit`]).
     BestFit,
@@ -44,6 +48,7 @@ impl SizePolicyChoice {
     /// The value as written in `PINPOOL_CONF` (the policy's name).
     pub fn as_str(self) -> &'static str {
         match self {
+            SizePolicyChoice::Tiered => "tiered",
             SizePolicyChoice::Pow2 => "pow2",
             SizePolicyChoice::BestFit => "bestfit",
         }
@@ -52,6 +57,7 @@ impl SizePolicyChoice {
     /// The policy itself.
     pub fn policy(self) -> std::sync::Arc<dyn crate::SizePolicy> {
         match self {
+            SizePolicyChoice::Tiered => std::sync::Arc::new(crate::TieredPowerOfTwo::default()),
             SizePolicyChoice::Pow2 => std::sync::Arc::new(crate::PowerOfTwo),
             SizePolicyChoice::BestFit => std::sync::Arc::new(crate::BestFit::default()),
         }
@@ -114,7 +120,7 @@ pub struct Config {
     /// Whether `register` allocations ask for transparent huge pages and round sizes to the
     /// huge page size (key `huge_pages`: `true`/`false`, also `1`/`0`, `on`/`off`, `yes`/`no`).
     pub huge_pages: bool,
-    /// The size policy (key `size_policy`: `pow2` or `bestfit`), applied by
+    /// The size policy (key `size_policy`: `tiered`, `pow2` or `bestfit`), applied by
     /// [`crate::Builder::config`].
     pub size_policy: SizePolicyChoice,
 }
@@ -242,9 +248,10 @@ impl Config {
             }
             "size_policy" => {
                 self.size_policy = match value {
+                    "tiered" => SizePolicyChoice::Tiered,
                     "pow2" => SizePolicyChoice::Pow2,
                     "bestfit" => SizePolicyChoice::BestFit,
-                    _ => return Err(invalid("`pow2` or `bestfit`")),
+                    _ => return Err(invalid("`tiered`, `pow2` or `bestfit`")),
                 }
             }
             // `parse` checks keys against `KEYS` first; a key listed there but not handled
@@ -566,7 +573,7 @@ mod size_policy_tests {
 
     #[test]
     fn size_policy_parses_pow2_and_bestfit_and_round_trips() {
-        assert_eq!(Config::default().size_policy, SizePolicyChoice::Pow2);
+        assert_eq!(Config::default().size_policy, SizePolicyChoice::Tiered);
         let c = Config::parse("size_policy: bestfit").unwrap();
         assert_eq!(c.size_policy, SizePolicyChoice::BestFit);
         assert_eq!(c.size_policy.policy().name(), "bestfit");

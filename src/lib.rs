@@ -45,6 +45,6 @@ pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
     DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, MemorySnapshot, PinMethod,
     PoolId, PowerOfTwo, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat,
-    StreamFilter, StreamId,
+    StreamFilter, StreamId, TieredPowerOfTwo,
 };
 pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

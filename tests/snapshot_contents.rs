@@ -69,7 +69,7 @@ async fn a_snapshot_shows_each_block_state() {
     assert_eq!(b.address, kept_ptr);
     assert_eq!(seg.pool, id.0);
 
-    assert_eq!(snap.config.policy, "pow2");
+    assert_eq!(snap.config.policy, "tiered");
     assert_eq!(snap.config.runtime, "sim");
     assert_eq!(snap.config.max_bytes, None);
     assert!(snap.config.shards.is_power_of_two());

@@ -16,7 +16,7 @@ use flume::Sender;
 use crate::error::Error;
 use crate::lease::Lease;
 use crate::limit::{miss_async, miss_blocking, Budget, Wait};
-use crate::policy::{PowerOfTwo, SizeClass, SizePolicy};
+use crate::policy::{SizeClass, SizePolicy, TieredPowerOfTwo};
 use crate::poller::{start_poller, PollerMsg};
 use crate::pool::{start_pool, EmptyReport, Inventory, PoolMsg, PoolShared, PoolSpec, Reply};
 use crate::pool_id::PoolId;
@@ -42,7 +42,7 @@ impl<R: Runtime> EngineBuilder<R> {
     pub fn new(runtime: Arc<R>) -> Self {
         Self {
             runtime,
-            policy: Arc::new(PowerOfTwo),
+            policy: Arc::new(TieredPowerOfTwo::default()),
             handle: None,
             shards: None,
             max_bytes: None,
@@ -65,7 +65,7 @@ impl<R: Runtime> EngineBuilder<R> {
         self
     }
 
-    /// The size policy (default: [`PowerOfTwo`]).
+    /// The size policy (default: [`TieredPowerOfTwo`]).
     pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
         self.policy = policy;
         self

@@ -37,7 +37,9 @@ pub use error::Error;
 pub use history::{History, HistoryContext, TraceAction, TraceEntry};
 pub use lease::Lease;
 pub use observe::{OomObserver, OomReport, TraceTracker};
-pub use policy::{BestFit, BlockLayout, Carving, PowerOfTwo, SizeClass, SizePolicy};
+pub use policy::{
+    BestFit, BlockLayout, Carving, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
+};
 pub use pool::{EmptyReport, Inventory};
 pub use pool_id::PoolId;
 pub use router::StreamFilter;

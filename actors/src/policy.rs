@@ -154,6 +154,88 @@ impl SizePolicy for BestFit {
     }
 }
 
+/// The default: PyTorch's powers of two up to a threshold (512 MiB by default), and above it
+/// sixteen classes per power of two, so that a large request is rounded up by at most 6.25%
+/// instead of up to 100% (PyTorch's `pinned_max_round_threshold_mb` knob, made the default).
+/// Requests up to the threshold behave exactly as under [`PowerOfTwo`].
+///
+/// ```
+/// use pinpool_actors::{SizePolicy, TieredPowerOfTwo};
+/// let p = TieredPowerOfTwo::default();
+/// assert_eq!(p.class_of(3000).unwrap().size, 4096);
+/// assert_eq!(p.class_of(300 << 20).unwrap().size, 512 << 20);
+/// // A 1025 MiB request reserves 1088 MiB, not 2 GiB.
+/// assert_eq!(p.class_of(1025 << 20).unwrap().size, 1088 << 20);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TieredPowerOfTwo {
+    threshold_log2: u32,
+}
+
+/// The largest request [`TieredPowerOfTwo`] accepts: 1 TiB.
+const TIERED_MAX_LOG2: u32 = 40;
+
+impl Default for TieredPowerOfTwo {
+    fn default() -> Self {
+        Self { threshold_log2: 29 }
+    }
+}
+
+impl TieredPowerOfTwo {
+    /// Powers of two up to `threshold` (rounded up to a power of two, at least 64 KiB, at
+    /// most 512 GiB), sixteenths of a power of two above it.
+    pub fn with_threshold(threshold: usize) -> Self {
+        let log2 = threshold.max(1).next_power_of_two().trailing_zeros();
+        Self {
+            threshold_log2: log2.clamp(16, TIERED_MAX_LOG2 - 1),
+        }
+    }
+
+    /// Requests up to this size are rounded to a power of two.
+    pub fn threshold(&self) -> usize {
+        1 << self.threshold_log2
+    }
+}
+
+impl SizePolicy for TieredPowerOfTwo {
+    fn name(&self) -> &'static str {
+        "tiered"
+    }
+
+    fn num_classes(&self) -> usize {
+        (self.threshold_log2 as usize + 1)
+            + (1 << STEPS_LOG2) * (TIERED_MAX_LOG2 - self.threshold_log2) as usize
+    }
+
+    #[inline]
+    fn class_of(&self, size: usize) -> Option<SizeClass> {
+        if size == 0 || size > self.max_request() {
+            return None;
+        }
+        if size <= self.threshold() {
+            let rounded = size.next_power_of_two();
+            return Some(SizeClass {
+                index: rounded.trailing_zeros() as usize,
+                size: rounded,
+            });
+        }
+        // size in (2^k, 2^(k+1)], k >= threshold_log2: 16 steps of 2^(k-4).
+        let k = usize::BITS - 1 - (size - 1).leading_zeros();
+        let step_log2 = k - STEPS_LOG2;
+        let m = (size - 1) >> step_log2; // in 16..=31
+        Some(SizeClass {
+            index: (self.threshold_log2 as usize + 1)
+                + (1 << STEPS_LOG2) * (k - self.threshold_log2) as usize
+                + (m - (1 << STEPS_LOG2)),
+            size: (m + 1) << step_log2,
+        })
+    }
+
+    fn max_request(&self) -> usize {
+        1usize << TIERED_MAX_LOG2
+    }
+}
+
 /// PyTorch's policy: round up to a power of two; one class per power of two.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PowerOfTwo;
@@ -190,6 +272,41 @@ impl SizePolicy for PowerOfTwo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tiered_classes_are_pow2_below_the_threshold_and_within_a_sixteenth_above() {
+        let p = TieredPowerOfTwo::default();
+        let t = p.threshold();
+        assert_eq!(t, 512 << 20);
+        for size in [1usize, 3, 4096, 5000, 1 << 20, 300 << 20, t - 1, t] {
+            assert_eq!(p.class_of(size), PowerOfTwo.class_of(size), "size {size}");
+        }
+        let mut last = p.class_of(t).unwrap();
+        let mut size = t + 1;
+        while size <= p.max_request() {
+            let c = p.class_of(size).unwrap();
+            assert!(c.size >= size, "a block is never smaller than its request");
+            assert!(
+                c.size - size <= size / 16,
+                "at most 6.25% rounding at {size}"
+            );
+            assert!(c.index < p.num_classes());
+            assert!(c.index >= last.index && c.size >= last.size);
+            if c.index == last.index {
+                assert_eq!(c.size, last.size, "one size per class");
+            }
+            last = c;
+            size = size + size / 7 + 1;
+        }
+        assert_eq!(
+            p.class_of(p.max_request()).unwrap().index,
+            p.num_classes() - 1
+        );
+        assert_eq!(p.class_of(p.max_request() + 1), None);
+        assert_eq!(p.class_of(1025 << 20).unwrap().size, 1088 << 20);
+        let small = TieredPowerOfTwo::with_threshold(1 << 20);
+        assert_eq!(small.class_of((1 << 20) + 1).unwrap().size, (17 << 20) / 16);
+    }
 
     #[test]
     fn best_fit_classes_are_contiguous_monotonic_and_never_below_the_request() {
