@@ -125,30 +125,37 @@ fn mt<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
     for same in [0, 1] {
         for threads in [1usize, 2, 4, 8, 16] {
             let ready = std::sync::atomic::AtomicUsize::new(0);
-            let t0 = Instant::now();
-            std::thread::scope(|s| {
-                for t in 0..threads {
-                    let ready = &ready;
-                    s.spawn(move || {
-                        let size = if same == 1 {
-                            1 << 16
-                        } else {
-                            4096usize << (t % 12)
-                        };
-                        drop(pool.alloc_blocking(size).expect("warm"));
-                        ready.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        while ready.load(std::sync::atomic::Ordering::SeqCst) < threads {
-                            std::hint::spin_loop();
-                        }
-                        for _ in 0..k {
-                            drop(std::hint::black_box(
-                                pool.alloc_blocking(size).expect("alloc"),
-                            ));
-                        }
-                    });
+            // As the anchor does: the clock starts once every thread is spawned, and runs
+            // until they are all joined.
+            let secs = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..threads)
+                    .map(|t| {
+                        let ready = &ready;
+                        s.spawn(move || {
+                            let size = if same == 1 {
+                                1 << 16
+                            } else {
+                                4096usize << (t % 12)
+                            };
+                            drop(pool.alloc_blocking(size).expect("warm"));
+                            ready.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            while ready.load(std::sync::atomic::Ordering::SeqCst) < threads {
+                                std::hint::spin_loop();
+                            }
+                            for _ in 0..k {
+                                drop(std::hint::black_box(
+                                    pool.alloc_blocking(size).expect("alloc"),
+                                ));
+                            }
+                        })
+                    })
+                    .collect();
+                let t0 = Instant::now();
+                for h in handles {
+                    h.join().expect("benchmark thread");
                 }
+                t0.elapsed().as_secs_f64()
             });
-            let secs = t0.elapsed().as_secs_f64();
             println!(
                 "pinpool mt_Mpairs_per_s same_class={same} threads={threads} {:.2}",
                 (threads as u64 * k) as f64 / secs / 1e6

@@ -42,6 +42,9 @@ impl<E> Events<E> {
 // which is exclusive, so concurrent `&` access from several threads touches nothing.
 unsafe impl<E: Send> Sync for Events<E> {}
 
+// Blocks are made one after another by the pool actor and then written by the threads that
+// hold them: each gets cache lines of its own so that two threads' blocks never share one.
+#[repr(align(128))]
 pub(crate) struct Block<R: Runtime> {
     /// The pinned memory: a whole host allocation, or a range of `segment`.
     pub(crate) memory: HostMemory,

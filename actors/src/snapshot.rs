@@ -30,8 +30,10 @@ use crate::runtime::{Runtime, StreamId};
 /// How many recorded streams a block's record remembers.
 const STREAMS_KEPT: usize = 4;
 
-/// What a block's holder writes for snapshots.
+/// What a block's holder writes for snapshots (on cache lines of its own: records of blocks
+/// held by different threads are made one after another).
 #[derive(Debug, Default)]
+#[repr(align(128))]
 pub(crate) struct BlockMeta {
     requested: AtomicUsize,
     nstreams: AtomicUsize,
