@@ -306,7 +306,8 @@ impl<R: Runtime> ReadyQueues<R> {
         }
     }
 
-    fn unpark_drain(&self) -> Vec<Box<Block<R>>> {
+    /// Takes every parked block out of its slot (events not looked at).
+    pub(crate) fn unpark_drain(&self) -> Vec<Box<Block<R>>> {
         self.parked
             .shards
             .iter()

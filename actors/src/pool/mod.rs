@@ -321,6 +321,16 @@ impl<R: Runtime> Drop for PoolActor<R> {
                 _ => {} // replies dropped: their callers get `Error::Shutdown`
             }
         }
+        // So would parked blocks, should the poller that watches them be gone too: those
+        // whose events have completed are freed, the others kept (leaked below).
+        for mut b in self.shared.ready.unpark_drain() {
+            if b.events_completed() {
+                b.leave_waiting();
+                homeless.push(b);
+            } else {
+                self.kept.push(b);
+            }
+        }
         for b in homeless {
             if let Err(mut b) = self.shared.free_block_now(b) {
                 b.freed = true;
