@@ -425,9 +425,7 @@ impl<R: Runtime> Engine<R> {
             .recv_async()
             .await
             .map_err(|_| Error::Shutdown)?;
-        report.freed_blocks += released.freed_blocks;
-        report.freed_bytes += released.freed_bytes;
-        report.reserved_after += released.reserved_after;
+        report.merge(&released);
         Ok(report)
     }
 
@@ -443,9 +441,7 @@ impl<R: Runtime> Engine<R> {
             .call_router(|reply| RouterMsg::EmptyReleased { reply })?
             .recv()
             .map_err(|_| Error::Shutdown)?;
-        report.freed_blocks += released.freed_blocks;
-        report.freed_bytes += released.freed_bytes;
-        report.reserved_after += released.reserved_after;
+        report.merge(&released);
         Ok(report)
     }
 

@@ -23,7 +23,7 @@ use arc_swap::ArcSwap;
 use crate::block::Block;
 use crate::error::Error;
 use crate::policy::SizeClass;
-use crate::pool::{PoolMsg, PoolShared, DIVERT_PRESSURE};
+use crate::pool::{EmptyReport, PoolMsg, PoolShared, DIVERT_PRESSURE};
 use crate::runtime::Runtime;
 
 /// The cap value that means "no limit".
@@ -281,32 +281,35 @@ fn timed_out<R: Runtime>(pool: &PoolShared<R>, requested: usize, timeout: Durati
     Error::Timeout { requested, timeout }
 }
 
-/// Counts an empty-and-retry, and empties every pool's cache.
-async fn make_room<R: Runtime>(pool: &PoolShared<R>) {
+/// Counts an empty-and-retry, and asks every pool of the allocator to empty its cache;
+/// returns the replies to wait for.
+fn ask_all_to_empty<R: Runtime>(pool: &PoolShared<R>) -> Vec<flume::Receiver<EmptyReport>> {
     pool.stats.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
-    for p in pool.budget.pools() {
-        let (tx, rx) = flume::bounded(1);
-        let msg = PoolMsg::EmptyCache {
-            include_kept: false,
-            reply: tx,
-        };
-        if p.mailbox.send(msg).is_ok() {
-            let _ = rx.recv_async().await;
-        }
+    pool.budget
+        .pools()
+        .iter()
+        .filter_map(|p| {
+            let (tx, rx) = flume::bounded(1);
+            let msg = PoolMsg::EmptyCache {
+                include_kept: false,
+                reply: tx,
+            };
+            p.mailbox.send(msg).is_ok().then_some(rx)
+        })
+        .collect()
+}
+
+/// Empties every pool's cache and waits for them all, from a task.
+async fn make_room<R: Runtime>(pool: &PoolShared<R>) {
+    for rx in ask_all_to_empty(pool) {
+        let _ = rx.recv_async().await;
     }
 }
 
+/// [`make_room`] for plain threads.
 fn make_room_blocking<R: Runtime>(pool: &PoolShared<R>) {
-    pool.stats.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
-    for p in pool.budget.pools() {
-        let (tx, rx) = flume::bounded(1);
-        let msg = PoolMsg::EmptyCache {
-            include_kept: false,
-            reply: tx,
-        };
-        if p.mailbox.send(msg).is_ok() {
-            let _ = rx.recv();
-        }
+    for rx in ask_all_to_empty(pool) {
+        let _ = rx.recv();
     }
 }
 

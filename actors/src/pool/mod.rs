@@ -83,6 +83,15 @@ pub struct EmptyReport {
     pub reserved_after: usize,
 }
 
+impl EmptyReport {
+    /// Adds another pool's report into this one.
+    pub fn merge(&mut self, other: &EmptyReport) {
+        self.freed_blocks += other.freed_blocks;
+        self.freed_bytes += other.freed_bytes;
+        self.reserved_after += other.reserved_after;
+    }
+}
+
 /// Where a pool's reserved bytes are, at one moment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Inventory {
