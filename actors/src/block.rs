@@ -155,7 +155,7 @@ impl<R: Runtime> Block<R> {
             // pool until its next call, so the pool outlives this function even once the
             // block (and the reference it carries) is parked and taken by another thread.
             let pool = unsafe { &*pool };
-            if pool.divert.load(Ordering::Acquire) != 0 || self.size > pool.max_cached_size {
+            if pool.divert.load(Ordering::Acquire) != 0 || pool.wants_home(&self) {
                 // A closing pool, or one whose requests wait for room, wants blocks back
                 // through its actor, and so does every block too large to cache: go straight
                 // to the poller, which sends them home when their events complete.
@@ -284,7 +284,7 @@ impl<R: Runtime> Block<R> {
 
 /// Puts a block that is ready for reuse back where requests find it: its pool's ready
 /// queue, or its pool actor once the pool is closing or requests wait for room, or when the
-/// block is too large to cache.
+/// block is too large to cache or a large piece of a segment.
 #[inline]
 pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     keepalive::ensure(&block.pool);
@@ -293,7 +293,7 @@ pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     // its next call, so the pool outlives this function even after the block (and the
     // reference it carries) has moved into a queue and been taken by another thread.
     let pool = unsafe { &*pool };
-    if pool.divert.load(Ordering::Acquire) != 0 || block.size > pool.max_cached_size {
+    if pool.divert.load(Ordering::Acquire) != 0 || pool.wants_home(&block) {
         block.state = BlockState::InUse;
         if let Err(flume::SendError(PoolMsg::Home(b))) = pool.mailbox.send(PoolMsg::Home(block)) {
             b.orphaned();

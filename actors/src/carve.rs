@@ -1,8 +1,13 @@
 //! Carving: which byte ranges of a pool's segments (host allocations) are free, and how a
 //! request is cut out of them. A pure data structure, no memory and no actors: offsets only.
 //!
-//! Owns, per segment, its free ranges, and across segments an index of free ranges by size
-//! for best fit. It keeps these rules, which the pool relies on:
+//! Owns, per segment, its free ranges, and across segments two indexes for best fit: the free
+//! ranges of segments that lend at least one piece ("open" segments), and the segments that
+//! are wholly free. A request is cut from the best-fitting range of an open segment first,
+//! and only then from the smallest wholly free segment that holds it, if the caller allows
+//! that segment to be split (a small block cut out of a large free segment can pin it long
+//! after the large requests it was made for come back). It keeps these rules, which the pool
+//! relies on:
 //! - a piece lies inside one segment, never across two (a copy from pinned memory must lie
 //!   in one pinned range);
 //! - a piece is never smaller than the request (sizes are rounded up to [`ALIGN`] first);
@@ -44,14 +49,21 @@ struct Segment<T> {
     free: BTreeMap<usize, usize>,
     /// Pieces lent out.
     lent: usize,
+    /// When a piece was last cut out of it (the carver's clock).
+    last_used: u64,
     payload: T,
 }
 
 /// The free ranges of a set of segments, each carrying a payload `T` (the pinned memory).
 pub(crate) struct Carver<T> {
     segments: BTreeMap<SegId, Segment<T>>,
-    /// Every free range as (length, segment, offset): best fit is the first at or above a size.
-    by_size: BTreeSet<(usize, SegId, usize)>,
+    /// Free ranges of segments that lend a piece, as (length, segment, offset): best fit is
+    /// the first at or above a size.
+    open: BTreeSet<(usize, SegId, usize)>,
+    /// Wholly free segments (one free range each, at offset 0), as (size, segment).
+    idle: BTreeSet<(usize, SegId)>,
+    /// Counts the pieces cut, to tell which segment was used least recently.
+    clock: u64,
     next: u64,
     free_bytes: usize,
     reserved: usize,
@@ -74,7 +86,9 @@ impl<T> Carver<T> {
     pub(crate) fn new() -> Self {
         Self {
             segments: BTreeMap::new(),
-            by_size: BTreeSet::new(),
+            open: BTreeSet::new(),
+            idle: BTreeSet::new(),
+            clock: 0,
             next: 0,
             free_bytes: 0,
             reserved: 0,
@@ -102,7 +116,7 @@ impl<T> Carver<T> {
         let mut free = BTreeMap::new();
         if size > 0 {
             free.insert(0, size);
-            self.by_size.insert((size, id, 0));
+            self.idle.insert((size, id));
         }
         self.segments.insert(
             id,
@@ -110,6 +124,7 @@ impl<T> Carver<T> {
                 size,
                 free,
                 lent: 0,
+                last_used: self.clock,
                 payload,
             },
         );
@@ -120,43 +135,52 @@ impl<T> Carver<T> {
 
     /// Cuts a piece of at least `size` bytes out of the smallest free range that holds it,
     /// or `None` when no free range does.
+    #[cfg(test)]
     pub(crate) fn carve(&mut self, size: usize) -> Option<Piece> {
+        self.place(size, |_| true)
+    }
+
+    /// Cuts a piece of at least `size` bytes: out of the smallest free range of an open
+    /// segment that holds it, else out of the smallest wholly free segment that holds it if
+    /// `split_ok(segment size)` allows; `None` otherwise.
+    pub(crate) fn place(
+        &mut self,
+        size: usize,
+        split_ok: impl FnOnce(usize) -> bool,
+    ) -> Option<Piece> {
         let want = align_up(size.max(1))?;
-        let &(len, seg, offset) = self.by_size.range((want, SegId(0), 0)..).next()?;
-        self.by_size.remove(&(len, seg, offset));
+        if let Some(&(len, seg, offset)) = self.open.range((want, SegId(0), 0)..).next() {
+            self.open.remove(&(len, seg, offset));
+            return self.cut(seg, offset, len, want);
+        }
+        let &(len, seg) = self.idle.range((want, SegId(0))..).next()?;
+        if !split_ok(len) {
+            return None;
+        }
+        self.idle.remove(&(len, seg));
+        self.cut(seg, 0, len, want)
+    }
+
+    /// Lends `want` bytes at the start of the free range (`offset`, `len`) of `seg`, already
+    /// taken out of the indexes; the rest stays free.
+    fn cut(&mut self, seg: SegId, offset: usize, len: usize, want: usize) -> Option<Piece> {
         let s = self.segments.get_mut(&seg)?;
         s.free.remove(&offset);
         let rest = len - want;
         if rest > 0 {
             s.free.insert(offset + want, rest);
-            self.by_size.insert((rest, seg, offset + want));
+            self.open.insert((rest, seg, offset + want));
         }
-        let taken = want;
         s.lent += 1;
-        self.free_bytes -= taken;
+        self.clock += 1;
+        s.last_used = self.clock;
+        self.free_bytes -= want;
         self.lent_pieces += 1;
         Some(Piece {
             seg,
             offset,
-            len: taken,
+            len: want,
         })
-    }
-
-    /// Hands out a whole free range of at least `size` bytes and less than `size + max_waste`
-    /// (the smallest such), without splitting it; `None` when there is none.
-    pub(crate) fn take_whole(&mut self, size: usize, max_waste: usize) -> Option<Piece> {
-        let want = align_up(size.max(1))?;
-        let &(len, seg, offset) = self.by_size.range((want, SegId(0), 0)..).next()?;
-        if len - want >= max_waste.max(ALIGN) {
-            return None;
-        }
-        self.by_size.remove(&(len, seg, offset));
-        let s = self.segments.get_mut(&seg)?;
-        s.free.remove(&offset);
-        s.lent += 1;
-        self.free_bytes -= len;
-        self.lent_pieces += 1;
-        Some(Piece { seg, offset, len })
     }
 
     /// Takes back a lent piece and merges it with free neighbours. Returns whether its
@@ -186,18 +210,23 @@ impl<T> Carver<T> {
         let (mut start, mut len) = (piece.offset, piece.len);
         if let Some((o, l)) = before.filter(|(o, l)| o + l == piece.offset) {
             s.free.remove(&o);
-            self.by_size.remove(&(l, piece.seg, o));
+            self.open.remove(&(l, piece.seg, o));
             start = o;
             len += l;
         }
         if let Some((o, l)) = after.filter(|(o, _)| *o == end) {
             s.free.remove(&o);
-            self.by_size.remove(&(l, piece.seg, o));
+            self.open.remove(&(l, piece.seg, o));
             len += l;
         }
         s.free.insert(start, len);
-        self.by_size.insert((len, piece.seg, start));
         s.lent -= 1;
+        if s.lent == 0 {
+            // Wholly free: its one range is the whole segment.
+            self.idle.insert((len, piece.seg));
+        } else {
+            self.open.insert((len, piece.seg, start));
+        }
         self.free_bytes += piece.len;
         self.lent_pieces -= 1;
         Ok(s.lent == 0)
@@ -220,13 +249,15 @@ impl<T> Carver<T> {
             .collect()
     }
 
-    /// The wholly free segments and their sizes.
-    pub(crate) fn free_segments(&self) -> Vec<(SegId, usize)> {
-        self.segments
+    /// The wholly free segments with their sizes, least recently used first.
+    pub(crate) fn free_segments_lru(&self) -> Vec<(SegId, usize)> {
+        let mut v: Vec<(u64, SegId, usize)> = self
+            .idle
             .iter()
-            .filter(|(_, s)| s.lent == 0)
-            .map(|(id, s)| (*id, s.size))
-            .collect()
+            .filter_map(|&(size, id)| Some((self.segments.get(&id)?.last_used, id, size)))
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|(_, id, size)| (id, size)).collect()
     }
 
     /// Removes one wholly free segment (`None` if it has pieces lent or does not exist).
@@ -235,9 +266,7 @@ impl<T> Carver<T> {
             return None;
         }
         let s = self.segments.remove(&id)?;
-        for (&o, &l) in &s.free {
-            self.by_size.remove(&(l, id, o));
-        }
+        self.idle.remove(&(s.size, id));
         self.free_bytes -= s.size;
         self.reserved -= s.size;
         Some((s.payload, s.size))
@@ -262,7 +291,7 @@ impl<T> Carver<T> {
 
     /// Number of free ranges.
     pub(crate) fn free_ranges(&self) -> usize {
-        self.by_size.len()
+        self.open.len() + self.idle.len()
     }
 
     /// Bytes of all segments.
@@ -285,7 +314,9 @@ impl<T> Carver<T> {
     /// The largest free range (0 when none).
     #[cfg(test)]
     pub(crate) fn largest_free(&self) -> usize {
-        self.by_size.iter().next_back().map_or(0, |r| r.0)
+        let open = self.open.iter().next_back().map_or(0, |r| r.0);
+        let idle = self.idle.iter().next_back().map_or(0, |r| r.0);
+        open.max(idle)
     }
 }
 
@@ -388,17 +419,6 @@ mod tests {
             assert!(p.len >= want);
             assert!(p.len - want < max_waste, "{} for {}", p.len, want);
         }
-    }
-
-    #[test]
-    fn a_whole_range_is_handed_out_only_within_the_waste_bound() {
-        let mut c = Carver::new();
-        c.add_segment(10 * MIB, ());
-        assert_eq!(c.take_whole(8 * MIB, MIB), None);
-        let p = c.take_whole(9 * MIB + 512, MIB).unwrap();
-        assert_eq!((p.offset, p.len), (0, 10 * MIB));
-        assert_eq!(c.free_bytes(), 0);
-        assert_eq!(c.release(p), Ok(true));
     }
 
     #[test]

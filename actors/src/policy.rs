@@ -45,18 +45,37 @@ pub enum BlockLayout {
 /// Parameters of [`BlockLayout::Carved`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Carving {
-    /// Blocks up to this size share segments of `small_segment` bytes.
+    /// Blocks up to this size get, when they need fresh memory, a segment of
+    /// `small_segment` bytes that later small blocks share; they stay on the cached path
+    /// (ready queues) when freed.
     pub small_limit: usize,
-    /// Size of a shared segment for small blocks.
+    /// Size of a fresh segment for small blocks.
     pub small_segment: usize,
-    /// A larger block gets a segment of its own size rounded up to this (a page).
+    /// A larger block's fresh segment is rounded up to this (a page).
     pub large_round: usize,
     /// Blocks larger than this are not cached: once free, their segment goes back to the
     /// runtime as soon as no piece of it is lent.
     pub max_cached_size: usize,
-    /// When a miss needs fresh memory, first give back the segments that are wholly free
-    /// (none of them could serve the miss): keeps the peak of reserved memory down.
-    pub release_before_fresh: bool,
+    /// A wholly free segment more than this many times larger than a request is split for
+    /// it only when fresh memory would cross the reserve cap: a small block cut out of a
+    /// large segment pins it after the large requests it was made for come back.
+    pub split_ratio: usize,
+    /// The reserve cap, in thousandths of the peak of live (class-rounded) bytes seen at
+    /// misses: before fresh memory would take the reserved bytes above it, wholly free
+    /// segments go back, least recently used first. `None`: keep them.
+    pub reserve_cap_permille: Option<u32>,
+    /// A fresh segment for a large block takes this share (in thousandths) of the room left
+    /// under the reserve cap when that is more than the block needs: fewer, larger host
+    /// allocations that later requests are cut from.
+    pub fill_permille: u32,
+}
+
+impl Carving {
+    /// The reserve cap for a peak of `peak_live` live bytes, if there is one.
+    pub fn reserve_cap(&self, peak_live: usize) -> Option<usize> {
+        self.reserve_cap_permille
+            .map(|p| (peak_live as u128 * p as u128 / 1000).min(usize::MAX as u128) as usize)
+    }
 }
 
 /// The largest request [`BestFit`] accepts: 1 TiB.
@@ -68,11 +87,18 @@ const BEST_FIT_SMALL: usize = 512 << STEPS_LOG2;
 const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 
 /// Fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per doubling, so a
-/// class rounds up by at most 6.25%) whose blocks are cut out of shared segments: small
-/// blocks (up to 1 MiB) from 2 MiB segments, larger ones from a segment of their own class
-/// size. A miss is served by the best-fitting free range of any segment, after the pool has
-/// drained its ready queues and coalesced free neighbours; fresh memory is taken only when
-/// no free range fits.
+/// class rounds up by at most 6.25%) whose blocks are cut out of shared segments.
+///
+/// A miss is served, after the pool has drained its ready queues and coalesced free
+/// neighbours, by the best-fitting free range of a segment that already lends a piece, else
+/// by the smallest wholly free segment that holds it, unless that segment is more than 3
+/// times larger than the request (such a split waits until fresh memory would cross the
+/// reserve cap). Fresh memory is a 2 MiB segment for small blocks (up to 1 MiB), the block's
+/// own size for larger ones, or half the room left under the reserve cap when that is more.
+/// The reserve cap is 1.2 times the peak of live bytes: before fresh memory would cross it,
+/// wholly free segments go back to the runtime, least recently used first. Freed small
+/// blocks, and large ones that fill their segment, stay on the cached path; other pieces go
+/// back into their segment at once, so that it can coalesce.
 ///
 /// ```
 /// use pinpool_actors::{BestFit, SizePolicy};
@@ -94,17 +120,32 @@ impl Default for BestFit {
                 small_segment: 2 << 20,
                 large_round: 4096,
                 max_cached_size: usize::MAX,
-                release_before_fresh: true,
+                split_ratio: 3,
+                reserve_cap_permille: Some(1200),
+                fill_permille: 500,
             },
         }
     }
 }
 
 impl BestFit {
-    /// Keep wholly free segments when a miss needs fresh memory (default: give them back).
+    /// Keep wholly free segments when a miss needs fresh memory (default: give them back
+    /// once reserved bytes would cross the reserve cap).
     pub fn keep_free_segments(mut self) -> Self {
-        self.carving.release_before_fresh = false;
+        self.carving.reserve_cap_permille = None;
         self
+    }
+
+    /// The reserve cap as a multiple of the peak of live bytes (default 1.2; at least 1).
+    pub fn reserve_cap(mut self, times_peak_live: f64) -> Self {
+        let permille = (times_peak_live.max(1.0) * 1000.0).min(u32::MAX as f64);
+        self.carving.reserve_cap_permille = Some(permille as u32);
+        self
+    }
+
+    /// The carving parameters.
+    pub fn carving(&self) -> Carving {
+        self.carving
     }
 
     /// Blocks above `bytes` are not cached: their memory goes back to the runtime once free.

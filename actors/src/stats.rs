@@ -409,6 +409,11 @@ impl PoolStats {
         s.bytes.decrease(bytes as i64, owner);
     }
 
+    /// Bytes of active blocks now, summed over the shards.
+    pub(crate) fn active_bytes_now(&self) -> i64 {
+        self.active.iter().map(|s| s.bytes.read().current).sum()
+    }
+
     pub(crate) fn read(&self) -> HostStats {
         let mut active_requests = Stat::default();
         let mut active_bytes = Stat::default();

@@ -37,6 +37,9 @@ impl<R: Runtime> PoolActor<R> {
             // Too large to cache: back into its segment, which goes back once wholly free.
             self.absorb_all(vec![block]);
             self.give_back_free_segments(false).await;
+        } else if self.absorbs_at_once(&block) {
+            // A large piece: back into its segment now, to coalesce with its neighbours.
+            self.absorb_all(vec![block]);
         } else {
             block.state = BlockState::Cached;
             self.shared.ready.put(block);

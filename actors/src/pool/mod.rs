@@ -180,6 +180,23 @@ pub(crate) struct PoolShared<R: Runtime> {
     pub(crate) history: Arc<crate::history::Recorder>,
     /// Freed blocks larger than this go to the actor, not the ready queues.
     pub(crate) max_cached_size: usize,
+    /// Freed carved blocks larger than this that do not fill their segment go to the actor,
+    /// to be coalesced at once.
+    pub(crate) absorb_above: usize,
+}
+
+impl<R: Runtime> PoolShared<R> {
+    /// Whether a freed block goes to the actor rather than the ready queues: too large to
+    /// cache, or a large piece of a segment (coalesced at once).
+    #[inline]
+    pub(crate) fn wants_home(&self, block: &Block<R>) -> bool {
+        block.size > self.max_cached_size
+            || (block.size > self.absorb_above
+                && block
+                    .segment
+                    .as_ref()
+                    .is_some_and(|s| s.size() != block.size))
+    }
 }
 
 impl<R: Runtime> PoolShared<R> {
@@ -268,6 +285,10 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<PoolShared<R>> {
         max_cached_size: match spec.layout {
             BlockLayout::Whole => usize::MAX,
             BlockLayout::Carved(c) => c.max_cached_size,
+        },
+        absorb_above: match spec.layout {
+            BlockLayout::Whole => usize::MAX,
+            BlockLayout::Carved(c) => c.small_limit,
         },
     });
     shared.budget.register(&shared);

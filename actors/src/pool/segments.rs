@@ -12,6 +12,10 @@
 //! back to the runtime only when no piece of it is lent (invariant 2); if the actor is gone,
 //! the last block of a segment gives it back, unless device work may still use a piece.
 //!
+//! Where a miss is cut from, when fresh memory is taken and how large, and which wholly free
+//! segments go back first, are the layout's [`Carving`] rules (see `BestFit`): the pool
+//! tracks the peak of live bytes it has seen at misses, for the reserve cap.
+//!
 //! Every fresh segment reserves its bytes from the allocator's budget before the runtime is
 //! asked (see `fresh`) and releases them when it goes back; cutting a block out of a segment
 //! the pool holds reserves nothing. Segments are entered in the pool's registry like whole
@@ -30,14 +34,9 @@ use crate::policy::{BlockLayout, Carving, SizeClass};
 use crate::runtime::{HostMemory, Runtime, RuntimeError};
 use crate::snapshot::BlockMeta;
 
-/// A large request reuses a free segment at most 1/8 larger than itself.
-const LARGE_WASTE_DIVISOR: usize = 8;
-
 /// One host allocation that blocks are cut out of.
 pub(crate) struct Segment<R: Runtime> {
     id: SegId,
-    /// Shared by small blocks (in the small carver) rather than cut for large ones.
-    small: bool,
     memory: HostMemory,
     pool: Arc<PoolShared<R>>,
     /// Device work may still use a piece: never give the memory back.
@@ -50,6 +49,11 @@ impl<R: Runtime> Segment<R> {
     /// Marks the segment as never to be given back (a piece may still be used by the device).
     pub(crate) fn leak(&self) {
         self.leaked.store(true, Ordering::Relaxed);
+    }
+
+    /// Bytes of the segment.
+    pub(crate) fn size(&self) -> usize {
+        self.memory.size
     }
 }
 
@@ -71,12 +75,12 @@ impl<R: Runtime> Drop for Segment<R> {
     }
 }
 
-/// The free ranges of a pool's segments: small blocks and large ones are cut out of
-/// different segments, so that small blocks do not pin holes into large free ranges.
+/// The free ranges of a pool's segments.
 pub(super) struct Segments<R: Runtime> {
-    small: Carver<Arc<Segment<R>>>,
-    large: Carver<Arc<Segment<R>>>,
+    carver: Carver<Arc<Segment<R>>>,
     carving: Carving,
+    /// The peak of live bytes seen at misses (the requested block included).
+    peak_live: usize,
     /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
     /// address: their bytes and their blocks' records, for snapshots.
     lent: BTreeMap<usize, (usize, Arc<BlockMeta>)>,
@@ -88,9 +92,9 @@ impl<R: Runtime> Segments<R> {
         match layout {
             BlockLayout::Whole => None,
             BlockLayout::Carved(carving) => Some(Self {
-                small: Carver::new(),
-                large: Carver::new(),
+                carver: Carver::new(),
                 carving,
+                peak_live: 0,
                 lent: BTreeMap::new(),
             }),
         }
@@ -98,28 +102,22 @@ impl<R: Runtime> Segments<R> {
 
     /// (free ranges, free bytes, lent pieces), for the books.
     pub(super) fn census(&self) -> (usize, usize, usize) {
-        let (s, l) = (&self.small, &self.large);
-        (
-            s.free_ranges() + l.free_ranges(),
-            s.free_bytes() + l.free_bytes(),
-            s.lent_pieces() + l.lent_pieces(),
-        )
+        let c = &self.carver;
+        (c.free_ranges(), c.free_bytes(), c.lent_pieces())
     }
 
     /// The pieces of every segment in address order, free ranges included, by segment
     /// address.
     pub(super) fn pieces(&self) -> BTreeMap<usize, Vec<PieceView>> {
         let mut out: BTreeMap<usize, Vec<PieceView>> = BTreeMap::new();
-        for c in [&self.small, &self.large] {
-            for (seg, ranges) in c.free_ranges_by_segment() {
-                let base = seg.memory.ptr.as_ptr() as usize;
-                let v = out.entry(base).or_default();
-                v.extend(ranges.into_iter().map(|(offset, len)| PieceView {
-                    addr: base + offset,
-                    size: len,
-                    meta: None,
-                }));
-            }
+        for (seg, ranges) in self.carver.free_ranges_by_segment() {
+            let base = seg.memory.ptr.as_ptr() as usize;
+            let v = out.entry(base).or_default();
+            v.extend(ranges.into_iter().map(|(offset, len)| PieceView {
+                addr: base + offset,
+                size: len,
+                meta: None,
+            }));
         }
         for (&addr, (size, meta)) in &self.lent {
             if let Some((_, v)) = out.range_mut(..=addr).next_back() {
@@ -136,45 +134,37 @@ impl<R: Runtime> Segments<R> {
         out
     }
 
-    fn carver(&mut self, small: bool) -> &mut Carver<Arc<Segment<R>>> {
-        if small {
-            &mut self.small
-        } else {
-            &mut self.large
-        }
-    }
-
-    fn is_small(&self, size: usize) -> bool {
-        size <= self.carving.small_limit
-    }
-
-    /// Bytes of a fresh segment for a block of `size` bytes.
-    fn segment_size(&self, size: usize) -> usize {
+    /// Bytes of a fresh segment for a block of `size` bytes, with `room` bytes left under
+    /// the reserve cap.
+    fn segment_size(&self, size: usize, room: usize) -> usize {
         let c = &self.carving;
-        if size <= c.small_limit {
+        let base = if size <= c.small_limit {
             c.small_segment.max(size)
         } else {
-            size.checked_next_multiple_of(c.large_round.max(1))
-                .unwrap_or(size)
-        }
+            size
+        };
+        let fill = (room as u128 * c.fill_permille as u128 / 1000) as usize;
+        base.max(fill)
+            .checked_next_multiple_of(c.large_round.max(1))
+            .unwrap_or(base)
+    }
+
+    /// Cuts a piece for `size` bytes; a wholly free segment much larger than it only when
+    /// `split_any`.
+    fn place(&mut self, size: usize, split_any: bool) -> Option<crate::carve::Piece> {
+        let c = self.carving;
+        self.carver.place(size, |seg| {
+            split_any || seg <= c.small_segment || seg / c.split_ratio.max(1) <= size
+        })
     }
 }
 
 impl<R: Runtime> PoolActor<R> {
-    /// Cuts a block of `class` out of the best-fitting free range, if one fits.
-    fn carve_block(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+    /// Cuts a block of `class` out of a free range, if one fits (see [`Carver::place`]).
+    fn carve_block(&mut self, class: SizeClass, split_any: bool) -> Option<Box<Block<R>>> {
         let segs = self.carved.as_mut()?;
-        let piece = if segs.is_small(class.size) {
-            segs.small.carve(class.size)?
-        } else {
-            // A large free range is reused whole, and only when it wastes little: split, it
-            // could no longer go back to the runtime when the peak needs room.
-            segs.large
-                .take_whole(class.size, class.size / LARGE_WASTE_DIVISOR)
-                .or_else(|| segs.large.carve(class.size))?
-        };
-        let carver = segs.carver(segs.is_small(class.size));
-        let seg = carver.payload(piece.seg)?.clone();
+        let piece = segs.place(class.size, split_any)?;
+        let seg = segs.carver.payload(piece.seg)?.clone();
         // The piece lies inside the segment (the carver never hands out a range beyond it),
         // so the pointer stays inside one allocation and is not null.
         let ptr = std::ptr::NonNull::new(seg.memory.ptr.as_ptr().wrapping_add(piece.offset))?;
@@ -203,7 +193,7 @@ impl<R: Runtime> PoolActor<R> {
             len: block.size,
         };
         segs.lent.remove(&addr);
-        if let Err(e) = segs.carver(seg.small).release(piece) {
+        if let Err(e) = segs.carver.release(piece) {
             // Bookkeeping gone wrong: keep the range out of circulation rather than risk
             // handing it out twice.
             tracing::error!(
@@ -243,50 +233,67 @@ impl<R: Runtime> PoolActor<R> {
                 .is_some_and(|s| block.size > s.carving.max_cached_size)
     }
 
+    /// Whether a freed block goes back into its segment rather than a ready queue: a large
+    /// piece that does not fill its segment (coalesced at once, the segment can serve other
+    /// sizes or go back).
+    pub(super) fn absorbs_at_once(&self, block: &Block<R>) -> bool {
+        block
+            .segment
+            .as_ref()
+            .is_some_and(|seg| seg.size() != block.size)
+            && self
+                .carved
+                .as_ref()
+                .is_some_and(|s| block.size > s.carving.small_limit)
+    }
+
     /// A miss under a carving layout: a free range, then the ready queues drained and
-    /// coalesced, then (after noticing completed events) the same again, then a fresh segment.
+    /// coalesced, then (after noticing completed events) the same again; then, if fresh
+    /// memory would cross the reserve cap, any wholly free segment split; then a fresh
+    /// segment, after giving back wholly free segments to stay under the cap.
     pub(super) async fn miss_carved(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        if let Some(b) = self.carve_block(class) {
-            return Ok(b);
+        let live = self.shared.stats.active_bytes_now().max(0) as usize;
+        if let Some(s) = self.carved.as_mut() {
+            s.peak_live = s.peak_live.max(live.saturating_add(class.size));
         }
+        // Coalesce every ready block first: placement sees all free memory.
         self.absorb_ready();
-        if let Some(b) = self.carve_block(class) {
+        if let Some(b) = self.carve_block(class, false) {
             return Ok(b);
         }
         if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
             self.flush_events().await;
             self.absorb_ready();
-            if let Some(b) = self.carve_block(class) {
+            if let Some(b) = self.carve_block(class, false) {
                 return Ok(b);
             }
         }
-        let size = match &self.carved {
-            Some(s) => s.segment_size(class.size),
-            None => class.size,
+        let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+        let (cap, size) = match &self.carved {
+            Some(s) => {
+                let cap = s.carving.reserve_cap(s.peak_live);
+                let room = cap.map_or(0, |c| c.saturating_sub(reserved));
+                (cap, s.segment_size(class.size, room))
+            }
+            None => (None, class.size),
         };
-        let reserved = self.shared.stats.allocated_bytes.read();
-        let over =
-            (reserved.current.max(0) as usize + size).saturating_sub(reserved.peak.max(0) as usize);
-        if over > 0
-            && self
-                .carved
-                .as_ref()
-                .is_some_and(|s| s.carving.release_before_fresh)
-        {
-            // Nothing free fits, and the fresh segment would raise the peak of reserved
-            // bytes: give back wholly free segments (none of them could serve it), largest
-            // first, until it would not, or none is left.
-            self.give_back_room(over).await;
+        if let Some(cap) = cap.filter(|&c| reserved.saturating_add(size) > c) {
+            // Fresh memory would cross the cap: split a large free segment after all, or
+            // give back wholly free ones (none could serve this miss) to make room.
+            if let Some(b) = self.carve_block(class, true) {
+                return Ok(b);
+            }
+            self.give_back_room(reserved.saturating_add(size) - cap)
+                .await;
         }
         let memory = self.fresh_memory(size).await?;
-        let small = self.carved.as_ref().is_some_and(|s| s.is_small(class.size));
-        self.add_segment(memory, small);
+        self.add_segment(memory);
         self.remember_segment(SegmentView {
             memory,
             meta: Arc::default(),
             pieces: Vec::new(),
         });
-        self.carve_block(class).ok_or_else(|| {
+        self.carve_block(class, true).ok_or_else(|| {
             Error::Runtime(RuntimeError::new(
                 "carve",
                 format!(
@@ -297,13 +304,12 @@ impl<R: Runtime> PoolActor<R> {
         })
     }
 
-    fn add_segment(&mut self, memory: HostMemory, small: bool) {
+    fn add_segment(&mut self, memory: HostMemory) {
         let pool = self.shared.clone();
         if let Some(segs) = self.carved.as_mut() {
-            segs.carver(small).add_segment_with(memory.size, |id| {
+            segs.carver.add_segment_with(memory.size, |id| {
                 Arc::new(Segment {
                     id,
-                    small,
                     memory,
                     pool,
                     leaked: AtomicBool::new(false),
@@ -313,24 +319,19 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    /// Gives back wholly free segments, largest first, until `bytes` have gone back.
+    /// Gives back wholly free segments, least recently used first, until `bytes` have gone
+    /// back.
     async fn give_back_room(&mut self, bytes: usize) {
         let Some(segs) = self.carved.as_mut() else {
             return;
         };
-        let mut candidates: Vec<(usize, bool, SegId)> = Vec::new();
-        for small in [true, false] {
-            let c = segs.carver(small);
-            candidates.extend(c.free_segments().into_iter().map(|(id, n)| (n, small, id)));
-        }
-        candidates.sort_unstable_by(|a, b| b.cmp(a));
         let mut freed = 0;
         let mut gone = Vec::new();
-        for (n, small, id) in candidates {
+        for (id, n) in segs.carver.free_segments_lru() {
             if freed >= bytes {
                 break;
             }
-            if let Some((g, _)) = segs.carver(small).remove_segment(id) {
+            if let Some((g, _)) = segs.carver.remove_segment(id) {
                 gone.push(g);
                 freed += n;
             }
@@ -345,8 +346,7 @@ impl<R: Runtime> PoolActor<R> {
             return (0, 0);
         };
         let max = segs.carving.max_cached_size;
-        let mut gone = segs.small.remove_free_segments(|size| !all && size <= max);
-        gone.extend(segs.large.remove_free_segments(|size| !all && size <= max));
+        let gone = segs.carver.remove_free_segments(|size| !all && size <= max);
         let gone = gone.into_iter().map(|(g, _)| g).collect();
         self.host_free_segments(gone).await
     }
