@@ -275,3 +275,87 @@ async fn a_refused_segment_free_is_kept_on_the_books_and_retried() {
     })
     .await;
 }
+
+const MIB: usize = 1 << 20;
+
+#[tokio::test]
+async fn a_small_request_leaves_a_much_larger_free_segment_whole_while_fresh_memory_fits_under_the_cap(
+) {
+    let (pool, sim) = best_fit_pool();
+    let big = pool.alloc(64 * MIB).await.unwrap();
+    let big_at = big.as_ptr() as usize;
+    drop(big);
+    // 64 MiB is more than 3 times 4 MiB, and 64 + 4 MiB stays under 1.2 x 64 MiB: fresh.
+    let small = pool.alloc(4 * MIB).await.unwrap();
+    let at = small.as_ptr() as usize;
+    assert!(
+        at + small.capacity() <= big_at || at >= big_at + 64 * MIB,
+        "not cut out of the large segment"
+    );
+    assert_eq!(sim.total_host_allocs(), 2);
+    // So the large segment still serves the large size, whole.
+    let again = pool.alloc(64 * MIB).await.unwrap();
+    assert_eq!(again.as_ptr() as usize, big_at);
+    assert_eq!(sim.total_host_allocs(), 2);
+    drop((small, again));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn a_large_free_segment_is_split_when_fresh_memory_would_cross_the_cap() {
+    let (pool, sim) = best_fit_pool();
+    let big = pool.alloc(64 * MIB).await.unwrap();
+    let big_at = big.as_ptr() as usize;
+    drop(big);
+    // 64 + 14 MiB would be above 1.2 x 64 MiB: the free segment is cut instead.
+    let piece = pool.alloc(14 * MIB).await.unwrap();
+    assert_eq!(piece.as_ptr() as usize, big_at);
+    assert_eq!(sim.total_host_allocs(), 1);
+    drop(piece);
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn a_freed_large_piece_coalesces_with_its_segment_at_once() {
+    let (pool, sim) = best_fit_pool();
+    drop(pool.alloc(64 * MIB).await.unwrap());
+    let piece = pool.alloc(14 * MIB).await.unwrap();
+    drop(piece);
+    // Not parked in a ready queue as a 14 MiB block: the segment is one free range again.
+    let snap = pool.snapshot().await.unwrap();
+    assert_eq!(snap.segments.len(), 1);
+    let blocks = &snap.segments[0].blocks;
+    assert_eq!(blocks.len(), 1, "{blocks:?}");
+    assert_eq!(blocks[0].requested_size, 0);
+    assert_eq!(blocks[0].size, 64 * MIB);
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn wholly_free_segments_go_back_before_fresh_memory_would_cross_the_cap() {
+    for keep in [false, true] {
+        let sim = SimRuntime::new();
+        let policy = if keep {
+            BestFit::default().keep_free_segments()
+        } else {
+            BestFit::default()
+        };
+        let pool = Builder::new(Arc::new(sim.clone()))
+            .policy(Arc::new(policy))
+            .build()
+            .unwrap();
+        drop(pool.alloc(30 * MIB).await.unwrap());
+        // Nothing free holds 100 MiB, and 30 + 100 MiB is above 1.2 x 100 MiB.
+        let big = pool.alloc(100 * MIB).await.unwrap();
+        let peak = pool.stats().allocated_bytes.peak as usize;
+        if keep {
+            assert_eq!(peak, 130 * MIB);
+            assert_eq!(sim.live_bytes(), 130 * MIB);
+        } else {
+            assert_eq!(peak, 100 * MIB, "the 30 MiB segment went back first");
+            assert_eq!(sim.live_bytes(), 100 * MIB);
+        }
+        drop(big);
+        assert_books_balance(&pool, &sim, 0).await;
+    }
+}

@@ -65,19 +65,19 @@ fn every_policy_prints_one_summary_line_per_file() {
 }
 
 #[test]
-fn best_fit_reserves_less_than_powers_of_two_on_traces_it_was_not_tuned_on() {
-    for (seed, scale) in [(1, 1), (7, 3), (42, 16)] {
+fn best_fit_meets_the_targets_on_traces_it_was_not_tuned_on() {
+    // Seeds and scales that were not looked at while choosing the policy's parameters.
+    for (seed, scale) in [(3, 1), (17, 2), (55, 8), (77, 16)] {
         let text = synthetic(seed, scale, 60);
         let trace = Trace::read_text(text.as_bytes(), "synthetic").unwrap();
         let pow2 = replay::replay_trace(&trace, "synthetic", "pow2").unwrap();
         let fit = replay::replay_trace(&trace, "synthetic", "bestfit").unwrap();
-        // Fresh allocations are not pinned here: on uniformly random sizes best fit can need
-        // more of them than powers of two (it gives free segments back to hold the peak down).
-        assert!(
-            fit.reserved_over_peak() < pow2.reserved_over_peak(),
-            "{fit:?} vs {pow2:?}"
-        );
         assert!(fit.reserved_over_peak() <= 1.25, "{fit:?}");
+        assert!(
+            fit.fresh <= pow2.fresh,
+            "no more fresh allocations than powers of two: {fit:?} vs {pow2:?}"
+        );
+        assert!(pow2.reserved_over_peak() > 1.4, "{pow2:?}");
     }
 }
 

@@ -422,6 +422,57 @@ mod tests {
     }
 
     #[test]
+    fn a_segment_that_lends_a_piece_is_cut_before_a_wholly_free_one() {
+        let mut c = Carver::new();
+        let open = c.add_segment(4 * MIB, ());
+        let idle = c.add_segment(MIB, ());
+        let first = c.carve(3 * MIB).unwrap();
+        assert_eq!(first.seg, open);
+        // The wholly free 1 MiB segment fits better, but the open one's 1 MiB rest is used.
+        let p = c.carve(512 * KIB).unwrap();
+        assert_eq!(p.seg, open);
+        let q = c.carve(512 * KIB).unwrap();
+        assert_eq!(q.seg, open);
+        // The open segment is full now: the wholly free one serves the next request.
+        assert_eq!(c.carve(512 * KIB).unwrap().seg, idle);
+    }
+
+    #[test]
+    fn a_wholly_free_segment_is_split_only_when_the_caller_allows_its_size() {
+        let mut c = Carver::new();
+        let big = c.add_segment(64 * MIB, ());
+        let mut asked = None;
+        assert_eq!(
+            c.place(4 * MIB, |size| {
+                asked = Some(size);
+                false
+            }),
+            None
+        );
+        assert_eq!(asked, Some(64 * MIB), "asked about the smallest that fits");
+        assert_eq!(c.free_bytes(), 64 * MIB, "a refusal changes nothing");
+        let p = c.place(4 * MIB, |_| true).unwrap();
+        assert_eq!((p.seg, p.len), (big, 4 * MIB));
+        // Its rest is in an open segment now: no permission needed.
+        assert!(c.place(4 * MIB, |_| false).is_some());
+    }
+
+    #[test]
+    fn wholly_free_segments_are_listed_least_recently_used_first() {
+        let mut c = Carver::new();
+        let a = c.add_segment(MIB, ());
+        let b = c.add_segment(2 * MIB, ());
+        let pb = c.carve(2 * MIB).unwrap();
+        let pa = c.carve(MIB).unwrap();
+        c.release(pa).unwrap();
+        c.release(pb).unwrap();
+        assert_eq!(c.free_segments_lru(), vec![(b, 2 * MIB), (a, MIB)]);
+        let again = c.carve(2 * MIB).unwrap();
+        c.release(again).unwrap();
+        assert_eq!(c.free_segments_lru(), vec![(a, MIB), (b, 2 * MIB)]);
+    }
+
+    #[test]
     fn releasing_a_range_twice_or_a_foreign_range_is_refused() {
         let mut c = Carver::new();
         let seg = c.add_segment(MIB, ());
