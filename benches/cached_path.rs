@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pinpool::PinnedAllocator;
+use pinpool::{BestFit, PinnedAllocator, SizePolicy, TieredPowerOfTwo};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -19,20 +19,27 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn pair(c: &mut Criterion) {
     let rt = runtime();
-    let pool = rt
-        .block_on(async { PinnedAllocator::builder().build() })
-        .expect("allocator");
+    let policies: [(&str, Arc<dyn SizePolicy>); 2] = [
+        ("tiered", Arc::new(TieredPowerOfTwo::default())),
+        ("bestfit", Arc::new(BestFit::default())),
+    ];
     let mut g = c.benchmark_group("pair");
-    for size in [4096usize, 1 << 20, 64 << 20] {
-        drop(pool.alloc_blocking(size).expect("warm"));
-        g.throughput(Throughput::Elements(1));
-        g.bench_with_input(BenchmarkId::new("blocking", size), &size, |b, &size| {
-            b.iter(|| drop(pool.alloc_blocking(size).expect("alloc")))
-        });
-        g.bench_with_input(BenchmarkId::new("async", size), &size, |b, &size| {
-            b.to_async(&rt)
-                .iter(|| async { drop(pool.alloc(size).await.expect("alloc")) })
-        });
+    for (name, policy) in policies {
+        let pool = rt
+            .block_on(async { PinnedAllocator::builder().policy(policy).build() })
+            .expect("allocator");
+        for size in [4096usize, 1 << 20, 64 << 20] {
+            drop(pool.alloc_blocking(size).expect("warm"));
+            g.throughput(Throughput::Elements(1));
+            let id = |how: &str| BenchmarkId::new(format!("{how}/{name}"), size);
+            g.bench_with_input(id("blocking"), &size, |b, &size| {
+                b.iter(|| drop(pool.alloc_blocking(size).expect("alloc")))
+            });
+            g.bench_with_input(id("async"), &size, |b, &size| {
+                b.to_async(&rt)
+                    .iter(|| async { drop(pool.alloc(size).await.expect("alloc")) })
+            });
+        }
     }
     g.finish();
 }
