@@ -143,11 +143,6 @@ impl BestFit {
         self
     }
 
-    /// The carving parameters.
-    pub fn carving(&self) -> Carving {
-        self.carving
-    }
-
     /// Blocks above `bytes` are not cached: their memory goes back to the runtime once free.
     pub fn max_cached_size(mut self, bytes: usize) -> Self {
         self.carving.max_cached_size = bytes;

@@ -37,7 +37,7 @@ impl<R: Runtime> PoolActor<R> {
             // Too large to cache: back into its segment, which goes back once wholly free.
             self.absorb_all(vec![block]);
             self.give_back_free_segments(false).await;
-        } else if self.absorbs_at_once(&block) {
+        } else if self.shared.large_piece(&block) {
             // A large piece: back into its segment now, to coalesce with its neighbours.
             self.absorb_all(vec![block]);
         } else {

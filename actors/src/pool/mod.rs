@@ -190,12 +190,18 @@ impl<R: Runtime> PoolShared<R> {
     /// cache, or a large piece of a segment (coalesced at once).
     #[inline]
     pub(crate) fn wants_home(&self, block: &Block<R>) -> bool {
-        block.size > self.max_cached_size
-            || (block.size > self.absorb_above
-                && block
-                    .segment
-                    .as_ref()
-                    .is_some_and(|s| s.size() != block.size))
+        block.size > self.max_cached_size || self.large_piece(block)
+    }
+
+    /// Whether the block is a large piece of a carved segment that it does not fill: on
+    /// free it goes back into its segment at once, to coalesce with its neighbours.
+    #[inline]
+    pub(crate) fn large_piece(&self, block: &Block<R>) -> bool {
+        block.size > self.absorb_above
+            && block
+                .segment
+                .as_ref()
+                .is_some_and(|s| s.size() != block.size)
     }
 }
 

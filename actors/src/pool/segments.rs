@@ -234,20 +234,6 @@ impl<R: Runtime> PoolActor<R> {
                 .is_some_and(|s| block.size > s.carving.max_cached_size)
     }
 
-    /// Whether a freed block goes back into its segment rather than a ready queue: a large
-    /// piece that does not fill its segment (coalesced at once, the segment can serve other
-    /// sizes or go back).
-    pub(super) fn absorbs_at_once(&self, block: &Block<R>) -> bool {
-        block
-            .segment
-            .as_ref()
-            .is_some_and(|seg| seg.size() != block.size)
-            && self
-                .carved
-                .as_ref()
-                .is_some_and(|s| block.size > s.carving.small_limit)
-    }
-
     /// A miss under a carving layout: a free range, then the ready queues drained and
     /// coalesced, then (after noticing completed events) the same again; then, if fresh
     /// memory would cross the reserve cap, any wholly free segment split; then a fresh
