@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{assert_books_balance, eventually, eventually_blocking, sim_pool};
 use pinpool::sim::{DeviceBuffer, FaultPoint, SimRuntime};
-use pinpool::{Builder, Error};
+use pinpool::{BestFit, Builder, Error, SizePolicy, TieredPowerOfTwo};
 
 #[tokio::test]
 async fn a_failed_host_allocation_is_a_typed_error_and_loses_nothing() {
@@ -177,19 +177,25 @@ async fn a_panicking_event_poller_degrades_without_hanging_or_losing_blocks() {
     assert_books_balance(&pool, &sim, 0).await;
 }
 
-#[test]
-fn dropping_the_tokio_runtime_frees_memory_as_buffers_drop_and_requests_get_errors() {
+/// Drops the tokio runtime while a buffer is live and another is cached: what the runtime
+/// still holds until the live buffer drops is `held_while_live` bytes (the live block's own
+/// allocation, or the whole segment it was carved from).
+fn drop_runtime_with_a_live_and_a_cached_buffer(
+    policy: Arc<dyn SizePolicy>,
+    held_while_live: usize,
+) {
     let sim = SimRuntime::new();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let pool = Builder::new(Arc::new(sim.clone()))
         .handle(rt.handle().clone())
+        .policy(policy)
         .build()
         .unwrap();
     let live = pool.alloc_blocking(1 << 14).unwrap();
     drop(pool.alloc_blocking(1 << 12).unwrap()); // cached
     drop(rt);
     eventually_blocking("cached memory freed with the runtime", || {
-        sim.live_bytes() == 1 << 14
+        sim.live_bytes() == held_while_live
     });
     drop(live);
     assert_eq!(
@@ -199,6 +205,18 @@ fn dropping_the_tokio_runtime_frees_memory_as_buffers_drop_and_requests_get_erro
     );
     assert_eq!(pool.alloc_blocking(1 << 20).unwrap_err(), Error::Shutdown);
     assert_eq!(sim.total_host_allocs(), sim.total_host_frees());
+}
+
+#[test]
+fn dropping_the_tokio_runtime_frees_memory_as_buffers_drop_and_requests_get_errors() {
+    drop_runtime_with_a_live_and_a_cached_buffer(Arc::new(TieredPowerOfTwo::default()), 1 << 14);
+}
+
+#[test]
+fn dropping_the_tokio_runtime_frees_a_carved_segment_when_its_last_piece_drops() {
+    // Both buffers are cut from one small segment, which stays until the live one drops.
+    let small_segment = 2 << 20;
+    drop_runtime_with_a_live_and_a_cached_buffer(Arc::new(BestFit::default()), small_segment);
 }
 
 #[test]

@@ -51,7 +51,13 @@ async fn alloc_waits_at_the_limit_until_a_buffer_comes_back() {
 
 #[tokio::test]
 async fn a_request_past_the_limit_first_empties_the_cache() {
-    let (pool, sim) = limited(MIB);
+    // One host allocation per block, so the two cached blocks stay apart.
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .max_bytes(MIB)
+        .policy(Arc::new(pinpool::TieredPowerOfTwo::default()))
+        .build()
+        .expect("builds");
     drop(pool.alloc(512 * KIB).await.unwrap());
     drop(pool.alloc(256 * KIB).await.unwrap());
     assert_eq!(sim.live_bytes(), 768 * KIB, "both cached");

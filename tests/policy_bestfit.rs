@@ -243,11 +243,15 @@ async fn fresh_segments_count_against_the_memory_limit_and_carving_does_not() {
     // Carving more out of it reserves nothing.
     let b = pool.try_alloc(1 << 20).await.unwrap();
     assert_eq!(pool.reserved_bytes(), 2 << 20);
-    // A second segment does not fit under the cap.
+    // A second small segment does not fit under the cap; a segment of the block's own
+    // size does.
+    let c = pool.try_alloc(1 << 20).await.unwrap();
+    assert_eq!(pool.reserved_bytes(), 3 << 20);
+    // Full: what is left of the first segment is smaller than another 1 MiB.
     let err = pool.try_alloc(1 << 20).await.unwrap_err();
     assert!(matches!(err, pinpool::Error::OutOfMemory { .. }), "{err:?}");
-    assert_eq!(sim.live_bytes(), 2 << 20);
-    drop((a, b));
+    assert_eq!(sim.live_bytes(), 3 << 20);
+    drop((a, b, c));
     // Once free, the segment serves the larger request after going back for room.
     let big = pool.try_alloc((2 << 20) + 4096).await.unwrap();
     assert!(big.capacity() >= (2 << 20) + 4096);

@@ -273,7 +273,14 @@ impl<R: Runtime> PoolActor<R> {
             self.give_back_room(reserved.saturating_add(size) - cap)
                 .await;
         }
-        let memory = self.fresh_memory(size).await?;
+        let memory = match self.fresh_memory(size).await {
+            // The padded segment does not fit (the memory limit, or the runtime): the block's
+            // own size may.
+            Err(Error::OutOfMemory { .. }) if size > class.size => {
+                self.fresh_memory(class.size).await?
+            }
+            res => res?,
+        };
         self.add_segment(memory);
         self.remember_segment(SegmentView {
             memory,
