@@ -9,7 +9,8 @@
 //! ```
 //!
 //! Options: `--runtime cuda|sim` (default: cuda when built with the `cuda` feature),
-//! `--quick` (fewer iterations, for smoke runs).
+//! `--quick` (fewer iterations, for smoke runs), `--policy bestfit|tiered|pow2` (the size
+//! policy of every pool it builds; default: the allocator's default, tiered).
 //!
 //! What each metric measures (as the anchor does):
 //! - `pair_ns size=S`: one thread, allocate a cached size and free it, 2 000 000 times.
@@ -36,6 +37,8 @@ struct Args {
     quick: bool,
     /// Repeat `pair_ns` this many times and print the fastest (for noisy machines).
     repeat: usize,
+    /// The size policy of every pool the benchmark builds.
+    policy: pinpool::config::SizePolicyChoice,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -47,6 +50,7 @@ fn parse_args() -> Result<Args, String> {
         },
         quick: false,
         repeat: 1,
+        policy: Default::default(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -60,8 +64,19 @@ fn parse_args() -> Result<Args, String> {
                     .filter(|&r| r > 0)
                     .ok_or("--repeat needs a positive number")?
             }
+            "--policy" => {
+                let name = it.next().ok_or("--policy needs a value")?;
+                let config: pinpool::config::Config = format!("size_policy:{name}")
+                    .parse()
+                    .map_err(|e| format!("--policy: {e}"))?;
+                args.policy = config.size_policy;
+            }
             "-h" | "--help" => {
-                return Err("usage: gpu_bench [--runtime cuda|sim] [--quick] [--repeat N]".into());
+                return Err(
+                    "usage: gpu_bench [--runtime cuda|sim] [--quick] [--repeat N] \
+                     [--policy bestfit|tiered|pow2]"
+                        .into(),
+                );
             }
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -213,7 +228,11 @@ fn run_sim(args: &Args) {
     let rt = tokio_runtime();
     let sim = Arc::new(pinpool::sim::SimRuntime::new());
     let pool = rt
-        .block_on(async { pinpool::Builder::new(sim.clone()).build() })
+        .block_on(async {
+            pinpool::Builder::new(sim.clone())
+                .policy(args.policy.policy())
+                .build()
+        })
         .expect("allocator");
     pair_ns(&pool, args.quick, args.repeat);
     let stream = sim.stream();
@@ -248,13 +267,17 @@ mod gpu {
     pub(super) fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         let rt = tokio_runtime();
         let cuda = Arc::new(CudaRuntime::with_config(0, Config::default())?);
-        let pool = rt.block_on(async { pinpool::Builder::new(cuda.clone()).build() })?;
+        let pool = rt.block_on(async {
+            pinpool::Builder::new(cuda.clone())
+                .policy(args.policy.policy())
+                .build()
+        })?;
         let stream = cuda.context().new_stream()?;
 
         pair_ns(&pool, args.quick, args.repeat);
         pair_with_record(&pool, &stream, args.quick);
         mt(&pool, args.quick);
-        fresh(&rt)?;
+        fresh(&rt, args)?;
         async_pair(&pool, &rt, args.quick);
         h2d(&pool, &cuda, &stream)?;
         event_latency(&pool, &cuda, &stream, args.quick)?;
@@ -267,13 +290,17 @@ mod gpu {
     }
 
     /// Fresh memory: `register`, transparent huge pages, pre-faulting on 16 threads.
-    fn fresh(rt: &tokio::runtime::Runtime) -> Result<(), Box<dyn std::error::Error>> {
+    fn fresh(rt: &tokio::runtime::Runtime, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         let config = Config::default()
             .with_pin_method(PinStrategy::Register)
             .with_huge_pages(true)
             .with_prefault_threads(16);
         let cuda = Arc::new(CudaRuntime::with_config(0, config)?);
-        let pool = rt.block_on(async { pinpool::Builder::new(cuda).build() })?;
+        let pool = rt.block_on(async {
+            pinpool::Builder::new(cuda)
+                .policy(args.policy.policy())
+                .build()
+        })?;
         for mb in [16usize, 256, 1024] {
             pool.empty_cache_blocking()?;
             let t0 = Instant::now();

@@ -161,6 +161,35 @@ impl<T> Carver<T> {
         self.cut(seg, 0, len, want)
     }
 
+    /// Cuts a piece of at least `size` bytes out of the smallest free range, of any segment,
+    /// that is no longer than `max_len`; `None` when there is none.
+    pub(crate) fn place_tight(&mut self, size: usize, max_len: usize) -> Option<Piece> {
+        let want = align_up(size.max(1))?;
+        let open = self
+            .open
+            .range((want, SegId(0), 0)..)
+            .next()
+            .copied()
+            .filter(|&(len, _, _)| len <= max_len);
+        let idle = self
+            .idle
+            .range((want, SegId(0))..)
+            .next()
+            .copied()
+            .filter(|&(len, _)| len <= max_len);
+        match (open, idle) {
+            (Some((len, seg, offset)), idle) if idle.map_or(true, |(l, _)| len <= l) => {
+                self.open.remove(&(len, seg, offset));
+                self.cut(seg, offset, len, want)
+            }
+            (_, Some((len, seg))) => {
+                self.idle.remove(&(len, seg));
+                self.cut(seg, 0, len, want)
+            }
+            _ => None,
+        }
+    }
+
     /// Lends `want` bytes at the start of the free range (`offset`, `len`) of `seg`, already
     /// taken out of the indexes; the rest stays free.
     fn cut(&mut self, seg: SegId, offset: usize, len: usize, want: usize) -> Option<Piece> {
@@ -361,6 +390,30 @@ mod tests {
         assert_eq!(c.largest_free(), MIB);
         // The coalesced range serves a request larger than any single piece was.
         assert_eq!(c.carve(MIB).unwrap().len, MIB);
+    }
+
+    #[test]
+    fn a_tight_placement_takes_only_a_range_the_piece_nearly_fills() {
+        let mut c = Carver::new();
+        let big = c.add_segment(8 * MIB, ());
+        let held = c.carve(MIB).unwrap();
+        let p = c.carve(2 * MIB).unwrap();
+        let _tail = c.carve(5 * MIB).unwrap();
+        // The 2 MiB piece comes back between lent neighbours: a range of exactly its size.
+        assert_eq!(c.release(p), Ok(false));
+        let again = c.place_tight(2 * MIB, 2 * MIB + MIB / 4).unwrap();
+        assert_eq!((again.seg, again.offset), (big, MIB));
+        // A range much larger than the request is left alone, open or wholly free.
+        assert_eq!(c.release(again), Ok(false));
+        assert_eq!(c.release(held), Ok(false));
+        assert_eq!(c.place_tight(MIB, MIB + MIB / 8), None);
+        let whole = c.add_segment(4 * MIB, ());
+        assert_eq!(c.place_tight(MIB, MIB + MIB / 8), None);
+        // A segment the piece nearly fills does.
+        let exact = c.add_segment(MIB, ());
+        let q = c.place_tight(MIB - 64 * KIB, MIB).unwrap();
+        assert_eq!(q.seg, exact);
+        assert_ne!(q.seg, whole);
     }
 
     #[test]

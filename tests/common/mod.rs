@@ -8,22 +8,13 @@ use pinpool::sim::SimRuntime;
 use pinpool::{Builder, PinnedAllocator, TieredPowerOfTwo};
 
 /// An allocator on a fresh simulated runtime (call inside a tokio runtime), with the
-/// `tiered` size policy: one host allocation per block, so that a test can count host calls
-/// and bytes block by block. The default policy (`bestfit`, which carves blocks out of shared
-/// segments) has its own tests.
+/// `tiered` size policy (named, not left to the default): one host allocation per block, so
+/// that a test can count host calls and bytes block by block. `bestfit`, which carves blocks
+/// out of shared segments, has its own tests.
 pub fn sim_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
         .policy(Arc::new(TieredPowerOfTwo::default()))
-        .build()
-        .expect("allocator builds inside a runtime");
-    (pool, sim)
-}
-
-/// An allocator on a fresh simulated runtime with the default size policy.
-pub fn sim_pool_default() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = Builder::new(Arc::new(sim.clone()))
         .build()
         .expect("allocator builds inside a runtime");
     (pool, sim)

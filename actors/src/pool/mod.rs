@@ -193,15 +193,17 @@ impl<R: Runtime> PoolShared<R> {
         block.size > self.max_cached_size || self.large_piece(block)
     }
 
-    /// Whether the block is a large piece of a carved segment that it does not fill: on
-    /// free it goes back into its segment at once, to coalesce with its neighbours.
+    /// Whether the block is a large piece that fills less than 3/4 of its carved segment: on
+    /// free it goes back into its segment at once, to coalesce with its neighbours. Larger
+    /// pieces stay on the cached path like whole segments: a request of their class that
+    /// comes back again and again is served without the pool actor.
     #[inline]
     pub(crate) fn large_piece(&self, block: &Block<R>) -> bool {
         block.size > self.absorb_above
             && block
                 .segment
                 .as_ref()
-                .is_some_and(|s| s.size() != block.size)
+                .is_some_and(|s| (block.size as u128) * 4 < (s.size() as u128) * 3)
     }
 }
 

@@ -163,8 +163,23 @@ impl<R: Runtime> Segments<R> {
 impl<R: Runtime> PoolActor<R> {
     /// Cuts a block of `class` out of a free range, if one fits (see [`Carver::place`]).
     fn carve_block(&mut self, class: SizeClass, split_any: bool) -> Option<Box<Block<R>>> {
+        self.carve_with(class, |segs| segs.place(class.size, split_any))
+    }
+
+    /// Cuts a block of `class` out of a free range that it fills to within 1/8, if there is
+    /// one: such a miss is served without draining the ready queues.
+    fn carve_tight(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let max_len = class.size.saturating_add(class.size / 8);
+        self.carve_with(class, |segs| segs.carver.place_tight(class.size, max_len))
+    }
+
+    fn carve_with(
+        &mut self,
+        class: SizeClass,
+        place: impl FnOnce(&mut Segments<R>) -> Option<Piece>,
+    ) -> Option<Box<Block<R>>> {
         let segs = self.carved.as_mut()?;
-        let piece = segs.place(class.size, split_any)?;
+        let piece = place(segs)?;
         let seg = segs.carver.payload(piece.seg)?.clone();
         // The piece lies inside the segment (the carver never hands out a range beyond it),
         // so the pointer stays inside one allocation and is not null.
@@ -243,7 +258,12 @@ impl<R: Runtime> PoolActor<R> {
         if let Some(s) = self.carved.as_mut() {
             s.peak_live = s.peak_live.max(live.saturating_add(class.size));
         }
-        // Coalesce every ready block first: placement sees all free memory.
+        // A free range that the block fills (a large piece that came back, say) serves it as
+        // is. Otherwise coalesce every ready block first, so that placement sees all free
+        // memory: draining is not free for the other threads, whose cached blocks it takes.
+        if let Some(b) = self.carve_tight(class) {
+            return Ok(b);
+        }
         self.absorb_ready();
         if let Some(b) = self.carve_block(class, false) {
             return Ok(b);
