@@ -4,22 +4,13 @@
 
 mod common;
 
-use common::{assert_books_balance, eventually};
+use common::{assert_books_balance, best_fit_pool, eventually};
 use pinpool::sim::{FaultPoint, SimRuntime};
-use pinpool::{BestFit, Builder, Error, PinnedAllocator};
+use pinpool::{BestFit, Builder, Error};
 use std::sync::Arc;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-
-fn best_fit_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = Builder::new(Arc::new(sim.clone()))
-        .policy(Arc::new(BestFit::default()))
-        .build()
-        .expect("allocator builds inside a runtime");
-    (pool, sim)
-}
 
 #[tokio::test]
 async fn a_limit_below_the_small_segment_size_still_serves_requests_that_fit() {

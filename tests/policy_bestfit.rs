@@ -7,18 +7,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::assert_books_balance;
+use common::{assert_books_balance, best_fit_pool};
 use pinpool::sim::{DeviceBuffer, SimRuntime};
 use pinpool::{BestFit, BlockStatus, Builder, PinnedAllocator, SizePolicy};
-
-fn best_fit_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = Builder::new(Arc::new(sim.clone()))
-        .policy(Arc::new(BestFit::default()))
-        .build()
-        .expect("allocator builds inside a runtime");
-    (pool, sim)
-}
 
 #[tokio::test]
 async fn small_blocks_share_one_segment_and_coalesce_for_a_larger_request() {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pinpool::sim::SimRuntime;
-use pinpool::{Builder, PinnedAllocator, TieredPowerOfTwo};
+use pinpool::{BestFit, Builder, PinnedAllocator, TieredPowerOfTwo};
 
 /// An allocator on a fresh simulated runtime (call inside a tokio runtime), with the
 /// `tiered` size policy (named, not left to the default): one host allocation per block, so
@@ -15,6 +15,16 @@ pub fn sim_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
         .policy(Arc::new(TieredPowerOfTwo::default()))
+        .build()
+        .expect("allocator builds inside a runtime");
+    (pool, sim)
+}
+
+/// An allocator on a fresh simulated runtime with the `bestfit` size policy.
+pub fn best_fit_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
         .build()
         .expect("allocator builds inside a runtime");
     (pool, sim)
