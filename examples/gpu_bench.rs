@@ -66,10 +66,8 @@ fn parse_args() -> Result<Args, String> {
             }
             "--policy" => {
                 let name = it.next().ok_or("--policy needs a value")?;
-                let config: pinpool::config::Config = format!("size_policy:{name}")
-                    .parse()
-                    .map_err(|e| format!("--policy: {e}"))?;
-                args.policy = config.size_policy;
+                args.policy = pinpool::config::SizePolicyChoice::from_name(&name)
+                    .ok_or_else(|| format!("--policy: unknown policy {name:?}"))?;
             }
             "-h" | "--help" => {
                 return Err(

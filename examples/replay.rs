@@ -22,20 +22,18 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use pinpool::config::SizePolicyChoice;
 use pinpool::trace::{Trace, TraceError, TraceEvent};
-use pinpool::{BestFit, PinnedAllocator, PinnedBuffer, PowerOfTwo, SizePolicy, TieredPowerOfTwo};
+use pinpool::{PinnedAllocator, PinnedBuffer, SizePolicy};
 
-/// The policies the tool knows, by name.
-pub const POLICIES: &[&str] = &["pow2", "tiered", "bestfit"];
+/// The names of the policies the tool knows.
+fn policy_names() -> Vec<&'static str> {
+    SizePolicyChoice::ALL.iter().map(|c| c.as_str()).collect()
+}
 
 /// The policy called `name`.
 pub fn policy(name: &str) -> Option<Arc<dyn SizePolicy>> {
-    match name {
-        "pow2" => Some(Arc::new(PowerOfTwo)),
-        "tiered" => Some(Arc::new(TieredPowerOfTwo::default())),
-        "bestfit" => Some(Arc::new(BestFit::default())),
-        _ => None,
-    }
+    SizePolicyChoice::from_name(name).map(SizePolicyChoice::policy)
 }
 
 /// What went wrong.
@@ -57,7 +55,7 @@ impl std::fmt::Display for ReplayError {
             ReplayError::Usage(m) => write!(
                 f,
                 "{m}\nusage: replay [--policy {}] FILE...",
-                POLICIES.join("|")
+                policy_names().join("|")
             ),
             ReplayError::Trace(e) => write!(f, "{e}"),
             ReplayError::Alloc { file, error } => write!(f, "{file}: allocation failed: {error}"),
@@ -100,12 +98,12 @@ pub fn parse_args(args: &[String]) -> Result<Args, ReplayError> {
         if policy(p).is_none() {
             return Err(ReplayError::Usage(format!(
                 "unknown policy {p:?} (known: {})",
-                POLICIES.join(", ")
+                policy_names().join(", ")
             )));
         }
     }
     if policies.is_empty() {
-        policies = POLICIES.iter().map(|s| s.to_string()).collect();
+        policies = policy_names().into_iter().map(String::from).collect();
     }
     if files.is_empty() {
         return Err(ReplayError::Usage("no trace files given".into()));

@@ -45,6 +45,18 @@ pub enum SizePolicyChoice {
 }
 
 impl SizePolicyChoice {
+    /// Every choice, in the order reports list them.
+    pub const ALL: [SizePolicyChoice; 3] = [
+        SizePolicyChoice::Pow2,
+        SizePolicyChoice::Tiered,
+        SizePolicyChoice::BestFit,
+    ];
+
+    /// The choice called `name` (as written in `PINPOOL_CONF`), if there is one.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.as_str() == name)
+    }
+
     /// The value as written in `PINPOOL_CONF` (the policy's name).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -247,12 +259,8 @@ impl Config {
                 self.huge_pages = parse_bool(value).ok_or_else(|| invalid("a boolean"))?
             }
             "size_policy" => {
-                self.size_policy = match value {
-                    "tiered" => SizePolicyChoice::Tiered,
-                    "pow2" => SizePolicyChoice::Pow2,
-                    "bestfit" => SizePolicyChoice::BestFit,
-                    _ => return Err(invalid("`tiered`, `pow2` or `bestfit`")),
-                }
+                self.size_policy = SizePolicyChoice::from_name(value)
+                    .ok_or_else(|| invalid("`tiered`, `pow2` or `bestfit`"))?
             }
             // `parse` checks keys against `KEYS` first; a key listed there but not handled
             // here is reported rather than ignored.
