@@ -327,6 +327,52 @@ async fn a_freed_large_piece_coalesces_with_its_segment_at_once() {
 }
 
 #[tokio::test]
+async fn a_large_piece_asked_for_again_at_once_stays_on_the_cached_path_until_a_drain() {
+    let (pool, sim) = best_fit_pool();
+    drop(pool.alloc(64 * MIB).await.unwrap());
+    let first = pool.alloc(14 * MIB).await.unwrap();
+    let at = first.as_ptr() as usize;
+    drop(first);
+    // Asked for again while its range is still free: the same range, and from now on the
+    // block stays cached when freed (a thread looping over one size stays off the actor).
+    for _ in 0..3 {
+        let again = pool.alloc(14 * MIB).await.unwrap();
+        assert_eq!(again.as_ptr() as usize, at);
+        drop(again);
+        let snap = pool.snapshot().await.unwrap();
+        let blocks = &snap.segments[0].blocks;
+        assert_eq!(blocks.len(), 2, "{blocks:?}");
+        assert_eq!((blocks[0].address, blocks[0].size), (at, 14 * MIB));
+        assert_eq!(blocks[0].state, BlockStatus::Cached);
+        assert_eq!(blocks[1].size, 50 * MIB);
+    }
+    // Another size drains it: the segment coalesces and serves 40 MiB from its start.
+    let other = pool.alloc(40 * MIB).await.unwrap();
+    assert_eq!(other.as_ptr() as usize, at);
+    assert_eq!(sim.total_host_allocs(), 1);
+    drop(other);
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn a_class_does_not_get_its_last_range_back_once_another_block_took_part_of_it() {
+    let (pool, sim) = best_fit_pool();
+    drop(pool.alloc(64 * MIB).await.unwrap());
+    let first = pool.alloc(14 * MIB).await.unwrap();
+    let at = first.as_ptr() as usize;
+    drop(first);
+    // 20 MiB is cut from the start of the coalesced segment, over the old 14 MiB range.
+    let over = pool.alloc(20 * MIB).await.unwrap();
+    assert_eq!(over.as_ptr() as usize, at);
+    let again = pool.alloc(14 * MIB).await.unwrap();
+    let p = again.as_ptr() as usize;
+    assert!(p >= at + 20 * MIB || p + 14 * MIB <= at, "overlaps the 20 MiB block");
+    assert_eq!(sim.total_host_allocs(), 1);
+    drop((over, again));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
 async fn wholly_free_segments_go_back_before_fresh_memory_would_cross_the_cap() {
     for keep in [false, true] {
         let sim = SimRuntime::new();

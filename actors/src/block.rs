@@ -68,6 +68,10 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) meta: Arc<BlockMeta>,
     /// The segment the block was cut out of (`None`: the block is a host allocation).
     pub(crate) segment: Option<Arc<Segment<R>>>,
+    /// Cut again at the range its class last gave back, its class asked for once more
+    /// while that range was still free: a large piece stays on the cached path when freed
+    /// (see `PoolShared::large_piece`).
+    pub(crate) recalled: bool,
 }
 
 impl<R: Runtime> Block<R> {
@@ -85,6 +89,7 @@ impl<R: Runtime> Block<R> {
             pool,
             meta: Arc::default(),
             segment: None,
+            recalled: false,
         })
     }
 
@@ -278,6 +283,7 @@ impl<R: Runtime> Block<R> {
             pool: self.pool.clone(),
             meta: self.meta.clone(),
             segment: self.segment.take(),
+            recalled: self.recalled,
         })
     }
 }

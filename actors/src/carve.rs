@@ -190,6 +190,29 @@ impl<T> Carver<T> {
         }
     }
 
+    /// Cuts exactly the range (`offset`, `len`) of `seg` out of the free range that holds
+    /// it, if one does (the rest of that range stays free); `None` otherwise.
+    pub(crate) fn take_exact(&mut self, seg: SegId, offset: usize, len: usize) -> Option<Piece> {
+        let s = self.segments.get_mut(&seg)?;
+        let (&o, &l) = s.free.range(..=offset).next_back()?;
+        if len == 0 || len % ALIGN != 0 || o + l < offset.checked_add(len)? {
+            return None;
+        }
+        if s.lent == 0 {
+            self.idle.remove(&(l, seg));
+        } else {
+            self.open.remove(&(l, seg, o));
+        }
+        if offset > o {
+            // The head stays free, in a segment that is open once the piece is cut; the
+            // piece is cut from the start of the rest.
+            s.free.insert(o, offset - o);
+            s.free.insert(offset, o + l - offset);
+            self.open.insert((offset - o, seg, o));
+        }
+        self.cut(seg, offset, o + l - offset, len)
+    }
+
     /// Lends `want` bytes at the start of the free range (`offset`, `len`) of `seg`, already
     /// taken out of the indexes; the rest stays free.
     fn cut(&mut self, seg: SegId, offset: usize, len: usize, want: usize) -> Option<Piece> {
@@ -417,6 +440,31 @@ mod tests {
     }
 
     #[test]
+    fn an_exact_range_is_cut_only_while_it_is_wholly_free() {
+        let mut c = Carver::new();
+        let seg = c.add_segment(8 * MIB, ());
+        let p = c.take_exact(seg, 2 * MIB, MIB).unwrap();
+        assert_eq!((p.seg, p.offset, p.len), (seg, 2 * MIB, MIB));
+        // Head and tail stay free, in an open segment.
+        let ranges: Vec<_> = c.free_ranges_by_segment().map(|(_, r)| r).collect();
+        assert_eq!(ranges, vec![vec![(0, 2 * MIB), (3 * MIB, 5 * MIB)]]);
+        assert_eq!(c.free_bytes(), 7 * MIB);
+        // Overlapping a lent piece, past the segment, unknown or unaligned: refused.
+        assert_eq!(c.take_exact(seg, 2 * MIB + 512, 512), None);
+        assert_eq!(c.take_exact(seg, MIB, 2 * MIB), None);
+        assert_eq!(c.take_exact(seg, 7 * MIB, 2 * MIB), None);
+        assert_eq!(c.take_exact(SegId(99), 0, MIB), None);
+        assert_eq!(c.take_exact(seg, 0, 100), None);
+        // A range at the start of a free range; then both come back and coalesce whole.
+        let q = c.take_exact(seg, 3 * MIB, MIB).unwrap();
+        assert_eq!(q.offset, 3 * MIB);
+        assert_eq!(c.release(p), Ok(false));
+        assert_eq!(c.release(q), Ok(true));
+        assert_eq!(c.free_ranges(), 1);
+        assert_eq!(c.carve(8 * MIB).unwrap().len, 8 * MIB);
+    }
+
+    #[test]
     fn a_piece_never_spans_two_segments() {
         let mut c = Carver::new();
         let s1 = c.add_segment(MIB, ());
@@ -570,14 +618,31 @@ mod tests {
         c.add_segment(4 * MIB, ());
         c.add_segment(3 * MIB, ());
         let mut lent: Vec<Piece> = Vec::new();
+        let mut released: Vec<Piece> = Vec::new();
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        for _ in 0..2000 {
+        for _ in 0..4000 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             if x % 3 == 0 && !lent.is_empty() {
                 let p = lent.swap_remove((x as usize / 3) % lent.len());
                 c.release(p).unwrap();
+                released.push(p);
+            } else if x % 3 == 1 && !released.is_empty() {
+                // A range released earlier, taken again exactly: only if no lent piece
+                // overlaps it.
+                let r = released.swap_remove((x as usize / 3) % released.len());
+                let overlaps = lent.iter().any(|p| {
+                    p.seg == r.seg && p.offset < r.offset + r.len && r.offset < p.offset + p.len
+                });
+                match c.take_exact(r.seg, r.offset, r.len) {
+                    Some(p) => {
+                        assert!(!overlaps, "{p:?} overlaps a lent piece");
+                        assert_eq!(p, r);
+                        lent.push(p);
+                    }
+                    None => assert!(overlaps, "{r:?} was free but not taken"),
+                }
             } else {
                 let want = 512 + (x as usize >> 8) % (300 * KIB);
                 if let Some(p) = c.carve(want) {

@@ -195,11 +195,13 @@ impl<R: Runtime> PoolShared<R> {
 
     /// Whether the block is a large piece that fills less than 3/4 of its carved segment: on
     /// free it goes back into its segment at once, to coalesce with its neighbours. Larger
-    /// pieces stay on the cached path like whole segments: a request of their class that
-    /// comes back again and again is served without the pool actor.
+    /// pieces, and pieces recalled to the range their class just gave back, stay on the
+    /// cached path like whole segments: a request of their class that comes back again and
+    /// again is served without the pool actor.
     #[inline]
     pub(crate) fn large_piece(&self, block: &Block<R>) -> bool {
         block.size > self.absorb_above
+            && !block.recalled
             && block
                 .segment
                 .as_ref()

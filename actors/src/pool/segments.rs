@@ -23,7 +23,7 @@
 //! blocks, and the pieces lent out of them are remembered here, so that a snapshot lists
 //! each segment with its blocks and free ranges.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -85,6 +85,9 @@ pub(super) struct Segments<R: Runtime> {
     /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
     /// address: their bytes and their blocks' records, for snapshots.
     lent: BTreeMap<usize, (usize, Arc<BlockMeta>)>,
+    /// The range each class last gave back, by class index: a miss of the class takes it
+    /// again while it is wholly free.
+    last_range: HashMap<usize, Piece>,
 }
 
 impl<R: Runtime> Segments<R> {
@@ -97,6 +100,7 @@ impl<R: Runtime> Segments<R> {
                 carving,
                 peak_live: 0,
                 lent: BTreeMap::new(),
+                last_range: HashMap::new(),
             }),
         }
     }
@@ -173,6 +177,19 @@ impl<R: Runtime> PoolActor<R> {
         self.carve_with(class, |segs| segs.carver.place_tight(class.size, max_len))
     }
 
+    /// Cuts a block of `class` at the range its class last gave back, if that is still
+    /// wholly free: such a miss is served without draining the ready queues (the layout is
+    /// the one an earlier placement chose), and the block, its class asked for again and
+    /// again, stays on the cached path when freed.
+    fn recall(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let mut block = self.carve_with(class, |segs| {
+            let last = segs.last_range.remove(&class.index)?;
+            segs.carver.take_exact(last.seg, last.offset, last.len)
+        })?;
+        block.recalled = true;
+        Some(block)
+    }
+
     fn carve_with(
         &mut self,
         class: SizeClass,
@@ -209,6 +226,7 @@ impl<R: Runtime> PoolActor<R> {
             len: block.size,
         };
         segs.lent.remove(&addr);
+        segs.last_range.insert(block.class, piece);
         if let Err(e) = segs.carver.release(piece) {
             // Bookkeeping gone wrong: keep the range out of circulation rather than risk
             // handing it out twice.
@@ -259,9 +277,10 @@ impl<R: Runtime> PoolActor<R> {
             s.peak_live = s.peak_live.max(live.saturating_add(class.size));
         }
         // A free range that the block fills (a large piece that came back, say) serves it as
-        // is. Otherwise coalesce every ready block first, so that placement sees all free
-        // memory: draining is not free for the other threads, whose cached blocks it takes.
-        if let Some(b) = self.carve_tight(class) {
+        // is, and so does the range its class last gave back. Otherwise coalesce every ready
+        // block first, so that placement sees all free memory: draining is not free for the
+        // other threads, whose cached blocks it takes (and whose next requests then miss).
+        if let Some(b) = self.carve_tight(class).or_else(|| self.recall(class)) {
             return Ok(b);
         }
         self.absorb_ready();
