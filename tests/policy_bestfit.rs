@@ -355,6 +355,39 @@ async fn a_large_piece_asked_for_again_at_once_stays_on_the_cached_path_until_a_
 }
 
 #[tokio::test]
+async fn a_large_piece_that_comes_back_between_lent_neighbours_stays_cached_from_its_second_round()
+{
+    let (pool, sim) = best_fit_pool();
+    drop(pool.alloc(64 * MIB).await.unwrap());
+    let a = pool.alloc(20 * MIB).await.unwrap();
+    let b = pool.alloc(14 * MIB).await.unwrap();
+    let c = pool.alloc(30 * MIB).await.unwrap();
+    let at = b.as_ptr() as usize;
+    assert_eq!(at, a.as_ptr() as usize + 20 * MIB);
+    let piece_at = |snap: &pinpool::MemorySnapshot| {
+        snap.blocks()
+            .find(|(_, blk)| blk.address == at)
+            .map(|(_, blk)| (blk.size, blk.state, blk.requested_size))
+            .unwrap()
+    };
+    drop(b);
+    // First time back: a free range again (no request size), between lent neighbours.
+    let snap = pool.snapshot().await.unwrap();
+    assert_eq!(piece_at(&snap), (14 * MIB, BlockStatus::Cached, 0));
+    // Taken again from the same range and freed: now a cached block of its class.
+    for _ in 0..3 {
+        let again = pool.alloc(14 * MIB).await.unwrap();
+        assert_eq!(again.as_ptr() as usize, at);
+        drop(again);
+        let snap = pool.snapshot().await.unwrap();
+        assert_eq!(piece_at(&snap), (14 * MIB, BlockStatus::Cached, 14 * MIB));
+    }
+    assert_eq!(sim.total_host_allocs(), 1);
+    drop((a, c));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
 async fn a_class_does_not_get_its_last_range_back_once_another_block_took_part_of_it() {
     let (pool, sim) = best_fit_pool();
     drop(pool.alloc(64 * MIB).await.unwrap());
@@ -366,7 +399,10 @@ async fn a_class_does_not_get_its_last_range_back_once_another_block_took_part_o
     assert_eq!(over.as_ptr() as usize, at);
     let again = pool.alloc(14 * MIB).await.unwrap();
     let p = again.as_ptr() as usize;
-    assert!(p >= at + 20 * MIB || p + 14 * MIB <= at, "overlaps the 20 MiB block");
+    assert!(
+        p >= at + 20 * MIB || p + 14 * MIB <= at,
+        "overlaps the 20 MiB block"
+    );
     assert_eq!(sim.total_host_allocs(), 1);
     drop((over, again));
     assert_books_balance(&pool, &sim, 0).await;

@@ -171,10 +171,18 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Cuts a block of `class` out of a free range that it fills to within 1/8, if there is
-    /// one: such a miss is served without draining the ready queues.
+    /// one: such a miss is served without draining the ready queues. A block cut at the very
+    /// range its class last gave back is recalled (see `recall`).
     fn carve_tight(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         let max_len = class.size.saturating_add(class.size / 8);
-        self.carve_with(class, |segs| segs.carver.place_tight(class.size, max_len))
+        let mut recalled = false;
+        let mut b = self.carve_with(class, |segs| {
+            let p = segs.carver.place_tight(class.size, max_len)?;
+            recalled = segs.last_range.get(&class.index) == Some(&p);
+            Some(p)
+        })?;
+        b.recalled = recalled;
+        Some(b)
     }
 
     /// Cuts a block of `class` at the range its class last gave back, if that is still
