@@ -86,8 +86,9 @@ const STEPS_LOG2: u32 = 4;
 const BEST_FIT_SMALL: usize = 512 << STEPS_LOG2;
 const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 
-/// Fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per doubling, so a
-/// class rounds up by at most 6.25%) whose blocks are cut out of shared segments.
+/// The default: fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per
+/// doubling, so a class rounds up by at most 6.25%) whose blocks are cut out of shared
+/// segments.
 ///
 /// A miss is served, after the pool has drained its ready queues and coalesced free
 /// neighbours, by the best-fitting free range of a segment that already lends a piece, else
@@ -98,7 +99,10 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// The reserve cap is 1.2 times the peak of live bytes: before fresh memory would cross it,
 /// wholly free segments go back to the runtime, least recently used first. Freed small
 /// blocks, and large ones that fill their segment, stay on the cached path; other pieces go
-/// back into their segment at once, so that it can coalesce.
+/// back into their segment at once, so that it can coalesce. A miss whose class last gave
+/// back a range that is still wholly free takes that range again without draining the ready
+/// queues, and that block then stays on the cached path: a thread looping over one size
+/// stops asking the pool actor after its second request.
 ///
 /// ```
 /// use pinpool_actors::{BestFit, SizePolicy};
@@ -190,7 +194,7 @@ impl SizePolicy for BestFit {
     }
 }
 
-/// The default: PyTorch's powers of two up to a threshold (512 MiB by default), and above it
+/// PyTorch's powers of two up to a threshold (512 MiB by default), and above it
 /// sixteen classes per power of two, so that a large request is rounded up by at most 6.25%
 /// instead of up to 100% (PyTorch's `pinned_max_round_threshold_mb` knob, made the default).
 /// Requests up to the threshold behave exactly as under [`PowerOfTwo`].
