@@ -2,7 +2,9 @@
 //! record, hold and free, with `empty_cache` running alongside. At the end: no copy ever saw
 //! its bytes change (invariant 1), the books balance and every byte goes back (invariant 2).
 //!
-//! The normal test run does a short version. The soak version runs a million operations:
+//! The normal test run does a short version under every size policy (sizes up to 3 MiB, so
+//! that best fit cuts large pieces out of shared segments, coalesces and recalls them). The
+//! soak version runs a million operations under the default policy:
 //! `PINPOOL_SOAK=1 cargo test --release --test stress -- --ignored`.
 
 mod common;
@@ -10,10 +12,21 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pinpool::config::SizePolicyChoice;
 use pinpool::sim::{DeviceBuffer, SimRuntime, SimStream};
 use pinpool::{Builder, PinnedAllocator, PinnedBuffer};
 
-const SIZES: [usize; 7] = [64, 700, 4096, 5000, 1 << 14, 1 << 16, 100_000];
+const SIZES: [usize; 9] = [
+    64,
+    700,
+    4096,
+    5000,
+    1 << 14,
+    1 << 16,
+    100_000,
+    3 << 19,
+    3 << 20,
+];
 
 struct Rng(u64);
 impl Rng {
@@ -62,7 +75,7 @@ impl Worker {
             let i = self.rng.below(self.live.len());
             let (b, tag) = self.live.swap_remove(i);
             assert!(
-                b.iter().all(|&x| x == tag),
+                common::all_bytes_are(&b, tag),
                 "a live buffer changed under its owner"
             );
             drop(b);
@@ -74,7 +87,7 @@ impl Worker {
     }
 }
 
-fn run(ops_per_worker: usize, tasks: usize, threads: usize, seed: u64) {
+fn run(ops_per_worker: usize, tasks: usize, threads: usize, seed: u64, policy: SizePolicyChoice) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -83,6 +96,7 @@ fn run(ops_per_worker: usize, tasks: usize, threads: usize, seed: u64) {
     let sim = SimRuntime::new();
     sim.set_random_delays(seed, Duration::from_micros(100));
     let pool: PinnedAllocator<SimRuntime> = Builder::new(Arc::new(sim.clone()))
+        .policy(policy.policy())
         .handle(rt.handle().clone())
         .build()
         .unwrap();
@@ -144,7 +158,9 @@ fn run(ops_per_worker: usize, tasks: usize, threads: usize, seed: u64) {
 
 #[test]
 fn many_tasks_and_threads_with_random_stream_delays_never_reuse_early_or_lose_memory() {
-    run(1500, 6, 2, 0x5EED);
+    for policy in SizePolicyChoice::ALL {
+        run(1500, 6, 2, 0x5EED, policy);
+    }
 }
 
 #[test]
@@ -154,5 +170,5 @@ fn soak_a_million_operations() {
         eprintln!("skipped: set PINPOOL_SOAK=1 to run the soak test");
         return;
     }
-    run(100_000, 8, 2, 0xC0FFEE);
+    run(100_000, 8, 2, 0xC0FFEE, SizePolicyChoice::default());
 }

@@ -83,3 +83,10 @@ pub async fn assert_books_balance(
     assert_eq!(pool.stats().allocated_bytes.current as usize, reserved);
     assert_eq!(in_use, in_use_blocks, "blocks in use: {inv:?}");
 }
+
+/// Whether every byte of `bytes` is `value` (compared a chunk at a time, so that checking
+/// megabytes stays fast in debug builds).
+pub fn all_bytes_are(bytes: &[u8], value: u8) -> bool {
+    let chunk = [value; 4096];
+    bytes.chunks(chunk.len()).all(|c| c == &chunk[..c.len()])
+}
