@@ -4,11 +4,12 @@
 //!
 //! Owns the [`Carver`] of the pool's segments; every block of such a pool is a range of one
 //! segment and holds an `Arc` of it. A block's range is free in the carver only while no one
-//! else holds the block: blocks in ready queues are drained into the carver at every miss
-//! (and only then coalesce; large pieces that do not fill their segment come back at once),
-//! while blocks waiting on events (with the poller) or kept for graph replays (in the
-//! pool's `kept`) are never in it, so they are never cut into a new block early
-//! (invariants 1 and 4). Fresh memory is taken only after completed events have been
+//! else holds the block: blocks in ready queues are drained into the carver at a miss that
+//! neither a tight free range nor its class's last range serves (and only then coalesce;
+//! large pieces that do not fill their segment come back at once, unless recalled), while
+//! blocks waiting on events (with the poller) or kept for graph replays (in the pool's
+//! `kept`) are never in it, so they are never cut into a new block early (invariants 1
+//! and 4). Fresh memory is taken only after completed events have been
 //! noticed (invariant 3), on a blocking thread (invariant 6). A segment goes
 //! back to the runtime only when no piece of it is lent (invariant 2); if the actor is gone,
 //! the last block of a segment gives it back, unless device work may still use a piece.
