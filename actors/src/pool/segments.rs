@@ -9,10 +9,10 @@
 //! large pieces that do not fill their segment come back at once, unless recalled), while
 //! blocks waiting on events (with the poller) or kept for graph replays (in the pool's
 //! `kept`) are never in it, so they are never cut into a new block early (invariants 1
-//! and 4). Fresh memory is taken only after completed events have been
-//! noticed (invariant 3), on a blocking thread (invariant 6). A segment goes
-//! back to the runtime only when no piece of it is lent (invariant 2); if the actor is gone,
-//! the last block of a segment gives it back, unless device work may still use a piece.
+//! and 4). Fresh memory is taken only after completed events have been noticed (invariant
+//! 3), on a blocking thread (invariant 6). A segment goes back to the runtime only when no
+//! piece of it is lent (invariant 2); if the actor is gone, the last block of a segment
+//! gives it back, unless device work may still use a piece.
 //!
 //! Where a miss is cut from, when fresh memory is taken and how large, and which wholly free
 //! segments go back first, are the layout's [`Carving`] rules (see `BestFit`): the pool
