@@ -96,6 +96,50 @@ async fn many_threads_sharing_one_class_lose_no_block() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_queued_past_a_threads_slots_are_found_by_other_threads_and_by_empty_cache() {
+    // Best fit: fine classes, so that 70 sizes are 70 classes (more than one 64-class word
+    // of queue marks). Four blocks in each, all freed by one thread: one per class fills
+    // its slot, three per class go to its queues.
+    let (pool, sim) = common::best_fit_pool();
+    let sizes: Vec<usize> = (1..=70).map(|i| i * 8192).collect();
+    let p = pool.clone();
+    let sz = sizes.clone();
+    std::thread::spawn(move || {
+        let held: Vec<_> = sz
+            .iter()
+            .flat_map(|&s| (0..4).map(move |_| s))
+            .map(|s| p.alloc_blocking(s).unwrap())
+            .collect();
+        drop(held);
+    })
+    .join()
+    .unwrap();
+    let fresh = sim.total_host_allocs();
+    // Another thread takes them all back without fresh memory.
+    let p = pool.clone();
+    let sz = sizes.clone();
+    std::thread::spawn(move || {
+        let again: Vec<_> = sz
+            .iter()
+            .flat_map(|&s| (0..4).map(move |_| s))
+            .map(|s| p.alloc_blocking(s).unwrap())
+            .collect();
+        drop(again);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        sim.total_host_allocs(),
+        fresh,
+        "every queued block was found"
+    );
+    let report = pool.empty_cache().await.unwrap();
+    assert_eq!(report.freed_blocks as u64, fresh);
+    assert_eq!(sim.live_bytes(), 0);
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_balance_when_buffers_are_freed_on_other_threads() {
     let (pool, sim) = sim_pool();
     let bufs: Vec<_> = (0..50).map(|_| pool.alloc_blocking(512).unwrap()).collect();

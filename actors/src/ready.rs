@@ -7,7 +7,9 @@
 //! the shard's flume queue for the class, and an empty slot and queue make the request look in
 //! the other shards' slots and queues before it asks the pool actor. Slots are shared memory,
 //! not thread-locals: the pool actor drains them when it empties the cache or shuts down,
-//! and a thread that exits leaves nothing behind.
+//! and a thread that exits leaves nothing behind. Each shard marks the classes whose queue
+//! may hold a block, so that a drain (at a best-fit miss, say) or a steal looks only at
+//! those queues, not at every class of every shard.
 //!
 //! Each shard also has a few *parked* slots for the record path: a block freed after a
 //! stream used it waits there, its events recorded, instead of being sent to the event
@@ -22,7 +24,7 @@
 //! invariant 3), and parked blocks are counted as waiting blocks throughout (invariant 2).
 
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use flume::{Receiver, Sender};
@@ -47,6 +49,39 @@ pub(crate) const PARKED: usize = 4;
 /// One shard's overflow queues.
 struct Shard<R: Runtime> {
     queues: Box<[Queue<R>]>,
+    /// One bit per class whose queue may hold a block: set after every send, cleared by a
+    /// drain before it empties the queue. A queue that holds a block always has its bit set
+    /// once the send returns (a bit may be set over an empty queue), so a drain or a steal
+    /// looks only at queues whose bit is set instead of at every class of every shard.
+    queued: Box<[AtomicU64]>,
+}
+
+impl<R: Runtime> Shard<R> {
+    /// Whether the queue of `class` may hold a block.
+    #[inline]
+    fn may_hold(&self, class: usize) -> bool {
+        self.queued[class / 64].load(Ordering::Acquire) & (1 << (class % 64)) != 0
+    }
+
+    /// The queue of `class` (of this shard) holds a block.
+    fn mark(&self, class: usize) {
+        self.queued[class / 64].fetch_or(1 << (class % 64), Ordering::Release);
+    }
+
+    /// Takes every block out of the queues whose bit is set, clearing the bits first.
+    fn drain_into(&self, out: &mut Vec<Box<Block<R>>>) {
+        for (w, word) in self.queued.iter().enumerate() {
+            if word.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = word.swap(0, Ordering::Acquire);
+            while bits != 0 {
+                let class = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                out.extend(self.queues[class].rx.try_iter());
+            }
+        }
+    }
 }
 
 type ParkedLine<R> = CachePadded<[AtomicPtr<Block<R>>; PARKED]>;
@@ -149,6 +184,9 @@ impl<R: Runtime> ReadyQueues<R> {
                         Queue { tx, rx }
                     })
                     .collect(),
+                queued: (0..classes.div_ceil(64))
+                    .map(|_| AtomicU64::new(0))
+                    .collect(),
             })
             .collect();
         let mask = shards.len() - 1;
@@ -212,8 +250,13 @@ impl<R: Runtime> ReadyQueues<R> {
         (1..self.shards.len())
             .map(|i| (me + i) & self.mask)
             .find_map(|s| {
-                take_slot(self.slot(s, class))
-                    .or_else(|| self.shards[s].queues[class].rx.try_recv().ok())
+                take_slot(self.slot(s, class)).or_else(|| {
+                    let shard = &self.shards[s];
+                    shard
+                        .may_hold(class)
+                        .then(|| shard.queues[class].rx.try_recv().ok())
+                        .flatten()
+                })
             })
     }
 
@@ -236,7 +279,9 @@ impl<R: Runtime> ReadyQueues<R> {
     fn put_queue(&self, shard: usize, block: Box<Block<R>>) {
         let class = block.class;
         // The receiver lives beside the sender, so the send cannot fail.
-        let _ = self.shards[shard].queues[class].tx.send(block);
+        let shard = &self.shards[shard];
+        let _ = shard.queues[class].tx.send(block);
+        shard.mark(class);
     }
 
     /// Takes every ready block out of every slot and queue.
@@ -246,9 +291,7 @@ impl<R: Runtime> ReadyQueues<R> {
             out.extend(line.iter().filter_map(take_slot));
         }
         for shard in self.shards.iter() {
-            for q in shard.queues.iter() {
-                out.extend(q.rx.try_iter());
-            }
+            shard.drain_into(&mut out);
         }
         out
     }
