@@ -10,7 +10,7 @@
 //!
 //! Options: `--runtime cuda|sim` (default: cuda when built with the `cuda` feature),
 //! `--quick` (fewer iterations, for smoke runs), `--policy bestfit|tiered|pow2` (the size
-//! policy of every pool it builds; default: the allocator's default, tiered).
+//! policy of every pool it builds; default: the allocator's default, bestfit).
 //!
 //! What each metric measures (as the anchor does):
 //! - `pair_ns size=S`: one thread, allocate a cached size and free it, 2 000 000 times.
@@ -22,7 +22,9 @@
 //!   `register` with huge pages and pre-faulting threads).
 //! - `reserved_MiB_for_request_MiB request=1025`: reserved bytes after a 1 GiB + 1 request.
 //!
-//! Extras: `async_pair_ns` (`alloc().await`, cached, in a tokio task), `h2d_GBps` from a
+//! Extras: `async_pair_ns` (`alloc().await`, cached, in a tokio task),
+//! `mixed_sizes_ns_per_request held=64` (one thread holds 64 buffers and replaces one at a
+//! time with a buffer of another size, 4 KiB to 1 MiB: misses included), `h2d_GBps` from a
 //! pinpool buffer and from a plain pinned buffer, `event_to_reusable_us` (p50/p99: from the
 //! moment a buffer's event completes to the moment a request gets that block back), and
 //! `poller_idle_cpu_pct` (process CPU while the allocator is idle).
@@ -197,6 +199,27 @@ fn async_pair<R: Runtime>(pool: &PinnedAllocator<R>, rt: &tokio::runtime::Runtim
     println!("pinpool async_pair_ns size={size} {ns:.1}");
 }
 
+/// One thread holds 64 buffers of varied sizes and replaces one at a time with a buffer of
+/// another size: what a request costs when sizes vary (the policy's misses included).
+fn mixed_sizes<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
+    let n: usize = if quick { 5_000 } else { 50_000 };
+    let size = |i: usize| 4096 + i.wrapping_mul(104_729) % (1 << 20);
+    let mut held: Vec<_> = (0..64)
+        .map(|i| pool.alloc_blocking(size(n + i)).expect("alloc"))
+        .collect();
+    let fresh_before = pool.stats().num_host_alloc;
+    let t0 = Instant::now();
+    for i in 0..n {
+        held[i % 64] = pool.alloc_blocking(size(i)).expect("alloc");
+    }
+    let ns = ns_per(t0, n as u64);
+    println!("pinpool mixed_sizes_ns_per_request held=64 {ns:.1}");
+    eprintln!(
+        "  (fresh allocations during the mixed sizes loop: {})",
+        pool.stats().num_host_alloc - fresh_before
+    );
+}
+
 /// CPU time of the whole process (user + system), from /proc/self/stat.
 fn process_cpu() -> Option<Duration> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
@@ -237,6 +260,7 @@ fn run_sim(args: &Args) {
     pair_with_record(&pool, &stream, args.quick);
     mt(&pool, args.quick);
     async_pair(&pool, &rt, args.quick);
+    mixed_sizes(&pool, args.quick);
     // Idle with nothing pending, then with a block waiting on a stream that never finishes.
     if let Some(p) = idle_cpu_pct(1.0) {
         println!("pinpool poller_idle_cpu_pct pending=0 {p:.2}");
@@ -277,6 +301,7 @@ mod gpu {
         mt(&pool, args.quick);
         fresh(&rt, args)?;
         async_pair(&pool, &rt, args.quick);
+        mixed_sizes(&pool, args.quick);
         h2d(&pool, &cuda, &stream)?;
         event_latency(&pool, &cuda, &stream, args.quick)?;
         if let Some(p) = idle_cpu_pct(2.0) {
