@@ -101,33 +101,23 @@ async fn blocks_queued_past_a_threads_slots_are_found_by_other_threads_and_by_em
     // of queue marks). Four blocks in each, all freed by one thread: one per class fills
     // its slot, three per class go to its queues.
     let (pool, sim) = common::best_fit_pool();
-    let sizes: Vec<usize> = (1..=70).map(|i| i * 8192).collect();
-    let p = pool.clone();
-    let sz = sizes.clone();
-    std::thread::spawn(move || {
-        let held: Vec<_> = sz
-            .iter()
-            .flat_map(|&s| (0..4).map(move |_| s))
-            .map(|s| p.alloc_blocking(s).unwrap())
-            .collect();
-        drop(held);
-    })
-    .join()
-    .unwrap();
+    // On a thread of its own: four blocks of each size, held together, then all freed.
+    let four_of_each_on_a_thread = || {
+        let p = pool.clone();
+        std::thread::spawn(move || {
+            let held: Vec<_> = (1..=70usize)
+                .flat_map(|i| [i * 8192; 4])
+                .map(|s| p.alloc_blocking(s).unwrap())
+                .collect();
+            drop(held);
+        })
+        .join()
+        .unwrap();
+    };
+    four_of_each_on_a_thread();
     let fresh = sim.total_host_allocs();
     // Another thread takes them all back without fresh memory.
-    let p = pool.clone();
-    let sz = sizes.clone();
-    std::thread::spawn(move || {
-        let again: Vec<_> = sz
-            .iter()
-            .flat_map(|&s| (0..4).map(move |_| s))
-            .map(|s| p.alloc_blocking(s).unwrap())
-            .collect();
-        drop(again);
-    })
-    .join()
-    .unwrap();
+    four_of_each_on_a_thread();
     assert_eq!(
         sim.total_host_allocs(),
         fresh,
