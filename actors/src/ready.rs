@@ -296,6 +296,33 @@ impl<R: Runtime> ReadyQueues<R> {
         out
     }
 
+    /// The slot line that holds the slots of `class` in each shard.
+    pub(crate) const fn line_of(class: usize) -> usize {
+        class / SLOTS_PER_LINE
+    }
+
+    /// Takes every queued block, and every block in a slot on one of the lines set in
+    /// `lines` (bit `l % 64` of word `l / 64` for line `l`; see [`Self::line_of`]), in every
+    /// shard. A caller that knows which classes can hold blocks looks at those lines only.
+    pub(crate) fn drain_lines(&self, lines: &[u64]) -> Vec<Box<Block<R>>> {
+        let mut out = Vec::new();
+        for (s, shard) in self.shards.iter().enumerate() {
+            let base = s * self.lines_per_shard;
+            for (w, &word) in lines.iter().enumerate() {
+                let mut bits = word;
+                while bits != 0 {
+                    let line = w * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    if line < self.lines_per_shard {
+                        out.extend(self.slots[base + line].iter().filter_map(take_slot));
+                    }
+                }
+            }
+            shard.drain_into(&mut out);
+        }
+        out
+    }
+
     /// Counts the ready blocks and their bytes without taking them.
     pub(crate) fn census(&self) -> (usize, usize) {
         let blocks = self.drain();

@@ -33,6 +33,7 @@ use crate::block::Block;
 use crate::carve::{Carver, Piece, SegId};
 use crate::error::Error;
 use crate::policy::{BlockLayout, Carving, SizeClass};
+use crate::ready::ReadyQueues;
 use crate::runtime::{HostMemory, Runtime, RuntimeError};
 use crate::snapshot::BlockMeta;
 
@@ -89,6 +90,10 @@ pub(super) struct Segments<R: Runtime> {
     /// The range each class last gave back, by class index: a miss of the class takes it
     /// again while it is wholly free.
     last_range: HashMap<usize, Piece>,
+    /// The ready queues' slot lines of every class a block was cut for (see
+    /// `ReadyQueues::drain_lines`): only those slots can hold blocks of this pool, so a
+    /// miss drains them and skips the rest.
+    slot_lines: Vec<u64>,
 }
 
 impl<R: Runtime> Segments<R> {
@@ -102,6 +107,7 @@ impl<R: Runtime> Segments<R> {
                 peak_live: 0,
                 lent: BTreeMap::new(),
                 last_range: HashMap::new(),
+                slot_lines: Vec::new(),
             }),
         }
     }
@@ -215,6 +221,11 @@ impl<R: Runtime> PoolActor<R> {
             size: piece.len,
             method: seg.memory.method,
         };
+        let line = ReadyQueues::<R>::line_of(class.index);
+        if segs.slot_lines.len() <= line / 64 {
+            segs.slot_lines.resize(line / 64 + 1, 0);
+        }
+        segs.slot_lines[line / 64] |= 1 << (line % 64);
         let mut block = Block::new(memory, class.index, self.shared.clone());
         block.segment = Some(seg);
         segs.lent
@@ -250,9 +261,15 @@ impl<R: Runtime> PoolActor<R> {
         true
     }
 
-    /// Moves every block of the ready queues into the free ranges.
+    /// Moves every block of the ready queues into the free ranges (looking only at the slots
+    /// of classes the pool has cut blocks for).
     fn absorb_ready(&mut self) {
-        for mut b in self.shared.ready.drain() {
+        let lines = self
+            .carved
+            .as_ref()
+            .map(|s| s.slot_lines.clone())
+            .unwrap_or_default();
+        for mut b in self.shared.ready.drain_lines(&lines) {
             if !self.absorb(&mut b) {
                 self.shared.ready.put(b);
             }
