@@ -386,7 +386,7 @@ pub(crate) fn miss_blocking<R: Runtime>(
                 }
                 Err(flume::RecvTimeoutError::Disconnected) => return Err(Error::Shutdown),
             },
-            None => rx.recv().map_err(|_| Error::Shutdown)?,
+            None => recv_spinning(&rx).map_err(|_| Error::Shutdown)?,
         };
         pending.armed = false;
         match reply {
@@ -401,6 +401,26 @@ pub(crate) fn miss_blocking<R: Runtime>(
     }
 }
 
+/// How long a blocking miss spins on its reply before it parks the thread.
+const REPLY_SPIN: Duration = Duration::from_micros(30);
+
+/// Waits for a pool actor's reply, polling it for [`REPLY_SPIN`] before parking the thread:
+/// a miss that the actor serves from memory it holds is answered within microseconds, and
+/// parking would add a wake-up about as long as the wait itself.
+fn recv_spinning<T>(rx: &flume::Receiver<T>) -> Result<T, flume::RecvError> {
+    let start = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(flume::TryRecvError::Disconnected) => return Err(flume::RecvError::Disconnected),
+            Err(flume::TryRecvError::Empty) if start.elapsed() < REPLY_SPIN => {
+                std::hint::spin_loop()
+            }
+            Err(flume::TryRecvError::Empty) => return rx.recv(),
+        }
+    }
+}
+
 /// A pool asked for room twice (it does not once the caches were emptied): out of memory.
 fn no_room<R: Runtime>(pool: &PoolShared<R>, requested: usize) -> Error {
     pool.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
@@ -408,5 +428,37 @@ fn no_room<R: Runtime>(pool: &PoolShared<R>, requested: usize) -> Error {
         requested,
         reserved: pool.budget.reserved(),
         limit: pool.budget.limit(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_is_received_whether_it_comes_during_the_spin_or_after_it() {
+        let (tx, rx) = flume::bounded(1);
+        tx.send(1).unwrap();
+        assert_eq!(recv_spinning(&rx), Ok(1));
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(REPLY_SPIN * 20);
+            tx.send(2).unwrap();
+        });
+        assert_eq!(recv_spinning(&rx), Ok(2));
+        late.join().unwrap();
+    }
+
+    #[test]
+    fn a_dropped_sender_ends_the_wait_during_the_spin_or_after_it() {
+        let (tx, rx) = flume::bounded::<u8>(1);
+        drop(tx);
+        assert_eq!(recv_spinning(&rx), Err(flume::RecvError::Disconnected));
+        let (tx, rx) = flume::bounded::<u8>(1);
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(REPLY_SPIN * 20);
+            drop(tx);
+        });
+        assert_eq!(recv_spinning(&rx), Err(flume::RecvError::Disconnected));
+        late.join().unwrap();
     }
 }
