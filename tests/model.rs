@@ -284,7 +284,10 @@ impl Harness {
             s.synchronize().unwrap();
         }
         let rt = &self._rt;
-        rt.block_on(common::assert_books_balance(&self.pool, &self.sim, 0));
+        rt.block_on(async {
+            common::eventually_nothing_in_use(&self.pool).await;
+            common::assert_books_balance(&self.pool, &self.sim, 0).await;
+        });
         assert_eq!(self.sim.violations(), 0, "{:?}", self.sim.violation_log());
         let pool = self.pool;
         let sim = self.sim.clone();

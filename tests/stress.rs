@@ -142,6 +142,7 @@ fn run(ops_per_worker: usize, tasks: usize, threads: usize, seed: u64, policy: S
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
     rt.block_on(async {
         common::eventually("events noticed", || pool.stats().waiting_blocks == 0).await;
+        common::eventually_nothing_in_use(&pool).await;
         common::assert_books_balance(&pool, &sim, 0).await;
     });
     let stats = pool.stats();

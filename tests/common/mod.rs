@@ -84,6 +84,24 @@ pub async fn assert_books_balance(
     assert_eq!(in_use, in_use_blocks, "blocks in use: {inv:?}");
 }
 
+/// Waits until no block of any pool is in use. A freed block can be on its way to its pool
+/// actor (a large piece of a segment, say, once its events completed): counted as in use
+/// until the actor takes it home.
+pub async fn eventually_nothing_in_use(pool: &PinnedAllocator<SimRuntime>) {
+    let start = Instant::now();
+    loop {
+        let inv = pool.inventory().await.expect("inventory");
+        if inv.iter().all(|p| p.in_use_blocks == 0) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "blocks still in use: {inv:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// Whether every byte of `bytes` is `value` (compared a chunk at a time, so that checking
 /// megabytes stays fast in debug builds).
 pub fn all_bytes_are(bytes: &[u8], value: u8) -> bool {
