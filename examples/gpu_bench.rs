@@ -10,7 +10,7 @@
 //!
 //! Options: `--runtime cuda|sim` (default: cuda when built with the `cuda` feature),
 //! `--quick` (fewer iterations, for smoke runs), `--policy bestfit|tiered|pow2` (the size
-//! policy of every pool it builds; default: the allocator's default, bestfit).
+//! policy of every pool it builds; default: the allocator's default, tiered).
 //!
 //! What each metric measures (as the anchor does):
 //! - `pair_ns size=S`: one thread, allocate a cached size and free it, 2 000 000 times.

@@ -35,12 +35,12 @@ pub enum PinStrategy {
 pub enum SizePolicyChoice {
     /// Powers of two up to 512 MiB, sixteenths of a power of two above
     /// ([`crate::TieredPowerOfTwo`]).
+    #[default]
     Tiered,
     /// Round up to a power of two, one free list per power of two, as PyTorch
     /// ([`crate::PowerOfTwo`]).
     Pow2,
-    /// Fine size classes carved out of shared segments ([`crate::BestFit`]), the default.
-    #[default]
+    /// Fine size classes carved out of shared segments ([`crate::BestFit`]).
     BestFit,
 }
 
@@ -581,7 +581,7 @@ mod size_policy_tests {
 
     #[test]
     fn size_policy_parses_pow2_and_bestfit_and_round_trips() {
-        assert_eq!(Config::default().size_policy, SizePolicyChoice::BestFit);
+        assert_eq!(Config::default().size_policy, SizePolicyChoice::Tiered);
         let c = Config::parse("size_policy: bestfit").unwrap();
         assert_eq!(c.size_policy, SizePolicyChoice::BestFit);
         assert_eq!(c.size_policy.policy().name(), "bestfit");

@@ -86,9 +86,8 @@ const STEPS_LOG2: u32 = 4;
 const BEST_FIT_SMALL: usize = 512 << STEPS_LOG2;
 const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 
-/// The default: fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per
-/// doubling, so a class rounds up by at most 6.25%) whose blocks are cut out of shared
-/// segments.
+/// Fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per doubling, so a
+/// class rounds up by at most 6.25%) whose blocks are cut out of shared segments.
 ///
 /// A miss is served, after the pool has drained its ready queues and coalesced free
 /// neighbours, by the best-fitting free range of a segment that already lends a piece, else
@@ -103,6 +102,10 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// back a range that is still wholly free takes that range again without draining the ready
 /// queues, and that block then stays on the cached path: a thread looping over one size
 /// stops asking the pool actor after its second request.
+///
+/// Under a memory limit, free ranges stranded in segments that still lend pieces are not
+/// room: a request larger than every free range waits until a segment empties, even when the
+/// free bytes add up to more than it asks for (powers of two free a cached block instead).
 ///
 /// ```
 /// use pinpool_actors::{BestFit, SizePolicy};
@@ -194,7 +197,7 @@ impl SizePolicy for BestFit {
     }
 }
 
-/// PyTorch's powers of two up to a threshold (512 MiB by default), and above it
+/// The default: PyTorch's powers of two up to a threshold (512 MiB by default), and above it
 /// sixteen classes per power of two, so that a large request is rounded up by at most 6.25%
 /// instead of up to 100% (PyTorch's `pinned_max_round_threshold_mb` knob, made the default).
 /// Requests up to the threshold behave exactly as under [`PowerOfTwo`].
