@@ -252,10 +252,11 @@ impl<R: Runtime> ReadyQueues<R> {
             .find_map(|s| {
                 take_slot(self.slot(s, class)).or_else(|| {
                     let shard = &self.shards[s];
-                    shard
-                        .may_hold(class)
-                        .then(|| shard.queues[class].rx.try_recv().ok())
-                        .flatten()
+                    if shard.may_hold(class) {
+                        shard.queues[class].rx.try_recv().ok()
+                    } else {
+                        None
+                    }
                 })
             })
     }
