@@ -190,6 +190,37 @@ impl<T> Carver<T> {
         }
     }
 
+    /// Cuts a piece of at least `size` bytes out of a free range of `seg`, at the start or
+    /// at the end of the range: of all such places, the one that `rank(offset, range
+    /// length)` ranks lowest; places it ranks `None` are not taken. `None` when no place is
+    /// ranked. Looks at every free range of the segment.
+    pub(crate) fn place_ranked<K: Ord>(
+        &mut self,
+        seg: SegId,
+        size: usize,
+        mut rank: impl FnMut(usize, usize) -> Option<K>,
+    ) -> Option<Piece> {
+        let want = align_up(size.max(1))?;
+        let s = self.segments.get(&seg)?;
+        let mut best: Option<(K, usize)> = None;
+        for (&o, &l) in s.free.range(..) {
+            if l < want {
+                continue;
+            }
+            let places = [o, o + l - want];
+            let places = if l == want { &places[..1] } else { &places[..] };
+            for &at in places {
+                if let Some(k) = rank(at, l) {
+                    if best.as_ref().map_or(true, |(b, _)| k < *b) {
+                        best = Some((k, at));
+                    }
+                }
+            }
+        }
+        let (_, at) = best?;
+        self.take_exact(seg, at, want)
+    }
+
     /// Cuts exactly the range (`offset`, `len`) of `seg` out of the free range that holds
     /// it, if one does (the rest of that range stays free); `None` otherwise.
     pub(crate) fn take_exact(&mut self, seg: SegId, offset: usize, len: usize) -> Option<Piece> {

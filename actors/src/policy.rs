@@ -68,6 +68,15 @@ pub struct Carving {
     /// under the reserve cap when that is more than the block needs: fewer, larger host
     /// allocations that later requests are cut from.
     pub fill_permille: u32,
+    /// Cut blocks out of one expandable range (an arena) where the runtime can map pinned
+    /// memory into reserved address space, granule by granule: free ranges coalesce across
+    /// what would be separate segments, and a granule no block touches goes back on its
+    /// own. Requests the arena cannot hold, and runtimes without the capability, use
+    /// separate segments.
+    pub expandable: bool,
+    /// Bytes of address space the arena reserves (at most the memory limit, when there
+    /// is one).
+    pub arena_reserve: usize,
 }
 
 impl Carving {
@@ -130,6 +139,8 @@ impl Default for BestFit {
                 split_ratio: 3,
                 reserve_cap_permille: Some(1200),
                 fill_permille: 500,
+                expandable: true,
+                arena_reserve: 64 << 30,
             },
         }
     }
@@ -153,6 +164,19 @@ impl BestFit {
     /// Blocks above `bytes` are not cached: their memory goes back to the runtime once free.
     pub fn max_cached_size(mut self, bytes: usize) -> Self {
         self.carving.max_cached_size = bytes;
+        self
+    }
+
+    /// Cut blocks out of separate host allocations even where the runtime offers
+    /// expandable host memory (default: one expandable range, see [`Carving::expandable`]).
+    pub fn separate_segments(mut self) -> Self {
+        self.carving.expandable = false;
+        self
+    }
+
+    /// Bytes of address space the expandable range reserves (default 64 GiB).
+    pub fn arena_reserve(mut self, bytes: usize) -> Self {
+        self.carving.arena_reserve = bytes;
         self
     }
 }

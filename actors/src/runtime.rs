@@ -6,7 +6,8 @@
 //! simulated one.
 //!
 //! Contract (the engine relies on each point):
-//! - `host_alloc` / `host_free` may block for milliseconds; the engine calls them only on
+//! - `host_alloc` / `host_free` (and the expandable calls `host_reserve`, `host_map`,
+//!   `host_unmap`, `host_unreserve`) may block for milliseconds; the engine calls them only on
 //!   blocking threads, never on an executor thread or on the cached path.
 //! - `record_event` is called from the thread that frees a buffer (never from an actor),
 //!   so that the event orders after every operation enqueued on the stream so far.
@@ -70,6 +71,9 @@ pub enum PinMethod {
     Register,
     /// Plain heap memory standing in for pinned memory (the simulated runtime).
     Simulated,
+    /// Granules of pinned memory mapped into an address range reserved up front
+    /// ([`Runtime::host_reserve`]): freed with `host_unmap`, never with `host_free`.
+    Mapped,
 }
 
 impl fmt::Display for PinMethod {
@@ -78,6 +82,7 @@ impl fmt::Display for PinMethod {
             PinMethod::HostAlloc => "host_alloc",
             PinMethod::Register => "register",
             PinMethod::Simulated => "simulated",
+            PinMethod::Mapped => "mapped",
         })
     }
 }
@@ -114,6 +119,43 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// Gives back memory obtained from `host_alloc`. May block for milliseconds.
     fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError>;
+
+    /// Expandable host memory: the granule (bytes) in which pinned memory is mapped into a
+    /// range reserved with [`Runtime::host_reserve`], or `None` when the runtime cannot
+    /// (the default). A runtime that returns a granule implements the four calls below.
+    fn host_granularity(&self) -> Option<usize> {
+        None
+    }
+
+    /// Reserves `size` bytes of address space (a multiple of the granule), none of it
+    /// mapped yet. The range's method is [`PinMethod::Mapped`].
+    fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+        let _ = size;
+        Err(RuntimeError::new("host_reserve", "not supported by this runtime"))
+    }
+
+    /// Maps pinned memory at `[offset, offset + size)` of a reserved `range`, one granule
+    /// at a time, so that each granule can be unmapped on its own later; readable and
+    /// writable by the host and the device. Both are multiples of the granule; the granules
+    /// are unmapped now. All or nothing: on failure nothing stays mapped. May block for
+    /// milliseconds.
+    fn host_map(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _ = (range, offset, size);
+        Err(RuntimeError::new("host_map", "not supported by this runtime"))
+    }
+
+    /// Unmaps granules mapped with [`Runtime::host_map`] (any of them, not only whole
+    /// earlier calls) and gives their memory back. May block for milliseconds.
+    fn host_unmap(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _ = (range, offset, size);
+        Err(RuntimeError::new("host_unmap", "not supported by this runtime"))
+    }
+
+    /// Gives back a range reserved with [`Runtime::host_reserve`], none of it mapped.
+    fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+        let _ = range;
+        Err(RuntimeError::new("host_unreserve", "not supported by this runtime"))
+    }
 
     /// The stream's identity.
     fn stream_id(&self, stream: &Self::Stream) -> StreamId;

@@ -21,6 +21,11 @@ enum Msg {
         size: usize,
         reply: flume::Sender<Option<Arc<HostAllocation>>>,
     },
+    Find {
+        addr: usize,
+        size: usize,
+        reply: flume::Sender<Option<Arc<HostAllocation>>>,
+    },
     Lookup {
         addr: usize,
         len: usize,
@@ -71,6 +76,16 @@ impl Ledger {
         self.ask(|reply| Msg::Remove { addr, size, reply })
     }
 
+    /// The live allocation that starts at `addr` with exactly `size` bytes, if any (left in
+    /// the registry).
+    pub(crate) fn find(
+        &self,
+        addr: usize,
+        size: usize,
+    ) -> Result<Option<Arc<HostAllocation>>, SimError> {
+        self.ask(|reply| Msg::Find { addr, size, reply })
+    }
+
     /// The live allocation containing `[addr, addr + len)`, if any.
     pub(crate) fn lookup(
         &self,
@@ -114,6 +129,10 @@ fn run(rx: flume::Receiver<Msg>) {
                     Some(a) if a.size() == size => live.remove(&addr),
                     _ => None,
                 };
+                let _ = reply.send(found);
+            }
+            Msg::Find { addr, size, reply } => {
+                let found = live.get(&addr).filter(|a| a.size() == size).cloned();
                 let _ = reply.send(found);
             }
             Msg::Lookup { addr, len, reply } => {

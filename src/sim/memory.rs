@@ -1,8 +1,12 @@
 //! Simulated pinned host memory: owns each heap allocation (`HostAllocation`) and the byte
 //! access the simulated DMA engine uses on it.
 //!
-//! An allocation is zeroed, 4096-aligned memory from `std::alloc`. It is returned to the
-//! system allocator when the last `Arc<HostAllocation>` drops: the ledger holds one while the
+//! An allocation is zeroed, 4096-aligned memory from `std::alloc`, or (for expandable
+//! memory) an address range reserved with `mmap` whose granules count as mapped or not: a
+//! range that touches an unmapped granule is not inside the allocation, and unmapping a
+//! granule zeroes it (`MADV_DONTNEED`) but leaves it addressable, so a buggy unmap can lose
+//! bytes but never fault. It is returned to the system when the last `Arc<HostAllocation>`
+//! drops: the ledger holds one while the
 //! memory is live, and every queued or captured operation that touches it holds another, so
 //! a buggy `host_free` can never turn a queued copy into a use-after-free.
 //!
@@ -25,10 +29,22 @@ use super::error::SimError;
 /// Alignment of every simulated pinned allocation (a page, like `cudaHostAlloc`).
 pub const HOST_ALIGN: usize = 4096;
 
+/// Where an allocation's bytes come from.
+enum Backing {
+    Heap(Layout),
+    /// Reserved address space; bit `i` says whether granule `i` is mapped.
+    #[cfg(unix)]
+    Reserved {
+        granule: usize,
+        mapped: Box<[AtomicU64]>,
+    },
+}
+
 /// One live heap allocation standing in for pinned memory.
 pub(crate) struct HostAllocation {
     ptr: NonNull<u8>,
-    layout: Layout,
+    size: usize,
+    backing: Backing,
     /// Device writes begun (incremented before the bytes change).
     device_writes_started: AtomicU64,
     /// Device writes finished (incremented after the bytes changed).
@@ -54,7 +70,8 @@ impl HostAllocation {
         let ptr = NonNull::new(raw).ok_or(SimError::OutOfMemory { size })?;
         Ok(Self {
             ptr,
-            layout,
+            size,
+            backing: Backing::Heap(layout),
             device_writes_started: AtomicU64::new(0),
             device_writes_finished: AtomicU64::new(0),
         })
@@ -87,7 +104,7 @@ impl HostAllocation {
 
     /// Length in bytes.
     pub(crate) fn size(&self) -> usize {
-        self.layout.size()
+        self.size
     }
 
     /// Start pointer.
@@ -95,21 +112,135 @@ impl HostAllocation {
         self.ptr
     }
 
-    /// Whether `[addr, addr + len)` lies within this allocation.
+    /// Whether `[addr, addr + len)` lies within this allocation (and, in reserved address
+    /// space, within mapped granules).
     pub(crate) fn contains(&self, addr: usize, len: usize) -> bool {
         let start = self.addr();
-        addr >= start
+        let inside = addr >= start
             && addr
                 .checked_add(len)
-                .is_some_and(|end| end <= start + self.size())
+                .is_some_and(|end| end <= start + self.size());
+        inside && self.all_mapped(addr - start, len.max(1))
+    }
+}
+
+#[cfg(unix)]
+impl HostAllocation {
+    /// Reserves `size` bytes of address space (a multiple of `granule`, itself a multiple
+    /// of the page size), none of it mapped.
+    pub(crate) fn reserve(size: usize, granule: usize) -> Result<Self, SimError> {
+        if size == 0 || granule == 0 || size % granule != 0 || granule % HOST_ALIGN != 0 {
+            return Err(SimError::ZeroSize { op: "host_reserve" });
+        }
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        // `MAP_NORESERVE`: pages take memory only once written.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(SimError::OutOfMemory { size });
+        }
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(SimError::OutOfMemory { size })?;
+        let words = (size / granule).div_ceil(64);
+        Ok(Self {
+            ptr,
+            size,
+            backing: Backing::Reserved {
+                granule,
+                mapped: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            },
+            device_writes_started: AtomicU64::new(0),
+            device_writes_finished: AtomicU64::new(0),
+        })
+    }
+
+    /// Marks the granules of `[offset, offset + len)` mapped (`map`) or unmapped; an
+    /// unmapped granule is zeroed. Refused (nothing changes) unless the range is whole
+    /// granules of reserved space that are all unmapped (to map) or all mapped (to unmap).
+    pub(crate) fn set_mapped(&self, offset: usize, len: usize, map: bool) -> bool {
+        let Backing::Reserved { granule, mapped } = &self.backing else {
+            return false;
+        };
+        let g = *granule;
+        let ok = len > 0
+            && offset % g == 0
+            && len % g == 0
+            && offset.checked_add(len).is_some_and(|e| e <= self.size)
+            && (offset / g..(offset + len) / g).all(|i| self.granule_bit(mapped, i) != map);
+        if !ok {
+            return false;
+        }
+        if !map {
+            // SAFETY: the range lies inside this mapping (checked above); dropping its pages
+            // zeroes them and leaves them addressable.
+            unsafe {
+                libc::madvise(
+                    self.ptr.as_ptr().add(offset).cast(),
+                    len,
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
+        for i in offset / g..(offset + len) / g {
+            let bit = 1u64 << (i % 64);
+            if map {
+                mapped[i / 64].fetch_or(bit, Ordering::AcqRel);
+            } else {
+                mapped[i / 64].fetch_and(!bit, Ordering::AcqRel);
+            }
+        }
+        true
+    }
+
+    /// Whether any granule is mapped.
+    pub(crate) fn any_mapped(&self) -> bool {
+        match &self.backing {
+            Backing::Reserved { mapped, .. } => {
+                mapped.iter().any(|w| w.load(Ordering::Acquire) != 0)
+            }
+            Backing::Heap(_) => false,
+        }
+    }
+}
+
+impl HostAllocation {
+    #[cfg(unix)]
+    fn granule_bit(&self, mapped: &[AtomicU64], i: usize) -> bool {
+        mapped[i / 64].load(Ordering::Acquire) & (1 << (i % 64)) != 0
+    }
+
+    /// Whether every granule touched by `[offset, offset + len)` is mapped (heap memory
+    /// always is).
+    fn all_mapped(&self, offset: usize, len: usize) -> bool {
+        match &self.backing {
+            Backing::Heap(_) => true,
+            #[cfg(unix)]
+            Backing::Reserved { granule, mapped } => (offset / granule
+                ..(offset + len).div_ceil(*granule))
+                .all(|i| self.granule_bit(mapped, i)),
+        }
     }
 }
 
 impl Drop for HostAllocation {
     fn drop(&mut self) {
-        // SAFETY: `ptr` was returned by `alloc_zeroed(self.layout)` and is freed only here,
-        // once, when the last owner lets go.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        match &self.backing {
+            // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` and is freed only here,
+            // once, when the last owner lets go.
+            Backing::Heap(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), *layout) },
+            // SAFETY: `ptr` and `size` are the mapping `reserve` made; unmapped only here.
+            #[cfg(unix)]
+            Backing::Reserved { .. } => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), self.size);
+            },
+        }
     }
 }
 

@@ -19,6 +19,7 @@
 mod device;
 mod error;
 mod event;
+mod expandable;
 mod fault;
 mod graph;
 mod ledger;
@@ -47,6 +48,7 @@ pub use stream::{HoldGuard, SimStream};
 pub use violation::{Violation, ViolationKind};
 
 use ledger::Ledger;
+use expandable::GRANULE;
 use memory::{atomic_bytes, HostAllocation};
 
 /// State shared by the runtime handles, its streams and their workers: atomics, and handles
@@ -65,6 +67,8 @@ pub(crate) struct Shared {
     random_delay_seed: AtomicU64,
     random_delay_max_ns: AtomicU64,
     memory_limit: AtomicUsize,
+    /// Whether `host_granularity` offers expandable host memory.
+    expandable: bool,
     /// Never sent on; disconnects when the last `SimRuntime` handle drops, ending hangs.
     lifeline: flume::Receiver<()>,
 }
@@ -139,6 +143,7 @@ pub struct SimRuntimeBuilder {
     host_alloc_latency: Duration,
     random_delays: Option<(u64, Duration)>,
     memory_limit: Option<usize>,
+    no_expandable: bool,
 }
 
 impl SimRuntimeBuilder {
@@ -160,6 +165,13 @@ impl SimRuntimeBuilder {
         self
     }
 
+    /// A runtime without expandable host memory (`host_granularity` returns `None`), like
+    /// a driver without the virtual memory calls: carving pools use separate segments.
+    pub fn without_expandable_memory(mut self) -> Self {
+        self.no_expandable = true;
+        self
+    }
+
     /// Builds the runtime (starts its ledger thread).
     pub fn build(self) -> SimRuntime {
         let (lifeline_tx, lifeline_rx) = flume::bounded(1);
@@ -178,6 +190,7 @@ impl SimRuntimeBuilder {
                 random_delay_seed: AtomicU64::new(0),
                 random_delay_max_ns: AtomicU64::new(0),
                 memory_limit: AtomicUsize::new(usize::MAX),
+                expandable: !self.no_expandable && cfg!(unix),
                 lifeline: lifeline_rx,
             }),
             _lifeline: Arc::new(lifeline_tx),
@@ -437,6 +450,26 @@ impl Runtime for SimRuntime {
             );
         }
         Ok(())
+    }
+
+    fn host_granularity(&self) -> Option<usize> {
+        self.shared.expandable.then_some(GRANULE)
+    }
+
+    fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+        expandable::reserve(self, size)
+    }
+
+    fn host_map(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        expandable::map(self, range, offset, size, true)
+    }
+
+    fn host_unmap(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        expandable::map(self, range, offset, size, false)
+    }
+
+    fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+        expandable::unreserve(self, range)
     }
 
     fn stream_id(&self, stream: &SimStream) -> StreamId {

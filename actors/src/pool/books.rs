@@ -75,6 +75,7 @@ impl<R: Runtime> PoolActor<R> {
             .collect();
         let mut segments: Vec<SegmentView> = self.segments.values().cloned().collect();
         if let Some(carved) = &self.carved {
+            segments.extend(carved.arena_views());
             let mut pieces = carved.pieces();
             let refused = self.refused_segments();
             for s in &mut segments {

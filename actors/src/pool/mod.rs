@@ -15,6 +15,7 @@
 //! This file holds the pool's shared part, its messages and its loop; `cache`, `fresh`,
 //! `segments`, `waiters` and `books` hold what the actor does.
 
+mod arena;
 mod books;
 mod cache;
 mod fresh;

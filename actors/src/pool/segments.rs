@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::arena::{Arena, ArenaMap};
 use super::{PieceView, PoolActor, PoolShared, SegmentView};
 use crate::block::Block;
 use crate::carve::{Carver, Piece, SegId};
@@ -40,12 +41,15 @@ use crate::snapshot::BlockMeta;
 /// One host allocation that blocks are cut out of.
 pub(crate) struct Segment<R: Runtime> {
     id: SegId,
-    memory: HostMemory,
+    pub(crate) memory: HostMemory,
     pool: Arc<PoolShared<R>>,
     /// Device work may still use a piece: never give the memory back.
     leaked: AtomicBool,
     /// The pool actor gave the memory back.
     given_back: AtomicBool,
+    /// For the pool's arena (a reserved range mapped granule by granule), which granules
+    /// are mapped; `None` for a host allocation.
+    arena: Option<ArenaMap>,
 }
 
 impl<R: Runtime> Segment<R> {
@@ -57,6 +61,27 @@ impl<R: Runtime> Segment<R> {
     /// Bytes of the segment.
     pub(crate) fn size(&self) -> usize {
         self.memory.size
+    }
+
+    /// `len` bytes at `offset` of the segment.
+    pub(crate) fn part(&self, offset: usize, len: usize) -> HostMemory {
+        HostMemory {
+            // Inside the segment (callers pass a range of it), so not null.
+            ptr: std::ptr::NonNull::new(self.memory.ptr.as_ptr().wrapping_add(offset))
+                .unwrap_or(self.memory.ptr),
+            size: len,
+            method: self.memory.method,
+        }
+    }
+
+    /// The granule map, for the pool's arena.
+    pub(crate) fn arena_map(&self) -> Option<&ArenaMap> {
+        self.arena.as_ref()
+    }
+
+    /// Whether this is the pool's arena.
+    pub(crate) fn is_arena(&self) -> bool {
+        self.arena.is_some()
     }
 }
 
@@ -74,6 +99,17 @@ impl<R: Runtime> Drop for Segment<R> {
         }
         // The pool actor is gone and this was the last holder: give the memory back here
         // (a refusal is logged and the memory leaked).
+        if let Some(map) = &self.arena {
+            for g in map.mapped() {
+                let _ = self.pool.unmap_now(self, g * map.granule, map.granule);
+            }
+            let maps = map.live_maps.swap(0, Ordering::Relaxed);
+            self.pool.stats.allocations.decrease(maps as i64);
+            if let Err(e) = self.pool.runtime.host_unreserve(self.memory) {
+                tracing::error!(error = %e, "giving back the reserved host range failed");
+            }
+            return;
+        }
         let _ = self.pool.free_memory_now(self.memory);
     }
 }
@@ -81,19 +117,23 @@ impl<R: Runtime> Drop for Segment<R> {
 /// The free ranges of a pool's segments.
 pub(super) struct Segments<R: Runtime> {
     carver: Carver<Arc<Segment<R>>>,
-    carving: Carving,
     /// The peak of live bytes seen at misses (the requested block included).
     peak_live: usize,
     /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
     /// address: their bytes and their blocks' records, for snapshots.
     lent: BTreeMap<usize, (usize, Arc<BlockMeta>)>,
-    /// The range each class last gave back, by class index: a miss of the class takes it
-    /// again while it is wholly free.
-    last_range: HashMap<usize, Piece>,
+    /// The range each class last gave back, by class index, and whether it is in the
+    /// arena: a miss of the class takes it again while it is wholly free.
+    last_range: HashMap<usize, (Piece, bool)>,
     /// The ready queues' slot lines of every class a block was cut for (see
     /// `ReadyQueues::drain_lines`): only those slots can hold blocks of this pool, so a
     /// miss drains them and skips the rest.
     slot_lines: Vec<u64>,
+    /// The pool's expandable range, once reserved (see `arena`).
+    pub(super) arena: Option<Arena<R>>,
+    /// Whether reserving the arena was tried (it is tried once, at the first miss).
+    pub(super) arena_tried: bool,
+    pub(super) carving: Carving,
 }
 
 impl<R: Runtime> Segments<R> {
@@ -108,6 +148,8 @@ impl<R: Runtime> Segments<R> {
                 lent: BTreeMap::new(),
                 last_range: HashMap::new(),
                 slot_lines: Vec::new(),
+                arena: None,
+                arena_tried: false,
             }),
         }
     }
@@ -115,7 +157,23 @@ impl<R: Runtime> Segments<R> {
     /// (free ranges, free bytes, lent pieces), for the books.
     pub(super) fn census(&self) -> (usize, usize, usize) {
         let c = &self.carver;
-        (c.free_ranges(), c.free_bytes(), c.lent_pieces())
+        let (r, b, l) = self.arena.as_ref().map_or((0, 0, 0), |a| a.census());
+        (c.free_ranges() + r, c.free_bytes() + b, c.lent_pieces() + l)
+    }
+
+    /// The arena's mapped runs, each listed as a segment.
+    pub(super) fn arena_views(&self) -> Vec<SegmentView> {
+        let Some(a) = &self.arena else {
+            return Vec::new();
+        };
+        a.mapped_runs()
+            .into_iter()
+            .map(|((o, l), _)| SegmentView {
+                memory: a.segment.part(o, l),
+                meta: Arc::default(),
+                pieces: Vec::new(),
+            })
+            .collect()
     }
 
     /// The pieces of every segment in address order, free ranges included, by segment
@@ -130,6 +188,17 @@ impl<R: Runtime> Segments<R> {
                 size: len,
                 meta: None,
             }));
+        }
+        if let Some(a) = &self.arena {
+            let base = a.segment.memory.ptr.as_ptr() as usize;
+            for ((o, _), free) in a.mapped_runs() {
+                let v = out.entry(base + o).or_default();
+                v.extend(free.into_iter().map(|(offset, len)| PieceView {
+                    addr: base + offset,
+                    size: len,
+                    meta: None,
+                }));
+            }
         }
         for (&addr, (size, meta)) in &self.lent {
             if let Some((_, v)) = out.range_mut(..=addr).next_back() {
@@ -178,29 +247,50 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Cuts a block of `class` out of a free range that it fills to within 1/8, if there is
-    /// one: such a miss is served without draining the ready queues. A block cut at the very
-    /// range its class last gave back is recalled (see `recall`).
+    /// one (in the arena's mapped memory first): such a miss is served without draining the
+    /// ready queues. A block cut at the very range its class last gave back is recalled (see
+    /// `recall`).
     fn carve_tight(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         let max_len = class.size.saturating_add(class.size / 8);
-        let mut recalled = false;
-        let mut b = self.carve_with(class, |segs| {
-            let p = segs.carver.place_tight(class.size, max_len)?;
-            recalled = segs.last_range.get(&class.index) == Some(&p);
-            Some(p)
-        })?;
+        let segs = self.carved.as_mut()?;
+        let (piece, seg) = match segs.arena.as_mut() {
+            Some(a) => match a.place_mapped(class.size, max_len) {
+                Some(p) => (p, a.segment.clone()),
+                None => Self::tight_in_carver(segs, class.size, max_len)?,
+            },
+            None => Self::tight_in_carver(segs, class.size, max_len)?,
+        };
+        let recalled = segs.last_range.get(&class.index).map(|r| r.0) == Some(piece);
+        let mut b = self.block_for(class, piece, seg)?;
         b.recalled = recalled;
         Some(b)
     }
 
+    fn tight_in_carver(
+        segs: &mut Segments<R>,
+        size: usize,
+        max_len: usize,
+    ) -> Option<(Piece, Arc<Segment<R>>)> {
+        let p = segs.carver.place_tight(size, max_len)?;
+        Some((p, segs.carver.payload(p.seg)?.clone()))
+    }
+
     /// Cuts a block of `class` at the range its class last gave back, if that is still
-    /// wholly free: such a miss is served without draining the ready queues (the layout is
-    /// the one an earlier placement chose), and the block, its class asked for again and
-    /// again, stays on the cached path when freed.
+    /// wholly free (and mapped): such a miss is served without draining the ready queues
+    /// (the layout is the one an earlier placement chose), and the block, its class asked
+    /// for again and again, stays on the cached path when freed.
     fn recall(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
-        let mut block = self.carve_with(class, |segs| {
-            let last = segs.last_range.remove(&class.index)?;
-            segs.carver.take_exact(last.seg, last.offset, last.len)
-        })?;
+        let segs = self.carved.as_mut()?;
+        let (last, in_arena) = segs.last_range.remove(&class.index)?;
+        let (piece, seg) = match (in_arena, segs.arena.as_mut()) {
+            (true, Some(a)) => (a.take_exact(last)?, a.segment.clone()),
+            (true, None) => return None,
+            (false, _) => {
+                let p = segs.carver.take_exact(last.seg, last.offset, last.len)?;
+                (p, segs.carver.payload(p.seg)?.clone())
+            }
+        };
+        let mut block = self.block_for(class, piece, seg)?;
         block.recalled = true;
         Some(block)
     }
@@ -213,6 +303,17 @@ impl<R: Runtime> PoolActor<R> {
         let segs = self.carved.as_mut()?;
         let piece = place(segs)?;
         let seg = segs.carver.payload(piece.seg)?.clone();
+        self.block_for(class, piece, seg)
+    }
+
+    /// The block for a piece cut out of `seg` (a separate segment or the arena).
+    fn block_for(
+        &mut self,
+        class: SizeClass,
+        piece: Piece,
+        seg: Arc<Segment<R>>,
+    ) -> Option<Box<Block<R>>> {
+        let segs = self.carved.as_mut()?;
         // The piece lies inside the segment (the carver never hands out a range beyond it),
         // so the pointer stays inside one allocation and is not null.
         let ptr = std::ptr::NonNull::new(seg.memory.ptr.as_ptr().wrapping_add(piece.offset))?;
@@ -240,14 +341,22 @@ impl<R: Runtime> PoolActor<R> {
             return false;
         };
         let addr = block.memory.ptr.as_ptr() as usize;
+        let in_arena = seg.is_arena();
         let piece = Piece {
-            seg: seg.id,
+            seg: match (&segs.arena, in_arena) {
+                (Some(a), true) => a.seg(),
+                _ => seg.id,
+            },
             offset: addr - seg.memory.ptr.as_ptr() as usize,
             len: block.size,
         };
         segs.lent.remove(&addr);
-        segs.last_range.insert(block.class, piece);
-        if let Err(e) = segs.carver.release(piece) {
+        segs.last_range.insert(block.class, (piece, in_arena));
+        let released = match segs.arena.as_mut() {
+            Some(a) if in_arena => a.release(piece),
+            _ => segs.carver.release(piece).map(drop),
+        };
+        if let Err(e) = released {
             // Bookkeeping gone wrong: keep the range out of circulation rather than risk
             // handing it out twice.
             tracing::error!(
@@ -309,6 +418,11 @@ impl<R: Runtime> PoolActor<R> {
         if let Some(b) = self.carve_tight(class).or_else(|| self.recall(class)) {
             return Ok(b);
         }
+        if self.has_arena().await {
+            if let Some(res) = self.miss_arena(class).await {
+                return res;
+            }
+        }
         self.absorb_ready();
         if let Some(b) = self.carve_block(class, false) {
             return Ok(b);
@@ -363,6 +477,52 @@ impl<R: Runtime> PoolActor<R> {
         })
     }
 
+    /// A miss in the arena, after the ready queues are drained: the place that needs the
+    /// fewest granules mapped (best fit among those), mapping them after noticing completed
+    /// events (invariant 3) and unmapping idle granules to stay under the reserve cap.
+    /// `None` when the arena's range cannot hold the block (separate segments then).
+    async fn miss_arena(&mut self, class: SizeClass) -> Option<Result<Box<Block<R>>, Error>> {
+        self.absorb_ready();
+        let mut placed = self.carved.as_mut()?.arena.as_mut()?.place(class.size)?;
+        if !placed.1.is_empty() && self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
+            let arena = self.carved.as_mut()?.arena.as_mut()?;
+            if let Err(e) = arena.release(placed.0) {
+                tracing::error!(?e, "arena piece could not be taken back; range leaked");
+            }
+            self.flush_events().await;
+            self.absorb_ready();
+            placed = self.carved.as_mut()?.arena.as_mut()?.place(class.size)?;
+        }
+        let (piece, need) = placed;
+        if !need.is_empty() {
+            let segs = self.carved.as_ref()?;
+            let cap = segs.carving.reserve_cap(segs.peak_live);
+            if let Err(e) = self.map_for(piece, need, cap).await {
+                return Some(Err(e));
+            }
+        }
+        let seg = self.carved.as_ref()?.arena.as_ref()?.segment.clone();
+        Some(self.block_for(class, piece, seg).ok_or_else(|| {
+            Error::Runtime(RuntimeError::new("carve", "arena piece outside its range"))
+        }))
+    }
+
+    /// A segment of the pool over `memory`: a host allocation, or the arena's range.
+    pub(super) fn new_segment(
+        &mut self,
+        memory: HostMemory,
+        arena: Option<ArenaMap>,
+    ) -> Arc<Segment<R>> {
+        Arc::new(Segment {
+            id: SegId(u64::MAX),
+            memory,
+            pool: self.shared.clone(),
+            leaked: AtomicBool::new(false),
+            given_back: AtomicBool::new(false),
+            arena,
+        })
+    }
+
     fn add_segment(&mut self, memory: HostMemory) {
         let pool = self.shared.clone();
         if let Some(segs) = self.carved.as_mut() {
@@ -373,6 +533,7 @@ impl<R: Runtime> PoolActor<R> {
                     pool,
                     leaked: AtomicBool::new(false),
                     given_back: AtomicBool::new(false),
+                    arena: None,
                 })
             });
         }
@@ -407,7 +568,15 @@ impl<R: Runtime> PoolActor<R> {
         let max = segs.carving.max_cached_size;
         let gone = segs.carver.remove_free_segments(|size| !all && size <= max);
         let gone = gone.into_iter().map(|(g, _)| g).collect();
-        self.host_free_segments(gone).await
+        let (n, bytes) = self.host_free_segments(gone).await;
+        // Idle granules of the arena go too (after a block too large to cache came back,
+        // only when there is such a size).
+        let (an, abytes) = if all || max < usize::MAX {
+            self.unmap_idle(usize::MAX).await
+        } else {
+            (0, 0)
+        };
+        (n + an, bytes + abytes)
     }
 
     /// Gives segments taken out of the carvers back to the runtime on a blocking thread. A

@@ -1,0 +1,528 @@
+//! Expandable host memory (the arena): for a carving layout on a runtime that maps pinned
+//! memory into a reserved address range (`Runtime::host_granularity`), one range reserved
+//! up front that blocks are cut from, with pinned memory mapped granule by granule as blocks
+//! need it and unmapped again once no lent piece touches a granule.
+//!
+//! Owns the arena's carver (one segment: the whole range, mapped or not), which granules
+//! are mapped, how many lent pieces touch each, when each was last touched, and which map
+//! call mapped it. Separate segments leave free ranges stranded in segments that still lend
+//! a piece; here free ranges coalesce across granules, a piece can grow into the free space
+//! next to it, and a granule that no piece touches goes back on its own. It keeps these
+//! rules, which the pool relies on:
+//! - every granule a lent piece touches is mapped (a piece is lent only after its granules
+//!   are mapped, and a granule is unmapped only while no lent piece touches it; blocks in
+//!   ready queues, waiting on events or kept for replays are lent: invariants 1, 2 and 4);
+//! - placement prefers the places that need the fewest granules mapped, then best fit;
+//! - a map call is one host allocation in the books: it stays counted while any granule it
+//!   mapped is mapped, and its bytes are charged to the budget granule by granule.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{PoolActor, PoolShared, Segment};
+use crate::carve::{Carver, Piece, SegId};
+use crate::error::Error;
+use crate::runtime::{Runtime, RuntimeError};
+
+/// Which granules of an arena are mapped, readable by whoever drops the arena's segment
+/// last (written only by the pool actor and the blocking threads it waits for).
+pub(crate) struct ArenaMap {
+    pub(crate) granule: usize,
+    mapped: Box<[AtomicU64]>,
+    /// Map calls with a granule still mapped: host allocations in the books.
+    pub(crate) live_maps: AtomicUsize,
+}
+
+impl ArenaMap {
+    pub(crate) fn new(granule: usize, size: usize) -> Self {
+        let words = (size / granule.max(1)).div_ceil(64);
+        Self {
+            granule,
+            mapped: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            live_maps: AtomicUsize::new(0),
+        }
+    }
+
+    pub(crate) fn set(&self, granule: usize, mapped: bool) {
+        let (w, bit) = (granule / 64, 1u64 << (granule % 64));
+        if let Some(w) = self.mapped.get(w) {
+            if mapped {
+                w.fetch_or(bit, Ordering::Relaxed);
+            } else {
+                w.fetch_and(!bit, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The mapped granules, in order.
+    pub(crate) fn mapped(&self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for (i, w) in self.mapped.iter().enumerate() {
+            let mut bits = w.load(Ordering::Relaxed);
+            while bits != 0 {
+                out.push(i * 64 + bits.trailing_zeros() as usize);
+                bits &= bits - 1;
+            }
+        }
+        out
+    }
+}
+
+/// A mapped granule.
+#[derive(Debug, Clone, Copy)]
+struct Granule {
+    /// Lent pieces that touch it.
+    refs: u32,
+    /// When a piece touching it was last cut or given back (the arena's clock).
+    used: u64,
+    /// The map call that mapped it.
+    map: u64,
+}
+
+/// The actor's side of an arena.
+pub(super) struct Arena<R: Runtime> {
+    carver: Carver<Arc<Segment<R>>>,
+    seg: SegId,
+    pub(super) segment: Arc<Segment<R>>,
+    granule: usize,
+    granules: BTreeMap<usize, Granule>,
+    /// Granules still mapped, by map call.
+    maps: HashMap<u64, usize>,
+    next_map: u64,
+    clock: u64,
+}
+
+/// Granules of `[offset, offset + len)`.
+fn span(granule: usize, offset: usize, len: usize) -> std::ops::Range<usize> {
+    offset / granule..(offset + len.max(1)).div_ceil(granule)
+}
+
+/// How many granules of `[offset, offset + len)` are not mapped.
+fn count_unmapped(
+    granules: &BTreeMap<usize, Granule>,
+    granule: usize,
+    offset: usize,
+    len: usize,
+) -> usize {
+    let span = span(granule, offset, len);
+    span.len() - granules.range(span).count()
+}
+
+impl<R: Runtime> Arena<R> {
+    /// An arena over the reserved range of `segment` (whose `arena` map is set).
+    pub(super) fn new(segment: Arc<Segment<R>>, granule: usize) -> Self {
+        let mut carver = Carver::new();
+        let size = segment.size();
+        let seg = carver.add_segment_with(size, |_| segment.clone());
+        Self {
+            carver,
+            seg,
+            segment,
+            granule,
+            granules: BTreeMap::new(),
+            maps: HashMap::new(),
+            next_map: 0,
+            clock: 0,
+        }
+    }
+
+    /// Bytes of a granule.
+    pub(super) fn granule(&self) -> usize {
+        self.granule
+    }
+
+    /// Cuts a piece for `size` bytes out of mapped memory only, from the smallest free
+    /// range no longer than `max_len` that holds it.
+    pub(super) fn place_mapped(&mut self, size: usize, max_len: usize) -> Option<Piece> {
+        let (granules, g) = (&self.granules, self.granule);
+        let piece = self.carver.place_ranked(self.seg, size, |at, len| {
+            (len <= max_len && count_unmapped(granules, g, at, size) == 0).then_some((len, at))
+        })?;
+        self.touch(piece);
+        Some(piece)
+    }
+
+    /// Cuts a piece for `size` bytes where the fewest granules need mapping, then from the
+    /// smallest free range, then at the lowest address. Returns the piece and the granules
+    /// it still needs mapped (the mapped ones it touches are held from now on).
+    pub(super) fn place(&mut self, size: usize) -> Option<(Piece, Vec<usize>)> {
+        let (granules, g) = (&self.granules, self.granule);
+        let piece = self.carver.place_ranked(self.seg, size, |at, len| {
+            Some((count_unmapped(granules, g, at, size), len, at))
+        })?;
+        self.touch(piece);
+        let need = span(g, piece.offset, piece.len)
+            .filter(|i| !self.granules.contains_key(i))
+            .collect();
+        Some((piece, need))
+    }
+
+    /// Cuts exactly `piece` again, if it is wholly free and mapped.
+    pub(super) fn take_exact(&mut self, piece: Piece) -> Option<Piece> {
+        if piece.seg != self.seg
+            || count_unmapped(&self.granules, self.granule, piece.offset, piece.len) > 0
+        {
+            return None;
+        }
+        let p = self.carver.take_exact(self.seg, piece.offset, piece.len)?;
+        self.touch(p);
+        Some(p)
+    }
+
+    /// Holds the mapped granules a piece touches.
+    fn touch(&mut self, piece: Piece) {
+        self.clock += 1;
+        for i in span(self.granule, piece.offset, piece.len) {
+            if let Some(gr) = self.granules.get_mut(&i) {
+                gr.refs += 1;
+                gr.used = self.clock;
+            }
+        }
+    }
+
+    /// Takes a lent piece back (or one whose granules could not be mapped): its granules
+    /// are let go and its range coalesces with free neighbours.
+    pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::carve::CarveError> {
+        self.carver.release(piece)?;
+        self.clock += 1;
+        for i in span(self.granule, piece.offset, piece.len) {
+            if let Some(gr) = self.granules.get_mut(&i) {
+                gr.refs = gr.refs.saturating_sub(1);
+                gr.used = self.clock;
+            }
+        }
+        Ok(())
+    }
+
+    /// Enters granules just mapped by one map call, held by the one piece that needed them.
+    pub(super) fn mapped(&mut self, granules: &[usize]) {
+        if granules.is_empty() {
+            return;
+        }
+        let map = self.next_map;
+        self.next_map += 1;
+        self.maps.insert(map, granules.len());
+        for &i in granules {
+            self.granules.insert(
+                i,
+                Granule {
+                    refs: 1,
+                    used: self.clock,
+                    map,
+                },
+            );
+        }
+        if let Some(m) = self.segment.arena_map() {
+            granules.iter().for_each(|&i| m.set(i, true));
+            m.live_maps.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Strikes unmapped granules; returns how many map calls have no granule mapped any more.
+    pub(super) fn unmapped(&mut self, granules: &[usize]) -> usize {
+        let mut ended = 0;
+        for i in granules {
+            let Some(gr) = self.granules.remove(i) else {
+                continue;
+            };
+            if let Some(m) = self.segment.arena_map() {
+                m.set(*i, false);
+            }
+            if let Some(n) = self.maps.get_mut(&gr.map) {
+                *n -= 1;
+                if *n == 0 {
+                    self.maps.remove(&gr.map);
+                    ended += 1;
+                }
+            }
+        }
+        if let Some(m) = self.segment.arena_map() {
+            m.live_maps.fetch_sub(ended, Ordering::Relaxed);
+        }
+        ended
+    }
+
+    /// Mapped granules that no lent piece touches, least recently used first, until they
+    /// make `bytes` (all of them when `bytes` is `usize::MAX`).
+    pub(super) fn idle_granules(&self, bytes: usize) -> Vec<usize> {
+        let mut idle: Vec<(u64, usize)> = self
+            .granules
+            .iter()
+            .filter(|(_, gr)| gr.refs == 0)
+            .map(|(&i, gr)| (gr.used, i))
+            .collect();
+        idle.sort_unstable();
+        let n = bytes.div_ceil(self.granule).min(idle.len());
+        let mut out: Vec<usize> = idle[..n].iter().map(|&(_, i)| i).collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Maximal runs of consecutive granules, as (offset, bytes).
+    pub(super) fn runs(&self, granules: &[usize]) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &i in granules {
+            match runs.last_mut() {
+                Some((o, l)) if *o + *l == i * self.granule => *l += self.granule,
+                _ => runs.push((i * self.granule, self.granule)),
+            }
+        }
+        runs
+    }
+
+    /// The mapped runs, as (offset, bytes), with the free ranges inside each.
+    pub(super) fn mapped_runs(&self) -> Vec<((usize, usize), Vec<(usize, usize)>)> {
+        let all: Vec<usize> = self.granules.keys().copied().collect();
+        let free: Vec<(usize, usize)> = self
+            .carver
+            .free_ranges_by_segment()
+            .flat_map(|(_, r)| r)
+            .collect();
+        self.runs(&all)
+            .into_iter()
+            .map(|(o, l)| {
+                let inside = free
+                    .iter()
+                    .filter_map(|&(fo, fl)| {
+                        let (a, b) = (fo.max(o), (fo + fl).min(o + l));
+                        (a < b).then_some((a, b - a))
+                    })
+                    .collect();
+                ((o, l), inside)
+            })
+            .collect()
+    }
+
+    /// (free ranges, free bytes) inside mapped memory, and pieces lent.
+    pub(super) fn census(&self) -> (usize, usize, usize) {
+        let (mut ranges, mut bytes) = (0, 0);
+        for (_, free) in self.mapped_runs() {
+            ranges += free.len();
+            bytes += free.iter().map(|r| r.1).sum::<usize>();
+        }
+        (ranges, bytes, self.carver.lent_pieces())
+    }
+
+    /// The segment's id in the arena's carver.
+    pub(super) fn seg(&self) -> SegId {
+        self.seg
+    }
+}
+
+impl<R: Runtime> PoolShared<R> {
+    /// Maps `[offset, offset + len)` of the arena on this thread and keeps the books (stats,
+    /// history); the budget was charged by the caller.
+    pub(crate) fn map_now(
+        &self,
+        arena: &Segment<R>,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        let res = self.runtime.host_map(&arena.memory, offset, len);
+        self.stats.host_alloc_time.record(t0.elapsed());
+        if res.is_ok() {
+            crate::history::on_segment_alloc(self, &arena.part(offset, len));
+            self.stats.allocated_bytes.increase(len as i64);
+        }
+        res
+    }
+
+    /// Unmaps `[offset, offset + len)` of the arena on this thread and keeps the books
+    /// (stats, history, the budget). The caller strikes the granules and counts map calls.
+    pub(crate) fn unmap_now(
+        &self,
+        arena: &Segment<R>,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        let res = self.runtime.host_unmap(&arena.memory, offset, len);
+        self.stats.host_free_time.record(t0.elapsed());
+        match &res {
+            Ok(()) => {
+                crate::history::on_segment_free(self, &arena.part(offset, len));
+                self.stats.allocated_bytes.decrease(len as i64);
+                self.budget.release(len);
+            }
+            Err(e) => tracing::error!(error = %e, bytes = len, "unmapping pinned memory failed"),
+        }
+        res
+    }
+}
+
+impl<R: Runtime> PoolActor<R> {
+    /// Whether the pool has an arena; reserves it at the first call. No arena (and
+    /// separate segments from then on) when the layout does not want one or the runtime
+    /// cannot.
+    pub(super) async fn has_arena(&mut self) -> bool {
+        let Some(segs) = self.carved.as_mut() else {
+            return false;
+        };
+        if segs.arena_tried {
+            return segs.arena.is_some();
+        }
+        self.reserve_arena().await.is_some()
+    }
+
+    async fn reserve_arena(&mut self) -> Option<()> {
+        let segs = self.carved.as_mut()?;
+        segs.arena_tried = true;
+        let c = segs.carving;
+        let granule = self.shared.runtime.host_granularity()?;
+        if !c.expandable || granule == 0 || !granule.is_power_of_two() {
+            return None;
+        }
+        let limit = self.shared.budget.limit().unwrap_or(usize::MAX);
+        let size = c
+            .arena_reserve
+            .min(limit.saturating_add(granule - 1))
+            .checked_next_multiple_of(granule)?;
+        let rt = self.shared.runtime.clone();
+        let reserved = tokio::task::spawn_blocking(move || rt.host_reserve(size)).await;
+        let memory = match reserved {
+            Ok(Ok(m)) => m,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, bytes = size, "no expandable host memory; separate segments");
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reserving expandable host memory failed");
+                return None;
+            }
+        };
+        let segment = self.new_segment(memory, Some(ArenaMap::new(granule, memory.size)));
+        let segs = self.carved.as_mut()?;
+        segs.arena = Some(Arena::new(segment, granule));
+        Some(())
+    }
+
+    /// Maps the granules a piece needs (one map call), first unmapping idle granules to
+    /// stay under `cap` and, under a memory limit, to make room. On failure the piece goes
+    /// back into the arena.
+    pub(super) async fn map_for(
+        &mut self,
+        piece: Piece,
+        need: Vec<usize>,
+        cap: Option<usize>,
+    ) -> Result<(), Error> {
+        let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
+            return Err(Error::Runtime(RuntimeError::new("host_map", "no arena")));
+        };
+        let bytes = need.len() * arena.granule();
+        let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+        if let Some(over) = cap.and_then(|c| (reserved + bytes).checked_sub(c)) {
+            self.unmap_idle(over).await;
+        }
+        let budget = self.shared.budget.clone();
+        if !budget.try_reserve(bytes) {
+            self.unmap_idle(bytes).await;
+            if !budget.try_reserve(bytes) {
+                self.release_unmapped(piece);
+                return Err(Error::OutOfMemory {
+                    requested: bytes,
+                    reserved: budget.reserved(),
+                    limit: budget.limit(),
+                });
+            }
+        }
+        let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
+            budget.release(bytes);
+            return Err(Error::Runtime(RuntimeError::new("host_map", "no arena")));
+        };
+        let runs = arena.runs(&need);
+        let (segment, shared) = (arena.segment.clone(), self.shared.clone());
+        let t0 = Instant::now();
+        let job = tokio::task::spawn_blocking(move || {
+            let mut done = Vec::new();
+            for (o, l) in runs {
+                if let Err(e) = shared.map_now(&segment, o, l) {
+                    // All or nothing: what this call mapped goes back.
+                    for (o, l) in done {
+                        let _ = shared.unmap_now(&segment, o, l);
+                    }
+                    return Err(e);
+                }
+                done.push((o, l));
+            }
+            Ok(())
+        });
+        let res = job.await.unwrap_or_else(|e| {
+            Err(RuntimeError::new(
+                "host_map",
+                format!("blocking task failed: {e}"),
+            ))
+        });
+        match res {
+            Ok(()) => {
+                self.shared.stats.allocations.increase(1);
+                tracing::debug!(
+                    bytes,
+                    took_us = t0.elapsed().as_micros() as u64,
+                    "pinned memory mapped"
+                );
+                if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
+                    a.mapped(&need);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // Bytes unmapped on the way out went back to the budget already.
+                budget.release(bytes);
+                self.release_unmapped(piece);
+                tracing::warn!(error = %e, "mapping pinned memory failed");
+                Err(if e.out_of_memory {
+                    Error::OutOfMemory {
+                        requested: bytes,
+                        reserved: budget.reserved(),
+                        limit: None,
+                    }
+                } else {
+                    Error::Runtime(e)
+                })
+            }
+        }
+    }
+
+    /// Gives a piece whose granules were never mapped back to the arena.
+    fn release_unmapped(&mut self, piece: Piece) {
+        if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
+            if let Err(e) = a.release(piece) {
+                tracing::error!(?e, ?piece, "arena piece could not be taken back; range leaked");
+            }
+        }
+    }
+
+    /// Unmaps idle granules, least recently used first, until `bytes` have gone (all of
+    /// them for `usize::MAX`). Returns (map calls ended, bytes unmapped).
+    pub(super) async fn unmap_idle(&mut self, bytes: usize) -> (usize, usize) {
+        let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
+            return (0, 0);
+        };
+        let idle = arena.idle_granules(bytes);
+        if idle.is_empty() {
+            return (0, 0);
+        }
+        let granule = arena.granule();
+        let runs = arena.runs(&idle);
+        let (segment, shared) = (arena.segment.clone(), self.shared.clone());
+        let job = tokio::task::spawn_blocking(move || {
+            let mut gone = Vec::new();
+            for (o, l) in runs {
+                if shared.unmap_now(&segment, o, l).is_ok() {
+                    gone.extend((o / granule)..(o + l) / granule);
+                }
+            }
+            gone
+        });
+        let gone = job.await.unwrap_or_default();
+        let Some(arena) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) else {
+            return (0, 0);
+        };
+        let ended = arena.unmapped(&gone);
+        self.shared.stats.allocations.decrease(ended as i64);
+        (ended, gone.len() * granule)
+    }
+}
