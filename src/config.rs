@@ -40,16 +40,21 @@ pub enum SizePolicyChoice {
     /// Round up to a power of two, one free list per power of two, as PyTorch
     /// ([`crate::PowerOfTwo`]).
     Pow2,
-    /// Fine size classes carved out of shared segments ([`crate::BestFit`]).
+    /// Fine size classes carved out of one expandable range where the runtime can map
+    /// pinned memory granule by granule, else out of shared segments ([`crate::BestFit`]).
     BestFit,
+    /// [`crate::BestFit`] with separate shared segments only
+    /// ([`crate::BestFit::separate_segments`]), for comparison.
+    BestFitSegments,
 }
 
 impl SizePolicyChoice {
     /// Every choice, in the order reports list them.
-    pub const ALL: [SizePolicyChoice; 3] = [
+    pub const ALL: [SizePolicyChoice; 4] = [
         SizePolicyChoice::Pow2,
         SizePolicyChoice::Tiered,
         SizePolicyChoice::BestFit,
+        SizePolicyChoice::BestFitSegments,
     ];
 
     /// The choice called `name` (as written in `PINPOOL_CONF`), if there is one.
@@ -63,6 +68,7 @@ impl SizePolicyChoice {
             SizePolicyChoice::Tiered => "tiered",
             SizePolicyChoice::Pow2 => "pow2",
             SizePolicyChoice::BestFit => "bestfit",
+            SizePolicyChoice::BestFitSegments => "bestfit_segments",
         }
     }
 
@@ -72,6 +78,9 @@ impl SizePolicyChoice {
             SizePolicyChoice::Tiered => std::sync::Arc::new(crate::TieredPowerOfTwo::default()),
             SizePolicyChoice::Pow2 => std::sync::Arc::new(crate::PowerOfTwo),
             SizePolicyChoice::BestFit => std::sync::Arc::new(crate::BestFit::default()),
+            SizePolicyChoice::BestFitSegments => {
+                std::sync::Arc::new(crate::BestFit::default().separate_segments())
+            }
         }
     }
 }
@@ -132,7 +141,8 @@ pub struct Config {
     /// Whether `register` allocations ask for transparent huge pages and round sizes to the
     /// huge page size (key `huge_pages`: `true`/`false`, also `1`/`0`, `on`/`off`, `yes`/`no`).
     pub huge_pages: bool,
-    /// The size policy (key `size_policy`: `tiered`, `pow2` or `bestfit`), applied by
+    /// The size policy (key `size_policy`: `tiered`, `pow2`, `bestfit` or
+    /// `bestfit_segments`), applied by
     /// [`crate::Builder::config`].
     pub size_policy: SizePolicyChoice,
 }

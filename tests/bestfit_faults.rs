@@ -1,10 +1,11 @@
-//! The `bestfit` policy (blocks carved out of shared segments) under faults and limits: a padded segment that does not fit falls back to the block's own size, running out
+//! The `bestfit` policy with blocks carved out of separate shared segments
+//! (`BestFit::separate_segments`) under faults and limits: a padded segment that does not fit falls back to the block's own size, running out
 //! at every size is a typed error that loses nothing, and every segment goes back once its
 //! last piece does, however the allocator is shut down.
 
 mod common;
 
-use common::{assert_books_balance, best_fit_pool, eventually};
+use common::{assert_books_balance, eventually, segments_pool};
 use pinpool::sim::{FaultPoint, SimRuntime};
 use pinpool::{BestFit, Builder, Error};
 use std::sync::Arc;
@@ -16,7 +17,7 @@ const MIB: usize = 1 << 20;
 async fn a_limit_below_the_small_segment_size_still_serves_requests_that_fit() {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
-        .policy(Arc::new(BestFit::default()))
+        .policy(Arc::new(BestFit::default().separate_segments()))
         .max_bytes(MIB)
         .build()
         .unwrap();
@@ -46,7 +47,7 @@ async fn a_limit_below_the_small_segment_size_still_serves_requests_that_fit() {
 
 #[tokio::test]
 async fn out_of_memory_for_a_padded_segment_falls_back_to_the_blocks_own_size() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     sim.faults().fail_next(FaultPoint::HostAlloc, 1);
     let b = pool.alloc(4096).await.unwrap();
     assert_eq!(b.len(), 4096);
@@ -60,7 +61,7 @@ async fn out_of_memory_for_a_padded_segment_falls_back_to_the_blocks_own_size() 
 
 #[tokio::test]
 async fn out_of_memory_at_every_size_is_a_typed_error_that_loses_nothing() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     // A block that fills its own segment, so that the next request needs fresh memory.
     let held = pool.alloc(2 * MIB).await.unwrap();
     let reserved = sim.live_bytes();
@@ -79,7 +80,7 @@ async fn out_of_memory_at_every_size_is_a_typed_error_that_loses_nothing() {
 
 #[tokio::test]
 async fn dropping_the_allocator_frees_each_segment_when_its_last_piece_drops() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     let stream = sim.stream();
     let hold = stream.hold();
     let live = pool.alloc(64 * KIB).await.unwrap();
@@ -116,7 +117,7 @@ async fn dropping_the_allocator_frees_each_segment_when_its_last_piece_drops() {
 
 #[tokio::test]
 async fn a_refused_segment_free_is_retried_when_the_allocator_closes() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     drop(pool.alloc(4096).await.unwrap());
     sim.faults().fail_next(FaultPoint::HostFree, 1);
     let report = pool.empty_cache().await.unwrap();

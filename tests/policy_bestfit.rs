@@ -1,4 +1,6 @@
-//! The best-fit policy end to end: blocks carved out of shared segments keep every safety
+//! The best-fit policy end to end, with blocks cut out of separate host allocations
+//! (`BestFit::separate_segments`; the expandable range has its own tests in
+//! `policy_arena.rs`): blocks carved out of shared segments keep every safety
 //! invariant of whole blocks (no early reuse with streams, kept blocks of captures never
 //! reused, books balance), a block is never smaller than its request, and freed neighbours
 //! coalesce so that a larger request is served without fresh memory.
@@ -7,13 +9,13 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{assert_books_balance, best_fit_pool};
+use common::{assert_books_balance, segments_pool};
 use pinpool::sim::{DeviceBuffer, SimRuntime};
 use pinpool::{BestFit, BlockStatus, Builder, PinnedAllocator, SizePolicy};
 
 #[tokio::test]
 async fn small_blocks_share_one_segment_and_coalesce_for_a_larger_request() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     // 32 blocks of 64 KiB fill one 2 MiB segment.
     let mut bufs = futures_join(&pool, &[64 << 10; 32]).await;
     assert_eq!(sim.total_host_allocs(), 1, "small blocks share one segment");
@@ -51,7 +53,7 @@ async fn futures_join(
 #[tokio::test]
 async fn a_block_is_never_smaller_than_its_request_even_after_reuse() {
     // PyTorch's bucketed thresholds once handed a 150 MB block to a 200 MB request.
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     let a = pool.alloc(3 << 20).await.unwrap();
     drop(a);
     for size in [(2 << 20) + 4096, 4 << 20, 5 << 20, (3 << 20) + 1, 1 << 20] {
@@ -68,7 +70,7 @@ async fn a_block_is_never_smaller_than_its_request_even_after_reuse() {
 
 #[tokio::test]
 async fn a_carved_block_whose_copy_is_queued_is_not_coalesced_into_reuse() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     let stream = sim.stream();
     let dev = DeviceBuffer::new(4096);
     let hold = stream.hold();
@@ -103,7 +105,7 @@ async fn a_carved_block_whose_copy_is_queued_is_not_coalesced_into_reuse() {
 
 #[tokio::test]
 async fn a_carved_block_used_by_captured_work_is_never_reused() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     let cap = sim.stream();
     let replay = sim.stream();
     let dev = DeviceBuffer::new(4096);
@@ -146,7 +148,11 @@ async fn a_carved_block_used_by_captured_work_is_never_reused() {
 async fn blocks_above_max_cached_size_go_back_to_the_runtime() {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
-        .policy(Arc::new(BestFit::default().max_cached_size(1 << 20)))
+        .policy(Arc::new(
+            BestFit::default()
+                .separate_segments()
+                .max_cached_size(1 << 20),
+        ))
         .build()
         .unwrap();
     let big = pool.alloc(4 << 20).await.unwrap();
@@ -159,8 +165,8 @@ async fn blocks_above_max_cached_size_go_back_to_the_runtime() {
 
 #[tokio::test]
 async fn the_cached_path_serves_a_size_seen_before_from_the_same_block() {
-    let (pool, sim) = best_fit_pool();
-    assert_eq!(pool.engine().policy().name(), "bestfit");
+    let (pool, sim) = segments_pool();
+    assert_eq!(pool.engine().policy().name(), "bestfit_segments");
     let a = pool.alloc(100_000).await.unwrap();
     let p = a.as_ptr();
     drop(a);
@@ -174,7 +180,7 @@ async fn the_cached_path_serves_a_size_seen_before_from_the_same_block() {
 
 #[tokio::test]
 async fn a_snapshot_lists_each_segment_with_its_carved_blocks_and_free_ranges() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     let stream = sim.stream();
     let hold = stream.hold();
     let a = pool.alloc(4096).await.unwrap();
@@ -189,7 +195,7 @@ async fn a_snapshot_lists_each_segment_with_its_carved_blocks_and_free_ranges() 
     drop(b);
     drop(c);
     let snap = pool.snapshot().await.unwrap();
-    assert_eq!(snap.config.policy, "bestfit");
+    assert_eq!(snap.config.policy, "bestfit_segments");
     assert_eq!(snap.segments.len(), 1, "small blocks share one segment");
     let seg = &snap.segments[0];
     assert_eq!(seg.total_size, 2 << 20);
@@ -224,7 +230,7 @@ async fn a_snapshot_lists_each_segment_with_its_carved_blocks_and_free_ranges() 
 async fn fresh_segments_count_against_the_memory_limit_and_carving_does_not() {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
-        .policy(Arc::new(BestFit::default()))
+        .policy(Arc::new(BestFit::default().separate_segments()))
         .max_bytes(3 << 20)
         .build()
         .unwrap();
@@ -254,7 +260,7 @@ async fn fresh_segments_count_against_the_memory_limit_and_carving_does_not() {
 #[tokio::test]
 async fn a_refused_segment_free_is_kept_on_the_books_and_retried() {
     use pinpool::sim::FaultPoint;
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     drop(pool.alloc(4096).await.unwrap());
     sim.faults().fail_next(FaultPoint::HostFree, 1);
     let report = pool.empty_cache().await.unwrap();
@@ -276,7 +282,7 @@ const MIB: usize = 1 << 20;
 #[tokio::test]
 async fn a_small_request_leaves_a_much_larger_free_segment_whole_while_fresh_memory_fits_under_the_cap(
 ) {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     let big = pool.alloc(64 * MIB).await.unwrap();
     let big_at = big.as_ptr() as usize;
     drop(big);
@@ -298,7 +304,7 @@ async fn a_small_request_leaves_a_much_larger_free_segment_whole_while_fresh_mem
 
 #[tokio::test]
 async fn a_large_free_segment_is_split_when_fresh_memory_would_cross_the_cap() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     let big = pool.alloc(64 * MIB).await.unwrap();
     let big_at = big.as_ptr() as usize;
     drop(big);
@@ -312,7 +318,7 @@ async fn a_large_free_segment_is_split_when_fresh_memory_would_cross_the_cap() {
 
 #[tokio::test]
 async fn a_freed_large_piece_coalesces_with_its_segment_at_once() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     drop(pool.alloc(64 * MIB).await.unwrap());
     let piece = pool.alloc(14 * MIB).await.unwrap();
     drop(piece);
@@ -328,7 +334,7 @@ async fn a_freed_large_piece_coalesces_with_its_segment_at_once() {
 
 #[tokio::test]
 async fn a_large_piece_asked_for_again_at_once_stays_on_the_cached_path_until_a_drain() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     drop(pool.alloc(64 * MIB).await.unwrap());
     let first = pool.alloc(14 * MIB).await.unwrap();
     let at = first.as_ptr() as usize;
@@ -357,7 +363,7 @@ async fn a_large_piece_asked_for_again_at_once_stays_on_the_cached_path_until_a_
 #[tokio::test]
 async fn a_large_piece_that_comes_back_between_lent_neighbours_stays_cached_from_its_second_round()
 {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     drop(pool.alloc(64 * MIB).await.unwrap());
     let a = pool.alloc(20 * MIB).await.unwrap();
     let b = pool.alloc(14 * MIB).await.unwrap();
@@ -389,7 +395,7 @@ async fn a_large_piece_that_comes_back_between_lent_neighbours_stays_cached_from
 
 #[tokio::test]
 async fn a_class_does_not_get_its_last_range_back_once_another_block_took_part_of_it() {
-    let (pool, sim) = best_fit_pool();
+    let (pool, sim) = segments_pool();
     drop(pool.alloc(64 * MIB).await.unwrap());
     let first = pool.alloc(14 * MIB).await.unwrap();
     let at = first.as_ptr() as usize;
@@ -413,9 +419,9 @@ async fn wholly_free_segments_go_back_before_fresh_memory_would_cross_the_cap() 
     for keep in [false, true] {
         let sim = SimRuntime::new();
         let policy = if keep {
-            BestFit::default().keep_free_segments()
+            BestFit::default().separate_segments().keep_free_segments()
         } else {
-            BestFit::default()
+            BestFit::default().separate_segments()
         };
         let pool = Builder::new(Arc::new(sim.clone()))
             .policy(Arc::new(policy))

@@ -50,8 +50,11 @@ fn every_policy_prints_one_summary_line_per_file() {
     let path = temp_file("tiny.trace", "a 0 4096 0\na 1 1000 0\nf 0\na 2 3000 0\n");
     let mut lines = Vec::new();
     let reports = replay::run(&[path.display().to_string()], |l| lines.push(l.to_owned())).unwrap();
-    assert_eq!(reports.len(), 3);
-    for (r, policy) in reports.iter().zip(["pow2", "tiered", "bestfit"]) {
+    assert_eq!(reports.len(), 4);
+    for (r, policy) in reports
+        .iter()
+        .zip(["pow2", "tiered", "bestfit", "bestfit_segments"])
+    {
         assert_eq!(r.policy, policy);
         assert_eq!(r.requests, 3);
         assert_eq!(r.peak_live, 5096);

@@ -183,7 +183,11 @@ impl BestFit {
 
 impl SizePolicy for BestFit {
     fn name(&self) -> &'static str {
-        "bestfit"
+        if self.carving.expandable {
+            "bestfit"
+        } else {
+            "bestfit_segments"
+        }
     }
 
     fn num_classes(&self) -> usize {

@@ -131,7 +131,10 @@ pub trait Runtime: Send + Sync + 'static {
     /// mapped yet. The range's method is [`PinMethod::Mapped`].
     fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         let _ = size;
-        Err(RuntimeError::new("host_reserve", "not supported by this runtime"))
+        Err(RuntimeError::new(
+            "host_reserve",
+            "not supported by this runtime",
+        ))
     }
 
     /// Maps pinned memory at `[offset, offset + size)` of a reserved `range`, one granule
@@ -141,20 +144,34 @@ pub trait Runtime: Send + Sync + 'static {
     /// milliseconds.
     fn host_map(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
         let _ = (range, offset, size);
-        Err(RuntimeError::new("host_map", "not supported by this runtime"))
+        Err(RuntimeError::new(
+            "host_map",
+            "not supported by this runtime",
+        ))
     }
 
     /// Unmaps granules mapped with [`Runtime::host_map`] (any of them, not only whole
     /// earlier calls) and gives their memory back. May block for milliseconds.
-    fn host_unmap(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+    fn host_unmap(
+        &self,
+        range: &HostMemory,
+        offset: usize,
+        size: usize,
+    ) -> Result<(), RuntimeError> {
         let _ = (range, offset, size);
-        Err(RuntimeError::new("host_unmap", "not supported by this runtime"))
+        Err(RuntimeError::new(
+            "host_unmap",
+            "not supported by this runtime",
+        ))
     }
 
     /// Gives back a range reserved with [`Runtime::host_reserve`], none of it mapped.
     fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
         let _ = range;
-        Err(RuntimeError::new("host_unreserve", "not supported by this runtime"))
+        Err(RuntimeError::new(
+            "host_unreserve",
+            "not supported by this runtime",
+        ))
     }
 
     /// The stream's identity.

@@ -5,7 +5,9 @@
 //! A reserved range is one allocation in the ledger whose unmapped granules are not live:
 //! a copy or host access that touches one is refused like an access outside any
 //! allocation. Mapped bytes count as live bytes under the memory limit; a reservation
-//! counts as a live allocation of no bytes until it is given back. Misuse (mapping a mapped
+//! counts as a live allocation of no bytes until it is given back, and each granule mapped
+//! or unmapped as one host allocation made or given back (`total_host_allocs`,
+//! `total_host_frees`). Misuse (mapping a mapped
 //! granule, unmapping an unmapped one, giving back a range that still maps some) is
 //! refused with an error and recorded as an invalid free where memory would be lost.
 
@@ -48,7 +50,10 @@ pub(super) fn reserve(sim: &SimRuntime, size: usize) -> Result<HostMemory, Runti
 
 #[cfg(not(unix))]
 pub(super) fn reserve(_: &SimRuntime, _: usize) -> Result<HostMemory, RuntimeError> {
-    Err(refused("host_reserve", "not supported on this platform".into()))
+    Err(refused(
+        "host_reserve",
+        "not supported on this platform".into(),
+    ))
 }
 
 /// The reserved range `range` describes, if it is one of this runtime's.
@@ -66,7 +71,12 @@ fn reserved(
     } else {
         None
     };
-    found.ok_or_else(|| refused(op, format!("{size} bytes at {addr:#x} are not a reserved range")))
+    found.ok_or_else(|| {
+        refused(
+            op,
+            format!("{size} bytes at {addr:#x} are not a reserved range"),
+        )
+    })
 }
 
 /// Maps (`map`) or unmaps whole granules of a reserved range.
@@ -104,14 +114,23 @@ pub(super) fn map(
         }
         return Err(refused(
             op,
-            format!("{size} bytes at offset {offset:#x} are not whole granules that can be {}mapped", if map { "" } else { "un" }),
+            format!(
+                "{size} bytes at offset {offset:#x} are not whole granules that can be {}mapped",
+                if map { "" } else { "un" }
+            ),
         ));
     }
+    // Each granule counts as one allocation made and one given back.
+    let granules = (size / GRANULE) as u64;
     if map {
-        sim.shared.total_host_allocs.fetch_add(1, Ordering::SeqCst);
+        sim.shared
+            .total_host_allocs
+            .fetch_add(granules, Ordering::SeqCst);
     } else {
         sim.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
-        sim.shared.total_host_frees.fetch_add(1, Ordering::SeqCst);
+        sim.shared
+            .total_host_frees
+            .fetch_add(granules, Ordering::SeqCst);
     }
     Ok(())
 }
@@ -126,8 +145,11 @@ pub(super) fn unreserve(sim: &SimRuntime, range: HostMemory) -> Result<(), Runti
             addr: range.ptr.as_ptr() as usize,
             size: range.size,
         };
-        sim.shared
-            .report(ViolationKind::InvalidFree, None, format!("{e} (granules still mapped)"));
+        sim.shared.report(
+            ViolationKind::InvalidFree,
+            None,
+            format!("{e} (granules still mapped)"),
+        );
         return Err(e.into_runtime(OP));
     }
     drop(alloc);

@@ -47,8 +47,8 @@ pub use memory::HOST_ALIGN;
 pub use stream::{HoldGuard, SimStream};
 pub use violation::{Violation, ViolationKind};
 
-use ledger::Ledger;
 use expandable::GRANULE;
+use ledger::Ledger;
 use memory::{atomic_bytes, HostAllocation};
 
 /// State shared by the runtime handles, its streams and their workers: atomics, and handles
@@ -464,7 +464,12 @@ impl Runtime for SimRuntime {
         expandable::map(self, range, offset, size, true)
     }
 
-    fn host_unmap(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+    fn host_unmap(
+        &self,
+        range: &HostMemory,
+        offset: usize,
+        size: usize,
+    ) -> Result<(), RuntimeError> {
         expandable::map(self, range, offset, size, false)
     }
 

@@ -21,6 +21,18 @@ pub fn sim_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
 }
 
 /// An allocator on a fresh simulated runtime with the `bestfit` size policy.
+/// An allocator under `BestFit` that cuts blocks out of separate host allocations
+/// (segments), not out of an expandable range.
+#[allow(dead_code)]
+pub fn segments_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default().separate_segments()))
+        .build()
+        .expect("allocator builds inside a runtime");
+    (pool, sim)
+}
+
 pub fn best_fit_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))

@@ -26,6 +26,9 @@ use crate::carve::{Carver, Piece, SegId};
 use crate::error::Error;
 use crate::runtime::{Runtime, RuntimeError};
 
+/// Under a memory limit of fewer granules than this, a pool keeps separate segments.
+const MIN_GRANULES_UNDER_LIMIT: usize = 8;
+
 /// Which granules of an arena are mapped, readable by whoever drops the arena's segment
 /// last (written only by the pool actor and the blocking threads it waits for).
 pub(crate) struct ArenaMap {
@@ -287,7 +290,7 @@ impl<R: Runtime> Arena<R> {
                     .iter()
                     .filter_map(|&(fo, fl)| {
                         let (a, b) = (fo.max(o), (fo + fl).min(o + l));
-                        (a < b).then_some((a, b - a))
+                        (a < b).then(|| (a, b - a))
                     })
                     .collect();
                 ((o, l), inside)
@@ -376,6 +379,10 @@ impl<R: Runtime> PoolActor<R> {
             return None;
         }
         let limit = self.shared.budget.limit().unwrap_or(usize::MAX);
+        if limit / granule < MIN_GRANULES_UNDER_LIMIT {
+            // Granules would be too coarse for the limit: blocks get their own sizes.
+            return None;
+        }
         let size = c
             .arena_reserve
             .min(limit.saturating_add(granule - 1))
@@ -490,7 +497,11 @@ impl<R: Runtime> PoolActor<R> {
     fn release_unmapped(&mut self, piece: Piece) {
         if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
             if let Err(e) = a.release(piece) {
-                tracing::error!(?e, ?piece, "arena piece could not be taken back; range leaked");
+                tracing::error!(
+                    ?e,
+                    ?piece,
+                    "arena piece could not be taken back; range leaked"
+                );
             }
         }
     }
