@@ -445,3 +445,70 @@ fn host_to_device_copy_bandwidth_from_each_kind_of_memory() {
     println!("cuda htod_GBps source=pageable_vec size_mb=256 {gbps:.1} GB/s");
     drop(device);
 }
+
+#[test]
+fn expandable_host_memory_maps_granules_copies_across_them_and_unmaps_one_in_the_middle() {
+    let Some(rt) = default_gpu("expandable_host_memory") else {
+        return;
+    };
+    let Some(g) = rt.host_granularity() else {
+        println!("expandable_host_memory: skipped, the driver has no host granules");
+        return;
+    };
+    let range = rt.host_reserve(64 * g).unwrap();
+    assert_eq!(range.method, PinMethod::Mapped);
+    // Bad shapes are refused before the driver sees them.
+    assert!(rt.host_map(&range, 1, g).is_err());
+    assert!(rt.host_map(&range, 63 * g, 2 * g).is_err());
+    let t0 = Instant::now();
+    rt.host_map(&range, 0, 32 * g).unwrap();
+    println!(
+        "cuda vmm_map granules=32 granule_kb={} {:.1} us per granule",
+        g >> 10,
+        t0.elapsed().as_secs_f64() * 1e6 / 32.0
+    );
+    let len = 32 * g;
+    let base = range.ptr.as_ptr();
+    // SAFETY: the 32 granules at the start of the range are mapped read-write for the host.
+    let host = unsafe { std::slice::from_raw_parts_mut(base, len) };
+    for (i, b) in host.iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let stream = rt.context().new_stream().unwrap();
+    let device = DeviceBuffer::new(rt.context(), len);
+    let gbps = htod_gbps(rt.context(), &stream, &device, base, len, 8);
+    println!("cuda htod_GBps source=expandable_host size_mb={} {gbps:.1} GB/s", len >> 20);
+    // Back from the device into granules 1..3 after zeroing them: the bytes round-trip.
+    host[g..3 * g].fill(0);
+    context::bind(rt.context()).unwrap();
+    // SAFETY: the device buffer holds `len` bytes; granules 1 and 2 are mapped.
+    unsafe {
+        sys::cuMemcpyDtoHAsync_v2(
+            base.add(g) as *mut c_void,
+            device.ptr + g as u64,
+            2 * g,
+            stream.cu_stream(),
+        )
+    }
+    .result()
+    .unwrap();
+    stream.synchronize().unwrap();
+    assert!(host[g..3 * g]
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b == ((g + i) % 251) as u8));
+    // A granule in the middle goes back on its own; copies on either side still work.
+    rt.host_unmap(&range, 10 * g, g).unwrap();
+    htod_gbps(rt.context(), &stream, &device, base, 10 * g, 1);
+    // SAFETY: granules 11..32 are still mapped.
+    htod_gbps(rt.context(), &stream, &device, unsafe { base.add(11 * g) }, 21 * g, 1);
+    rt.host_map(&range, 10 * g, g).unwrap();
+    let t0 = Instant::now();
+    rt.host_unmap(&range, 0, 32 * g).unwrap();
+    println!(
+        "cuda vmm_unmap granules=32 {:.1} us per granule",
+        t0.elapsed().as_secs_f64() * 1e6 / 32.0
+    );
+    rt.host_unreserve(range).unwrap();
+    drop(device);
+}

@@ -55,6 +55,10 @@ pub(crate) unsafe fn free(memory: HostMemory) -> Result<(), RuntimeError> {
             "host_free",
             "simulated memory was not allocated by the CUDA runtime",
         )),
+        PinMethod::Mapped => Err(RuntimeError::new(
+            "host_free",
+            "mapped memory goes back with host_unmap, not host_free",
+        )),
     }
 }
 

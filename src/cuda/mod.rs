@@ -4,6 +4,7 @@
 //!
 //! - `context`: binding contexts to threads, relaxed capture mode around host calls.
 //! - `host`: the two ways of pinning (`cuMemHostAlloc`; `mmap` + pre-fault + register).
+//! - `vmm`: expandable host memory (a reserved range mapped granule by granule).
 //! - `events`: pooled events, one free list per context.
 //! - `runtime`: [`CudaRuntime`] itself, detection ([`cuda_available`]).
 //! - `builder`: [`Builder::cuda`](crate::Builder::cuda) and
@@ -38,6 +39,7 @@ mod copy;
 mod error;
 mod events;
 mod host;
+mod vmm;
 mod runtime;
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use super::context::{bind, RelaxedCaptureMode};
 use super::error::{runtime_error, CudaInitError};
 use super::events::{EventPools, PooledEvent};
 use super::host::{self, RegisterLayout};
+use super::vmm;
 use crate::config::{Config, PinStrategy};
 use crate::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
 
@@ -125,6 +126,8 @@ pub struct CudaRuntime {
     config: Config,
     layout: RegisterLayout,
     events: EventPools,
+    /// The granule of expandable host memory, when the driver has it.
+    vmm_granule: Option<usize>,
 }
 
 impl std::fmt::Debug for CudaRuntime {
@@ -155,11 +158,13 @@ impl CudaRuntime {
         let ctx =
             CudaContext::new(ordinal).map_err(|e| CudaInitError::driver("CudaContext::new", e))?;
         let layout = RegisterLayout::new(config.huge_pages, config.prefault_threads);
+        let vmm_granule = bind(&ctx).ok().and_then(|()| vmm::granularity());
         Ok(Self {
             ctx,
             config,
             layout,
             events: EventPools::new(),
+            vmm_granule,
         })
     }
 
@@ -207,6 +212,36 @@ impl CudaRuntime {
         }
     }
 
+    /// The granule of expandable host memory, with the context bound.
+    fn vmm_call(&self, op: &'static str) -> Result<usize, RuntimeError> {
+        let granule = self
+            .vmm_granule
+            .ok_or_else(|| RuntimeError::new(op, "expandable host memory is not supported"))?;
+        bind(&self.ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+        Ok(granule)
+    }
+
+    /// [`Self::vmm_call`] for whole granules of a reserved range.
+    fn vmm_range(
+        &self,
+        op: &'static str,
+        range: &HostMemory,
+        offset: usize,
+        size: usize,
+    ) -> Result<usize, RuntimeError> {
+        let granule = self.vmm_call(op)?;
+        let whole = offset % granule == 0
+            && size % granule == 0
+            && offset.checked_add(size).is_some_and(|e| e <= range.size);
+        if range.method != PinMethod::Mapped || !whole {
+            return Err(RuntimeError::new(
+                op,
+                format!("{size} bytes at offset {offset} are not whole granules of a reserved range"),
+            ));
+        }
+        Ok(granule)
+    }
+
     /// Idle events held in the pools (all contexts).
     pub fn idle_events(&self) -> usize {
         self.events.idle()
@@ -238,6 +273,39 @@ impl Runtime for CudaRuntime {
         // SAFETY: the engine hands back each `HostMemory` it got from `host_alloc` exactly
         // once, when nothing uses it any more, with the `method` and `size` it was given.
         unsafe { host::free(memory) }
+    }
+
+    fn host_granularity(&self) -> Option<usize> {
+        self.vmm_granule
+    }
+
+    fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+        let granule = self.vmm_call("cuMemAddressReserve")?;
+        vmm::reserve(size, granule)
+    }
+
+    fn host_map(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let granule = self.vmm_range("cuMemMap", range, offset, size)?;
+        let _relaxed = RelaxedCaptureMode::enter()
+            .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
+        let device = self.ctx.ordinal() as std::ffi::c_int;
+        // SAFETY: the engine maps only whole, unmapped granules of a range it reserved here
+        // (checked for shape above).
+        unsafe { vmm::map(range, offset, size, granule, device) }
+    }
+
+    fn host_unmap(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let granule = self.vmm_range("cuMemUnmap", range, offset, size)?;
+        let _relaxed = RelaxedCaptureMode::enter()
+            .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
+        // SAFETY: the engine unmaps only granules it mapped, once no block touches them.
+        unsafe { vmm::unmap(range, offset, size, granule) }
+    }
+
+    fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+        self.vmm_range("cuMemAddressFree", &range, 0, 0)?;
+        // SAFETY: the engine gives back a range it reserved here once nothing is mapped.
+        unsafe { vmm::unreserve(range) }
     }
 
     fn stream_id(&self, stream: &Self::Stream) -> StreamId {

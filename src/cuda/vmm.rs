@@ -1,0 +1,193 @@
+//! Expandable host memory through the CUDA virtual memory calls (CUDA 12.2 and later): an
+//! address range reserved with `cuMemAddressReserve`, and pinned host granules created with
+//! `cuMemCreate` (location `CU_MEM_LOCATION_TYPE_HOST`), mapped into it one granule per
+//! handle with `cuMemMap`, and made readable and writable by the device and the host with
+//! `cuMemSetAccess`. A granule is unmapped on its own: its handle is found again with
+//! `cuMemRetainAllocationHandle`, so nothing is kept here.
+//!
+//! Owns no state. Keeps invariant 7: a failure at any step gives back what the earlier
+//! steps of the same call took. The caller binds a context and relaxes the capture mode
+//! first (see [`super::context`]).
+
+use std::ffi::{c_int, c_void};
+use std::ptr::NonNull;
+
+use cudarc::driver::sys;
+
+use super::error::runtime_error;
+use crate::{HostMemory, PinMethod, RuntimeError};
+
+/// The smallest granule used, whatever the driver's minimum (CUDA's host granule on
+/// x86-64 is 2 MiB already).
+const MIN_GRANULE: usize = 2 << 20;
+
+fn host_prop() -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+            id: 0,
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+fn check(op: &'static str, r: sys::CUresult) -> Result<(), RuntimeError> {
+    r.result().map_err(|e| runtime_error(op, e))
+}
+
+/// The granule for pinned host memory, or `None` when the driver cannot create it (older
+/// than 12.2, or no such support on this system).
+pub(crate) fn granularity() -> Option<usize> {
+    let prop = host_prop();
+    let mut granule = 0usize;
+    // SAFETY: both pointers are valid for the call; the driver writes only `granule`.
+    let r = unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granule,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    };
+    (r == sys::CUresult::CUDA_SUCCESS && granule > 0)
+        .then(|| granule.max(MIN_GRANULE).next_power_of_two())
+}
+
+/// Reserves `size` bytes of address space, none of it mapped.
+pub(crate) fn reserve(size: usize, granule: usize) -> Result<HostMemory, RuntimeError> {
+    let mut va: sys::CUdeviceptr = 0;
+    // SAFETY: `va` is valid for the write; no memory is touched.
+    check("cuMemAddressReserve", unsafe {
+        sys::cuMemAddressReserve(&mut va, size, granule, 0, 0)
+    })?;
+    let ptr = NonNull::new(va as usize as *mut u8)
+        .ok_or_else(|| RuntimeError::new("cuMemAddressReserve", "returned a null address"))?;
+    Ok(HostMemory {
+        ptr,
+        size,
+        method: PinMethod::Mapped,
+    })
+}
+
+/// Maps pinned host memory at `[offset, offset + size)` of `range`, one handle per granule,
+/// readable and writable by `device` and by the host.
+///
+/// # Safety
+/// `range` came from [`reserve`]; the granules of the span lie inside it, are whole, and
+/// are not mapped.
+pub(crate) unsafe fn map(
+    range: &HostMemory,
+    offset: usize,
+    size: usize,
+    granule: usize,
+    device: c_int,
+) -> Result<(), RuntimeError> {
+    let base = range.ptr.as_ptr() as usize as sys::CUdeviceptr + offset as sys::CUdeviceptr;
+    let prop = host_prop();
+    let mut done = 0usize;
+    let res = (|| {
+        while done < size {
+            let at = base + done as sys::CUdeviceptr;
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `h` and `prop` are valid for the call.
+            check("cuMemCreate", unsafe { sys::cuMemCreate(&mut h, granule, &prop, 0) })?;
+            // SAFETY: `at` is an unmapped granule of the reserved range (caller's promise).
+            if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(at, granule, 0, h, 0) }) {
+                // SAFETY: `h` was created above and is mapped nowhere.
+                unsafe { sys::cuMemRelease(h) };
+                return Err(e);
+            }
+            // The mapping holds the memory; the handle is found again at unmap.
+            // SAFETY: `h` was created above.
+            unsafe { sys::cuMemRelease(h) };
+            done += granule;
+        }
+        set_access(base, size, device)
+    })();
+    if res.is_err() {
+        // SAFETY: exactly the granules mapped above.
+        let _ = unsafe { unmap(range, offset, done, granule) };
+    }
+    res
+}
+
+fn set_access(at: sys::CUdeviceptr, size: usize, device: c_int) -> Result<(), RuntimeError> {
+    let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    let desc = [
+        sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: device,
+            },
+            flags: rw,
+        },
+        sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+                id: 0,
+            },
+            flags: rw,
+        },
+    ];
+    // SAFETY: the span is mapped; `desc` is valid for the call.
+    let both = unsafe { sys::cuMemSetAccess(at, size, desc.as_ptr(), 2) };
+    if both == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    // Drivers that grant the host access with the mapping refuse a host descriptor.
+    // SAFETY: as above.
+    check("cuMemSetAccess", unsafe {
+        sys::cuMemSetAccess(at, size, desc.as_ptr(), 1)
+    })
+}
+
+/// Unmaps the granules of `[offset, offset + size)` of `range` and gives their memory back.
+///
+/// # Safety
+/// The granules were mapped with [`map`] and nothing uses them any more.
+pub(crate) unsafe fn unmap(
+    range: &HostMemory,
+    offset: usize,
+    size: usize,
+    granule: usize,
+) -> Result<(), RuntimeError> {
+    let base = range.ptr.as_ptr() as usize + offset;
+    let mut first_error = None;
+    for at in (base..base + size).step_by(granule) {
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `at` is a mapped granule (caller's promise); the driver writes `h`.
+        let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, at as *mut c_void) };
+        let res = check("cuMemRetainAllocationHandle", r).and_then(|()| {
+            // SAFETY: as above; the mapping goes, and with the retained handle released
+            // the memory goes back.
+            let r = check("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(at as sys::CUdeviceptr, granule)
+            });
+            // SAFETY: `h` was retained above.
+            unsafe { sys::cuMemRelease(h) };
+            r
+        });
+        if let Err(e) = res {
+            first_error.get_or_insert(e);
+        }
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Gives back a reserved range.
+///
+/// # Safety
+/// `range` came from [`reserve`] and none of it is mapped.
+pub(crate) unsafe fn unreserve(range: HostMemory) -> Result<(), RuntimeError> {
+    // SAFETY: guaranteed by the caller.
+    check("cuMemAddressFree", unsafe {
+        sys::cuMemAddressFree(range.ptr.as_ptr() as usize as sys::CUdeviceptr, range.size)
+    })
+}
