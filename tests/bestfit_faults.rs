@@ -15,9 +15,10 @@ const MIB: usize = 1 << 20;
 
 #[tokio::test]
 async fn a_limit_below_the_small_segment_size_still_serves_requests_that_fit() {
+    // Under a limit of fewer than eight granules even the default keeps separate segments.
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
-        .policy(Arc::new(BestFit::default().separate_segments()))
+        .policy(Arc::new(BestFit::default()))
         .max_bytes(MIB)
         .build()
         .unwrap();

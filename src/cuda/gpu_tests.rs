@@ -477,7 +477,10 @@ fn expandable_host_memory_maps_granules_copies_across_them_and_unmaps_one_in_the
     let stream = rt.context().new_stream().unwrap();
     let device = DeviceBuffer::new(rt.context(), len);
     let gbps = htod_gbps(rt.context(), &stream, &device, base, len, 8);
-    println!("cuda htod_GBps source=expandable_host size_mb={} {gbps:.1} GB/s", len >> 20);
+    println!(
+        "cuda htod_GBps source=expandable_host size_mb={} {gbps:.1} GB/s",
+        len >> 20
+    );
     // Back from the device into granules 1..3 after zeroing them: the bytes round-trip.
     host[g..3 * g].fill(0);
     context::bind(rt.context()).unwrap();
@@ -501,7 +504,14 @@ fn expandable_host_memory_maps_granules_copies_across_them_and_unmaps_one_in_the
     rt.host_unmap(&range, 10 * g, g).unwrap();
     htod_gbps(rt.context(), &stream, &device, base, 10 * g, 1);
     // SAFETY: granules 11..32 are still mapped.
-    htod_gbps(rt.context(), &stream, &device, unsafe { base.add(11 * g) }, 21 * g, 1);
+    htod_gbps(
+        rt.context(),
+        &stream,
+        &device,
+        unsafe { base.add(11 * g) },
+        21 * g,
+        1,
+    );
     rt.host_map(&range, 10 * g, g).unwrap();
     let t0 = Instant::now();
     rt.host_unmap(&range, 0, 32 * g).unwrap();

@@ -39,8 +39,8 @@ mod copy;
 mod error;
 mod events;
 mod host;
-mod vmm;
 mod runtime;
+mod vmm;
 
 #[cfg(test)]
 mod gpu_tests;

@@ -236,7 +236,9 @@ impl CudaRuntime {
         if range.method != PinMethod::Mapped || !whole {
             return Err(RuntimeError::new(
                 op,
-                format!("{size} bytes at offset {offset} are not whole granules of a reserved range"),
+                format!(
+                    "{size} bytes at offset {offset} are not whole granules of a reserved range"
+                ),
             ));
         }
         Ok(granule)
@@ -294,7 +296,12 @@ impl Runtime for CudaRuntime {
         unsafe { vmm::map(range, offset, size, granule, device) }
     }
 
-    fn host_unmap(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+    fn host_unmap(
+        &self,
+        range: &HostMemory,
+        offset: usize,
+        size: usize,
+    ) -> Result<(), RuntimeError> {
         let granule = self.vmm_range("cuMemUnmap", range, offset, size)?;
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;

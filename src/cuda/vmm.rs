@@ -97,7 +97,9 @@ pub(crate) unsafe fn map(
             let at = base + done as sys::CUdeviceptr;
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: `h` and `prop` are valid for the call.
-            check("cuMemCreate", unsafe { sys::cuMemCreate(&mut h, granule, &prop, 0) })?;
+            check("cuMemCreate", unsafe {
+                sys::cuMemCreate(&mut h, granule, &prop, 0)
+            })?;
             // SAFETY: `at` is an unmapped granule of the reserved range (caller's promise).
             if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(at, granule, 0, h, 0) }) {
                 // SAFETY: `h` was created above and is mapped nowhere.

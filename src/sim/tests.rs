@@ -243,3 +243,55 @@ fn hung_stream_is_let_go_when_the_runtime_is_dropped() {
     drop(sim);
     assert!(stream.synchronize_timeout(Duration::from_secs(1)).unwrap());
 }
+
+#[test]
+fn expandable_memory_is_live_only_where_mapped_and_misuse_is_refused() {
+    let sim = SimRuntime::new();
+    let g = sim.host_granularity().unwrap();
+    let range = sim.host_reserve(16 * g).unwrap();
+    assert_eq!(range.method, PinMethod::Mapped);
+    assert_eq!((sim.live_allocations(), sim.live_bytes()), (1, 0));
+    let base = range.ptr.as_ptr();
+    assert!(sim.host_write(base, &[1; 8]).is_err(), "nothing mapped yet");
+    sim.host_map(&range, g, 2 * g).unwrap();
+    assert_eq!(sim.live_bytes(), 2 * g);
+    // SAFETY: pointer arithmetic inside the reserved range.
+    let (one, three) = unsafe { (base.add(g), base.add(3 * g)) };
+    // A write across the two mapped granules is inside live memory; one past them is not.
+    sim.host_write(unsafe { one.add(g - 4) }, &[2; 8]).unwrap();
+    assert!(sim.host_write(unsafe { three.sub(4) }, &[2; 8]).is_err());
+    // A copy from mapped memory works; from an unmapped granule it is refused.
+    let stream = sim.stream();
+    let dev = DeviceBuffer::new(g);
+    stream.copy_to_device(one, 64, &dev).unwrap();
+    assert!(stream.copy_to_device(three, 64, &dev).is_err());
+    stream.synchronize().unwrap();
+    // Mapping a mapped granule, or unmapping a partial or unmapped one, is refused.
+    assert!(sim.host_map(&range, 2 * g, g).is_err());
+    assert!(sim.host_unmap(&range, 0, g).is_err());
+    assert!(sim.host_unmap(&range, g, g / 2).is_err());
+    assert_eq!(sim.live_bytes(), 2 * g, "refusals change nothing");
+    // Giving back a range that still maps granules is refused.
+    assert!(sim.host_unreserve(range).is_err());
+    sim.host_unmap(&range, 2 * g, g).unwrap();
+    assert!(sim.host_read(one, 8).is_ok(), "its neighbour stays");
+    sim.host_unmap(&range, g, g).unwrap();
+    sim.host_unreserve(range).unwrap();
+    assert_eq!((sim.live_allocations(), sim.live_bytes()), (0, 0));
+    assert_eq!(sim.total_host_allocs(), sim.total_host_frees());
+}
+
+#[test]
+fn mapping_counts_against_the_memory_limit_and_can_be_turned_off() {
+    let sim = SimRuntime::builder().memory_limit(4 << 20).build();
+    let g = sim.host_granularity().unwrap();
+    let range = sim.host_reserve(8 * g).unwrap();
+    sim.host_map(&range, 0, 2 * g).unwrap();
+    let err = sim.host_map(&range, 2 * g, g).unwrap_err();
+    assert!(err.out_of_memory, "{err}");
+    sim.host_unmap(&range, 0, 2 * g).unwrap();
+    sim.host_unreserve(range).unwrap();
+    let off = SimRuntime::builder().without_expandable_memory().build();
+    assert_eq!(off.host_granularity(), None);
+    assert!(off.host_reserve(8 << 20).is_err());
+}

@@ -1,0 +1,225 @@
+//! `BestFit` on a runtime with expandable host memory: blocks are cut out of one reserved
+//! range whose granules are mapped as blocks need them. Pinned down here: the range grows
+//! by the granules a block needs and no more, free neighbours coalesce across granules, a
+//! granule that no block touches goes back while its neighbours still lend, under a memory
+//! limit such granules are room for a request larger than any free range, snapshots list
+//! the mapped runs, and everything (the range included) goes back at shutdown, however
+//! the allocator is dropped. A runtime without the capability, or a limit of fewer than
+//! eight granules, gets separate segments instead.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{assert_books_balance, best_fit_pool, eventually};
+use pinpool::sim::SimRuntime;
+use pinpool::{BestFit, BlockStatus, Builder, Error};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+/// The simulated runtime's granule.
+const GRANULE: usize = 2 * MIB;
+
+#[tokio::test]
+async fn the_range_grows_by_the_granules_a_block_needs_and_blocks_sit_side_by_side() {
+    let (pool, sim) = best_fit_pool();
+    let a = pool.alloc(4 * KIB).await.unwrap();
+    assert_eq!(sim.live_bytes(), GRANULE, "one granule mapped");
+    let b = pool.alloc(3 * MIB).await.unwrap();
+    assert_eq!(
+        b.as_ptr() as usize,
+        a.as_ptr() as usize + 4 * KIB,
+        "right after the first block, across the granule boundary"
+    );
+    assert_eq!(
+        sim.live_bytes(),
+        2 * GRANULE,
+        "only the one more granule it needs"
+    );
+    assert_eq!(pool.engine().policy().name(), "bestfit");
+    drop((a, b));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn freed_neighbours_coalesce_across_granules_and_serve_a_larger_request_in_place() {
+    let (pool, sim) = best_fit_pool();
+    let a = pool.alloc(3 * MIB).await.unwrap();
+    let b = pool.alloc(3 * MIB).await.unwrap();
+    let tail = pool.alloc(4 * KIB).await.unwrap();
+    let at = a.as_ptr() as usize;
+    assert_eq!(b.as_ptr() as usize, at + 3 * MIB);
+    let maps = sim.total_host_allocs();
+    drop((a, b));
+    let both = pool.alloc(6 * MIB).await.unwrap();
+    assert_eq!(
+        both.as_ptr() as usize,
+        at,
+        "the two freed blocks, as one range"
+    );
+    assert_eq!(sim.total_host_allocs(), maps, "no fresh memory");
+    drop((both, tail));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn a_granule_no_block_touches_goes_back_while_its_neighbours_still_lend() {
+    let (pool, sim) = best_fit_pool();
+    let x = pool.alloc(MIB).await.unwrap(); // granule 0
+    let y = pool.alloc(4 * MIB).await.unwrap(); // granules 0, 1 and 2
+    let z = pool.alloc(MIB).await.unwrap(); // the rest of granule 2
+    assert_eq!(sim.live_bytes(), 3 * GRANULE);
+    assert_eq!(z.as_ptr() as usize, y.as_ptr() as usize + 4 * MIB);
+    drop(y);
+    eventually("the large block is home", || {
+        pool.stats().active_bytes.current as usize == 2 * MIB
+    })
+    .await;
+    let report = pool.empty_cache().await.unwrap();
+    assert_eq!(report.freed_bytes, GRANULE, "granule 1 went back");
+    assert_eq!(sim.live_bytes(), 2 * GRANULE);
+    // The blocks on either side are untouched and still usable.
+    sim.host_write(x.as_ptr() as *mut u8, &[7; 16]).unwrap();
+    sim.host_write(z.as_ptr() as *mut u8, &[9; 16]).unwrap();
+    assert_eq!(sim.host_read(x.as_ptr(), 16).unwrap(), [7; 16]);
+    assert_books_balance(&pool, &sim, 2).await;
+    drop((x, z));
+    let report = pool.empty_cache().await.unwrap();
+    assert_eq!(report.reserved_after, 0);
+    assert_eq!(sim.live_bytes(), 0);
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn under_a_memory_limit_idle_granules_are_room_for_a_request_larger_than_any_free_range() {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
+        .max_bytes(8 * GRANULE)
+        .build()
+        .unwrap();
+    let mut blocks = Vec::new();
+    for _ in 0..16 {
+        blocks.push(Some(pool.try_alloc(MIB).await.unwrap()));
+    }
+    let base = blocks[0].as_ref().unwrap().as_ptr() as usize;
+    for (i, b) in blocks.iter().enumerate() {
+        assert_eq!(b.as_ref().unwrap().as_ptr() as usize, base + i * MIB);
+    }
+    assert_eq!(sim.live_bytes(), 8 * GRANULE, "the limit is reached");
+    // Keep one block in granules 0, 2, 5 and 7: the largest free range is 4 MiB, and
+    // granules 1, 3, 4 and 6 are touched by no block.
+    for (i, b) in blocks.iter_mut().enumerate() {
+        if ![0, 5, 10, 15].contains(&i) {
+            drop(b.take());
+        }
+    }
+    let big = pool
+        .try_alloc(6 * MIB)
+        .await
+        .expect("idle granules make room");
+    assert!(sim.live_bytes() <= 8 * GRANULE);
+    sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
+        .unwrap();
+    // Nothing more fits: 4 MiB held, 6 MiB in use, and 2 MiB granules.
+    assert!(matches!(
+        pool.try_alloc(6 * MIB).await,
+        Err(Error::OutOfMemory { .. })
+    ));
+    drop((big, blocks));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn a_snapshot_lists_each_mapped_run_as_a_segment_tiled_by_its_pieces() {
+    let (pool, sim) = best_fit_pool();
+    let x = pool.alloc(MIB).await.unwrap();
+    let y = pool.alloc(4 * MIB).await.unwrap();
+    let z = pool.alloc(MIB).await.unwrap();
+    drop(y);
+    eventually("the large block is home", || {
+        pool.stats().active_bytes.current as usize == 2 * MIB
+    })
+    .await;
+    pool.empty_cache().await.unwrap();
+    let snap = pool.snapshot().await.unwrap();
+    assert_eq!(snap.segments.len(), 2, "granules 0 and 2, apart");
+    for seg in &snap.segments {
+        assert_eq!(seg.total_size, GRANULE);
+        let mut at = seg.address;
+        for blk in &seg.blocks {
+            assert_eq!(blk.address, at);
+            at += blk.size;
+        }
+        assert_eq!(at, seg.address + seg.total_size);
+        let lent: Vec<_> = seg
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockStatus::InUse)
+            .collect();
+        assert_eq!(lent.len(), 1);
+        assert_eq!(lent[0].requested_size, MIB);
+    }
+    let total: usize = snap.segments.iter().map(|s| s.total_size).sum();
+    assert_eq!(total, sim.live_bytes());
+    drop((x, z));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn dropping_the_allocator_gives_back_every_granule_and_the_range_even_after_a_late_buffer() {
+    let (pool, sim) = best_fit_pool();
+    let cached = pool.alloc(64 * KIB).await.unwrap();
+    let late = pool.alloc(5 * MIB).await.unwrap();
+    drop(cached);
+    assert_eq!(sim.live_allocations(), 1, "the reserved range");
+    drop(pool);
+    assert!(
+        sim.live_bytes() >= 5 * MIB,
+        "the late buffer's granules stay"
+    );
+    sim.host_write(late.as_ptr() as *mut u8, &[3; 64]).unwrap();
+    drop(late);
+    eventually("everything given back", || {
+        sim.live_bytes() == 0 && sim.live_allocations() == 0
+    })
+    .await;
+    assert_eq!(sim.total_host_allocs(), sim.total_host_frees());
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+#[test]
+fn dropping_the_tokio_runtime_with_a_live_buffer_gives_everything_back_when_it_drops() {
+    let sim = SimRuntime::new();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (pool, live) = rt.block_on(async {
+        let pool = Builder::new(Arc::new(sim.clone()))
+            .policy(Arc::new(BestFit::default()))
+            .build()
+            .unwrap();
+        let live = pool.alloc(3 * MIB).await.unwrap();
+        drop(pool.alloc(8 * KIB).await.unwrap());
+        (pool, live)
+    });
+    drop(rt);
+    drop(pool);
+    drop(live);
+    common::eventually_blocking("everything given back", || {
+        sim.live_bytes() == 0 && sim.live_allocations() == 0
+    });
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+#[tokio::test]
+async fn a_runtime_without_expandable_memory_gets_separate_segments() {
+    let sim = SimRuntime::builder().without_expandable_memory().build();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
+        .build()
+        .unwrap();
+    // A segment of the block's own size, where the range would map three granules.
+    let b = pool.alloc(5 * MIB).await.unwrap();
+    assert_eq!(sim.live_bytes(), 5 * MIB);
+    drop(b);
+    assert_books_balance(&pool, &sim, 0).await;
+}
