@@ -96,25 +96,40 @@ const BEST_FIT_SMALL: usize = 512 << STEPS_LOG2;
 const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 
 /// Fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per doubling, so a
-/// class rounds up by at most 6.25%) whose blocks are cut out of shared segments.
+/// class rounds up by at most 6.25%) whose blocks are cut out of one expandable range of
+/// pinned memory, or out of shared segments. The default policy.
 ///
-/// A miss is served, after the pool has drained its ready queues and coalesced free
-/// neighbours, by the best-fitting free range of a segment that already lends a piece, else
-/// by the smallest wholly free segment that holds it, unless that segment is more than 3
-/// times larger than the request (such a split waits until fresh memory would cross the
-/// reserve cap). Fresh memory is a 2 MiB segment for small blocks (up to 1 MiB), the block's
-/// own size for larger ones, or half the room left under the reserve cap when that is more.
-/// The reserve cap is 1.2 times the peak of live bytes: before fresh memory would cross it,
-/// wholly free segments go back to the runtime, least recently used first. Freed small
-/// blocks, and large ones that fill their segment, stay on the cached path; other pieces go
-/// back into their segment at once, so that it can coalesce. A miss whose class last gave
-/// back a range that is still wholly free takes that range again without draining the ready
-/// queues, and that block then stays on the cached path: a thread looping over one size
-/// stops asking the pool actor after its second request.
+/// Where the runtime offers expandable host memory (`Runtime::host_granularity`: the CUDA
+/// virtual memory calls with host locations, CUDA 12.2 and later, or the simulation), the
+/// pool reserves one address range (64 GiB by default, at most the memory limit) and cuts
+/// every block out of it. A miss is served, after the pool has drained its ready queues and
+/// coalesced free neighbours, at the place that needs the fewest granules (2 MiB) mapped,
+/// best fit among those. Fresh memory is the granules a block needs and no more. Free
+/// ranges coalesce across granules, so a larger request is served in place once its
+/// neighbours come back. A granule that no block touches (blocks in ready queues, waiting
+/// on events or kept for graph replays touch theirs) is unmapped, least recently used
+/// first, before mapping would cross the reserve cap of 1.2 times the peak of live bytes,
+/// when the cache is emptied, and under a memory limit when a request needs room. Under a
+/// limit of fewer than eight granules, on runtimes without the capability, and for requests
+/// the range cannot hold, blocks come from separate segments instead:
 ///
-/// Under a memory limit, free ranges stranded in segments that still lend pieces are not
-/// room: a request larger than every free range waits until a segment empties, even when the
-/// free bytes add up to more than it asks for (powers of two free a cached block instead).
+/// With separate segments ([`BestFit::separate_segments`]) a miss is served by the
+/// best-fitting free range of a segment that already lends a piece, else by the smallest
+/// wholly free segment that holds it, unless that segment is more than 3 times larger than
+/// the request (such a split waits until fresh memory would cross the reserve cap). Fresh
+/// memory is a 2 MiB segment for small blocks (up to 1 MiB), the block's own size for larger
+/// ones, or half the room left under the reserve cap when that is more. Before fresh memory
+/// would cross the reserve cap, wholly free segments go back to the runtime, least recently
+/// used first. Under a memory limit, free ranges stranded in segments that still lend pieces
+/// are not room: a request larger than every free range waits until a segment empties,
+/// even when the free bytes add up to more than it asks for.
+///
+/// Either way, freed small blocks stay on the cached path, and so do large ones that fill
+/// their segment; other pieces go back into their segment or range at once, so that they
+/// coalesce. A miss whose class last gave back a range that is still wholly free (and
+/// mapped) takes that range again without draining the ready queues, and that block then
+/// stays on the cached path: a thread looping over one size stops asking the pool actor
+/// after its second request.
 ///
 /// ```
 /// use pinpool_actors::{BestFit, SizePolicy};

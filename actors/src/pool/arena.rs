@@ -73,6 +73,9 @@ impl ArenaMap {
     }
 }
 
+/// (offset, bytes) in the range.
+type Range = (usize, usize);
+
 /// A mapped granule.
 #[derive(Debug, Clone, Copy)]
 struct Granule {
@@ -276,7 +279,7 @@ impl<R: Runtime> Arena<R> {
     }
 
     /// The mapped runs, as (offset, bytes), with the free ranges inside each.
-    pub(super) fn mapped_runs(&self) -> Vec<((usize, usize), Vec<(usize, usize)>)> {
+    pub(super) fn mapped_runs(&self) -> Vec<(Range, Vec<Range>)> {
         let all: Vec<usize> = self.granules.keys().copied().collect();
         let free: Vec<(usize, usize)> = self
             .carver

@@ -1,6 +1,7 @@
 //! Carved segments: for a policy whose layout is [`BlockLayout::Carved`], the pool's host
 //! allocations (segments) and the free ranges in them, and how the pool actor answers a miss
-//! from them.
+//! from them. Where the runtime has expandable host memory, the pool's arena (see `arena`)
+//! serves misses first; separate segments serve what it cannot.
 //!
 //! Owns the [`Carver`] of the pool's segments; every block of such a pool is a range of one
 //! segment and holds an `Arc` of it. A block's range is free in the carver only while no one
