@@ -16,7 +16,7 @@ use flume::Sender;
 use crate::error::Error;
 use crate::lease::Lease;
 use crate::limit::{miss_async, miss_blocking, Budget, Wait};
-use crate::policy::{BestFit, SizeClass, SizePolicy};
+use crate::policy::{SizeClass, SizePolicy, TieredPowerOfTwo};
 use crate::poller::{start_poller, PollerMsg};
 use crate::pool::{start_pool, EmptyReport, Inventory, PoolMsg, PoolShared, PoolSpec, Reply};
 use crate::pool_id::PoolId;
@@ -38,11 +38,11 @@ pub struct EngineBuilder<R: Runtime> {
 }
 
 impl<R: Runtime> EngineBuilder<R> {
-    /// An engine over `runtime`, with the `BestFit` size policy.
+    /// An engine over `runtime`, with the power-of-two size policy.
     pub fn new(runtime: Arc<R>) -> Self {
         Self {
             runtime,
-            policy: Arc::new(BestFit::default()),
+            policy: Arc::new(TieredPowerOfTwo::default()),
             handle: None,
             shards: None,
             max_bytes: None,
