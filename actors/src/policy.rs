@@ -97,7 +97,7 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 
 /// Fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per doubling, so a
 /// class rounds up by at most 6.25%) whose blocks are cut out of one expandable range of
-/// pinned memory, or out of shared segments. The default policy.
+/// pinned memory, or out of shared segments. Not the default yet: see the limit below.
 ///
 /// Where the runtime offers expandable host memory (`Runtime::host_granularity`: the CUDA
 /// virtual memory calls with host locations, CUDA 12.2 and later, or the simulation), the
@@ -111,7 +111,11 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// first, before mapping would cross the reserve cap of 1.2 times the peak of live bytes,
 /// when the cache is emptied, and under a memory limit when a request needs room. Under a
 /// limit of fewer than eight granules, on runtimes without the capability, and for requests
-/// the range cannot hold, blocks come from separate segments instead:
+/// the range cannot hold, blocks come from separate segments instead. Under a memory limit
+/// free memory can still be stranded: when every mapped granule holds a live block and no
+/// free range fits a request, the request waits for a free even though the free bytes add
+/// up to more than it asks for (powers of two free a cached block instead).
+///
 ///
 /// With separate segments ([`BestFit::separate_segments`]) a miss is served by the
 /// best-fitting free range of a segment that already lends a piece, else by the smallest
