@@ -403,7 +403,8 @@ impl<R: Runtime> PoolActor<R> {
                 return None;
             }
         };
-        let segment = self.new_segment(memory, Some(ArenaMap::new(granule, memory.size)));
+        let map = ArenaMap::new(granule, memory.size);
+        let segment = Segment::new(SegId(u64::MAX), memory, self.shared.clone(), Some(map));
         let segs = self.carved.as_mut()?;
         segs.arena = Some(Arena::new(segment, granule));
         Some(())

@@ -54,6 +54,24 @@ pub(crate) struct Segment<R: Runtime> {
 }
 
 impl<R: Runtime> Segment<R> {
+    /// A segment of `pool` over `memory`: a host allocation, or (with its granule map) the
+    /// pool's arena.
+    pub(crate) fn new(
+        id: SegId,
+        memory: HostMemory,
+        pool: Arc<PoolShared<R>>,
+        arena: Option<ArenaMap>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            id,
+            memory,
+            pool,
+            leaked: AtomicBool::new(false),
+            given_back: AtomicBool::new(false),
+            arena,
+        })
+    }
+
     /// Marks the segment as never to be given back (a piece may still be used by the device).
     pub(crate) fn leak(&self) {
         self.leaked.store(true, Ordering::Relaxed);
@@ -244,7 +262,10 @@ impl<R: Runtime> Segments<R> {
 impl<R: Runtime> PoolActor<R> {
     /// Cuts a block of `class` out of a free range, if one fits (see [`Carver::place`]).
     fn carve_block(&mut self, class: SizeClass, split_any: bool) -> Option<Box<Block<R>>> {
-        self.carve_with(class, |segs| segs.place(class.size, split_any))
+        let segs = self.carved.as_mut()?;
+        let piece = segs.place(class.size, split_any)?;
+        let seg = segs.carver.payload(piece.seg)?.clone();
+        self.block_for(class, piece, seg)
     }
 
     /// Cuts a block of `class` out of a free range that it fills to within 1/8, if there is
@@ -261,7 +282,7 @@ impl<R: Runtime> PoolActor<R> {
             },
             None => Self::tight_in_carver(segs, class.size, max_len)?,
         };
-        let recalled = segs.last_range.get(&class.index).map(|r| r.0) == Some(piece);
+        let recalled = segs.last_range.get(&class.index) == Some(&(piece, seg.is_arena()));
         let mut b = self.block_for(class, piece, seg)?;
         b.recalled = recalled;
         Some(b)
@@ -294,17 +315,6 @@ impl<R: Runtime> PoolActor<R> {
         let mut block = self.block_for(class, piece, seg)?;
         block.recalled = true;
         Some(block)
-    }
-
-    fn carve_with(
-        &mut self,
-        class: SizeClass,
-        place: impl FnOnce(&mut Segments<R>) -> Option<Piece>,
-    ) -> Option<Box<Block<R>>> {
-        let segs = self.carved.as_mut()?;
-        let piece = place(segs)?;
-        let seg = segs.carver.payload(piece.seg)?.clone();
-        self.block_for(class, piece, seg)
     }
 
     /// The block for a piece cut out of `seg` (a separate segment or the arena).
@@ -508,35 +518,11 @@ impl<R: Runtime> PoolActor<R> {
         }))
     }
 
-    /// A segment of the pool over `memory`: a host allocation, or the arena's range.
-    pub(super) fn new_segment(
-        &mut self,
-        memory: HostMemory,
-        arena: Option<ArenaMap>,
-    ) -> Arc<Segment<R>> {
-        Arc::new(Segment {
-            id: SegId(u64::MAX),
-            memory,
-            pool: self.shared.clone(),
-            leaked: AtomicBool::new(false),
-            given_back: AtomicBool::new(false),
-            arena,
-        })
-    }
-
     fn add_segment(&mut self, memory: HostMemory) {
         let pool = self.shared.clone();
         if let Some(segs) = self.carved.as_mut() {
-            segs.carver.add_segment_with(memory.size, |id| {
-                Arc::new(Segment {
-                    id,
-                    memory,
-                    pool,
-                    leaked: AtomicBool::new(false),
-                    given_back: AtomicBool::new(false),
-                    arena: None,
-                })
-            });
+            segs.carver
+                .add_segment_with(memory.size, |id| Segment::new(id, memory, pool, None));
         }
     }
 
