@@ -96,14 +96,18 @@ pub async fn assert_books_balance(
     assert_eq!(in_use, in_use_blocks, "blocks in use: {inv:?}");
 }
 
-/// Waits until no block of any pool is in use. A freed block can be on its way to its pool
-/// actor (a large piece of a segment, say, once its events completed): counted as in use
-/// until the actor takes it home.
+/// Waits until no block of any pool is in use or waits on events (the caller has
+/// synchronised its streams). A freed block can be on its way to its pool actor (a large
+/// piece of a segment, say, once the poller saw its events complete): counted as in use
+/// until the actor takes it home, so a block still waiting now may be in use a moment later.
 pub async fn eventually_nothing_in_use(pool: &PinnedAllocator<SimRuntime>) {
     let start = Instant::now();
     loop {
         let inv = pool.inventory().await.expect("inventory");
-        if inv.iter().all(|p| p.in_use_blocks == 0) {
+        if inv
+            .iter()
+            .all(|p| p.in_use_blocks == 0 && p.waiting_blocks == 0)
+        {
             return;
         }
         assert!(
