@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use pinpool_actors::{
     BaseAllocation, CacheInfo, EmptyReport, Engine, EngineBuilder, Error, HostStats, Inventory,
-    MemorySnapshot, PoolId, Runtime, SizePolicy,
+    MemorySnapshot, MemorySource, PoolId, Runtime, SizePolicy,
 };
 
 use crate::buffer::PinnedBuffer;
@@ -120,15 +120,18 @@ pub struct Builder<R: Runtime> {
     fraction: Option<f64>,
 }
 
-impl<R: Runtime> Builder<R> {
-    /// A builder over `runtime`.
+impl<R: Runtime + MemorySource> Builder<R> {
+    /// A builder over `runtime`, which orders reuse with its events and gives the pinned
+    /// memory.
     pub fn new(runtime: Arc<R>) -> Self {
         Self {
-            inner: EngineBuilder::new(runtime),
+            inner: EngineBuilder::new(runtime.clone(), runtime),
             fraction: None,
         }
     }
+}
 
+impl<R: Runtime> Builder<R> {
     fn map(self, f: impl FnOnce(EngineBuilder<R>) -> EngineBuilder<R>) -> Self {
         Self {
             inner: f(self.inner),
@@ -162,7 +165,7 @@ impl<R: Runtime> Builder<R> {
     }
 
     /// Use `runtime` instead (other settings start over).
-    pub fn runtime<R2: Runtime>(self, runtime: Arc<R2>) -> Builder<R2> {
+    pub fn runtime<R2: Runtime + MemorySource>(self, runtime: Arc<R2>) -> Builder<R2> {
         Builder::new(runtime)
     }
 

@@ -43,8 +43,8 @@ pub use buffer::PinnedBuffer;
 pub use history::ReportError;
 pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
-    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, MemorySnapshot, PinMethod,
-    PoolId, PowerOfTwo, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat,
-    StreamFilter, StreamId, TieredPowerOfTwo,
+    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, MemoryKind, MemorySnapshot,
+    MemorySource, Origin, PinMethod, PoolId, PowerOfTwo, Region, Runtime, RuntimeError,
+    SegmentInfo, SizeClass, SizePolicy, Stat, StreamFilter, StreamId, TieredPowerOfTwo,
 };
 pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

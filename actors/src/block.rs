@@ -1,19 +1,30 @@
-//! A block: one piece of pinned memory lent out as a unit, and the message that carries it.
+//! A block: one piece of memory lent out as a unit, and where it goes when it is freed.
 //!
 //! Blocks travel: from a ready queue to a buffer, from a buffer back to a ready queue (the
-//! cached path), to the event poller while recorded events are pending, or to their pool
-//! actor to be kept for graph replays or freed. Whoever holds the `Box<Block>` owns the
+//! cached path), parked or to the event poller while recorded events are pending, or to their
+//! pool actor to be kept for graph replays or freed. Whoever holds the `Box<Block>` owns the
 //! memory. A block dropped anywhere but in its pool actor's free finds its way home
-//! (invariant 2: nothing is lost).
+//! (invariant 2: nothing is lost). A block reaches its pool through the [`Home`] it carries
+//! (ready queues, parked slots, the senders to its actor and to the poller), never by naming
+//! the actor.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use crate::home::Home;
 use crate::keepalive;
-use crate::poller::PollerMsg;
-use crate::pool::{PoolMsg, PoolShared, Segment};
-use crate::runtime::{HostMemory, Runtime, StreamId};
-use crate::snapshot::BlockMeta;
+use crate::mailbox::{PollerMsg, PoolMsg};
+use crate::memory::Region;
+use crate::meta::BlockMeta;
+use crate::parked::Parkable;
+use crate::ready::Slotted;
+use crate::runtime::{Runtime, StreamId};
+use crate::segment::Segment;
+
+/// A pool's home, with the engine's blocks in its queues.
+pub(crate) type Pool<R> = Home<R, Block<R>>;
+/// A segment the engine's blocks are cut out of.
+pub(crate) type Seg<R> = Segment<R, Block<R>>;
 
 /// Where a block is in its life; decides what happens when it is dropped by accident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,8 +57,8 @@ unsafe impl<E: Send> Sync for Events<E> {}
 // hold them: each gets cache lines of its own so that two threads' blocks never share one.
 #[repr(align(128))]
 pub(crate) struct Block<R: Runtime> {
-    /// The pinned memory: a whole host allocation, or a range of `segment`.
-    pub(crate) memory: HostMemory,
+    /// The memory: a whole allocation from the pool's source, or a range of `segment`.
+    pub(crate) memory: Region,
     /// Bytes of the block (`memory.size`, kept beside the class for the cached path).
     pub(crate) size: usize,
     /// Index of the size class.
@@ -63,11 +74,11 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) state: BlockState,
     /// Set once the memory has been given back to the runtime.
     pub(crate) freed: bool,
-    pub(crate) pool: Arc<PoolShared<R>>,
+    pub(crate) pool: Arc<Pool<R>>,
     /// What the holder writes for snapshots (requested bytes, streams).
     pub(crate) meta: Arc<BlockMeta>,
     /// The segment the block was cut out of (`None`: the block is a host allocation).
-    pub(crate) segment: Option<Arc<Segment<R>>>,
+    pub(crate) segment: Option<Arc<Seg<R>>>,
     /// Cut again at the range its class last gave back, its class asked for once more
     /// while that range was still free: a large piece stays on the cached path when freed
     /// (see `PoolShared::large_piece`).
@@ -75,7 +86,7 @@ pub(crate) struct Block<R: Runtime> {
 }
 
 impl<R: Runtime> Block<R> {
-    pub(crate) fn new(memory: HostMemory, class: usize, pool: Arc<PoolShared<R>>) -> Box<Self> {
+    pub(crate) fn new(memory: Region, class: usize, pool: Arc<Pool<R>>) -> Box<Self> {
         Box::new(Block {
             memory,
             size: memory.size,
@@ -155,7 +166,7 @@ impl<R: Runtime> Block<R> {
                 .fetch_add(self.size as i64, Ordering::Relaxed);
             self.state = BlockState::Waiting;
             keepalive::ensure(&self.pool);
-            let pool: *const PoolShared<R> = Arc::as_ptr(&self.pool);
+            let pool: *const Pool<R> = Arc::as_ptr(&self.pool);
             // SAFETY: `keepalive::ensure` made this thread hold a strong reference to the
             // pool until its next call, so the pool outlives this function even once the
             // block (and the reference it carries) is parked and taken by another thread.
@@ -170,7 +181,8 @@ impl<R: Runtime> Block<R> {
                     b.wait_here();
                 }
             } else {
-                pool.ready.park(self, &pool.poller);
+                pool.parked
+                    .park(self, |p| pool.poller.send(PollerMsg::Watch(p)).is_ok());
             }
         }
     }
@@ -222,7 +234,9 @@ impl<R: Runtime> Block<R> {
     /// active; it is ready to be handed out again.
     pub(crate) fn leave_waiting(&mut self) {
         debug_assert!(self.events.get_mut().is_empty());
-        crate::history::on_free_completed(self);
+        self.pool
+            .history
+            .on_free_completed(self.pool.id, self.memory.addr(), self.size);
         let stats = &self.pool.stats;
         stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
         stats
@@ -294,7 +308,7 @@ impl<R: Runtime> Block<R> {
 #[inline]
 pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     keepalive::ensure(&block.pool);
-    let pool: *const PoolShared<R> = Arc::as_ptr(&block.pool);
+    let pool: *const Pool<R> = Arc::as_ptr(&block.pool);
     // SAFETY: `keepalive::ensure` made this thread hold a strong reference to the pool until
     // its next call, so the pool outlives this function even after the block (and the
     // reference it carries) has moved into a queue and been taken by another thread.
@@ -308,6 +322,89 @@ pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     }
     block.state = BlockState::Cached;
     pool.ready.put(block);
+}
+
+impl<R: Runtime> Slotted for Block<R> {
+    #[inline]
+    fn class(&self) -> usize {
+        self.class
+    }
+
+    #[inline]
+    fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl<R: Runtime> Parkable for Block<R> {
+    fn events_completed(&mut self) -> bool {
+        Block::events_completed(self)
+    }
+
+    fn leave_waiting(&mut self) {
+        Block::leave_waiting(self)
+    }
+
+    fn returned_from_waiting(self: Box<Self>) {
+        Block::returned_from_waiting(self)
+    }
+
+    fn to_poller(self: Box<Self>) {
+        let poller = self.pool.poller.clone();
+        if let Err(flume::SendError(PollerMsg::Wait(b))) = poller.send(PollerMsg::Wait(self)) {
+            // The poller is gone with its runtime: wait here for the events.
+            b.wait_here();
+        }
+    }
+
+    fn wait_here(self: Box<Self>) {
+        Block::wait_here(self)
+    }
+}
+
+impl<R: Runtime> Pool<R> {
+    /// Whether a freed block goes to the actor rather than the ready queues: too large to
+    /// cache, or a large piece of a segment (coalesced at once).
+    #[inline]
+    pub(crate) fn wants_home(&self, block: &Block<R>) -> bool {
+        block.size > self.max_cached_size || self.large_piece(block)
+    }
+
+    /// Whether the block is a large piece that fills less than 3/4 of its carved segment: on
+    /// free it goes back into its segment at once, to coalesce with its neighbours. Larger
+    /// pieces, and pieces recalled to the range their class just gave back, stay on the
+    /// cached path like whole segments: a request of their class that comes back again and
+    /// again is served without the pool actor.
+    #[inline]
+    pub(crate) fn large_piece(&self, block: &Block<R>) -> bool {
+        block.size > self.absorb_above
+            && !block.recalled
+            && block
+                .segment
+                .as_ref()
+                .is_some_and(|s| (block.size as u128) * 4 < (s.size() as u128) * 3)
+    }
+
+    /// Gives a block's memory back to its source on this thread and keeps the books (stats,
+    /// the budget, and the registry of segments). When the source refuses, the block is
+    /// handed back, still reserved and still counted.
+    ///
+    /// A block carved out of a segment is not an allocation of its own: it lets go of its
+    /// segment, which goes back with its last piece (see `segment`).
+    pub(crate) fn free_block_now(&self, mut block: Box<Block<R>>) -> Result<(), Box<Block<R>>> {
+        if let Some(segment) = block.segment.take() {
+            block.freed = true;
+            drop(segment);
+            return Ok(());
+        }
+        match self.free_memory_now(block.memory) {
+            Ok(()) => {
+                block.freed = true;
+                Ok(())
+            }
+            Err(_) => Err(block),
+        }
+    }
 }
 
 impl<R: Runtime> Drop for Block<R> {

@@ -1,7 +1,7 @@
 //! A lease: a block lent to a user, returned when the lease is dropped.
 //!
-//! This is the engine's side of a pinned buffer: it knows the bytes and which streams used
-//! them, and its drop is the free (see [`crate::block`] for where the block goes).
+//! This is the engine's side of a buffer (pinned or device): it knows the bytes and which
+//! streams used them, and its drop is the free (see [`crate::block`] for where the block goes).
 
 use std::ptr::NonNull;
 
@@ -9,7 +9,7 @@ use crate::block::{Block, BlockState};
 use crate::pool_id::PoolId;
 use crate::runtime::{Runtime, StreamId};
 
-/// Pinned bytes lent by the allocator. Dropping it frees them: they are reused only after
+/// Bytes lent by the allocator. Dropping it frees them: they are reused only after
 /// every stream recorded with [`Lease::record_stream`] has finished the work enqueued on it
 /// before the drop.
 pub struct Lease<R: Runtime> {
@@ -31,7 +31,9 @@ impl<R: Runtime> Lease<R> {
         during_capture: bool,
         engine: u64,
     ) -> Self {
-        crate::history::on_alloc(&block, len);
+        let pool = &block.pool;
+        pool.history
+            .on_alloc(pool.id, block.memory.addr(), block.size, len);
         block.shard = block.pool.stats.activate(block.size);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
@@ -114,7 +116,11 @@ impl<R: Runtime> Lease<R> {
 impl<R: Runtime> Drop for Lease<R> {
     fn drop(&mut self) {
         if let Some(b) = self.block.take() {
-            crate::history::on_free(&b, self.len);
+            b.pool
+                .history
+                .on_free(b.pool.id, b.memory.addr(), b.size, self.len, || {
+                    b.streams.first().map(|(s, _)| *s)
+                });
             b.release();
         }
     }

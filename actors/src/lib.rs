@@ -1,50 +1,93 @@
 //! `pinpool-actors`: the engine of pinpool.
 //!
-//! Pool actors own pinned blocks and their free lists, an event-poller actor owns every block
+//! Pool actors own memory blocks and their free lists, an event-poller actor owns every block
 //! that waits on GPU work, and a router actor owns the capture registry and publishes the
-//! routing table. The engine is generic over [`Runtime`], which supplies host memory, events
-//! and stream-capture state; it contains no CUDA.
+//! routing table. The engine is generic over a [`Runtime`] (events recorded on streams, and
+//! stream-capture state) and takes its memory from a [`MemorySource`] (pinned host memory, or
+//! one device's memory); it contains no CUDA. `ARCHITECTURE.md` beside this crate walks
+//! through it.
 //!
 //! Most users want the `pinpool` crate, which wraps this engine in `PinnedAllocator`.
+//!
+//! # Layers
+//!
+//! Modules are listed below from the bottom up. A module uses only modules listed above it
+//! (`scripts/check-layers.py` fails on any other `crate::` path, and CI runs it). Where a
+//! lower layer must reach a higher one at run time — a block going home when it is freed —
+//! it does so through a value it was given: a channel whose messages are defined low
+//! (`mailbox`), a trait it defines and the higher layer implements (`ready::Slotted`,
+//! `parked::Parkable`, `budget::Member`), or a type it is generic over (`home::Home<R, B>`).
+//!
+//! 1. Vocabulary: `runtime`, `memory`, `pool_id`, `error`, `shard`, `spawn`, `keepalive`,
+//!    `policy`, `carve`, `stats`, `meta`, `trace`, `snapshot`.
+//! 2. Observation: `observe` (the observer task), `history` (the history actor and the
+//!    recorder the hot paths call).
+//! 3. Lock-free holders of blocks: `ready` (the cached path), `parked` (freed blocks waiting
+//!    on events in the freeing thread's shard).
+//! 4. Shared books: `budget` (the memory limit), `mailbox` (every actor message), `home` (the
+//!    part of a pool that handles and blocks reach), `segment` (an allocation that blocks
+//!    are cut out of).
+//! 5. Blocks: `block` (a lent piece of memory and where it goes when freed), `lease` (a
+//!    block lent to a user).
+//! 6. Actors: `poller`, `pool`, `router`.
+//! 7. Requests and the handle: `miss` (the miss path), `engine`.
 
 // Blocks travel between threads and actors as `Box<Block>` so that moving one is a pointer
 // copy and the allocation is made once per block, not once per trip.
 #![allow(clippy::vec_box, clippy::boxed_local)]
 
-mod block;
+// 1. Vocabulary.
 mod carve;
-mod engine;
 mod error;
-mod history;
 mod keepalive;
-mod lease;
-mod limit;
-mod observe;
+pub mod memory;
+mod meta;
 mod policy;
-mod poller;
-mod pool;
 mod pool_id;
-mod ready;
-mod router;
 pub mod runtime;
 mod shard;
 mod snapshot;
 mod spawn;
 mod stats;
+mod trace;
+// 2. Observation.
+mod history;
+mod observe;
+// 3. Lock-free holders of blocks.
+mod parked;
+mod ready;
+// 4. Shared books.
+mod budget;
+mod home;
+mod mailbox;
+mod segment;
+// 5. Blocks.
+mod block;
+mod lease;
+// 6. Actors.
+mod poller;
+mod pool;
+mod router;
+// 7. Requests and the handle.
+mod engine;
+mod miss;
 
+pub use budget::EmptyReport;
 pub use engine::{Engine, EngineBuilder};
 pub use error::Error;
-pub use history::{History, HistoryContext, TraceAction, TraceEntry};
 pub use lease::Lease;
-pub use observe::{OomObserver, OomReport, TraceTracker};
+pub use mailbox::Inventory;
+pub use memory::{HostMemory, MemoryKind, MemorySource, Origin, PinMethod, Region};
 pub use policy::{
     BestFit, BlockLayout, Carving, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
 };
-pub use pool::{EmptyReport, Inventory};
 pub use pool_id::PoolId;
 pub use router::StreamFilter;
-pub use runtime::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
+pub use runtime::{Runtime, RuntimeError, StreamId};
 pub use snapshot::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, SegmentInfo,
 };
 pub use stats::{DurationStat, HostStats, Stat};
+pub use trace::{
+    History, HistoryContext, OomObserver, OomReport, TraceAction, TraceEntry, TraceTracker,
+};

@@ -8,34 +8,11 @@
 //! never an allocation.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
 
 use flume::Receiver;
 
-use crate::history::TraceEntry;
-use crate::pool_id::PoolId;
 use crate::spawn::spawn_named;
-
-/// What an OOM observer is told when a request fails for want of pinned memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct OomReport {
-    /// The pool the request was for.
-    pub pool: PoolId,
-    /// Bytes requested.
-    pub requested: usize,
-    /// Bytes the pool had reserved when the request failed.
-    pub reserved: usize,
-    /// The cap on reserved bytes, if one is set.
-    pub limit: Option<usize>,
-    /// Microseconds since the allocator started.
-    pub time_us: u64,
-}
-
-/// A callback told of every trace entry while history is on.
-pub type TraceTracker = Arc<dyn Fn(&TraceEntry) + Send + Sync>;
-/// A callback told of every out-of-memory failure.
-pub type OomObserver = Arc<dyn Fn(&OomReport) + Send + Sync>;
+use crate::trace::{OomObserver, OomReport, TraceEntry, TraceTracker};
 
 /// Events the observer queue holds before new ones are dropped.
 pub(crate) const EVENT_BOUND: usize = 1 << 14;

@@ -7,29 +7,16 @@
 //! burns a core. A `Flush` makes it poll at once (a pool about to take fresh memory uses it:
 //! invariant 3).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use flume::Receiver;
 
-use std::sync::Arc;
-
 use crate::block::Block;
-use crate::pool::Reply;
-use crate::ready::Parked;
+use crate::mailbox::PollerMsg;
+use crate::parked::Parked;
 use crate::runtime::Runtime;
 use crate::spawn::spawn_named;
-
-/// Messages the poller answers.
-pub(crate) enum PollerMsg<R: Runtime> {
-    /// A freed block, with the events recorded for it in `block.events`.
-    Wait(Box<Block<R>>),
-    /// Watch a pool's parked slots (sent by the first park after a quiet spell).
-    Watch(Arc<Parked<R>>),
-    /// Poll now, then reply.
-    Flush { reply: Reply<()> },
-    /// The addresses of the blocks pending (for snapshots).
-    Pending { reply: Reply<Vec<usize>> },
-}
 
 /// Shortest and longest wait between polls while blocks are pending.
 const MIN_INTERVAL: Duration = Duration::from_micros(50);
@@ -37,7 +24,7 @@ const MAX_INTERVAL: Duration = Duration::from_millis(2);
 
 /// Starts the poller; it stops once every sender of its mailbox is gone.
 pub(crate) fn start_poller<R: Runtime>(
-    rx: Receiver<PollerMsg<R>>,
+    rx: Receiver<PollerMsg<Block<R>>>,
     handle: &tokio::runtime::Handle,
 ) {
     let actor = Poller {
@@ -50,8 +37,8 @@ pub(crate) fn start_poller<R: Runtime>(
 
 struct Poller<R: Runtime> {
     /// Parked slots to sweep on each poll, while blocks are parked in them.
-    watched: Vec<Arc<Parked<R>>>,
-    rx: Receiver<PollerMsg<R>>,
+    watched: Vec<Arc<Parked<Block<R>>>>,
+    rx: Receiver<PollerMsg<Block<R>>>,
     pending: Vec<Box<Block<R>>>,
 }
 
@@ -110,7 +97,7 @@ impl<R: Runtime> Poller<R> {
         tracing::debug!("event poller stopped");
     }
 
-    fn handle(&mut self, msg: PollerMsg<R>) {
+    fn handle(&mut self, msg: PollerMsg<Block<R>>) {
         match msg {
             PollerMsg::Wait(block) => self.pending.push(block),
             PollerMsg::Watch(parked) => {

@@ -13,8 +13,11 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use flume::Receiver;
 
+use crate::block::Pool;
+use crate::budget::EmptyReport;
 use crate::error::Error;
-use crate::pool::{EmptyReport, Inventory, PoolMsg, PoolShared, PoolSpec, Reply};
+use crate::mailbox::{Inventory, PoolMsg, Reply};
+use crate::pool::{start_pool, PoolSpec};
 use crate::pool_id::PoolId;
 use crate::runtime::Runtime;
 use crate::spawn::spawn_named;
@@ -25,14 +28,14 @@ pub type StreamFilter<R> = Arc<dyn Fn(&<R as Runtime>::Stream) -> bool + Send + 
 /// A capture underway: allocations for streams the filter accepts go to `pool`.
 pub(crate) struct Capture<R: Runtime> {
     pub(crate) filter: StreamFilter<R>,
-    pub(crate) pool: Arc<PoolShared<R>>,
+    pub(crate) pool: Arc<Pool<R>>,
 }
 
 /// The published routing state: captures underway, in the order they began, and every
 /// private pool alive.
 pub(crate) struct RoutingTable<R: Runtime> {
     pub(crate) captures: Vec<Capture<R>>,
-    pub(crate) pools: Vec<(PoolId, Arc<PoolShared<R>>)>,
+    pub(crate) pools: Vec<(PoolId, Arc<Pool<R>>)>,
 }
 
 impl<R: Runtime> RoutingTable<R> {
@@ -68,7 +71,7 @@ pub(crate) enum RouterMsg<R: Runtime> {
 }
 
 struct PrivatePool<R: Runtime> {
-    shared: Arc<PoolShared<R>>,
+    shared: Arc<Pool<R>>,
     uses: usize,
 }
 
@@ -157,14 +160,14 @@ impl<R: Runtime> Router<R> {
         match self.pools.get_mut(&id) {
             Some(p) => p.uses += 1,
             None => {
-                let shared = crate::pool::start_pool((self.factory)(id));
+                let shared = start_pool((self.factory)(id));
                 self.pools.insert(id, PrivatePool { shared, uses: 1 });
             }
         }
         self.captures.push((id, filter));
         tracing::info!(pool = %id, "capture begins allocating to pool");
         if let Some(p) = self.pools.get(&id) {
-            crate::history::on_capture(&p.shared, true)
+            p.shared.history.on_capture(id, true)
         }
         self.publish();
         Ok(())
@@ -177,7 +180,7 @@ impl<R: Runtime> Router<R> {
         self.captures.remove(i);
         tracing::info!(pool = %id, "capture ends allocating to pool");
         if let Some(p) = self.pools.get(&id) {
-            crate::history::on_capture(&p.shared, false)
+            p.shared.history.on_capture(id, false)
         }
         self.publish();
         Ok(())

@@ -14,7 +14,7 @@ use super::events::PooledEvent;
 use super::runtime::{stream_id, CudaRuntime};
 use crate::config::Config;
 use crate::sim::{SimEvent, SimRuntime, SimStream};
-use crate::{HostMemory, Runtime, RuntimeError, StreamId};
+use crate::{MemoryKind, MemorySource, Region, Runtime, RuntimeError, StreamId};
 
 /// The best runtime available: [`CudaRuntime`] for a device when there is one,
 /// [`SimRuntime`] otherwise. Make one with [`AutoRuntime::detect`] or
@@ -147,6 +147,26 @@ impl AutoRuntime {
     }
 }
 
+impl MemorySource for AutoRuntime {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Pinned
+    }
+
+    fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
+        match self {
+            AutoRuntime::Cuda(rt) => rt.host_alloc(size),
+            AutoRuntime::Sim { runtime, .. } => runtime.host_alloc(size),
+        }
+    }
+
+    fn free(&self, memory: Region) -> Result<(), RuntimeError> {
+        match self {
+            AutoRuntime::Cuda(rt) => rt.host_free(memory),
+            AutoRuntime::Sim { runtime, .. } => runtime.host_free(memory),
+        }
+    }
+}
+
 impl Runtime for AutoRuntime {
     type Stream = AutoStream;
     type Event = AutoEvent;
@@ -155,20 +175,6 @@ impl Runtime for AutoRuntime {
         match self {
             AutoRuntime::Cuda(rt) => rt.name(),
             AutoRuntime::Sim { runtime, .. } => runtime.name(),
-        }
-    }
-
-    fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
-        match self {
-            AutoRuntime::Cuda(rt) => rt.host_alloc(size),
-            AutoRuntime::Sim { runtime, .. } => runtime.host_alloc(size),
-        }
-    }
-
-    fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
-        match self {
-            AutoRuntime::Cuda(rt) => rt.host_free(memory),
-            AutoRuntime::Sim { runtime, .. } => runtime.host_free(memory),
         }
     }
 

@@ -59,6 +59,9 @@ pub(crate) unsafe fn free(memory: HostMemory) -> Result<(), RuntimeError> {
             "host_free",
             "mapped memory goes back with host_unmap, not host_free",
         )),
+        PinMethod::Device | PinMethod::DeviceMapped | PinMethod::SimulatedDevice => Err(
+            RuntimeError::new("host_free", "device memory is not pinned host memory"),
+        ),
     }
 }
 

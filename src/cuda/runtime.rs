@@ -17,7 +17,9 @@ use super::events::{EventPools, PooledEvent};
 use super::host::{self, RegisterLayout};
 use super::vmm;
 use crate::config::{Config, PinStrategy};
-use crate::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
+use crate::{
+    HostMemory, MemoryKind, MemorySource, PinMethod, Region, Runtime, RuntimeError, StreamId,
+};
 
 /// Driver entry points the runtime uses. cudarc resolves each on first use and panics when
 /// one is missing, so [`CudaRuntime::new`] checks them all up front.
@@ -190,7 +192,7 @@ impl CudaRuntime {
     }
 
     /// Gets `size` bytes of pinned memory the way `strategy` says, whatever the
-    /// configuration. [`Runtime::host_alloc`] is this with the configured strategy.
+    /// configuration. [`CudaRuntime::host_alloc`] is this with the configured strategy.
     pub fn host_alloc_with(
         &self,
         size: usize,
@@ -250,19 +252,15 @@ impl CudaRuntime {
     }
 }
 
-impl Runtime for CudaRuntime {
-    type Stream = Arc<CudaStream>;
-    type Event = PooledEvent;
-
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+/// Pinned host memory: the runtime's own calls, and the engine's memory source.
+impl CudaRuntime {
+    /// Gets `size` bytes of pinned memory the configured way (`pin_method`).
+    pub fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         self.host_alloc_with(size, self.config.pin_method)
     }
 
-    fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
+    /// Gives back pinned memory from `host_alloc` or `host_alloc_with`.
+    pub fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
         if memory.method == PinMethod::Simulated {
             return Err(RuntimeError::new(
                 "host_free",
@@ -277,16 +275,25 @@ impl Runtime for CudaRuntime {
         unsafe { host::free(memory) }
     }
 
-    fn host_granularity(&self) -> Option<usize> {
+    /// The granule of expandable host memory, where the driver can map host memory
+    /// (CUDA 12.2 and later).
+    pub fn host_granularity(&self) -> Option<usize> {
         self.vmm_granule
     }
 
-    fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    /// Reserves an address range for expandable host memory.
+    pub fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         let granule = self.vmm_call("cuMemAddressReserve")?;
         vmm::reserve(size, granule)
     }
 
-    fn host_map(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+    /// Maps pinned granules into a reserved range.
+    pub fn host_map(
+        &self,
+        range: &HostMemory,
+        offset: usize,
+        size: usize,
+    ) -> Result<(), RuntimeError> {
         let granule = self.vmm_range("cuMemMap", range, offset, size)?;
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
@@ -296,7 +303,8 @@ impl Runtime for CudaRuntime {
         unsafe { vmm::map(range, offset, size, granule, device) }
     }
 
-    fn host_unmap(
+    /// Unmaps granules of a reserved range and gives their memory back.
+    pub fn host_unmap(
         &self,
         range: &HostMemory,
         offset: usize,
@@ -309,10 +317,54 @@ impl Runtime for CudaRuntime {
         unsafe { vmm::unmap(range, offset, size, granule) }
     }
 
-    fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+    /// Gives back a reserved range, none of it mapped.
+    pub fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
         self.vmm_range("cuMemAddressFree", &range, 0, 0)?;
         // SAFETY: the engine gives back a range it reserved here once nothing is mapped.
         unsafe { vmm::unreserve(range) }
+    }
+}
+
+impl MemorySource for CudaRuntime {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Pinned
+    }
+
+    fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
+        self.host_alloc(size)
+    }
+
+    fn free(&self, region: Region) -> Result<(), RuntimeError> {
+        self.host_free(region)
+    }
+
+    fn granularity(&self) -> Option<usize> {
+        self.host_granularity()
+    }
+
+    fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
+        self.host_reserve(size)
+    }
+
+    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        self.host_map(range, offset, size)
+    }
+
+    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        self.host_unmap(range, offset, size)
+    }
+
+    fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
+        self.host_unreserve(range)
+    }
+}
+
+impl Runtime for CudaRuntime {
+    type Stream = Arc<CudaStream>;
+    type Event = PooledEvent;
+
+    fn name(&self) -> &'static str {
+        "cuda"
     }
 
     fn stream_id(&self, stream: &Self::Stream) -> StreamId {

@@ -36,7 +36,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pinpool_actors::{HostMemory, PinMethod, Runtime, RuntimeError, StreamId};
+use pinpool_actors::{
+    HostMemory, MemoryKind, MemorySource, PinMethod, Region, Runtime, RuntimeError, StreamId,
+};
 
 pub use device::DeviceBuffer;
 pub use error::SimError;
@@ -372,15 +374,11 @@ impl SimRuntime {
     }
 }
 
-impl Runtime for SimRuntime {
-    type Stream = SimStream;
-    type Event = SimEvent;
-
-    fn name(&self) -> &'static str {
-        "sim"
-    }
-
-    fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+/// Host memory: what the simulated runtime's calls operate on, as the engine's memory source.
+impl SimRuntime {
+    /// Gets `size` bytes of simulated pinned memory (zeroed, page-aligned), counted as live
+    /// until `host_free`. Fails as out of memory past the runtime's memory limit.
+    pub fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         const OP: &str = "host_alloc";
         self.shared.faults.check(FaultPoint::HostAlloc)?;
         if size == 0 {
@@ -413,7 +411,9 @@ impl Runtime for SimRuntime {
         })
     }
 
-    fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
+    /// Gives back memory from `host_alloc`; a free of memory it never gave out, or still
+    /// used by queued work, is recorded as a violation.
+    pub fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
         const OP: &str = "host_free";
         self.shared.faults.check(FaultPoint::HostFree)?;
         let (addr, size) = (memory.ptr.as_ptr() as usize, memory.size);
@@ -452,19 +452,28 @@ impl Runtime for SimRuntime {
         Ok(())
     }
 
-    fn host_granularity(&self) -> Option<usize> {
+    /// The granule of expandable host memory (2 MiB), unless the runtime was built without it.
+    pub fn host_granularity(&self) -> Option<usize> {
         self.shared.expandable.then_some(GRANULE)
     }
 
-    fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    /// Reserves an address range for expandable host memory.
+    pub fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         expandable::reserve(self, size)
     }
 
-    fn host_map(&self, range: &HostMemory, offset: usize, size: usize) -> Result<(), RuntimeError> {
+    /// Maps granules of a reserved range.
+    pub fn host_map(
+        &self,
+        range: &HostMemory,
+        offset: usize,
+        size: usize,
+    ) -> Result<(), RuntimeError> {
         expandable::map(self, range, offset, size, true)
     }
 
-    fn host_unmap(
+    /// Unmaps granules of a reserved range.
+    pub fn host_unmap(
         &self,
         range: &HostMemory,
         offset: usize,
@@ -473,8 +482,52 @@ impl Runtime for SimRuntime {
         expandable::map(self, range, offset, size, false)
     }
 
-    fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+    /// Gives back a reserved range, none of it mapped.
+    pub fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
         expandable::unreserve(self, range)
+    }
+}
+
+impl MemorySource for SimRuntime {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Pinned
+    }
+
+    fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
+        self.host_alloc(size)
+    }
+
+    fn free(&self, region: Region) -> Result<(), RuntimeError> {
+        self.host_free(region)
+    }
+
+    fn granularity(&self) -> Option<usize> {
+        self.host_granularity()
+    }
+
+    fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
+        self.host_reserve(size)
+    }
+
+    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        self.host_map(range, offset, size)
+    }
+
+    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        self.host_unmap(range, offset, size)
+    }
+
+    fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
+        self.host_unreserve(range)
+    }
+}
+
+impl Runtime for SimRuntime {
+    type Stream = SimStream;
+    type Event = SimEvent;
+
+    fn name(&self) -> &'static str {
+        "sim"
     }
 
     fn stream_id(&self, stream: &SimStream) -> StreamId {

@@ -1,6 +1,6 @@
-//! Expandable host memory (the arena): for a carving layout on a runtime that maps pinned
-//! memory into a reserved address range (`Runtime::host_granularity`), one range reserved
-//! up front that blocks are cut from, with pinned memory mapped granule by granule as blocks
+//! Expandable memory (the arena): for a carving layout on a memory source that maps memory
+//! into a reserved address range (`MemorySource::granularity`), one range reserved
+//! up front that blocks are cut from, with memory mapped granule by granule as blocks
 //! need it and unmapped again once no lent piece touches a granule.
 //!
 //! Owns the arena's carver (one segment: the whole range, mapped or not), which granules
@@ -17,61 +17,19 @@
 //!   mapped is mapped, and its bytes are charged to the budget granule by granule.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{PoolActor, PoolShared, Segment};
+use super::PoolActor;
+use crate::block::Seg;
 use crate::carve::{Carver, Piece, SegId};
 use crate::error::Error;
 use crate::runtime::{Runtime, RuntimeError};
+use crate::segment::{ArenaMap, Segment};
 
 /// Under a memory limit of fewer granules than this, a pool keeps separate segments.
 const MIN_GRANULES_UNDER_LIMIT: usize = 8;
-
-/// Which granules of an arena are mapped, readable by whoever drops the arena's segment
-/// last (written only by the pool actor and the blocking threads it waits for).
-pub(crate) struct ArenaMap {
-    pub(crate) granule: usize,
-    mapped: Box<[AtomicU64]>,
-    /// Map calls with a granule still mapped: host allocations in the books.
-    pub(crate) live_maps: AtomicUsize,
-}
-
-impl ArenaMap {
-    pub(crate) fn new(granule: usize, size: usize) -> Self {
-        let words = (size / granule.max(1)).div_ceil(64);
-        Self {
-            granule,
-            mapped: (0..words).map(|_| AtomicU64::new(0)).collect(),
-            live_maps: AtomicUsize::new(0),
-        }
-    }
-
-    pub(crate) fn set(&self, granule: usize, mapped: bool) {
-        let (w, bit) = (granule / 64, 1u64 << (granule % 64));
-        if let Some(w) = self.mapped.get(w) {
-            if mapped {
-                w.fetch_or(bit, Ordering::Relaxed);
-            } else {
-                w.fetch_and(!bit, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// The mapped granules, in order.
-    pub(crate) fn mapped(&self) -> Vec<usize> {
-        let mut out = Vec::new();
-        for (i, w) in self.mapped.iter().enumerate() {
-            let mut bits = w.load(Ordering::Relaxed);
-            while bits != 0 {
-                out.push(i * 64 + bits.trailing_zeros() as usize);
-                bits &= bits - 1;
-            }
-        }
-        out
-    }
-}
 
 /// (offset, bytes) in the range.
 type Range = (usize, usize);
@@ -89,9 +47,9 @@ struct Granule {
 
 /// The actor's side of an arena.
 pub(super) struct Arena<R: Runtime> {
-    carver: Carver<Arc<Segment<R>>>,
+    carver: Carver<Arc<Seg<R>>>,
     seg: SegId,
-    pub(super) segment: Arc<Segment<R>>,
+    pub(super) segment: Arc<Seg<R>>,
     granule: usize,
     granules: BTreeMap<usize, Granule>,
     /// Granules still mapped, by map call.
@@ -118,7 +76,7 @@ fn count_unmapped(
 
 impl<R: Runtime> Arena<R> {
     /// An arena over the reserved range of `segment` (whose `arena` map is set).
-    pub(super) fn new(segment: Arc<Segment<R>>, granule: usize) -> Self {
+    pub(super) fn new(segment: Arc<Seg<R>>, granule: usize) -> Self {
         let mut carver = Carver::new();
         let size = segment.size();
         let seg = carver.add_segment_with(size, |_| segment.clone());
@@ -317,48 +275,6 @@ impl<R: Runtime> Arena<R> {
     }
 }
 
-impl<R: Runtime> PoolShared<R> {
-    /// Maps `[offset, offset + len)` of the arena on this thread and keeps the books (stats,
-    /// history); the budget was charged by the caller.
-    pub(crate) fn map_now(
-        &self,
-        arena: &Segment<R>,
-        offset: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        let t0 = Instant::now();
-        let res = self.runtime.host_map(&arena.memory, offset, len);
-        self.stats.host_alloc_time.record(t0.elapsed());
-        if res.is_ok() {
-            crate::history::on_segment_alloc(self, &arena.part(offset, len));
-            self.stats.allocated_bytes.increase(len as i64);
-        }
-        res
-    }
-
-    /// Unmaps `[offset, offset + len)` of the arena on this thread and keeps the books
-    /// (stats, history, the budget). The caller strikes the granules and counts map calls.
-    pub(crate) fn unmap_now(
-        &self,
-        arena: &Segment<R>,
-        offset: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        let t0 = Instant::now();
-        let res = self.runtime.host_unmap(&arena.memory, offset, len);
-        self.stats.host_free_time.record(t0.elapsed());
-        match &res {
-            Ok(()) => {
-                crate::history::on_segment_free(self, &arena.part(offset, len));
-                self.stats.allocated_bytes.decrease(len as i64);
-                self.budget.release(len);
-            }
-            Err(e) => tracing::error!(error = %e, bytes = len, "unmapping pinned memory failed"),
-        }
-        res
-    }
-}
-
 impl<R: Runtime> PoolActor<R> {
     /// Whether the pool has an arena; reserves it at the first call. No arena (and
     /// separate segments from then on) when the layout does not want one or the runtime
@@ -377,7 +293,7 @@ impl<R: Runtime> PoolActor<R> {
         let segs = self.carved.as_mut()?;
         segs.arena_tried = true;
         let c = segs.carving;
-        let granule = self.shared.runtime.host_granularity()?;
+        let granule = self.shared.memory.granularity()?;
         if !c.expandable || granule == 0 || !granule.is_power_of_two() {
             return None;
         }
@@ -390,16 +306,16 @@ impl<R: Runtime> PoolActor<R> {
             .arena_reserve
             .min(limit.saturating_add(granule - 1))
             .checked_next_multiple_of(granule)?;
-        let rt = self.shared.runtime.clone();
-        let reserved = tokio::task::spawn_blocking(move || rt.host_reserve(size)).await;
+        let source = self.shared.memory.clone();
+        let reserved = tokio::task::spawn_blocking(move || source.reserve(size)).await;
         let memory = match reserved {
             Ok(Ok(m)) => m,
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, bytes = size, "no expandable host memory; separate segments");
+                tracing::warn!(error = %e, bytes = size, "no expandable memory; separate segments");
                 return None;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "reserving expandable host memory failed");
+                tracing::warn!(error = %e, "reserving expandable memory failed");
                 return None;
             }
         };
@@ -449,10 +365,10 @@ impl<R: Runtime> PoolActor<R> {
         let job = tokio::task::spawn_blocking(move || {
             let mut done = Vec::new();
             for (o, l) in runs {
-                if let Err(e) = shared.map_now(&segment, o, l) {
+                if let Err(e) = shared.map_now(&segment.memory, o, l) {
                     // All or nothing: what this call mapped goes back.
                     for (o, l) in done {
-                        let _ = shared.unmap_now(&segment, o, l);
+                        let _ = shared.unmap_now(&segment.memory, o, l);
                     }
                     return Err(e);
                 }
@@ -472,7 +388,7 @@ impl<R: Runtime> PoolActor<R> {
                 tracing::debug!(
                     bytes,
                     took_us = t0.elapsed().as_micros() as u64,
-                    "pinned memory mapped"
+                    "memory mapped"
                 );
                 if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
                     a.mapped(&need);
@@ -483,7 +399,7 @@ impl<R: Runtime> PoolActor<R> {
                 // Bytes unmapped on the way out went back to the budget already.
                 budget.release(bytes);
                 self.release_unmapped(piece);
-                tracing::warn!(error = %e, "mapping pinned memory failed");
+                tracing::warn!(error = %e, "mapping memory failed");
                 Err(if e.out_of_memory {
                     Error::OutOfMemory {
                         requested: bytes,
@@ -526,7 +442,7 @@ impl<R: Runtime> PoolActor<R> {
         let job = tokio::task::spawn_blocking(move || {
             let mut gone = Vec::new();
             for (o, l) in runs {
-                if shared.unmap_now(&segment, o, l).is_ok() {
+                if shared.unmap_now(&segment.memory, o, l).is_ok() {
                     gone.extend((o / granule)..(o + l) / granule);
                 }
             }

@@ -1,7 +1,8 @@
 //! The pool's books: where its reserved bytes are (invariant 2), and its registry of
 //! segments (for snapshots).
 
-use super::{Inventory, PieceView, PoolActor, PoolView, SegmentView};
+use super::PoolActor;
+use crate::mailbox::{Inventory, PieceView, PoolView, SegmentView};
 use crate::runtime::Runtime;
 
 impl<R: Runtime> PoolActor<R> {
@@ -45,7 +46,7 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Strikes the segments freed since the last look from the registry.
     fn forget_freed(&mut self) {
-        while let Ok(addr) = self.shared.forgotten.1.try_recv() {
+        for addr in self.shared.forgotten() {
             self.segments.remove(&addr);
         }
     }

@@ -4,11 +4,12 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{EmptyReport, PoolActor};
+use super::PoolActor;
 use crate::block::{Block, BlockState};
+use crate::budget::EmptyReport;
 use crate::error::Error;
+use crate::mailbox::PollerMsg;
 use crate::policy::SizeClass;
-use crate::poller::PollerMsg;
 use crate::runtime::Runtime;
 
 impl<R: Runtime> PoolActor<R> {
@@ -65,7 +66,7 @@ impl<R: Runtime> PoolActor<R> {
 
     pub(super) async fn flush_events(&self) {
         // Blocks parked by the threads that freed them are polled too.
-        self.shared.ready.unpark_all(&self.shared.poller);
+        self.shared.parked.unpark_all();
         let (tx, rx) = flume::bounded(1);
         if self
             .shared
@@ -117,7 +118,7 @@ impl<R: Runtime> PoolActor<R> {
                 freed
             }
             Err(e) => {
-                tracing::error!(error = %e, "freeing pinned memory failed");
+                tracing::error!(error = %e, "freeing memory failed");
                 (0, 0)
             }
         }

@@ -1,20 +1,22 @@
-//! Fresh pinned memory: its bytes reserved from the allocator's budget first (the memory
-//! limit), then asked of the runtime on a blocking thread (invariant 6), timed, and entered in
-//! the pool's registry of segments.
+//! Fresh memory: its bytes reserved from the allocator's budget first (the memory limit), then
+//! asked of the pool's memory source on a blocking thread (invariant 6), timed, and entered
+//! in the pool's registry of segments.
 //!
-//! Running out — at the cap, or in the runtime itself — is reported as
-//! `Error::OutOfMemory` (with the cap in `limit`, or `None` for the runtime); the caller
-//! empties the caches and retries (see [`crate::limit`]).
+//! Running out — at the cap, or in the source itself — is reported as `Error::OutOfMemory`
+//! (with the cap in `limit`, or `None` for the source); the caller empties the caches and
+//! retries (see `crate::miss`).
 
 use std::time::Instant;
 
 use tracing::Instrument;
 
-use super::{PoolActor, SegmentView};
+use super::PoolActor;
 use crate::block::Block;
 use crate::error::Error;
+use crate::mailbox::SegmentView;
+use crate::memory::Region;
 use crate::policy::SizeClass;
-use crate::runtime::{HostMemory, Runtime, RuntimeError};
+use crate::runtime::{Runtime, RuntimeError};
 
 impl<R: Runtime> PoolActor<R> {
     pub(super) async fn fresh(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
@@ -31,7 +33,7 @@ impl<R: Runtime> PoolActor<R> {
     /// `size` bytes of fresh memory: reserved from the budget first, then asked of the
     /// runtime; the bytes go back to the budget when the runtime fails. The caller enters the
     /// memory in the registry.
-    pub(super) async fn fresh_memory(&mut self, size: usize) -> Result<HostMemory, Error> {
+    pub(super) async fn fresh_memory(&mut self, size: usize) -> Result<Region, Error> {
         let budget = self.shared.budget.clone();
         if !budget.try_reserve(size) {
             return Err(Error::OutOfMemory {
@@ -61,17 +63,17 @@ impl<R: Runtime> PoolActor<R> {
         Ok(memory)
     }
 
-    pub(super) async fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub(super) async fn host_alloc(&self, size: usize) -> Result<Region, RuntimeError> {
         let span = tracing::debug_span!("host_alloc", pool = %self.shared.id, bytes = size);
-        let rt = self.shared.runtime.clone();
+        let source = self.shared.memory.clone();
         let t0 = Instant::now();
         // The result comes back over a channel: if nobody is left to take it (the actor was
         // dropped with its tokio runtime mid-call), the blocking thread gives it back itself.
         let (tx, rx) = flume::bounded(1);
         tokio::task::spawn_blocking(move || {
-            let res = rt.host_alloc(size);
+            let res = source.alloc(size);
             if let Err(flume::SendError(Ok(memory))) = tx.send(res) {
-                let _ = rt.host_free(memory);
+                let _ = source.free(memory);
             }
         });
         let res = rx.recv_async().instrument(span).await.unwrap_or_else(|e| {
@@ -84,16 +86,16 @@ impl<R: Runtime> PoolActor<R> {
         stats.host_alloc_time.record(t0.elapsed());
         match &res {
             Ok(m) => {
-                crate::history::on_segment_alloc(&self.shared, m);
+                self.shared.history.on_segment_alloc(self.shared.id, m);
                 stats.allocations.increase(1);
                 stats.allocated_bytes.increase(m.size as i64);
                 tracing::debug!(
                     bytes = m.size,
                     took_us = t0.elapsed().as_micros() as u64,
-                    "fresh pinned memory"
+                    "fresh memory"
                 );
             }
-            Err(e) => tracing::warn!(error = %e, "host allocation failed"),
+            Err(e) => tracing::warn!(error = %e, "fresh allocation failed"),
         }
         res
     }

@@ -26,116 +26,25 @@
 //! each segment with its blocks and free ranges.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::arena::{Arena, ArenaMap};
-use super::{PieceView, PoolActor, PoolShared, SegmentView};
-use crate::block::Block;
-use crate::carve::{Carver, Piece, SegId};
+use super::arena::Arena;
+use super::PoolActor;
+use crate::block::{Block, Seg};
+use crate::carve::{Carver, Piece};
 use crate::error::Error;
+use crate::mailbox::{PieceView, SegmentView};
+use crate::memory::Region;
+use crate::meta::BlockMeta;
 use crate::policy::{BlockLayout, Carving, SizeClass};
 use crate::ready::ReadyQueues;
-use crate::runtime::{HostMemory, Runtime, RuntimeError};
-use crate::snapshot::BlockMeta;
-
-/// One host allocation that blocks are cut out of.
-pub(crate) struct Segment<R: Runtime> {
-    id: SegId,
-    pub(crate) memory: HostMemory,
-    pool: Arc<PoolShared<R>>,
-    /// Device work may still use a piece: never give the memory back.
-    leaked: AtomicBool,
-    /// The pool actor gave the memory back.
-    given_back: AtomicBool,
-    /// For the pool's arena (a reserved range mapped granule by granule), which granules
-    /// are mapped; `None` for a host allocation.
-    arena: Option<ArenaMap>,
-}
-
-impl<R: Runtime> Segment<R> {
-    /// A segment of `pool` over `memory`: a host allocation, or (with its granule map) the
-    /// pool's arena.
-    pub(crate) fn new(
-        id: SegId,
-        memory: HostMemory,
-        pool: Arc<PoolShared<R>>,
-        arena: Option<ArenaMap>,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            id,
-            memory,
-            pool,
-            leaked: AtomicBool::new(false),
-            given_back: AtomicBool::new(false),
-            arena,
-        })
-    }
-
-    /// Marks the segment as never to be given back (a piece may still be used by the device).
-    pub(crate) fn leak(&self) {
-        self.leaked.store(true, Ordering::Relaxed);
-    }
-
-    /// Bytes of the segment.
-    pub(crate) fn size(&self) -> usize {
-        self.memory.size
-    }
-
-    /// `len` bytes at `offset` of the segment.
-    pub(crate) fn part(&self, offset: usize, len: usize) -> HostMemory {
-        HostMemory {
-            // Inside the segment (callers pass a range of it), so not null.
-            ptr: std::ptr::NonNull::new(self.memory.ptr.as_ptr().wrapping_add(offset))
-                .unwrap_or(self.memory.ptr),
-            size: len,
-            method: self.memory.method,
-        }
-    }
-
-    /// The granule map, for the pool's arena.
-    pub(crate) fn arena_map(&self) -> Option<&ArenaMap> {
-        self.arena.as_ref()
-    }
-
-    /// Whether this is the pool's arena.
-    pub(crate) fn is_arena(&self) -> bool {
-        self.arena.is_some()
-    }
-}
-
-impl<R: Runtime> Drop for Segment<R> {
-    fn drop(&mut self) {
-        if self.given_back.load(Ordering::Acquire) {
-            return;
-        }
-        if self.leaked.load(Ordering::Relaxed) {
-            tracing::warn!(
-                bytes = self.memory.size,
-                "pinned segment still used by device work outlived its allocator's actors; leaked"
-            );
-            return;
-        }
-        // The pool actor is gone and this was the last holder: give the memory back here
-        // (a refusal is logged and the memory leaked).
-        if let Some(map) = &self.arena {
-            for g in map.mapped() {
-                let _ = self.pool.unmap_now(self, g * map.granule, map.granule);
-            }
-            let maps = map.live_maps.swap(0, Ordering::Relaxed);
-            self.pool.stats.allocations.decrease(maps as i64);
-            if let Err(e) = self.pool.runtime.host_unreserve(self.memory) {
-                tracing::error!(error = %e, "giving back the reserved host range failed");
-            }
-            return;
-        }
-        let _ = self.pool.free_memory_now(self.memory);
-    }
-}
+use crate::runtime::{Runtime, RuntimeError};
+use crate::segment::Segment;
 
 /// The free ranges of a pool's segments.
 pub(super) struct Segments<R: Runtime> {
-    carver: Carver<Arc<Segment<R>>>,
+    carver: Carver<Arc<Seg<R>>>,
     /// The peak of live bytes seen at misses (the requested block included).
     peak_live: usize,
     /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
@@ -292,7 +201,7 @@ impl<R: Runtime> PoolActor<R> {
         segs: &mut Segments<R>,
         size: usize,
         max_len: usize,
-    ) -> Option<(Piece, Arc<Segment<R>>)> {
+    ) -> Option<(Piece, Arc<Seg<R>>)> {
         let p = segs.carver.place_tight(size, max_len)?;
         Some((p, segs.carver.payload(p.seg)?.clone()))
     }
@@ -322,18 +231,18 @@ impl<R: Runtime> PoolActor<R> {
         &mut self,
         class: SizeClass,
         piece: Piece,
-        seg: Arc<Segment<R>>,
+        seg: Arc<Seg<R>>,
     ) -> Option<Box<Block<R>>> {
         let segs = self.carved.as_mut()?;
         // The piece lies inside the segment (the carver never hands out a range beyond it),
         // so the pointer stays inside one allocation and is not null.
         let ptr = std::ptr::NonNull::new(seg.memory.ptr.as_ptr().wrapping_add(piece.offset))?;
-        let memory = HostMemory {
+        let memory = Region {
             ptr,
             size: piece.len,
             method: seg.memory.method,
         };
-        let line = ReadyQueues::<R>::line_of(class.index);
+        let line = ReadyQueues::<Block<R>>::line_of(class.index);
         if segs.slot_lines.len() <= line / 64 {
             segs.slot_lines.resize(line / 64 + 1, 0);
         }
@@ -518,7 +427,7 @@ impl<R: Runtime> PoolActor<R> {
         }))
     }
 
-    fn add_segment(&mut self, memory: HostMemory) {
+    fn add_segment(&mut self, memory: Region) {
         let pool = self.shared.clone();
         if let Some(segs) = self.carved.as_mut() {
             segs.carver
@@ -569,7 +478,7 @@ impl<R: Runtime> PoolActor<R> {
     /// Gives segments taken out of the carvers back to the runtime on a blocking thread. A
     /// segment the runtime refuses to free is held back (never reused, counted as kept) and
     /// tried again with the kept blocks. Returns (segments, bytes) given back.
-    async fn host_free_segments(&mut self, gone: Vec<Arc<Segment<R>>>) -> (usize, usize) {
+    async fn host_free_segments(&mut self, gone: Vec<Arc<Seg<R>>>) -> (usize, usize) {
         if gone.is_empty() {
             return (0, 0);
         }
@@ -581,7 +490,7 @@ impl<R: Runtime> PoolActor<R> {
                 // Every piece came back, so no block holds the segment.
                 match shared.free_memory_now(seg.memory) {
                     Ok(()) => {
-                        seg.given_back.store(true, Ordering::Release);
+                        seg.mark_given_back();
                         freed = (freed.0 + 1, freed.1 + seg.memory.size);
                     }
                     Err(_) => refused.push(seg),
@@ -602,7 +511,7 @@ impl<R: Runtime> PoolActor<R> {
                 freed
             }
             Err(e) => {
-                tracing::error!(error = %e, "freeing pinned memory failed");
+                tracing::error!(error = %e, "freeing memory failed");
                 (0, 0)
             }
         }

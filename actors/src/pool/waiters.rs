@@ -5,10 +5,10 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{PoolActor, Reply};
+use super::PoolActor;
 use crate::block::{Block, BlockState};
 use crate::error::Error;
-use crate::limit::{Ask, MissReply, Refused};
+use crate::mailbox::{Ask, MissReply, Refused, Reply};
 use crate::policy::SizeClass;
 use crate::runtime::Runtime;
 
@@ -16,12 +16,17 @@ use crate::runtime::Runtime;
 pub(crate) struct Waiter<R: Runtime> {
     class: SizeClass,
     requested: usize,
-    reply: Reply<MissReply<R>>,
+    reply: Reply<MissReply<Block<R>>>,
 }
 
 impl<R: Runtime> PoolActor<R> {
     /// A miss: served from the cache or fresh memory; queued (or refused) when it does not fit.
-    pub(super) async fn on_miss(&mut self, class: SizeClass, ask: Ask, reply: Reply<MissReply<R>>) {
+    pub(super) async fn on_miss(
+        &mut self,
+        class: SizeClass,
+        ask: Ask,
+        reply: Reply<MissReply<Block<R>>>,
+    ) {
         if reply.is_disconnected() {
             // Dropped before the pool got to it.
             return;
@@ -90,7 +95,7 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    fn enqueue(&mut self, class: SizeClass, requested: usize, reply: Reply<MissReply<R>>) {
+    fn enqueue(&mut self, class: SizeClass, requested: usize, reply: Reply<MissReply<Block<R>>>) {
         tracing::debug!(pool = %self.shared.id, requested, queued = self.waiters.len() + 1, "request waits for room");
         self.waiters.push_back(Waiter {
             class,

@@ -1,0 +1,190 @@
+//! The memory limit's books: one budget of reserved bytes shared by every pool of an
+//! allocator, and the registry of those pools.
+//!
+//! Owns the cap, the bytes reserved, how many requests wait for room, and the registry of the
+//! allocator's pools (as [`Member`]s, so that this module knows nothing of pools). A pool
+//! reserves a block's bytes here, atomically, before it asks for fresh memory, and gives them
+//! back when the memory goes back (invariant 2: the budget's reserved bytes are the pools'
+//! reserved bytes). While any request waits for room anywhere, every member's pressure flag
+//! is set: frees go to the pool actors instead of the ready queues, so that a returned block
+//! is handed straight to a waiter or freed to make room (see `miss` and the pool actor's
+//! `waiters`). Without waiters the cached path reads the flag it always read and does nothing
+//! more (invariant 5).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+/// What `empty_cache` did to one pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EmptyReport {
+    /// Blocks given back to their memory source.
+    pub freed_blocks: usize,
+    /// Bytes given back to their memory source.
+    pub freed_bytes: usize,
+    /// Bytes the pool still holds afterwards.
+    pub reserved_after: usize,
+}
+
+impl EmptyReport {
+    /// Adds another pool's report into this one.
+    pub fn merge(&mut self, other: &EmptyReport) {
+        self.freed_blocks += other.freed_blocks;
+        self.freed_bytes += other.freed_bytes;
+        self.reserved_after += other.reserved_after;
+    }
+}
+
+/// A pool as the budget sees it.
+pub(crate) trait Member: Send + Sync {
+    /// Sets (or clears) the pool's pressure flag: while it is set, frees go to its actor.
+    fn set_pressure(&self, on: bool);
+    /// Asks the pool to look at its queued requests again (room was made somewhere).
+    fn nudge(&self);
+    /// Asks the pool to empty its cache; the reply comes on the receiver (`None`: the pool
+    /// has stopped).
+    fn ask_to_empty(&self) -> Option<flume::Receiver<EmptyReport>>;
+}
+
+/// The cap value that means "no limit".
+const NO_LIMIT: usize = usize::MAX;
+
+/// The allocator-wide budget of reserved bytes and the registry of its pools.
+pub(crate) struct Budget {
+    limit: AtomicUsize,
+    reserved: AtomicUsize,
+    /// Requests queued in any pool.
+    waiters: AtomicUsize,
+    /// How long `alloc` waits for room by default (`None`: as long as it takes).
+    pub(crate) default_timeout: Option<Duration>,
+    /// Thread shards of the ready queues and stats (reported by snapshots).
+    pub(crate) shards: usize,
+    /// Name of the size policy (reported by snapshots).
+    pub(crate) policy: &'static str,
+    pools: ArcSwap<Vec<Weak<dyn Member>>>,
+}
+
+impl Budget {
+    pub(crate) fn new(
+        limit: Option<usize>,
+        default_timeout: Option<Duration>,
+        shards: usize,
+        policy: &'static str,
+    ) -> Self {
+        Self {
+            limit: AtomicUsize::new(limit.unwrap_or(NO_LIMIT)),
+            reserved: AtomicUsize::new(0),
+            waiters: AtomicUsize::new(0),
+            default_timeout,
+            shards,
+            policy,
+            pools: ArcSwap::from_pointee(Vec::new()),
+        }
+    }
+
+    /// The cap on reserved bytes, if any.
+    pub(crate) fn limit(&self) -> Option<usize> {
+        match self.limit.load(Ordering::Relaxed) {
+            NO_LIMIT => None,
+            l => Some(l),
+        }
+    }
+
+    /// Changes the cap; waiters are looked at again (a higher cap may let them in).
+    pub(crate) fn set_limit(&self, limit: Option<usize>) {
+        self.limit
+            .store(limit.unwrap_or(NO_LIMIT), Ordering::SeqCst);
+        self.nudge();
+    }
+
+    /// Bytes reserved by all pools together.
+    pub(crate) fn reserved(&self) -> usize {
+        self.reserved.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `bytes` if the cap allows it.
+    pub(crate) fn try_reserve(&self, bytes: usize) -> bool {
+        let limit = self.limit.load(Ordering::Relaxed);
+        self.reserved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
+                r.checked_add(bytes).filter(|&t| t <= limit)
+            })
+            .is_ok()
+    }
+
+    /// Reserves `bytes` whatever the cap (the runtime rounded an allocation up).
+    pub(crate) fn force_reserve(&self, bytes: usize) {
+        self.reserved.fetch_add(bytes, Ordering::SeqCst);
+    }
+
+    /// Gives back `bytes`; wakes the pools whose requests wait.
+    pub(crate) fn release(&self, bytes: usize) {
+        self.reserved.fetch_sub(bytes, Ordering::SeqCst);
+        if self.under_pressure() {
+            self.nudge();
+        }
+    }
+
+    /// Whether some request waits for room in some pool.
+    pub(crate) fn under_pressure(&self) -> bool {
+        self.waiters.load(Ordering::SeqCst) > 0
+    }
+
+    /// A pool queued a request.
+    pub(crate) fn waiter_added(&self) {
+        if self.waiters.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.sync_flags();
+        }
+    }
+
+    /// A pool served, failed or dropped a queued request.
+    pub(crate) fn waiter_removed(&self) {
+        if self.waiters.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.sync_flags();
+        }
+    }
+
+    /// Adds a pool to the registry (dropping pools that are gone).
+    pub(crate) fn register<M: Member + 'static>(&self, pool: &Arc<M>) {
+        let weak: Weak<dyn Member> = Arc::downgrade(pool) as Weak<dyn Member>;
+        self.pools.rcu(|pools| {
+            let mut v: Vec<_> = pools
+                .iter()
+                .filter(|p| p.strong_count() > 0)
+                .cloned()
+                .collect();
+            v.push(weak.clone());
+            v
+        });
+        self.sync_flags();
+    }
+
+    /// Every pool alive, in the order they were made (the default pool first).
+    pub(crate) fn pools(&self) -> Vec<Arc<dyn Member>> {
+        self.pools.load().iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Makes every pool's pressure bit say whether requests wait. Whoever changes the count
+    /// of waiters from or to zero calls this; each call checks after writing that the count
+    /// still agrees with what it wrote, so the last writer always writes the truth.
+    fn sync_flags(&self) {
+        loop {
+            let on = self.under_pressure();
+            for p in self.pools() {
+                p.set_pressure(on);
+            }
+            if self.under_pressure() == on {
+                break;
+            }
+        }
+    }
+
+    /// Asks every pool with queued requests to look at them again.
+    pub(crate) fn nudge(&self) {
+        for p in self.pools() {
+            p.nudge();
+        }
+    }
+}

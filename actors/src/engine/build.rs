@@ -1,0 +1,154 @@
+//! Building an engine: the settings, and the start of its actors (history and observers,
+//! the event poller, the default pool, the router).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+use super::{Engine, EngineInner};
+use crate::budget::Budget;
+use crate::error::Error;
+use crate::memory::MemorySource;
+use crate::policy::{SizePolicy, TieredPowerOfTwo};
+use crate::poller::start_poller;
+use crate::pool::{start_pool, PoolSpec};
+use crate::pool_id::PoolId;
+use crate::router::{start_router, RoutingTable};
+use crate::runtime::Runtime;
+use crate::shard::default_shard_count;
+
+static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
+
+/// Configures and starts an [`Engine`].
+pub struct EngineBuilder<R: Runtime> {
+    runtime: Arc<R>,
+    memory: Arc<dyn MemorySource>,
+    policy: Arc<dyn SizePolicy>,
+    handle: Option<tokio::runtime::Handle>,
+    shards: Option<usize>,
+    max_bytes: Option<usize>,
+    alloc_timeout: Option<Duration>,
+}
+
+impl<R: Runtime> EngineBuilder<R> {
+    /// An engine that orders reuse with `runtime`'s events and takes its memory from
+    /// `memory`, with the tiered power-of-two size policy.
+    pub fn new(runtime: Arc<R>, memory: Arc<dyn MemorySource>) -> Self {
+        Self {
+            runtime,
+            memory,
+            policy: Arc::new(TieredPowerOfTwo::default()),
+            handle: None,
+            shards: None,
+            max_bytes: None,
+            alloc_timeout: None,
+        }
+    }
+
+    /// Caps the bytes reserved by all pools together (default: no cap). A request
+    /// that would pass the cap first has every cache emptied; if it still does not fit,
+    /// `alloc` waits for buffers to come back and `try_alloc` fails. `build` refuses 0.
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = Some(bytes);
+        self
+    }
+
+    /// How long `alloc` waits for room under the cap before failing with
+    /// [`Error::Timeout`] (default: as long as it takes).
+    pub fn alloc_timeout(mut self, timeout: Duration) -> Self {
+        self.alloc_timeout = Some(timeout);
+        self
+    }
+
+    /// The size policy (default: [`TieredPowerOfTwo`]).
+    pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The tokio runtime the actors run on (default: the one this is called in).
+    pub fn handle(mut self, handle: tokio::runtime::Handle) -> Self {
+        self.handle = Some(handle);
+        self
+    }
+
+    /// Number of thread shards for ready queues and stats (rounded up to a power of two;
+    /// default: twice the machine's parallelism, at most 64).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = Some(shards.clamp(1, 1024).next_power_of_two());
+        self
+    }
+
+    /// Spawns the actors.
+    pub fn build(self) -> Result<Engine<R>, Error> {
+        let handle = match self.handle {
+            Some(h) => h,
+            None => tokio::runtime::Handle::try_current().map_err(|_| Error::NoTokioRuntime)?,
+        };
+        if self.max_bytes == Some(0) {
+            return Err(Error::InvalidLimit {
+                reason: "a cap of 0 bytes leaves no room for any request".into(),
+            });
+        }
+        let id = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
+        let shards = self.shards.unwrap_or_else(default_shard_count);
+        let budget = Arc::new(Budget::new(
+            self.max_bytes,
+            self.alloc_timeout,
+            shards,
+            self.policy.name(),
+        ));
+        let classes = self.policy.num_classes();
+        let layout = self.policy.layout();
+        let history = crate::history::start(&handle);
+        let memory = self.memory.clone();
+        let (poller_tx, poller_rx) = flume::unbounded();
+        start_poller(poller_rx, &handle);
+        let spec = {
+            let runtime = self.runtime.clone();
+            let poller = poller_tx.clone();
+            let handle = handle.clone();
+            let history = history.clone();
+            move |id: PoolId| PoolSpec {
+                id,
+                runtime: runtime.clone(),
+                memory: memory.clone(),
+                classes,
+                shards,
+                poller: poller.clone(),
+                handle: handle.clone(),
+                budget: budget.clone(),
+                history: history.clone(),
+                layout,
+            }
+        };
+        let default = start_pool(spec(PoolId::DEFAULT));
+        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::empty()));
+        let (router_tx, router_rx) = flume::unbounded();
+        start_router(table.clone(), router_rx, Box::new(spec), &handle);
+        tracing::debug!(
+            engine = id,
+            runtime = self.runtime.name(),
+            memory = %self.memory.kind(),
+            policy = self.policy.name(),
+            shards,
+            max_bytes = self.max_bytes,
+            "allocator started"
+        );
+        Ok(Engine {
+            inner: Arc::new(EngineInner {
+                id,
+                runtime: self.runtime,
+                memory: self.memory,
+                policy: self.policy,
+                default,
+                table,
+                router: router_tx,
+                poller: poller_tx,
+                history,
+            }),
+        })
+    }
+}

@@ -1,0 +1,64 @@
+//! Capture pools: the handle's calls to the router, which owns the capture registry (see
+//! [`crate::router`]).
+
+use super::Engine;
+use crate::error::Error;
+use crate::pool_id::PoolId;
+use crate::router::{RouterMsg, StreamFilter};
+use crate::runtime::Runtime;
+
+impl<R: Runtime> Engine<R> {
+    /// Routes allocations for streams that `filter` accepts into the private pool `id`
+    /// (creating it, or adding a use to it) until [`Engine::end_allocate_to_pool`].
+    pub async fn begin_allocate_to_pool(
+        &self,
+        id: PoolId,
+        filter: StreamFilter<R>,
+    ) -> Result<(), Error> {
+        self.call_router(|reply| RouterMsg::Begin { id, filter, reply })?
+            .recv_async()
+            .await
+            .map_err(|_| Error::Shutdown)?
+    }
+
+    /// Stops routing allocations into pool `id`.
+    pub async fn end_allocate_to_pool(&self, id: PoolId) -> Result<(), Error> {
+        self.call_router(|reply| RouterMsg::End { id, reply })?
+            .recv_async()
+            .await
+            .map_err(|_| Error::Shutdown)?
+    }
+
+    /// Drops one use of pool `id`; once none is left, the next `empty_cache` frees it.
+    pub async fn release_pool(&self, id: PoolId) -> Result<(), Error> {
+        self.call_router(|reply| RouterMsg::Release { id, reply })?
+            .recv_async()
+            .await
+            .map_err(|_| Error::Shutdown)?
+    }
+
+    /// [`Engine::begin_allocate_to_pool`] for threads outside the tokio runtime.
+    pub fn begin_allocate_to_pool_blocking(
+        &self,
+        id: PoolId,
+        filter: StreamFilter<R>,
+    ) -> Result<(), Error> {
+        self.call_router(|reply| RouterMsg::Begin { id, filter, reply })?
+            .recv()
+            .map_err(|_| Error::Shutdown)?
+    }
+
+    /// [`Engine::end_allocate_to_pool`] for threads outside the tokio runtime.
+    pub fn end_allocate_to_pool_blocking(&self, id: PoolId) -> Result<(), Error> {
+        self.call_router(|reply| RouterMsg::End { id, reply })?
+            .recv()
+            .map_err(|_| Error::Shutdown)?
+    }
+
+    /// [`Engine::release_pool`] for threads outside the tokio runtime.
+    pub fn release_pool_blocking(&self, id: PoolId) -> Result<(), Error> {
+        self.call_router(|reply| RouterMsg::Release { id, reply })?
+            .recv()
+            .map_err(|_| Error::Shutdown)?
+    }
+}

@@ -1,0 +1,221 @@
+//! A pool's home: the part of a pool that every handle, block and segment can reach.
+//!
+//! Owns the pool's identity, its runtime and memory source, its ready queues and parked
+//! slots (the cached path: invariant 5), the senders to its actor and to the event poller,
+//! its statistics, the flags that divert frees to the actor (closing, or requests waiting for
+//! room), and the registry channel of segments given back. It gives memory back to its source
+//! and keeps the books as it does (stats, history, the budget: invariant 2).
+//!
+//! Generic over the block type `B`, which it only holds in its queues: what a block is and
+//! where it goes when freed is `block`'s business, one layer up, so that neither names the
+//! other in a circle. The pool actor (`pool`) owns the rest of a pool's state.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use flume::{Receiver, Sender};
+
+use crate::budget::{Budget, EmptyReport, Member};
+use crate::history::Recorder;
+use crate::mailbox::{PollerMsg, PoolMsg};
+use crate::memory::{MemorySource, Region};
+use crate::parked::Parked;
+use crate::policy::BlockLayout;
+use crate::pool_id::PoolId;
+use crate::ready::ReadyQueues;
+use crate::runtime::{Runtime, RuntimeError};
+use crate::stats::PoolStats;
+
+/// `divert` bit: the pool is closing.
+pub(crate) const DIVERT_CLOSING: u8 = 1;
+/// `divert` bit: requests wait for room somewhere in the allocator.
+pub(crate) const DIVERT_PRESSURE: u8 = 2;
+
+/// The part of a pool every handle and block can reach.
+pub(crate) struct Home<R: Runtime, B> {
+    pub(crate) id: PoolId,
+    pub(crate) runtime: Arc<R>,
+    /// Where the pool's fresh memory comes from.
+    pub(crate) memory: Arc<dyn MemorySource>,
+    pub(crate) ready: ReadyQueues<B>,
+    pub(crate) parked: Arc<Parked<B>>,
+    pub(crate) mailbox: Sender<PoolMsg<B>>,
+    pub(crate) poller: Sender<PollerMsg<B>>,
+    pub(crate) stats: PoolStats,
+    /// Non-zero when frees must go to the actor, not the ready queues: the pool is closing
+    /// ([`DIVERT_CLOSING`]), or requests wait for room ([`DIVERT_PRESSURE`]).
+    pub(crate) divert: AtomicU8,
+    /// The allocator's budget of reserved bytes, shared by all its pools.
+    pub(crate) budget: Arc<Budget>,
+    /// Requests queued in this pool.
+    pub(crate) queued: AtomicUsize,
+    /// A `Wake` is on its way to the actor.
+    woken: AtomicBool,
+    /// Addresses of segments freed, for the actor to strike from its registry.
+    forgotten: (Sender<usize>, Receiver<usize>),
+    pub(crate) history: Arc<Recorder>,
+    /// Freed blocks larger than this go to the actor, not the ready queues.
+    pub(crate) max_cached_size: usize,
+    /// Freed carved blocks larger than this that do not fill their segment go to the actor,
+    /// to be coalesced at once.
+    pub(crate) absorb_above: usize,
+}
+
+/// What a home is made of.
+pub(crate) struct HomeParts<R: Runtime, B> {
+    pub(crate) id: PoolId,
+    pub(crate) runtime: Arc<R>,
+    pub(crate) memory: Arc<dyn MemorySource>,
+    pub(crate) classes: usize,
+    pub(crate) shards: usize,
+    pub(crate) poller: Sender<PollerMsg<B>>,
+    pub(crate) budget: Arc<Budget>,
+    pub(crate) history: Arc<Recorder>,
+    pub(crate) layout: BlockLayout,
+}
+
+impl<R: Runtime, B: Send + 'static> Home<R, B> {
+    /// A home, registered with its budget, and the receiving end of its actor's mailbox.
+    pub(crate) fn new(parts: HomeParts<R, B>) -> (Arc<Self>, Receiver<PoolMsg<B>>)
+    where
+        B: crate::parked::Parkable,
+    {
+        let (tx, rx) = flume::unbounded();
+        let home = Arc::new(Home {
+            id: parts.id,
+            runtime: parts.runtime,
+            memory: parts.memory,
+            ready: ReadyQueues::new(parts.classes, parts.shards),
+            parked: Parked::new(parts.shards),
+            mailbox: tx,
+            poller: parts.poller,
+            stats: PoolStats::new(parts.shards),
+            divert: AtomicU8::new(0),
+            budget: parts.budget,
+            queued: AtomicUsize::new(0),
+            woken: AtomicBool::new(false),
+            forgotten: flume::unbounded(),
+            history: parts.history,
+            max_cached_size: match parts.layout {
+                BlockLayout::Whole => usize::MAX,
+                BlockLayout::Carved(c) => c.max_cached_size,
+            },
+            absorb_above: match parts.layout {
+                BlockLayout::Whole => usize::MAX,
+                BlockLayout::Carved(c) => c.small_limit,
+            },
+        });
+        home.budget.register(&home);
+        (home, rx)
+    }
+}
+
+impl<R: Runtime, B> Home<R, B> {
+    /// Gives a region from `alloc` back to the memory source on this thread and keeps the
+    /// books (stats, history, the budget, and the registry of segments).
+    pub(crate) fn free_memory_now(&self, memory: Region) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        let res = self.memory.free(memory);
+        self.stats.host_free_time.record(t0.elapsed());
+        match res {
+            Ok(()) => {
+                self.history.on_segment_free(self.id, &memory);
+                self.stats.allocations.decrease(1);
+                self.stats.allocated_bytes.decrease(memory.size as i64);
+                // The actor awaits its frees before it takes fresh memory, so the address is
+                // struck before the source can hand it back to this pool.
+                let _ = self.forgotten.0.send(memory.addr());
+                self.budget.release(memory.size);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, bytes = memory.size, "freeing memory failed");
+                Err(e)
+            }
+        }
+    }
+
+    /// Maps `[offset, offset + len)` of a reserved `range` on this thread and keeps the books
+    /// (stats, history); the budget was charged by the caller.
+    pub(crate) fn map_now(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        let res = self.memory.map(range, offset, len);
+        self.stats.host_alloc_time.record(t0.elapsed());
+        if res.is_ok() {
+            self.history
+                .on_segment_alloc(self.id, &range.part(offset, len));
+            self.stats.allocated_bytes.increase(len as i64);
+        }
+        res
+    }
+
+    /// Unmaps `[offset, offset + len)` of a reserved `range` on this thread and keeps the
+    /// books (stats, history, the budget). The caller strikes the granules and counts map
+    /// calls.
+    pub(crate) fn unmap_now(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        let res = self.memory.unmap(range, offset, len);
+        self.stats.host_free_time.record(t0.elapsed());
+        match &res {
+            Ok(()) => {
+                self.history
+                    .on_segment_free(self.id, &range.part(offset, len));
+                self.stats.allocated_bytes.decrease(len as i64);
+                self.budget.release(len);
+            }
+            Err(e) => tracing::error!(error = %e, bytes = len, "unmapping memory failed"),
+        }
+        res
+    }
+
+    /// The addresses of segments given back since the last look (for the actor's registry).
+    pub(crate) fn forgotten(&self) -> flume::TryIter<'_, usize> {
+        self.forgotten.1.try_iter()
+    }
+
+    /// The actor took the `Wake` on its way.
+    pub(crate) fn woke(&self) {
+        self.woken.store(false, Ordering::SeqCst);
+    }
+
+    /// Asks the actor to look at its queued requests again (once per look).
+    pub(crate) fn nudge(&self) {
+        if self.queued.load(Ordering::SeqCst) > 0 && !self.woken.swap(true, Ordering::SeqCst) {
+            let _ = self.mailbox.send(PoolMsg::Wake);
+        }
+    }
+}
+
+impl<R: Runtime, B: Send + 'static> Member for Home<R, B> {
+    fn set_pressure(&self, on: bool) {
+        if on {
+            self.divert.fetch_or(DIVERT_PRESSURE, Ordering::SeqCst);
+        } else {
+            self.divert.fetch_and(!DIVERT_PRESSURE, Ordering::SeqCst);
+        }
+    }
+
+    fn nudge(&self) {
+        Home::nudge(self);
+    }
+
+    fn ask_to_empty(&self) -> Option<Receiver<EmptyReport>> {
+        let (tx, rx) = flume::bounded(1);
+        let msg = PoolMsg::EmptyCache {
+            include_kept: false,
+            reply: tx,
+        };
+        self.mailbox.send(msg).is_ok().then_some(rx)
+    }
+}

@@ -1,0 +1,141 @@
+//! The messages the pool actors and the event poller answer, and the plain data their replies
+//! carry. Defined below the blocks and pools they move (generic over the block type `B`), so
+//! that whoever holds a pool's or the poller's sender can send without naming the actor.
+
+use std::sync::Arc;
+
+use flume::Sender;
+
+use crate::budget::EmptyReport;
+use crate::error::Error;
+use crate::memory::Region;
+use crate::meta::BlockMeta;
+use crate::parked::Parked;
+use crate::policy::SizeClass;
+use crate::pool_id::PoolId;
+
+/// A one-shot reply: `recv_async` from tasks, `recv` from plain threads.
+pub(crate) type Reply<T> = Sender<T>;
+
+/// What a request tells its pool beside the class.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ask {
+    /// Bytes the user asked for (for errors).
+    pub(crate) requested: usize,
+    /// Whether the request may be queued when it does not fit.
+    pub(crate) wait: bool,
+    /// Whether every pool's cache has been emptied for this request already.
+    pub(crate) emptied: bool,
+}
+
+/// Why a pool did not hand out a block.
+pub(crate) enum Refused {
+    /// No room (under the cap, or from the memory source): empty every cache and ask again.
+    NeedRoom,
+    /// A final answer.
+    Failed(Error),
+}
+
+/// A pool's answer to a miss.
+pub(crate) type MissReply<B> = Result<Box<B>, Refused>;
+
+/// Messages a pool actor answers.
+pub(crate) enum PoolMsg<B> {
+    /// No ready block of `class`: find one or get fresh memory (or queue the request when
+    /// it must wait for room).
+    Miss {
+        class: SizeClass,
+        ask: Ask,
+        reply: Reply<MissReply<B>>,
+    },
+    /// A block used by captured work: keep it while the pool lives.
+    Keep(Box<B>),
+    /// A block coming home outside the ready queues (closing pool, cancelled reply).
+    Home(Box<B>),
+    /// Free every cached block (and the kept ones when the pool is released).
+    EmptyCache {
+        include_kept: bool,
+        reply: Reply<EmptyReport>,
+    },
+    /// Count what the pool holds (for checking invariant 2 at quiescent points).
+    Inventory { reply: Reply<Inventory> },
+    /// List the pool's segments and its cached and kept blocks (for snapshots).
+    Describe { reply: Reply<PoolView> },
+    /// Look at the queued requests again: room was made, or one was cancelled.
+    Wake,
+    /// The pool's owner is gone: give everything back as it comes home, then stop.
+    Close,
+}
+
+/// Messages the event poller answers.
+pub(crate) enum PollerMsg<B> {
+    /// A freed block, with the events recorded for it.
+    Wait(Box<B>),
+    /// Watch a pool's parked slots (sent by the first park after a quiet spell).
+    Watch(Arc<Parked<B>>),
+    /// Poll now, then reply.
+    Flush { reply: Reply<()> },
+    /// The addresses of the blocks pending (for snapshots).
+    Pending { reply: Reply<Vec<usize>> },
+}
+
+/// Where a pool's reserved bytes are, at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Inventory {
+    /// The pool.
+    pub pool: PoolId,
+    /// Bytes of memory held.
+    pub reserved_bytes: usize,
+    /// Allocations from the memory source held.
+    pub segments: usize,
+    /// Blocks in the ready queues, and their bytes.
+    pub cached_blocks: usize,
+    /// Bytes of `cached_blocks`.
+    pub cached_bytes: usize,
+    /// Blocks freed by users that wait on events.
+    pub waiting_blocks: usize,
+    /// Bytes of `waiting_blocks`.
+    pub waiting_bytes: usize,
+    /// Blocks kept for graph replays.
+    pub kept_blocks: usize,
+    /// Bytes of `kept_blocks`.
+    pub kept_bytes: usize,
+    /// Blocks lent out: the rest.
+    pub in_use_blocks: usize,
+    /// Bytes of `in_use_blocks`.
+    pub in_use_bytes: usize,
+}
+
+/// A segment of the pool, as its registry knows it.
+#[derive(Clone)]
+pub(crate) struct SegmentView {
+    pub(crate) memory: Region,
+    /// The record of the segment's block, when the segment is one whole block.
+    pub(crate) meta: Arc<BlockMeta>,
+    /// The segment's pieces in address order, when blocks are carved out of it (filled in by
+    /// `describe`; empty for a whole block).
+    pub(crate) pieces: Vec<PieceView>,
+}
+
+impl SegmentView {
+    pub(crate) fn addr(&self) -> usize {
+        self.memory.addr()
+    }
+}
+
+/// One piece of a carved segment: a block cut out of it, or a free range.
+#[derive(Clone)]
+pub(crate) struct PieceView {
+    pub(crate) addr: usize,
+    pub(crate) size: usize,
+    /// The block's record; `None` for a free range.
+    pub(crate) meta: Option<Arc<BlockMeta>>,
+}
+
+/// What a pool holds, by address, at one moment (for snapshots).
+pub(crate) struct PoolView {
+    pub(crate) pool: PoolId,
+    pub(crate) segments: Vec<SegmentView>,
+    pub(crate) cached: Vec<usize>,
+    pub(crate) kept: Vec<usize>,
+}

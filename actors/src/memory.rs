@@ -1,0 +1,162 @@
+//! Memory: where the engine's fresh memory comes from and goes back to.
+//!
+//! The engine manages one kind of memory per pool — pinned host memory, or the memory of one
+//! device — through a [`MemorySource`]. It knows a piece of memory only as a [`Region`]: an
+//! address, a length, and how it was obtained ([`Origin`]), so that it goes back the way it
+//! came. It never reads or writes the bytes itself.
+//!
+//! Contract (the engine relies on each point):
+//! - every call may block for milliseconds: the engine makes them only on blocking threads,
+//!   never on an executor thread or on the cached path (invariant 6);
+//! - a region from `alloc` goes back through `free`, exactly once; a region from `reserve`
+//!   goes back through `unreserve`, once everything mapped into it has been unmapped.
+
+use std::fmt;
+use std::ptr::NonNull;
+
+use crate::runtime::RuntimeError;
+
+/// How a region of memory was obtained, so that it is given back the matching way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Origin {
+    /// The runtime's own pinned allocation call (`cuMemHostAlloc`).
+    HostAlloc,
+    /// Ordinary pages, faulted in and then registered (`mmap` + `cuMemHostRegister`).
+    Register,
+    /// Plain heap memory standing in for pinned memory (the simulated runtime).
+    Simulated,
+    /// Granules of pinned memory mapped into an address range reserved up front
+    /// ([`MemorySource::reserve`]): freed with `unmap`, never with `free`.
+    Mapped,
+    /// Device memory from the driver's allocation call (`cuMemAlloc`).
+    Device,
+    /// Granules of device memory mapped into a reserved device address range.
+    DeviceMapped,
+    /// Simulated device memory.
+    SimulatedDevice,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Origin::HostAlloc => "host_alloc",
+            Origin::Register => "register",
+            Origin::Simulated => "simulated",
+            Origin::Mapped => "mapped",
+            Origin::Device => "device",
+            Origin::DeviceMapped => "device_mapped",
+            Origin::SimulatedDevice => "simulated_device",
+        })
+    }
+}
+
+/// The name host-memory code uses for [`Origin`].
+pub type PinMethod = Origin;
+
+/// One region of memory as a source handed it out: `size` bytes at `ptr`. For device memory
+/// `ptr` is the device address, not dereferenceable on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// Start of the range; aligned to at least 64 bytes.
+    pub ptr: NonNull<u8>,
+    /// Length of the range in bytes (at least what was asked for).
+    pub size: usize,
+    /// How it was obtained; the source uses it to choose the matching release call.
+    pub method: Origin,
+}
+
+/// The name host-memory code uses for [`Region`].
+pub type HostMemory = Region;
+
+impl Region {
+    /// The start address as a number.
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    /// `len` bytes at `offset` of this region (the caller keeps them inside it).
+    pub fn part(&self, offset: usize, len: usize) -> Region {
+        Region {
+            // Inside the region (callers pass a range of it), so not null.
+            ptr: NonNull::new(self.ptr.as_ptr().wrapping_add(offset)).unwrap_or(self.ptr),
+            size: len,
+            method: self.method,
+        }
+    }
+}
+
+// SAFETY: a `Region` is an address range, not a reference: the engine guarantees that exactly
+// one owner (a pool's books, or the buffer it is lent to) touches the bytes at a time.
+unsafe impl Send for Region {}
+// SAFETY: as above; sharing the descriptor shares no access to the bytes.
+unsafe impl Sync for Region {}
+
+/// Which memory a source gives: what snapshots, stats and logs call it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MemoryKind {
+    /// Page-locked host memory.
+    Pinned,
+    /// The memory of the device with this ordinal.
+    Device(usize),
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MemoryKind::Pinned => f.write_str("pinned"),
+            MemoryKind::Device(d) => write!(f, "device {d}"),
+        }
+    }
+}
+
+fn unsupported(op: &'static str) -> RuntimeError {
+    RuntimeError::new(op, "not supported by this memory source")
+}
+
+/// Where a pool's fresh memory comes from: pinned host memory, or one device's memory.
+pub trait MemorySource: Send + Sync + 'static {
+    /// Which memory this is.
+    fn kind(&self) -> MemoryKind;
+
+    /// Gets `size` bytes. May block for milliseconds.
+    fn alloc(&self, size: usize) -> Result<Region, RuntimeError>;
+
+    /// Gives back memory obtained from `alloc`. May block for milliseconds.
+    fn free(&self, region: Region) -> Result<(), RuntimeError>;
+
+    /// Expandable memory: the granule (bytes) in which memory is mapped into a range
+    /// reserved with [`MemorySource::reserve`], or `None` when the source cannot (the
+    /// default). A source that returns a granule implements the four calls below.
+    fn granularity(&self) -> Option<usize> {
+        None
+    }
+
+    /// Reserves `size` bytes of address space (a multiple of the granule), none of it
+    /// mapped yet.
+    fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
+        let _ = size;
+        Err(unsupported("reserve"))
+    }
+
+    /// Maps memory at `[offset, offset + size)` of a reserved `range`, one granule at a time,
+    /// so that each granule can be unmapped on its own later. Both are multiples of the
+    /// granule; the granules are unmapped now. All or nothing: on failure nothing stays
+    /// mapped. May block for milliseconds.
+    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _ = (range, offset, size);
+        Err(unsupported("map"))
+    }
+
+    /// Unmaps granules mapped with [`MemorySource::map`] (any of them, not only whole
+    /// earlier calls) and gives their memory back. May block for milliseconds.
+    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _ = (range, offset, size);
+        Err(unsupported("unmap"))
+    }
+
+    /// Gives back a range reserved with [`MemorySource::reserve`], none of it mapped.
+    fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
+        let _ = range;
+        Err(unsupported("unreserve"))
+    }
+}
