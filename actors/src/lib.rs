@@ -37,29 +37,29 @@
 #![allow(clippy::vec_box, clippy::boxed_local)]
 
 // 1. Vocabulary.
-mod carve;
-mod error;
-mod keepalive;
-pub mod memory;
-mod meta;
-mod policy;
-mod pool_id;
 pub mod runtime;
+pub mod memory;
+mod pool_id;
+mod error;
 mod shard;
-mod snapshot;
 mod spawn;
+mod keepalive;
+mod policy;
+mod carve;
 mod stats;
+mod meta;
 mod trace;
+mod snapshot;
 // 2. Observation.
-mod history;
 mod observe;
+mod history;
 // 3. Lock-free holders of blocks.
-mod parked;
 mod ready;
+mod parked;
 // 4. Shared books.
 mod budget;
-mod home;
 mod mailbox;
+mod home;
 mod segment;
 // 5. Blocks.
 mod block;
@@ -69,8 +69,8 @@ mod poller;
 mod pool;
 mod router;
 // 7. Requests and the handle.
-mod engine;
 mod miss;
+mod engine;
 
 pub use budget::EmptyReport;
 pub use engine::{Engine, EngineBuilder};

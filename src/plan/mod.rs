@@ -120,7 +120,9 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod arena;
 mod best;
+mod buffer;
 mod check;
 mod cursor;
 mod greedy;
@@ -132,11 +134,12 @@ mod rng;
 mod serve;
 mod session;
 
+pub use buffer::PlanBuffer;
 pub use check::{check, Violation};
 pub use cursor::{Mismatch, Observed, PlanCursor, Served, ValidationError};
 pub use record::{PlanRecorder, PlanValidator, RecordedBuffer, Recording};
 pub use recorder::{RecordError, Recorder};
-pub use serve::{ArenaSession, PlanBuffer, ServeStats};
+pub use serve::{ArenaSession, ServeStats};
 pub use session::{ArenaPlan, PlanSessionError};
 
 use crate::trace::Lifetime;
