@@ -32,6 +32,7 @@ mod buffer;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 mod history;
 pub mod plan;
 pub mod report;
@@ -40,11 +41,13 @@ pub mod trace;
 
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
+pub use device::{DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime};
 pub use history::ReportError;
 pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
-    DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory, MemoryKind, MemorySnapshot,
-    MemorySource, Origin, PinMethod, PoolId, PowerOfTwo, Region, Runtime, RuntimeError,
-    SegmentInfo, SizeClass, SizePolicy, Stat, StreamFilter, StreamId, TieredPowerOfTwo,
+    DeviceFit, DeviceStats, DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory,
+    MemoryKind, MemorySnapshot, MemorySource, Origin, PinMethod, PoolId, PowerOfTwo, Region,
+    Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StatArray, StreamFilter,
+    StreamId, TieredPowerOfTwo, Wait,
 };
 pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

@@ -17,8 +17,8 @@ pub enum Error {
         /// The largest request the policy accepts.
         max: usize,
     },
-    /// No pinned memory could be had for the request.
-    #[error("out of pinned memory: {requested} bytes requested with {reserved} bytes reserved{}", limit_text(*.limit))]
+    /// No memory could be had for the request (pinned or device memory: the pool's).
+    #[error("out of memory: {requested} bytes requested with {reserved} bytes reserved{}", limit_text(*.limit))]
     OutOfMemory {
         /// Bytes asked for.
         requested: usize,
@@ -28,7 +28,7 @@ pub enum Error {
         limit: Option<usize>,
     },
     /// A request waited for room under the memory limit longer than its timeout.
-    #[error("gave up waiting for {requested} bytes of pinned memory after {timeout:?}")]
+    #[error("gave up waiting for {requested} bytes of memory after {timeout:?}")]
     Timeout {
         /// Bytes asked for.
         requested: usize,
@@ -104,6 +104,12 @@ pub enum Error {
     InvalidConfig {
         /// What is wrong with it.
         message: String,
+    },
+    /// A raw device pointer that the allocator did not hand out, or that was already freed.
+    #[error("{ptr:#x} is not a live raw allocation of this allocator")]
+    UnknownPointer {
+        /// The pointer.
+        ptr: u64,
     },
     /// A copy whose destination is shorter than its source.
     #[error("cannot copy {src_len} bytes into a destination of {dst_len} bytes")]

@@ -20,7 +20,7 @@ use std::time::Instant;
 use flume::{Receiver, Sender};
 
 use crate::error::Error;
-use crate::memory::Region;
+use crate::memory::{MemoryKind, Region};
 use crate::observe::{start_observer, ObserverEvent, ObserverMsg};
 use crate::pool_id::PoolId;
 use crate::runtime::StreamId;
@@ -301,9 +301,15 @@ impl Recorder {
     }
 
     /// Hook (a request is about to fail with `err`): when it is an out-of-memory error, logs
-    /// it, records an `Oom` and tells the OOM observers. Returns `err` unchanged, so that it
-    /// wraps the error where it is made: `return Err(recorder.on_oom(pool, err))`.
-    pub(crate) fn on_oom(&self, pool: PoolId, err: Error) -> Error {
+    /// it, records an `Oom` and tells the OOM observers, with what `context` says of the
+    /// pool (its memory, the bytes of its blocks in use, what its driver still has free).
+    /// Returns `err` unchanged, so that it wraps the error where it is made.
+    pub(crate) fn on_oom(
+        &self,
+        pool: PoolId,
+        err: Error,
+        context: impl FnOnce() -> (MemoryKind, usize, Option<usize>),
+    ) -> Error {
         if let Error::OutOfMemory {
             requested,
             reserved,
@@ -311,7 +317,8 @@ impl Recorder {
         } = err
         {
             let time_us = self.now_us();
-            tracing::warn!(pool = %pool, requested, reserved, ?limit, "out of memory");
+            let (memory, allocated, driver_free) = context();
+            tracing::warn!(pool = %pool, %memory, requested, reserved, allocated, ?limit, ?driver_free, "out of memory");
             if self.is_on() {
                 let mut e = TraceEntry::new(TraceAction::Oom, time_us, pool);
                 e.size = requested;
@@ -324,6 +331,9 @@ impl Recorder {
                 reserved,
                 limit,
                 time_us,
+                memory,
+                allocated,
+                driver_free,
             };
             // Never waits: a report that finds the observer's queue full is dropped.
             let _ = self.observer_events.try_send(ObserverEvent::Oom(report));

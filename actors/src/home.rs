@@ -17,6 +17,7 @@ use std::time::Instant;
 use flume::{Receiver, Sender};
 
 use crate::budget::{Budget, EmptyReport, Member};
+use crate::error::Error;
 use crate::history::Recorder;
 use crate::mailbox::{PollerMsg, PoolMsg};
 use crate::memory::{MemorySource, Region};
@@ -24,7 +25,7 @@ use crate::parked::Parked;
 use crate::policy::BlockLayout;
 use crate::pool_id::PoolId;
 use crate::ready::ReadyQueues;
-use crate::runtime::{Runtime, RuntimeError};
+use crate::runtime::{Runtime, RuntimeError, StreamId};
 use crate::stats::PoolStats;
 
 /// `divert` bit: the pool is closing.
@@ -35,6 +36,11 @@ pub(crate) const DIVERT_PRESSURE: u8 = 2;
 /// The part of a pool every handle and block can reach.
 pub(crate) struct Home<R: Runtime, B> {
     pub(crate) id: PoolId,
+    /// The stream that owns every block of a stream-ordered pool: a block freed with no
+    /// other stream recorded is reusable by it at once (its work runs in order), so recording
+    /// it needs no event. `None`: every recorded stream needs an event (host memory, which
+    /// the CPU may write the moment a block is handed out, and capture pools).
+    pub(crate) owner: Option<StreamId>,
     pub(crate) runtime: Arc<R>,
     /// Where the pool's fresh memory comes from.
     pub(crate) memory: Arc<dyn MemorySource>,
@@ -65,6 +71,7 @@ pub(crate) struct Home<R: Runtime, B> {
 /// What a home is made of.
 pub(crate) struct HomeParts<R: Runtime, B> {
     pub(crate) id: PoolId,
+    pub(crate) owner: Option<StreamId>,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -73,6 +80,8 @@ pub(crate) struct HomeParts<R: Runtime, B> {
     pub(crate) budget: Arc<Budget>,
     pub(crate) history: Arc<Recorder>,
     pub(crate) layout: BlockLayout,
+    /// Keep device statistics, blocks above this many bytes counting as oversize.
+    pub(crate) device_stats: Option<usize>,
 }
 
 impl<R: Runtime, B: Send + 'static> Home<R, B> {
@@ -84,13 +93,14 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
         let (tx, rx) = flume::unbounded();
         let home = Arc::new(Home {
             id: parts.id,
+            owner: parts.owner,
             runtime: parts.runtime,
             memory: parts.memory,
             ready: ReadyQueues::new(parts.classes, parts.shards),
             parked: Parked::new(parts.shards),
             mailbox: tx,
             poller: parts.poller,
-            stats: PoolStats::new(parts.shards),
+            stats: PoolStats::new(parts.shards, parts.device_stats),
             divert: AtomicU8::new(0),
             budget: parts.budget,
             queued: AtomicUsize::new(0),
@@ -121,6 +131,7 @@ impl<R: Runtime, B> Home<R, B> {
         match res {
             Ok(()) => {
                 self.history.on_segment_free(self.id, &memory);
+                self.stats.segment(memory.size, false);
                 self.stats.allocations.decrease(1);
                 self.stats.allocated_bytes.decrease(memory.size as i64);
                 // The actor awaits its frees before it takes fresh memory, so the address is
@@ -151,6 +162,7 @@ impl<R: Runtime, B> Home<R, B> {
             self.history
                 .on_segment_alloc(self.id, &range.part(offset, len));
             self.stats.allocated_bytes.increase(len as i64);
+            self.stats.segment(len, true);
         }
         res
     }
@@ -172,11 +184,21 @@ impl<R: Runtime, B> Home<R, B> {
                 self.history
                     .on_segment_free(self.id, &range.part(offset, len));
                 self.stats.allocated_bytes.decrease(len as i64);
+                self.stats.segment(len, false);
                 self.budget.release(len);
             }
             Err(e) => tracing::error!(error = %e, bytes = len, "unmapping memory failed"),
         }
         res
+    }
+
+    /// Reports an out-of-memory failure of a request of this pool (see `Recorder::on_oom`);
+    /// returns `err`.
+    pub(crate) fn oom(&self, err: Error) -> Error {
+        self.history.on_oom(self.id, err, || {
+            let allocated = self.stats.active_bytes_now().max(0) as usize;
+            (self.memory.kind(), allocated, self.memory.free_bytes())
+        })
     }
 
     /// The addresses of segments given back since the last look (for the actor's registry).

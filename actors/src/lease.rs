@@ -34,7 +34,7 @@ impl<R: Runtime> Lease<R> {
         let pool = &block.pool;
         pool.history
             .on_alloc(pool.id, block.memory.addr(), block.size, len);
-        block.shard = block.pool.stats.activate(block.size);
+        block.shard = block.pool.stats.lend(block.size, len);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
         block.meta.lent(len);
@@ -93,11 +93,13 @@ impl<R: Runtime> Lease<R> {
 
     /// Marks the bytes as used by work on `stream`: when the lease is dropped, an event is
     /// recorded on the stream, and the bytes are reused only once it has completed.
-    /// Recording the same stream twice records it once. A no-op on an empty lease.
+    /// Recording the same stream twice records it once. A no-op on an empty lease, and for
+    /// the stream that owns the block in a stream-ordered pool (its work runs in order
+    /// before any later use of the block on that stream).
     pub fn record_stream(&mut self, stream: &R::Stream) {
         if let Some(b) = &mut self.block {
             let id = b.pool.runtime.stream_id(stream);
-            if !b.streams.iter().any(|(s, _)| *s == id) {
+            if b.pool.owner != Some(id) && !b.streams.iter().any(|(s, _)| *s == id) {
                 b.meta.recorded(id);
                 b.streams.push((id, stream.clone()));
             }
@@ -121,6 +123,7 @@ impl<R: Runtime> Drop for Lease<R> {
                 .on_free(b.pool.id, b.memory.addr(), b.size, self.len, || {
                     b.streams.first().map(|(s, _)| *s)
                 });
+            b.pool.stats.freed(b.shard, b.size, self.len);
             b.release();
         }
     }

@@ -19,7 +19,7 @@
 //! `parked::Parkable`, `budget::Member`), or a type it is generic over (`home::Home<R, B>`).
 //!
 //! 1. Vocabulary: `runtime`, `memory`, `pool_id`, `error`, `shard`, `spawn`, `keepalive`,
-//!    `policy`, `carve`, `stats`, `meta`, `trace`, `snapshot`.
+//!    `policy`, `carve`, `counters`, `device_stats`, `stats`, `meta`, `trace`, `snapshot`.
 //! 2. Observation: `observe` (the observer task), `history` (the history actor and the
 //!    recorder the hot paths call).
 //! 3. Lock-free holders of blocks: `ready` (the cached path), `parked` (freed blocks waiting
@@ -46,6 +46,8 @@ mod spawn;
 mod keepalive;
 mod policy;
 mod carve;
+mod counters;
+mod device_stats;
 mod stats;
 mod meta;
 mod trace;
@@ -73,13 +75,16 @@ mod miss;
 mod engine;
 
 pub use budget::EmptyReport;
+pub use counters::{DurationStat, Stat};
+pub use device_stats::{DeviceStats, StatArray};
 pub use engine::{Engine, EngineBuilder};
 pub use error::Error;
 pub use lease::Lease;
 pub use mailbox::Inventory;
 pub use memory::{HostMemory, MemoryKind, MemorySource, Origin, PinMethod, Region};
+pub use miss::Wait;
 pub use policy::{
-    BestFit, BlockLayout, Carving, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
+    BestFit, BlockLayout, Carving, DeviceFit, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
 };
 pub use pool_id::PoolId;
 pub use router::StreamFilter;
@@ -87,7 +92,7 @@ pub use runtime::{Runtime, RuntimeError, StreamId};
 pub use snapshot::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, SegmentInfo,
 };
-pub use stats::{DurationStat, HostStats, Stat};
+pub use stats::HostStats;
 pub use trace::{
     History, HistoryContext, OomObserver, OomReport, TraceAction, TraceEntry, TraceTracker,
 };

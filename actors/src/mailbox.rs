@@ -8,11 +8,12 @@ use flume::Sender;
 
 use crate::budget::EmptyReport;
 use crate::error::Error;
-use crate::memory::Region;
+use crate::memory::{MemoryKind, Region};
 use crate::meta::BlockMeta;
 use crate::parked::Parked;
 use crate::policy::SizeClass;
 use crate::pool_id::PoolId;
+use crate::runtime::StreamId;
 
 /// A one-shot reply: `recv_async` from tasks, `recv` from plain threads.
 pub(crate) type Reply<T> = Sender<T>;
@@ -135,6 +136,10 @@ pub(crate) struct PieceView {
 /// What a pool holds, by address, at one moment (for snapshots).
 pub(crate) struct PoolView {
     pub(crate) pool: PoolId,
+    /// The memory the pool takes from.
+    pub(crate) memory: MemoryKind,
+    /// The stream that owns the pool's blocks, in a stream-ordered pool.
+    pub(crate) owner: Option<StreamId>,
     pub(crate) segments: Vec<SegmentView>,
     pub(crate) cached: Vec<usize>,
     pub(crate) kept: Vec<usize>,

@@ -138,20 +138,34 @@ pub trait MemorySource: Send + Sync + 'static {
         Err(unsupported("reserve"))
     }
 
-    /// Maps memory at `[offset, offset + size)` of a reserved `range`, one granule at a time,
-    /// so that each granule can be unmapped on its own later. Both are multiples of the
-    /// granule; the granules are unmapped now. All or nothing: on failure nothing stays
-    /// mapped. May block for milliseconds.
+    /// Maps memory at `[offset, offset + size)` of a reserved `range`. Both are multiples of
+    /// the granule; the granules are unmapped now. All or nothing: on failure nothing stays
+    /// mapped. May block for milliseconds. Whether each granule can later be unmapped on its
+    /// own, or only the whole of what one call mapped, is [`MemorySource::unmaps_granules`].
     fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
         let _ = (range, offset, size);
         Err(unsupported("map"))
     }
 
-    /// Unmaps granules mapped with [`MemorySource::map`] (any of them, not only whole
-    /// earlier calls) and gives their memory back. May block for milliseconds.
+    /// Whether [`MemorySource::unmap`] takes any granules mapped earlier (true, the default:
+    /// `map` maps granule by granule), or only exactly the range of one earlier `map` call
+    /// (false: `map` backs a call with one piece of memory, which is faster to get).
+    fn unmaps_granules(&self) -> bool {
+        true
+    }
+
+    /// Unmaps granules mapped with [`MemorySource::map`] (see
+    /// [`MemorySource::unmaps_granules`] for which ranges) and gives their memory back. May
+    /// block for milliseconds.
     fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
         let _ = (range, offset, size);
         Err(unsupported("unmap"))
+    }
+
+    /// Bytes the source could still give, as its driver reports them (`None`: it cannot
+    /// tell; pinned host memory). Out-of-memory reports carry it.
+    fn free_bytes(&self) -> Option<usize> {
+        None
     }
 
     /// Gives back a range reserved with [`MemorySource::reserve`], none of it mapped.

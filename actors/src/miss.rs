@@ -20,7 +20,7 @@ use crate::runtime::Runtime;
 
 /// How a request that does not fit under the cap is treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Wait {
+pub enum Wait {
     /// Fail at once with `OutOfMemory`.
     Never,
     /// Wait as long as the allocator's default says.

@@ -19,6 +19,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Arc;
 
+use crate::policy::SizeClass;
 use crate::ready::{take_slot, Slotted};
 use crate::shard::{CachePadded, ThreadSlot};
 
@@ -171,25 +172,26 @@ impl<B: Parkable> Parked<B> {
             .is_ok()
     }
 
-    /// A parked block of `class` whose events have all completed (events released, no
-    /// longer counted as waiting), from this thread's shard, or `None`.
-    pub(crate) fn take_mine(&self, class: usize) -> Option<Box<B>> {
+    /// A parked block of `class`, holding `class.size` bytes, whose events have all
+    /// completed (events released, no longer counted as waiting), from this thread's shard,
+    /// or `None`.
+    pub(crate) fn take_mine(&self, class: SizeClass) -> Option<Box<B>> {
         self.take_from(self.my_shard(), class)
     }
 
     /// The same, from the other threads' shards (a miss would otherwise ask the pool actor).
     #[cold]
-    pub(crate) fn steal(&self, class: usize) -> Option<Box<B>> {
+    pub(crate) fn steal(&self, class: SizeClass) -> Option<Box<B>> {
         let me = self.my_shard();
         (1..self.shards.len())
             .map(|i| (me + i) & self.mask)
             .find_map(|s| self.take_from(s, class))
     }
 
-    fn take_from(&self, shard: usize, class: usize) -> Option<Box<B>> {
+    fn take_from(&self, shard: usize, class: SizeClass) -> Option<Box<B>> {
         for s in self.shards[shard].iter() {
             let Some(mut b) = take_slot(s) else { continue };
-            if b.class() == class && b.events_completed() {
+            if b.class() == class.index && b.size() >= class.size && b.events_completed() {
                 b.leave_waiting();
                 return Some(b);
             }

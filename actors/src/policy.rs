@@ -77,6 +77,21 @@ pub struct Carving {
     /// Bytes of address space the arena reserves (at most the memory limit, when there
     /// is one).
     pub arena_reserve: usize,
+    /// Blocks larger than this take separate segments even when the pool has an arena: a
+    /// large fresh block is then one allocation from the memory source rather than many
+    /// granules mapped one by one.
+    pub arena_max_block: usize,
+    /// A wholly free segment larger than this is cut only for a request above it too, that
+    /// leaves at most 20 MiB of it (PyTorch's `max_split_size`: large blocks are not split
+    /// for small ones).
+    pub max_split: usize,
+    /// Before fresh memory would take reserved bytes above this share (in thousandths) of
+    /// the memory limit, cached memory nobody uses goes back first (PyTorch's
+    /// `garbage_collection_threshold`; only under a limit).
+    pub gc_threshold_permille: Option<u32>,
+    /// In the arena, place a block where it strands the least of the granules it touches
+    /// (see `Arena::place`): fewer granules mapped for the same blocks.
+    pub pack_granules: bool,
 }
 
 impl Carving {
@@ -84,6 +99,28 @@ impl Carving {
     pub fn reserve_cap(&self, peak_live: usize) -> Option<usize> {
         self.reserve_cap_permille
             .map(|p| (peak_live as u128 * p as u128 / 1000).min(usize::MAX as u128) as usize)
+    }
+
+    /// The cap on reserved bytes before fresh memory: the reserve cap, or under a memory
+    /// `limit` the garbage-collection threshold, whichever is lower.
+    pub fn fresh_cap(&self, peak_live: usize, limit: Option<usize>) -> Option<usize> {
+        let gc = self
+            .gc_threshold_permille
+            .zip(limit)
+            .map(|(p, l)| (l as u128 * p as u128 / 1000) as usize);
+        match (self.reserve_cap(peak_live), gc) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Whether a wholly free segment of `seg` bytes may be cut for a request of `size`
+    /// (`split_any`: even one much larger than the request).
+    pub fn may_split(&self, seg: usize, size: usize, split_any: bool) -> bool {
+        if seg > self.max_split {
+            return size > self.max_split && seg - size <= 20 << 20;
+        }
+        split_any || seg <= self.small_segment || seg / self.split_ratio.max(1) <= size
     }
 }
 
@@ -160,6 +197,10 @@ impl Default for BestFit {
                 fill_permille: 500,
                 expandable: true,
                 arena_reserve: 64 << 30,
+                arena_max_block: usize::MAX,
+                max_split: usize::MAX,
+                gc_threshold_permille: None,
+                pack_granules: false,
             },
         }
     }
@@ -232,6 +273,173 @@ impl SizePolicy for BestFit {
         Some(SizeClass {
             index: (1 << STEPS_LOG2) * (1 + (k - SMALL_LOG2) as usize) + (m - (1 << STEPS_LOG2)),
             size: (m + 1) << step_log2,
+        })
+    }
+
+    fn max_request(&self) -> usize {
+        1usize << BEST_FIT_MAX_LOG2
+    }
+
+    fn layout(&self) -> BlockLayout {
+        BlockLayout::Carved(self.carving)
+    }
+}
+
+/// The device policy: blocks of exactly the request rounded up to 512 bytes (PyTorch's device
+/// rounding; optionally to `roundup_power2_divisions` steps per power of two), cut out of
+/// carved memory like [`BestFit`]'s: one expandable range per pool where the memory source
+/// can map memory granule by granule, separate segments otherwise (2 MiB for requests up to
+/// 1 MiB, larger ones rounded to 2 MiB).
+///
+/// A class is a bucket of sizes (the [`BestFit`] classes): the cached path hands a ready
+/// block of the request's class to the request only when the block holds the rounded
+/// request, so a size seen before is served from its own block again, and no block is
+/// larger than its request by more than the rounding.
+///
+/// ```
+/// use pinpool_actors::{DeviceFit, SizePolicy};
+/// let p = DeviceFit::default();
+/// assert_eq!(p.class_of(300).unwrap().size, 512);
+/// // A 1025 MiB request reserves 1025 MiB (PyTorch's device allocator: 1026).
+/// assert_eq!(p.class_of(1025 << 20).unwrap().size, 1025 << 20);
+/// // Sizes of one class share a ready queue but keep their own sizes.
+/// let (a, b) = (p.class_of(100_000).unwrap(), p.class_of(101_000).unwrap());
+/// assert_eq!(a.index, b.index);
+/// assert!(a.size < b.size);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceFit {
+    carving: Carving,
+    /// Steps per power of two that sizes above 1 MiB round up to (0: none, 512-byte rounding).
+    divisions: u32,
+}
+
+impl Default for DeviceFit {
+    fn default() -> Self {
+        Self {
+            carving: Carving {
+                small_limit: 1 << 20,
+                small_segment: 2 << 20,
+                large_round: 2 << 20,
+                max_cached_size: usize::MAX,
+                split_ratio: 3,
+                reserve_cap_permille: Some(1000),
+                fill_permille: 500,
+                expandable: true,
+                arena_reserve: 1 << 40,
+                arena_max_block: usize::MAX,
+                max_split: usize::MAX,
+                gc_threshold_permille: None,
+                pack_granules: true,
+            },
+            divisions: 0,
+        }
+    }
+}
+
+impl DeviceFit {
+    /// Rounds requests above 1 MiB up to one of `divisions` steps per power of two (a power
+    /// of two itself, at most 64; 0 or 1: no such rounding), as PyTorch's
+    /// `roundup_power2_divisions`: more reuse of freed blocks, more bytes per block.
+    pub fn roundup_power2_divisions(mut self, divisions: u32) -> Self {
+        self.divisions = if divisions <= 1 {
+            0
+        } else {
+            divisions.next_power_of_two().min(64)
+        };
+        self
+    }
+
+    /// Blocks above `bytes` are not cached: once free, their memory goes back.
+    pub fn max_cached_size(mut self, bytes: usize) -> Self {
+        self.carving.max_cached_size = bytes;
+        self
+    }
+
+    /// The reserve cap as a multiple of the peak of live bytes (default 1.2; at least 1):
+    /// before fresh memory would take reserved bytes above it, free memory goes back.
+    pub fn reserve_cap(mut self, times_peak_live: f64) -> Self {
+        let permille = (times_peak_live.max(1.0) * 1000.0).min(u32::MAX as f64);
+        self.carving.reserve_cap_permille = Some(permille as u32);
+        self
+    }
+
+    /// Cut blocks out of separate segments even where the memory source offers expandable
+    /// memory (PyTorch's layout without `expandable_segments`).
+    pub fn separate_segments(mut self) -> Self {
+        self.carving.expandable = false;
+        self
+    }
+
+    /// Bytes of address space the expandable range of each pool reserves (default 1 TiB).
+    pub fn arena_reserve(mut self, bytes: usize) -> Self {
+        self.carving.arena_reserve = bytes;
+        self
+    }
+
+    /// Blocks larger than `bytes` take separate segments rather than the expandable range.
+    pub fn arena_max_block(mut self, bytes: usize) -> Self {
+        self.carving.arena_max_block = bytes;
+        self
+    }
+
+    /// PyTorch's `max_split_size`: blocks above `bytes` get segments of their own (never
+    /// the expandable range), and a free segment above it is cut only for a request above it
+    /// too that leaves at most 20 MiB.
+    pub fn max_split_size(mut self, bytes: usize) -> Self {
+        self.carving.max_split = bytes;
+        self.carving.arena_max_block = self.carving.arena_max_block.min(bytes);
+        self
+    }
+
+    /// PyTorch's `garbage_collection_threshold`: under a memory limit, before fresh memory
+    /// would take reserved bytes above `fraction` of it, cached memory nobody uses goes back
+    /// first. Clamped to (0, 1).
+    pub fn garbage_collection_threshold(mut self, fraction: f64) -> Self {
+        let permille = (fraction.clamp(0.001, 0.999) * 1000.0) as u32;
+        self.carving.gc_threshold_permille = Some(permille);
+        self
+    }
+
+    /// The rounding applied to a request of `size` bytes (`size > 0`), without overflow
+    /// checks (the caller bounds `size`).
+    fn round(&self, size: usize) -> usize {
+        let rounded = size.div_ceil(512) * 512;
+        if self.divisions == 0 || rounded <= 1 << 20 {
+            return rounded;
+        }
+        let floor = 1usize << (usize::BITS - 1 - rounded.leading_zeros());
+        if floor == rounded {
+            return rounded;
+        }
+        let step = (floor / self.divisions as usize).max(512);
+        rounded.div_ceil(step) * step
+    }
+}
+
+impl SizePolicy for DeviceFit {
+    fn name(&self) -> &'static str {
+        if self.carving.expandable {
+            "device"
+        } else {
+            "device_segments"
+        }
+    }
+
+    fn num_classes(&self) -> usize {
+        BestFit::default().num_classes()
+    }
+
+    #[inline]
+    fn class_of(&self, size: usize) -> Option<SizeClass> {
+        if size == 0 || size > self.max_request() {
+            return None;
+        }
+        let rounded = self.round(size);
+        let index = BestFit::default().class_of(rounded)?.index;
+        Some(SizeClass {
+            index,
+            size: rounded,
         })
     }
 

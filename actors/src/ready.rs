@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
 use flume::{Receiver, Sender};
 
+use crate::policy::SizeClass;
 use crate::shard::{CachePadded, ThreadSlot};
 
 /// What the ready queues need to know of what they hold.
@@ -130,49 +131,75 @@ impl<B: Slotted> ReadyQueues<B> {
         &self.slots[shard * self.lines_per_shard + class / SLOTS_PER_LINE][class % SLOTS_PER_LINE]
     }
 
-    /// Takes a ready block of `class`: this thread's slot, then its queue, then the others'.
+    /// Takes a ready block of `class` that holds `class.size` bytes: this thread's slot, then
+    /// its queue, then the others'.
     #[inline]
-    pub(crate) fn take(&self, class: usize) -> Option<Box<B>> {
+    pub(crate) fn take(&self, class: SizeClass) -> Option<Box<B>> {
         let me = self.my_shard();
-        if let Some(b) = take_slot(self.slot(me, class)) {
-            return Some(b);
+        if let Some(b) = take_slot(self.slot(me, class.index)) {
+            if let Some(b) = self.fitting(me, b, class) {
+                return Some(b);
+            }
         }
         self.take_slow(me, class)
     }
 
     #[cold]
-    fn take_slow(&self, me: usize, class: usize) -> Option<Box<B>> {
+    fn take_slow(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
         self.take_queued(me, class)
             .or_else(|| self.steal(me, class))
     }
 
     /// This thread's slot and queue for `class`, without looking at other shards.
     #[inline]
-    pub(crate) fn take_mine(&self, class: usize) -> Option<Box<B>> {
+    pub(crate) fn take_mine(&self, class: SizeClass) -> Option<Box<B>> {
         let me = self.my_shard();
-        take_slot(self.slot(me, class)).or_else(|| self.take_queued(me, class))
+        match take_slot(self.slot(me, class.index)) {
+            Some(b) => self
+                .fitting(me, b, class)
+                .or_else(|| self.take_queued(me, class)),
+            None => self.take_queued(me, class),
+        }
     }
 
     #[cold]
-    fn take_queued(&self, me: usize, class: usize) -> Option<Box<B>> {
-        self.shards[me].queues[class].rx.try_recv().ok()
+    fn take_queued(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
+        let b = self.shards[me].queues[class.index].rx.try_recv().ok()?;
+        self.fitting(me, b, class)
     }
 
-    /// A ready block of `class` from another thread's shard.
+    /// A ready block of `class` (holding `class.size` bytes) from another thread's shard.
     #[cold]
-    pub(crate) fn steal(&self, me: usize, class: usize) -> Option<Box<B>> {
+    pub(crate) fn steal(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
+        let c = class.index;
         (1..self.shards.len())
             .map(|i| (me + i) & self.mask)
             .find_map(|s| {
-                take_slot(self.slot(s, class)).or_else(|| {
+                let from_slot = take_slot(self.slot(s, c)).and_then(|b| self.fitting(s, b, class));
+                from_slot.or_else(|| {
                     let shard = &self.shards[s];
-                    if shard.may_hold(class) {
-                        shard.queues[class].rx.try_recv().ok()
+                    if shard.may_hold(c) {
+                        let b = shard.queues[c].rx.try_recv().ok()?;
+                        self.fitting(s, b, class)
                     } else {
                         None
                     }
                 })
             })
+    }
+
+    /// `block` when it holds the `class.size` bytes a request needs. A class may hold blocks
+    /// of several sizes (policies whose classes are buckets of exact sizes); one too small
+    /// goes back into `shard`'s queue (only a shard's owner fills its slots) and the request
+    /// looks on.
+    #[inline]
+    fn fitting(&self, shard: usize, block: Box<B>, class: SizeClass) -> Option<Box<B>> {
+        if block.size() >= class.size {
+            Some(block)
+        } else {
+            self.put_queue(shard, block);
+            None
+        }
     }
 
     /// Puts a block that is ready for reuse into this thread's slot for its class, or its

@@ -1,4 +1,8 @@
-//! The router actor: owns the capture registry and publishes the routing table.
+//! The router actor: owns the capture registry and the stream pools, and publishes the
+//! routing table.
+//!
+//! In a stream-ordered engine (device memory), every stream that allocates gets a pool of its
+//! own, made here at its first miss: its blocks are reusable by that stream without events.
 //!
 //! `begin_allocate_to_pool` registers a capture (a private pool and a stream filter),
 //! `end_allocate_to_pool` removes it, `release_pool` drops a use of the pool; a pool whose
@@ -19,7 +23,7 @@ use crate::error::Error;
 use crate::mailbox::{Inventory, PoolMsg, Reply};
 use crate::pool::{start_pool, PoolSpec};
 use crate::pool_id::PoolId;
-use crate::runtime::Runtime;
+use crate::runtime::{Runtime, StreamId};
 use crate::spawn::spawn_named;
 
 /// Decides whether an allocation made for a stream goes to a capture's private pool.
@@ -31,11 +35,12 @@ pub(crate) struct Capture<R: Runtime> {
     pub(crate) pool: Arc<Pool<R>>,
 }
 
-/// The published routing state: captures underway, in the order they began, and every
-/// private pool alive.
+/// The published routing state: captures underway, in the order they began, every private
+/// pool alive, and the stream pools of a stream-ordered engine (sorted by stream).
 pub(crate) struct RoutingTable<R: Runtime> {
     pub(crate) captures: Vec<Capture<R>>,
     pub(crate) pools: Vec<(PoolId, Arc<Pool<R>>)>,
+    pub(crate) streams: Vec<(StreamId, Arc<Pool<R>>)>,
 }
 
 impl<R: Runtime> RoutingTable<R> {
@@ -43,7 +48,17 @@ impl<R: Runtime> RoutingTable<R> {
         Self {
             captures: Vec::new(),
             pools: Vec::new(),
+            streams: Vec::new(),
         }
+    }
+
+    /// The pool of `stream`, if it has one.
+    #[inline]
+    pub(crate) fn stream_pool(&self, stream: StreamId) -> Option<&Arc<Pool<R>>> {
+        self.streams
+            .binary_search_by_key(&stream, |(s, _)| *s)
+            .ok()
+            .map(|i| &self.streams[i].1)
     }
 }
 
@@ -64,8 +79,13 @@ pub(crate) enum RouterMsg<R: Runtime> {
     },
     /// Empty the released pools, and stop those left with nothing.
     EmptyReleased { reply: Reply<EmptyReport> },
-    /// Inventories of every private pool.
+    /// Inventories of every private pool and every stream pool.
     Inventory { reply: Reply<Vec<Inventory>> },
+    /// The pool of a stream (made now if it has none yet).
+    StreamPool {
+        stream: StreamId,
+        reply: Reply<Arc<Pool<R>>>,
+    },
     /// The allocator is gone: close every private pool and stop.
     Close,
 }
@@ -75,8 +95,9 @@ struct PrivatePool<R: Runtime> {
     uses: usize,
 }
 
-/// Makes a new private pool (the engine knows how).
-pub(crate) type PoolFactory<R> = Box<dyn Fn(PoolId) -> PoolSpec<R> + Send>;
+/// Makes a new pool: a private pool (owned by no stream), or a stream's pool (the engine
+/// knows how).
+pub(crate) type PoolFactory<R> = Box<dyn Fn(PoolId, Option<StreamId>) -> PoolSpec<R> + Send>;
 
 /// Starts the router.
 pub(crate) fn start_router<R: Runtime>(
@@ -91,6 +112,7 @@ pub(crate) fn start_router<R: Runtime>(
         factory,
         captures: Vec::new(),
         pools: BTreeMap::new(),
+        streams: BTreeMap::new(),
     };
     spawn_named("pinpool::router", handle, actor.run());
 }
@@ -101,6 +123,7 @@ struct Router<R: Runtime> {
     factory: PoolFactory<R>,
     captures: Vec<(PoolId, StreamFilter<R>)>,
     pools: BTreeMap<PoolId, PrivatePool<R>>,
+    streams: BTreeMap<StreamId, Arc<Pool<R>>>,
 }
 
 impl<R: Runtime> Router<R> {
@@ -125,13 +148,10 @@ impl<R: Runtime> Router<R> {
                 }
                 RouterMsg::Inventory { reply } => {
                     let mut all = Vec::new();
-                    for p in self.pools.values() {
+                    let pools = self.pools.values().map(|p| &p.shared);
+                    for p in pools.chain(self.streams.values()) {
                         let (tx, rx) = flume::bounded(1);
-                        if p.shared
-                            .mailbox
-                            .send(PoolMsg::Inventory { reply: tx })
-                            .is_ok()
-                        {
+                        if p.mailbox.send(PoolMsg::Inventory { reply: tx }).is_ok() {
                             if let Ok(inv) = rx.recv_async().await {
                                 all.push(inv);
                             }
@@ -139,11 +159,18 @@ impl<R: Runtime> Router<R> {
                     }
                     let _ = reply.send(all);
                 }
+                RouterMsg::StreamPool { stream, reply } => {
+                    let pool = self.stream_pool(stream);
+                    let _ = reply.send(pool);
+                }
                 RouterMsg::Close => break,
             }
         }
         for (_, p) in std::mem::take(&mut self.pools) {
             let _ = p.shared.mailbox.send(PoolMsg::Close);
+        }
+        for (_, p) in std::mem::take(&mut self.streams) {
+            let _ = p.mailbox.send(PoolMsg::Close);
         }
         self.captures.clear();
         self.publish();
@@ -160,7 +187,7 @@ impl<R: Runtime> Router<R> {
         match self.pools.get_mut(&id) {
             Some(p) => p.uses += 1,
             None => {
-                let shared = start_pool((self.factory)(id));
+                let shared = start_pool((self.factory)(id, None));
                 self.pools.insert(id, PrivatePool { shared, uses: 1 });
             }
         }
@@ -171,6 +198,17 @@ impl<R: Runtime> Router<R> {
         }
         self.publish();
         Ok(())
+    }
+
+    fn stream_pool(&mut self, stream: StreamId) -> Arc<Pool<R>> {
+        if let Some(p) = self.streams.get(&stream) {
+            return p.clone();
+        }
+        let pool = start_pool((self.factory)(PoolId::DEFAULT, Some(stream)));
+        self.streams.insert(stream, pool.clone());
+        tracing::debug!(stream = stream.0, "stream pool made");
+        self.publish();
+        pool
     }
 
     fn end(&mut self, id: PoolId) -> Result<(), Error> {
@@ -262,6 +300,12 @@ impl<R: Runtime> Router<R> {
             .iter()
             .map(|(id, p)| (*id, p.shared.clone()))
             .collect();
-        self.table.store(Arc::new(RoutingTable { captures, pools }));
+        // A BTreeMap iterates in key order: the table's streams are sorted.
+        let streams = self.streams.iter().map(|(s, p)| (*s, p.clone())).collect();
+        self.table.store(Arc::new(RoutingTable {
+            captures,
+            pools,
+            streams,
+        }));
     }
 }

@@ -19,6 +19,9 @@ use crate::runtime::Runtime;
 pub(crate) struct ArenaMap {
     pub(crate) granule: usize,
     mapped: Box<[AtomicU64]>,
+    /// The first granule of each map call's run (to give back a run whole where the memory
+    /// source unmaps only whole map calls).
+    starts: Box<[AtomicU64]>,
     /// Map calls with a granule still mapped: host allocations in the books.
     pub(crate) live_maps: AtomicUsize,
 }
@@ -29,19 +32,18 @@ impl ArenaMap {
         Self {
             granule,
             mapped: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            starts: (0..words).map(|_| AtomicU64::new(0)).collect(),
             live_maps: AtomicUsize::new(0),
         }
     }
 
     pub(crate) fn set(&self, granule: usize, mapped: bool) {
-        let (w, bit) = (granule / 64, 1u64 << (granule % 64));
-        if let Some(w) = self.mapped.get(w) {
-            if mapped {
-                w.fetch_or(bit, Ordering::Relaxed);
-            } else {
-                w.fetch_and(!bit, Ordering::Relaxed);
-            }
-        }
+        set_bit(&self.mapped, granule, mapped);
+    }
+
+    /// Marks `granule` as the first of a map call's run (or not).
+    pub(crate) fn set_start(&self, granule: usize, start: bool) {
+        set_bit(&self.starts, granule, start);
     }
 
     /// The mapped granules, in order.
@@ -55,6 +57,33 @@ impl ArenaMap {
             }
         }
         out
+    }
+
+    /// The mapped memory as (offset, bytes) ranges: one per granule, or with `whole`, one
+    /// per map call's run.
+    pub(crate) fn mapped_ranges(&self, whole: bool) -> Vec<(usize, usize)> {
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for g in self.mapped() {
+            let start = self.starts[g / 64].load(Ordering::Relaxed) & (1 << (g % 64)) != 0;
+            match out.last_mut() {
+                Some((o, l)) if whole && !start && *o + *l == g * self.granule => {
+                    *l += self.granule
+                }
+                _ => out.push((g * self.granule, self.granule)),
+            }
+        }
+        out
+    }
+}
+
+fn set_bit(words: &[AtomicU64], bit: usize, on: bool) {
+    if let Some(w) = words.get(bit / 64) {
+        let mask = 1u64 << (bit % 64);
+        if on {
+            w.fetch_or(mask, Ordering::Relaxed);
+        } else {
+            w.fetch_and(!mask, Ordering::Relaxed);
+        }
     }
 }
 
@@ -137,10 +166,9 @@ impl<R: Runtime, B> Drop for Segment<R, B> {
         // The pool actor is gone and this was the last holder: give the memory back here
         // (a refusal is logged and the memory leaked).
         if let Some(map) = &self.arena {
-            for g in map.mapped() {
-                let _ = self
-                    .pool
-                    .unmap_now(&self.memory, g * map.granule, map.granule);
+            let whole = !self.pool.memory.unmaps_granules();
+            for (o, l) in map.mapped_ranges(whole) {
+                let _ = self.pool.unmap_now(&self.memory, o, l);
             }
             let maps = map.live_maps.swap(0, Ordering::Relaxed);
             self.pool.stats.allocations.decrease(maps as i64);

@@ -44,10 +44,17 @@ pub struct SegmentInfo {
     pub total_size: usize,
     /// The pool that owns it (0: the default pool).
     pub pool: u64,
-    /// How it was pinned (`host_alloc`, `register`, `simulated`).
+    /// How it was obtained (`host_alloc`, `register`, `simulated`, `mapped`, `device`,
+    /// `device_mapped`, `simulated_device`).
     pub pin_method: String,
     /// Its blocks, in address order.
     pub blocks: Vec<BlockInfo>,
+    /// The device the memory is on (`None`: pinned host memory).
+    #[serde(default)]
+    pub device: Option<usize>,
+    /// The stream whose blocks these are, in a stream-ordered pool (device memory).
+    #[serde(default)]
+    pub stream: Option<u64>,
 }
 
 /// The configuration in force when a snapshot was taken.
@@ -85,6 +92,8 @@ pub struct ConfigInfo {
 ///         pool: 0,
 ///         pin_method: "simulated".into(),
 ///         blocks: vec![block],
+///         device: None,
+///         stream: None,
 ///     }],
 ///     config: ConfigInfo {
 ///         policy: "pow2".into(),

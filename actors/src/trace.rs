@@ -6,6 +6,7 @@ use std::backtrace::Backtrace;
 use std::fmt;
 use std::sync::Arc;
 
+use crate::memory::MemoryKind;
 use crate::pool_id::PoolId;
 use crate::runtime::StreamId;
 
@@ -152,6 +153,13 @@ pub struct OomReport {
     pub limit: Option<usize>,
     /// Microseconds since the allocator started.
     pub time_us: u64,
+    /// The memory the pool takes from: pinned host memory, or a device.
+    pub memory: MemoryKind,
+    /// Bytes of the pool's blocks in use (handed out, or freed and waiting on events).
+    pub allocated: usize,
+    /// Bytes the memory source could still give, as its driver reported them after the
+    /// failure (`None` where it cannot tell).
+    pub driver_free: Option<usize>,
 }
 
 /// A callback told of every trace entry while history is on.

@@ -1,11 +1,12 @@
-//! What can be wrong with a configuration string.
+//! What can be wrong with a configuration string (`PINPOOL_CONF`, `PINPOOL_DEVICE_CONF`).
 
-/// What is wrong with a `PINPOOL_CONF` string.
+/// What is wrong with a configuration string. The messages name the key or entry, not the
+/// variable: whoever read the variable says which it was.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
     /// A key that pinpool does not know (often a typo).
-    #[error("unknown key `{key}` in PINPOOL_CONF; valid keys: {}", .valid.join(", "))]
+    #[error("unknown key `{key}`; valid keys: {}", .valid.join(", "))]
     UnknownKey {
         /// The key as written.
         key: String,
@@ -13,7 +14,7 @@ pub enum ConfigError {
         valid: &'static [&'static str],
     },
     /// A known key with a value it cannot take.
-    #[error("invalid value `{value}` for `{key}` in PINPOOL_CONF; expected {expected}")]
+    #[error("invalid value `{value}` for `{key}`; expected {expected}")]
     InvalidValue {
         /// The key.
         key: String,
@@ -23,30 +24,30 @@ pub enum ConfigError {
         expected: &'static str,
     },
     /// A key followed by `:` and nothing else.
-    #[error("empty value for `{key}` in PINPOOL_CONF")]
+    #[error("empty value for `{key}`")]
     EmptyValue {
         /// The key.
         key: String,
     },
     /// The same key given twice.
-    #[error("key `{key}` given more than once in PINPOOL_CONF")]
+    #[error("key `{key}` given more than once")]
     DuplicateKey {
         /// The key.
         key: String,
     },
     /// An entry with no `:` between key and value.
-    #[error("entry `{entry}` in PINPOOL_CONF is not of the form key:value")]
+    #[error("entry `{entry}` is not of the form key:value")]
     MissingSeparator {
         /// The entry as written.
         entry: String,
     },
     /// An entry with nothing before its `:`.
-    #[error("entry `{entry}` in PINPOOL_CONF has an empty key")]
+    #[error("entry `{entry}` has an empty key")]
     EmptyKey {
         /// The entry as written.
         entry: String,
     },
-    /// `PINPOOL_CONF` is set but is not valid Unicode.
-    #[error("PINPOOL_CONF is not valid Unicode")]
+    /// The variable is set but is not valid Unicode.
+    #[error("the variable is not valid Unicode")]
     NotUnicode,
 }

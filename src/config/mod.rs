@@ -1,4 +1,5 @@
-//! Configuration of pinned-memory allocation, parsed from `PINPOOL_CONF`.
+//! Configuration, parsed from `PINPOOL_CONF` (pinned memory: [`Config`]) and from
+//! `PINPOOL_DEVICE_CONF` (device memory: [`DeviceConfig`]).
 //!
 //! Owns the [`Config`] struct. The format follows PyTorch's `PYTORCH_CUDA_ALLOC_CONF`:
 //! comma-separated `key:value` pairs, whitespace around keys, values and separators
@@ -10,6 +11,7 @@
 //! [`Config::KEYS`], parse it in `Config::set`, and print it in the `Display` impl.
 
 mod choices;
+mod device;
 mod error;
 mod grammar;
 #[cfg(test)]
@@ -19,6 +21,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use choices::{PinStrategy, SizePolicyChoice};
+pub use device::{DeviceConfig, DEVICE_ENV_VAR};
 pub use error::ConfigError;
 
 /// The environment variable [`Config::from_env`] reads.

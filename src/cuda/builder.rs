@@ -29,7 +29,7 @@ impl From<CudaInitError> for Error {
 /// A malformed configuration as the crate's error.
 pub(crate) fn config_error(error: ConfigError) -> Error {
     Error::InvalidConfig {
-        message: error.to_string(),
+        message: format!("{}: {error}", crate::config::ENV_VAR),
     }
 }
 

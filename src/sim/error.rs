@@ -57,6 +57,25 @@ pub enum SimError {
         /// Length of the range.
         len: usize,
     },
+    /// A device range that does not lie within one live allocation of a simulated device
+    /// (for a stream's own operations: of the stream's device).
+    #[error("{len} bytes at {addr:#x} are not within live memory of simulated device {device}")]
+    ForeignDeviceMemory {
+        /// Start of the range.
+        addr: usize,
+        /// Length of the range.
+        len: usize,
+        /// The device the range had to be on.
+        device: usize,
+    },
+    /// A device ordinal past the last simulated device.
+    #[error("no simulated device {ordinal}: {count} device(s)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the runtime has.
+        count: usize,
+    },
     /// A `host_free` whose address and size do not match a live allocation of this runtime.
     #[error("{size} bytes at {addr:#x} were not allocated by this runtime or were already freed")]
     InvalidFree {

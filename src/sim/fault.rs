@@ -12,22 +12,32 @@ use super::rng::AtomicXorShift;
 /// A call of the `Runtime` trait that can be made to fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FaultPoint {
-    /// `Runtime::host_alloc`.
+    /// `SimRuntime::host_alloc` (and mapping expandable host memory).
     HostAlloc,
-    /// `Runtime::host_free` (the memory stays allocated and live).
+    /// `SimRuntime::host_free` (and unmapping; the memory stays allocated and live).
     HostFree,
     /// `Runtime::record_event` (no event is created).
     RecordEvent,
     /// `Runtime::query_event`.
     QueryEvent,
+    /// Device memory: `alloc` and `map` of a simulated device (injected faults report
+    /// out-of-memory, as the driver does when the device is full).
+    DeviceAlloc,
+    /// Device memory: `free` and `unmap` (the memory stays allocated).
+    DeviceFree,
 }
 
+/// How many fault points there are.
+const POINTS: usize = 6;
+
 impl FaultPoint {
-    const ALL: [FaultPoint; 4] = [
+    const ALL: [FaultPoint; POINTS] = [
         FaultPoint::HostAlloc,
         FaultPoint::HostFree,
         FaultPoint::RecordEvent,
         FaultPoint::QueryEvent,
+        FaultPoint::DeviceAlloc,
+        FaultPoint::DeviceFree,
     ];
 
     fn index(self) -> usize {
@@ -36,6 +46,8 @@ impl FaultPoint {
             FaultPoint::HostFree => 1,
             FaultPoint::RecordEvent => 2,
             FaultPoint::QueryEvent => 3,
+            FaultPoint::DeviceAlloc => 4,
+            FaultPoint::DeviceFree => 5,
         }
     }
 
@@ -45,6 +57,8 @@ impl FaultPoint {
             FaultPoint::HostFree => "host_free",
             FaultPoint::RecordEvent => "record_event",
             FaultPoint::QueryEvent => "query_event",
+            FaultPoint::DeviceAlloc => "device_alloc",
+            FaultPoint::DeviceFree => "device_free",
         }
     }
 }
@@ -69,10 +83,10 @@ const PPM: u32 = 1_000_000;
 /// assert_eq!(sim.faults().injected(FaultPoint::HostAlloc), 1);
 /// ```
 pub struct Faults {
-    fail_next: [AtomicU64; 4],
-    panic_next: [AtomicU64; 4],
-    probability_ppm: [AtomicU32; 4],
-    injected: [AtomicU64; 4],
+    fail_next: [AtomicU64; POINTS],
+    panic_next: [AtomicU64; POINTS],
+    probability_ppm: [AtomicU32; POINTS],
+    injected: [AtomicU64; POINTS],
     host_alloc_oom: AtomicBool,
     rng: AtomicXorShift,
 }
@@ -169,7 +183,12 @@ impl Faults {
         }
         self.injected[i].fetch_add(1, Ordering::SeqCst);
         let message = "injected fault";
-        if point == FaultPoint::HostAlloc && self.host_alloc_oom.load(Ordering::SeqCst) {
+        let oom = match point {
+            FaultPoint::HostAlloc => self.host_alloc_oom.load(Ordering::SeqCst),
+            FaultPoint::DeviceAlloc => true,
+            _ => false,
+        };
+        if oom {
             Err(RuntimeError::out_of_memory(point.op(), message))
         } else {
             Err(RuntimeError::new(point.op(), message))

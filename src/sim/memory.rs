@@ -13,7 +13,11 @@
 //! Each allocation also counts the writes that simulated device work makes to it (a
 //! seqlock-style pair of counters), so that a checksum comparison can tell a change made by
 //! earlier device work, which is legitimate, from a change made by the host, which is early
-//! reuse.
+//! reuse. Simulated device memory is an allocation of the same kind (its addresses are the
+//! device addresses); there every write is device work, and what tells a legitimate change
+//! from early reuse is which stream wrote: each allocation counts the writes of the first
+//! few streams that write it, so that an operation can tell whether another stream wrote its
+//! bytes between its enqueue and its execution.
 //!
 //! Bytes are read and written only through `AtomicU8` views. In a correct program the
 //! simulated device and the host never touch the same bytes at the same time; in a buggy one
@@ -32,23 +36,44 @@ pub const HOST_ALIGN: usize = 4096;
 /// Where an allocation's bytes come from.
 enum Backing {
     Heap(Layout),
-    /// Reserved address space; bit `i` says whether granule `i` is mapped.
+    /// Reserved address space; bit `i` of `mapped` says whether granule `i` is mapped, and
+    /// bit `i` of `starts` whether a map call began there (for sources that unmap only
+    /// whole map calls).
     #[cfg(unix)]
     Reserved {
         granule: usize,
         mapped: Box<[AtomicU64]>,
+        starts: Box<[AtomicU64]>,
     },
 }
 
-/// One live heap allocation standing in for pinned memory.
+/// Streams whose device writes an allocation counts one by one.
+const WRITERS: usize = 8;
+
+/// One live allocation standing in for pinned memory, or for device memory.
 pub(crate) struct HostAllocation {
     ptr: NonNull<u8>,
     size: usize,
     backing: Backing,
+    /// The device whose memory this is (`None`: host memory).
+    device: Option<usize>,
     /// Device writes begun (incremented before the bytes change).
     device_writes_started: AtomicU64,
     /// Device writes finished (incremented after the bytes changed).
     device_writes_finished: AtomicU64,
+    /// Device writes by stream: the first `WRITERS` streams to write claim a slot (stream
+    /// id + 1, 0 when free) and count there; `overflow` counts the others'.
+    writers: [(AtomicU64, AtomicU64); WRITERS],
+    overflow: AtomicU64,
+}
+
+/// Device writes to an allocation, seen from one stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Writes {
+    /// By every stream.
+    pub(crate) total: u64,
+    /// By this stream (`None` when it writes without a slot of its own: not told apart).
+    pub(crate) mine: Option<u64>,
 }
 
 // SAFETY: the allocation is plain heap memory owned by this value; all access to the bytes
@@ -72,17 +97,65 @@ impl HostAllocation {
             ptr,
             size,
             backing: Backing::Heap(layout),
+            device: None,
             device_writes_started: AtomicU64::new(0),
             device_writes_finished: AtomicU64::new(0),
+            writers: Default::default(),
+            overflow: AtomicU64::new(0),
         })
     }
 
-    /// Runs `write`, which changes bytes of this allocation on behalf of device work,
-    /// bracketed by the device-write counters.
-    pub(crate) fn device_write(&self, write: impl FnOnce()) {
+    /// The device whose memory this is (`None`: host memory).
+    pub(crate) fn device(&self) -> Option<usize> {
+        self.device
+    }
+
+    /// Marks this allocation as device `ordinal`'s memory.
+    pub(crate) fn on_device(mut self, ordinal: usize) -> Self {
+        self.device = Some(ordinal);
+        self
+    }
+
+    /// Counts a device write by `stream` (made by `device_write`).
+    fn note_write(&self, stream: u64) {
+        let key = stream.wrapping_add(1);
+        for (id, n) in &self.writers {
+            let cur = id.load(Ordering::Acquire);
+            if cur == key
+                || (cur == 0
+                    && id
+                        .compare_exchange(0, key, Ordering::AcqRel, Ordering::Acquire)
+                        .map_or_else(|seen| seen == key, |_| true))
+            {
+                n.fetch_add(1, Ordering::AcqRel);
+                return;
+            }
+        }
+        self.overflow.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The device writes made so far, by every stream and by `stream`.
+    pub(crate) fn writes(&self, stream: u64) -> Writes {
+        let key = stream.wrapping_add(1);
+        let mut total = self.overflow.load(Ordering::Acquire);
+        let mut mine = None;
+        for (id, n) in &self.writers {
+            let count = n.load(Ordering::Acquire);
+            total += count;
+            if id.load(Ordering::Acquire) == key {
+                mine = Some(count);
+            }
+        }
+        Writes { total, mine }
+    }
+
+    /// Runs `write`, which changes bytes of this allocation on behalf of device work on
+    /// `stream`, bracketed by the device-write counters.
+    pub(crate) fn device_write(&self, stream: u64, write: impl FnOnce()) {
         self.device_writes_started.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::Release);
         write();
+        self.note_write(stream);
         self.device_writes_finished.fetch_add(1, Ordering::Release);
     }
 
@@ -155,17 +228,68 @@ impl HostAllocation {
             backing: Backing::Reserved {
                 granule,
                 mapped: (0..words).map(|_| AtomicU64::new(0)).collect(),
+                starts: (0..words).map(|_| AtomicU64::new(0)).collect(),
             },
+            device: None,
             device_writes_started: AtomicU64::new(0),
             device_writes_finished: AtomicU64::new(0),
+            writers: Default::default(),
+            overflow: AtomicU64::new(0),
         })
+    }
+
+    /// `size` bytes (rounded up to a page) of memory that take pages only once written (for
+    /// simulated device memory, which may be far larger than the host's): reserved and
+    /// wholly mapped.
+    pub(crate) fn lazy(size: usize) -> Result<Self, SimError> {
+        let len = size.max(1).next_multiple_of(HOST_ALIGN);
+        let alloc = Self::reserve(len, len)?;
+        if !alloc.set_mapped(0, len, true) {
+            return Err(SimError::OutOfMemory { size });
+        }
+        Ok(alloc)
+    }
+
+    /// Maps (`map`) the granules of `[offset, offset + len)` as one map call, or unmaps
+    /// exactly one earlier map call's granules; refused (nothing changes) for anything else.
+    pub(crate) fn set_mapped_call(&self, offset: usize, len: usize, map: bool) -> bool {
+        let Backing::Reserved {
+            granule, starts, ..
+        } = &self.backing
+        else {
+            return false;
+        };
+        let g = *granule;
+        let start_bit = |i: usize| starts[i / 64].load(Ordering::Acquire) & (1 << (i % 64)) != 0;
+        if !map {
+            let (first, end) = (offset / g, (offset + len) / g);
+            let one_call = offset % g == 0
+                && len > 0
+                && start_bit(first)
+                && (first + 1..end).all(|i| !start_bit(i))
+                && (end * g >= self.size || start_bit(end) || !self.all_mapped(end * g, 1));
+            if !one_call || !self.set_mapped(offset, len, false) {
+                return false;
+            }
+            starts[first / 64].fetch_and(!(1 << (first % 64)), Ordering::AcqRel);
+            return true;
+        }
+        if !self.set_mapped(offset, len, true) {
+            return false;
+        }
+        let first = offset / g;
+        starts[first / 64].fetch_or(1 << (first % 64), Ordering::AcqRel);
+        true
     }
 
     /// Marks the granules of `[offset, offset + len)` mapped (`map`) or unmapped; an
     /// unmapped granule is zeroed. Refused (nothing changes) unless the range is whole
     /// granules of reserved space that are all unmapped (to map) or all mapped (to unmap).
     pub(crate) fn set_mapped(&self, offset: usize, len: usize, map: bool) -> bool {
-        let Backing::Reserved { granule, mapped } = &self.backing else {
+        let Backing::Reserved {
+            granule, mapped, ..
+        } = &self.backing
+        else {
             return false;
         };
         let g = *granule;
@@ -222,8 +346,9 @@ impl HostAllocation {
         match &self.backing {
             Backing::Heap(_) => true,
             #[cfg(unix)]
-            Backing::Reserved { granule, mapped } => (offset / granule
-                ..(offset + len).div_ceil(*granule))
+            Backing::Reserved {
+                granule, mapped, ..
+            } => (offset / granule..(offset + len).div_ceil(*granule))
                 .all(|i| self.granule_bit(mapped, i)),
         }
     }

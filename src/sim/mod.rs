@@ -17,6 +17,7 @@
 //! allocation registry has a single owner thread.
 
 mod device;
+mod device_memory;
 mod error;
 mod event;
 mod expandable;
@@ -41,6 +42,7 @@ use pinpool_actors::{
 };
 
 pub use device::DeviceBuffer;
+pub use device_memory::SimDeviceMemory;
 pub use error::SimError;
 pub use event::SimEvent;
 pub use fault::{FaultPoint, Faults};
@@ -69,8 +71,10 @@ pub(crate) struct Shared {
     random_delay_seed: AtomicU64,
     random_delay_max_ns: AtomicU64,
     memory_limit: AtomicUsize,
-    /// Whether `host_granularity` offers expandable host memory.
+    /// Whether `host_granularity` (and the devices' `granularity`) offer expandable memory.
     expandable: bool,
+    /// The simulated devices' books.
+    devices: Box<[DeviceState]>,
     /// Never sent on; disconnects when the last `SimRuntime` handle drops, ending hangs.
     lifeline: flume::Receiver<()>,
 }
@@ -93,6 +97,19 @@ impl Shared {
         (max > 0).then(|| (self.random_delay_seed.load(Ordering::Relaxed), max))
     }
 }
+
+/// The books of one simulated device.
+pub(crate) struct DeviceState {
+    capacity: usize,
+    /// Bytes allocated or mapped.
+    used: AtomicUsize,
+    /// Allocations and map calls made, and given back.
+    allocs: AtomicU64,
+    frees: AtomicU64,
+}
+
+/// The default capacity of a simulated device: 16 GiB.
+pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 
 /// The simulated CUDA runtime. Cheap to clone: clones share memory, counters and faults.
 ///
@@ -146,6 +163,8 @@ pub struct SimRuntimeBuilder {
     random_delays: Option<(u64, Duration)>,
     memory_limit: Option<usize>,
     no_expandable: bool,
+    devices: Option<usize>,
+    device_capacity: Option<usize>,
 }
 
 impl SimRuntimeBuilder {
@@ -174,6 +193,19 @@ impl SimRuntimeBuilder {
         self
     }
 
+    /// How many simulated devices there are (default 1, at most 64).
+    pub fn devices(mut self, count: usize) -> Self {
+        self.devices = Some(count.clamp(1, 64));
+        self
+    }
+
+    /// The memory of each simulated device (default 16 GiB): device allocations and
+    /// mappings past it fail as out of memory, as the driver's do.
+    pub fn device_capacity(mut self, bytes: usize) -> Self {
+        self.device_capacity = Some(bytes);
+        self
+    }
+
     /// Builds the runtime (starts its ledger thread).
     pub fn build(self) -> SimRuntime {
         let (lifeline_tx, lifeline_rx) = flume::bounded(1);
@@ -193,6 +225,14 @@ impl SimRuntimeBuilder {
                 random_delay_max_ns: AtomicU64::new(0),
                 memory_limit: AtomicUsize::new(usize::MAX),
                 expandable: !self.no_expandable && cfg!(unix),
+                devices: (0..self.devices.unwrap_or(1))
+                    .map(|_| DeviceState {
+                        capacity: self.device_capacity.unwrap_or(DEFAULT_DEVICE_CAPACITY),
+                        used: AtomicUsize::new(0),
+                        allocs: AtomicU64::new(0),
+                        frees: AtomicU64::new(0),
+                    })
+                    .collect(),
                 lifeline: lifeline_rx,
             }),
             _lifeline: Arc::new(lifeline_tx),
@@ -266,7 +306,59 @@ impl SimRuntime {
             .store(bytes.unwrap_or(usize::MAX), Ordering::Relaxed);
     }
 
-    /// A new stream of this runtime (see [`SimStream::new`]).
+    /// How many simulated devices there are.
+    pub fn device_count(&self) -> usize {
+        self.shared.devices.len()
+    }
+
+    /// The memory of device `ordinal`, as a memory source (`SimError::NoSuchDevice` past
+    /// the last device).
+    pub fn device_memory(&self, ordinal: usize) -> Result<Arc<SimDeviceMemory>, SimError> {
+        if ordinal >= self.device_count() {
+            return Err(SimError::NoSuchDevice {
+                ordinal,
+                count: self.device_count(),
+            });
+        }
+        Ok(Arc::new(SimDeviceMemory {
+            shared: self.shared.clone(),
+            ordinal,
+        }))
+    }
+
+    /// Bytes allocated or mapped on device `ordinal` (`None` past the last device).
+    pub fn device_used(&self, ordinal: usize) -> Option<usize> {
+        let d = self.shared.devices.get(ordinal)?;
+        Some(d.used.load(Ordering::SeqCst))
+    }
+
+    /// The capacity of device `ordinal` (`None` past the last device).
+    pub fn device_capacity(&self, ordinal: usize) -> Option<usize> {
+        self.shared.devices.get(ordinal).map(|d| d.capacity)
+    }
+
+    /// Allocations and map calls made on device `ordinal`, and given back (`None` past the
+    /// last device).
+    pub fn device_calls(&self, ordinal: usize) -> Option<(u64, u64)> {
+        let d = self.shared.devices.get(ordinal)?;
+        Some((
+            d.allocs.load(Ordering::SeqCst),
+            d.frees.load(Ordering::SeqCst),
+        ))
+    }
+
+    /// A new stream on device `ordinal` (`SimError::NoSuchDevice` past the last device).
+    pub fn stream_on(&self, ordinal: usize) -> Result<SimStream, SimError> {
+        if ordinal >= self.device_count() {
+            return Err(SimError::NoSuchDevice {
+                ordinal,
+                count: self.device_count(),
+            });
+        }
+        SimStream::try_new_on(self, ordinal)
+    }
+
+    /// A new stream of this runtime on device 0 (see [`SimStream::new`]).
     pub fn stream(&self) -> SimStream {
         SimStream::new(self)
     }

@@ -23,6 +23,8 @@ static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
 
 struct StreamInner {
     id: StreamId,
+    /// The device whose work the stream runs.
+    device: usize,
     shared: Arc<Shared>,
     tx: flume::Sender<Op>,
     capture: Arc<CaptureState>,
@@ -74,7 +76,7 @@ impl SimStream {
     /// that can fail reports [`SimError::ThreadGone`] (use [`try_new`](Self::try_new) to
     /// learn it at once).
     pub fn new(sim: &SimRuntime) -> Self {
-        Self::create(sim).0
+        Self::create(sim, 0).0
     }
 
     /// A new stream of `sim`, or an error if its worker thread cannot be started.
@@ -82,11 +84,16 @@ impl SimStream {
     /// # Errors
     /// [`SimError::ThreadGone`] if the OS cannot start the thread.
     pub fn try_new(sim: &SimRuntime) -> Result<Self, SimError> {
-        let (stream, started) = Self::create(sim);
+        Self::try_new_on(sim, 0)
+    }
+
+    /// [`SimStream::try_new`] on device `device` (the caller checked that it exists).
+    pub(crate) fn try_new_on(sim: &SimRuntime, device: usize) -> Result<Self, SimError> {
+        let (stream, started) = Self::create(sim, device);
         started.map(|()| stream)
     }
 
-    fn create(sim: &SimRuntime) -> (Self, Result<(), SimError>) {
+    fn create(sim: &SimRuntime, device: usize) -> (Self, Result<(), SimError>) {
         let id = StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed));
         let shared = Arc::clone(&sim.shared);
         let (tx, rx) = flume::unbounded();
@@ -97,6 +104,7 @@ impl SimStream {
         let stream = Self {
             inner: Arc::new(StreamInner {
                 id,
+                device,
                 shared,
                 tx,
                 capture: Arc::new(CaptureState::new(id)),
@@ -108,6 +116,11 @@ impl SimStream {
     /// The stream's id, unique in the process.
     pub fn id(&self) -> StreamId {
         self.inner.id
+    }
+
+    /// The device whose work the stream runs.
+    pub fn device(&self) -> usize {
+        self.inner.device
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
@@ -212,6 +225,108 @@ impl SimStream {
         })
     }
 
+    /// Enqueues a kernel that sets `len` bytes of device memory at `dst` (an address from a
+    /// simulated device's memory, checked) to `byte` when it runs. If another stream writes
+    /// them between this call and the kernel's run, the kernel reports an early-reuse
+    /// violation: their work was not ordered with this stream's.
+    ///
+    /// # Errors
+    /// [`SimError::ForeignDeviceMemory`] when the range is not live memory of this stream's
+    /// device.
+    pub fn fill_device(&self, dst: u64, len: usize, byte: u8) -> Result<(), SimError> {
+        let dst = self.device_range(dst, len)?;
+        let id = self.inner.id;
+        self.submit(|capture| {
+            let expect = capture.is_none().then(|| dst.snapshot_for(id)).flatten();
+            Ok(Work::FillDevice { dst, byte, expect })
+        })
+    }
+
+    /// Enqueues a copy of `len` bytes from host memory of this runtime at `src` to device
+    /// memory at `dst` (both checked). The host bytes are read when it runs: a host change
+    /// before then is early reuse, and so is another stream's write to `dst`.
+    ///
+    /// # Errors
+    /// [`SimError::ForeignHostMemory`] or [`SimError::ForeignDeviceMemory`].
+    pub fn copy_htod(&self, src: *const u8, dst: u64, len: usize) -> Result<(), SimError> {
+        let src = self.host_range(src as usize, len)?;
+        let dst = self.device_range(dst, len)?;
+        self.submit_copy(src, dst)
+    }
+
+    /// Enqueues a copy of `len` bytes from device memory at `src` to host memory of this
+    /// runtime at `dst` (both checked): the device→host copy a kernel's output takes. If
+    /// another stream writes `src` before it runs (the block was reused early), it reports
+    /// an early-reuse violation, and the bytes it copies are the new owner's.
+    ///
+    /// # Errors
+    /// [`SimError::ForeignHostMemory`] or [`SimError::ForeignDeviceMemory`].
+    pub fn copy_dtoh(&self, src: u64, dst: *mut u8, len: usize) -> Result<(), SimError> {
+        let src = self.device_range(src, len)?;
+        let dst = self.host_range(dst as usize, len)?;
+        self.submit_copy(src, dst)
+    }
+
+    /// Enqueues a copy of `len` bytes between device ranges (both checked; they may be on
+    /// different devices: a peer copy).
+    ///
+    /// # Errors
+    /// [`SimError::ForeignDeviceMemory`].
+    pub fn copy_dtod(&self, src: u64, dst: u64, len: usize) -> Result<(), SimError> {
+        let src = self.any_device_range(src, len)?;
+        let dst = self.any_device_range(dst, len)?;
+        self.submit_copy(src, dst)
+    }
+
+    fn submit_copy(&self, src: HostRange, dst: HostRange) -> Result<(), SimError> {
+        let id = self.inner.id;
+        self.submit(|capture| {
+            let (src_expect, dst_expect) = if capture.is_none() {
+                (src.snapshot_for(id), dst.snapshot_for(id))
+            } else {
+                (None, None)
+            };
+            Ok(Work::Copy {
+                src,
+                dst,
+                src_expect,
+                dst_expect,
+            })
+        })
+    }
+
+    /// A range of live memory of this stream's device.
+    fn device_range(&self, addr: u64, len: usize) -> Result<HostRange, SimError> {
+        let r = self.any_device_range(addr, len)?;
+        if r.device() == Some(self.inner.device) {
+            Ok(r)
+        } else {
+            Err(SimError::ForeignDeviceMemory {
+                addr: addr as usize,
+                len,
+                device: self.inner.device,
+            })
+        }
+    }
+
+    /// A range of live memory of any simulated device.
+    fn any_device_range(&self, addr: u64, len: usize) -> Result<HostRange, SimError> {
+        let foreign = SimError::ForeignDeviceMemory {
+            addr: addr as usize,
+            len,
+            device: self.inner.device,
+        };
+        let addr = usize::try_from(addr).map_err(|_| foreign.clone())?;
+        let owner = self
+            .inner
+            .shared
+            .ledger
+            .lookup(addr, len)?
+            .filter(|o| o.device().is_some())
+            .ok_or(foreign)?;
+        Ok(HostRange::owned(addr, len, owner))
+    }
+
     /// Blocks until every operation enqueued so far has run.
     ///
     /// # Errors
@@ -308,6 +423,7 @@ impl SimStream {
             .shared
             .ledger
             .lookup(addr, len)?
+            .filter(|o| o.device().is_none())
             .ok_or(SimError::ForeignHostMemory { addr, len })?;
         Ok(HostRange::owned(addr, len, owner))
     }

@@ -21,7 +21,7 @@ use pinpool_actors::StreamId;
 use super::device::DeviceBuffer;
 use super::error::SimError;
 use super::event::EventState;
-use super::memory::{atomic_bytes, checksum, checksum_atomic, HostAllocation};
+use super::memory::{atomic_bytes, checksum, checksum_atomic, HostAllocation, Writes};
 use super::rng::XorShift;
 use super::violation::ViolationKind;
 use super::Shared;
@@ -70,6 +70,25 @@ impl HostRange {
         self.read_with(|| checksum_atomic(self.bytes()))
     }
 
+    /// [`HostRange::snapshot`] for an operation of `stream`, counting (for device memory)
+    /// the writes of each stream so far.
+    pub(crate) fn snapshot_for(&self, stream: StreamId) -> Option<Expect> {
+        let writes = self.device_writes(stream);
+        let mut e = self.snapshot()?;
+        e.writes = writes;
+        Some(e)
+    }
+
+    fn device_writes(&self, stream: StreamId) -> Option<Writes> {
+        let owner = self._owner.as_ref()?;
+        owner.device().map(|_| owner.writes(stream.0))
+    }
+
+    /// The device whose memory the range lies in (`None`: host memory).
+    pub(crate) fn device(&self) -> Option<usize> {
+        self._owner.as_ref().and_then(|o| o.device())
+    }
+
     fn read_with(&self, read: impl FnOnce() -> u64) -> Option<Expect> {
         let (checksum, generation) = match &self._owner {
             Some(owner) => owner.read_consistent(read)?,
@@ -78,30 +97,45 @@ impl HostRange {
         Some(Expect {
             checksum,
             generation,
+            writes: None,
         })
     }
 
-    /// Whether the host changed the bytes since `expect` was taken: they differ, and no
-    /// device write to the allocation happened in between (device work may change them).
-    fn changed_by_host(&self, expect: &Expect, now: Option<Expect>) -> bool {
-        now.is_some_and(|now| {
-            now.generation == expect.generation && now.checksum != expect.checksum
-        })
+    /// Whether the bytes changed since `expect` was taken in a way the operation's stream
+    /// did not order: host memory that the host changed (they differ, and no device write
+    /// to the allocation happened in between: device work may change them), or device
+    /// memory that another stream wrote in between.
+    fn changed_unordered(&self, expect: &Expect, now: Option<Expect>, stream: StreamId) -> bool {
+        let Some(now) = now else { return false };
+        if now.checksum == expect.checksum {
+            return false;
+        }
+        match (expect.writes, self.device_writes(stream)) {
+            (Some(then), Some(after)) => match (then.mine, after.mine) {
+                (Some(m0), Some(m1)) => (after.total - then.total) > (m1 - m0),
+                // This stream writes without a slot of its own: its writes and others'
+                // cannot be told apart.
+                _ => false,
+            },
+            _ => now.generation == expect.generation,
+        }
     }
 
-    fn device_write(&self, write: impl FnOnce(&[AtomicU8])) {
+    fn device_write(&self, stream: StreamId, write: impl FnOnce(&[AtomicU8])) {
         match &self._owner {
-            Some(owner) => owner.device_write(|| write(self.bytes())),
+            Some(owner) => owner.device_write(stream.0, || write(self.bytes())),
             None => write(self.bytes()),
         }
     }
 }
 
-/// What host bytes looked like when an operation was enqueued.
+/// What bytes looked like when an operation was enqueued.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Expect {
     checksum: u64,
     generation: u64,
+    /// For device memory: the device writes made so far (see [`Writes`]).
+    writes: Option<Writes>,
 }
 
 /// A device operation: what a stream runs, and what a capture records.
@@ -123,6 +157,20 @@ pub(crate) enum Work {
     },
     /// A kernel that fills host memory with `byte`; `expect` as for `CopyToHost`.
     WriteHost {
+        dst: HostRange,
+        byte: u8,
+        expect: Option<Expect>,
+    },
+    /// A copy between ranges of this runtime (host or device memory, either way); each
+    /// `expect` is its range's snapshot at enqueue.
+    Copy {
+        src: HostRange,
+        dst: HostRange,
+        src_expect: Option<Expect>,
+        dst_expect: Option<Expect>,
+    },
+    /// A kernel that fills device memory with `byte`; `expect` is its snapshot at enqueue.
+    FillDevice {
         dst: HostRange,
         byte: u8,
         expect: Option<Expect>,
@@ -214,7 +262,7 @@ impl Worker {
             }
             Work::CopyToHost { src, dst, expect } => {
                 self.check(dst, expect, dst.snapshot(), "device→host copy destination");
-                dst.device_write(|bytes| {
+                dst.device_write(self.stream, |bytes| {
                     for (s, d) in src.bytes().iter().zip(bytes) {
                         d.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
                     }
@@ -227,7 +275,32 @@ impl Worker {
                     dst.snapshot(),
                     "host-writing kernel destination",
                 );
-                dst.device_write(|bytes| {
+                dst.device_write(self.stream, |bytes| {
+                    bytes.iter().for_each(|d| d.store(*byte, Ordering::Relaxed));
+                });
+            }
+            Work::Copy {
+                src,
+                dst,
+                src_expect,
+                dst_expect,
+            } => {
+                self.check(src, src_expect, src.snapshot(), "copy source");
+                self.check(dst, dst_expect, dst.snapshot(), "copy destination");
+                dst.device_write(self.stream, |bytes| {
+                    for (s, d) in src.bytes().iter().zip(bytes) {
+                        d.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
+                    }
+                });
+            }
+            Work::FillDevice { dst, byte, expect } => {
+                self.check(
+                    dst,
+                    expect,
+                    dst.snapshot(),
+                    "device-writing kernel destination",
+                );
+                dst.device_write(self.stream, |bytes| {
                     bytes.iter().for_each(|d| d.store(*byte, Ordering::Relaxed));
                 });
             }
@@ -244,7 +317,7 @@ impl Worker {
     fn check(&self, range: &HostRange, expect: &Option<Expect>, now: Option<Expect>, what: &str) {
         if expect
             .as_ref()
-            .is_some_and(|e| range.changed_by_host(e, now))
+            .is_some_and(|e| range.changed_unordered(e, now, self.stream))
         {
             self.early_reuse(what, range);
         }

@@ -191,13 +191,15 @@ impl<T> Carver<T> {
     }
 
     /// Cuts a piece of at least `size` bytes out of a free range of `seg`, at the start or
-    /// at the end of the range: of all such places, the one that `rank(offset, range
-    /// length)` ranks lowest; places it ranks `None` are not taken. `None` when no place is
-    /// ranked. Looks at every free range of the segment.
+    /// at the end of the range, or (with a `boundary` above [`ALIGN`]) starting or ending at
+    /// the first or last multiple of `boundary` inside it: of all such places, the one that
+    /// `rank(offset, range length)` ranks lowest; places it ranks `None` are not taken.
+    /// `None` when no place is ranked. Looks at every free range of the segment.
     pub(crate) fn place_ranked<K: Ord>(
         &mut self,
         seg: SegId,
         size: usize,
+        boundary: usize,
         mut rank: impl FnMut(usize, usize) -> Option<K>,
     ) -> Option<Piece> {
         let want = align_up(size.max(1))?;
@@ -207,9 +209,22 @@ impl<T> Carver<T> {
             if l < want {
                 continue;
             }
-            let places = [o, o + l - want];
-            let places = if l == want { &places[..1] } else { &places[..] };
-            for &at in places {
+            let end = o + l;
+            let mut places = [o, end - want, o, o];
+            let mut n = if l == want { 1 } else { 2 };
+            if boundary > ALIGN && l > want {
+                let first = o.next_multiple_of(boundary);
+                if first + want <= end && first != o {
+                    places[n] = first;
+                    n += 1;
+                }
+                let last_end = end / boundary * boundary;
+                if last_end >= o + want && last_end != end {
+                    places[n] = last_end - want;
+                    n += 1;
+                }
+            }
+            for &at in &places[..n] {
                 if let Some(k) = rank(at, l) {
                     if best.as_ref().map_or(true, |(b, _)| k < *b) {
                         best = Some((k, at));

@@ -99,15 +99,15 @@ fn a_ranked_placement_takes_the_lowest_ranked_end_of_any_free_range() {
     c.release(a).unwrap();
     // Free: [0, 4K) and [8K, 16K). Rank by offset, highest first: the end of the tail.
     let p = c
-        .place_ranked(s, 2 * KIB, |at, _| Some(usize::MAX - at))
+        .place_ranked(s, 2 * KIB, 0, |at, _| Some(usize::MAX - at))
         .unwrap();
     assert_eq!((p.offset, p.len), (14 * KIB, 2 * KIB));
     // Only places the rank accepts: none here, and nothing is cut.
     let free = c.free_bytes();
-    assert!(c.place_ranked(s, 2 * KIB, |_, _| None::<u8>).is_none());
+    assert!(c.place_ranked(s, 2 * KIB, 0, |_, _| None::<u8>).is_none());
     assert_eq!(c.free_bytes(), free);
     // Too large for every range.
-    assert!(c.place_ranked(s, 8 * KIB, |at, _| Some(at)).is_none());
+    assert!(c.place_ranked(s, 8 * KIB, 0, |at, _| Some(at)).is_none());
     // The rest of a split range stays free and coalesces again.
     c.release(p).unwrap();
     c.release(b).unwrap();

@@ -16,7 +16,7 @@ use crate::poller::start_poller;
 use crate::pool::{start_pool, PoolSpec};
 use crate::pool_id::PoolId;
 use crate::router::{start_router, RoutingTable};
-use crate::runtime::Runtime;
+use crate::runtime::{Runtime, StreamId};
 use crate::shard::default_shard_count;
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -30,6 +30,8 @@ pub struct EngineBuilder<R: Runtime> {
     shards: Option<usize>,
     max_bytes: Option<usize>,
     alloc_timeout: Option<Duration>,
+    stream_ordered: bool,
+    device_stats: Option<usize>,
 }
 
 impl<R: Runtime> EngineBuilder<R> {
@@ -44,6 +46,8 @@ impl<R: Runtime> EngineBuilder<R> {
             shards: None,
             max_bytes: None,
             alloc_timeout: None,
+            stream_ordered: false,
+            device_stats: None,
         }
     }
 
@@ -65,6 +69,27 @@ impl<R: Runtime> EngineBuilder<R> {
     /// The size policy (default: [`TieredPowerOfTwo`]).
     pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// Gives every stream that allocates a pool of its own, whose blocks it owns (default:
+    /// off). A block freed with no other stream recorded is reusable by its stream at once,
+    /// with no event: the stream runs its work in order, so a later use of the block on it
+    /// comes after every earlier one. Recording another stream on a block orders its reuse
+    /// by an event, as always. This is how device memory is cached; host memory is not
+    /// stream-ordered (the CPU may write a block the moment it is handed out).
+    pub fn stream_ordered(mut self, on: bool) -> Self {
+        self.stream_ordered = on;
+        self
+    }
+
+    /// Keeps device statistics ([`crate::DeviceStats`], read with
+    /// [`Engine::device_stats`]) beside the host ones, blocks above `max_split_size` bytes
+    /// counting as oversize (`usize::MAX`: none). The cached path then also counts
+    /// allocations and requested bytes by pool (small and large), a few more stores to the
+    /// calling thread's own cache lines.
+    pub fn device_stats(mut self, max_split_size: usize) -> Self {
+        self.device_stats = Some(max_split_size);
         self
     }
 
@@ -111,8 +136,9 @@ impl<R: Runtime> EngineBuilder<R> {
             let poller = poller_tx.clone();
             let handle = handle.clone();
             let history = history.clone();
-            move |id: PoolId| PoolSpec {
+            move |id: PoolId, owner: Option<StreamId>| PoolSpec {
                 id,
+                owner,
                 runtime: runtime.clone(),
                 memory: memory.clone(),
                 classes,
@@ -122,9 +148,10 @@ impl<R: Runtime> EngineBuilder<R> {
                 budget: budget.clone(),
                 history: history.clone(),
                 layout,
+                device_stats: self.device_stats,
             }
         };
-        let default = start_pool(spec(PoolId::DEFAULT));
+        let default = start_pool(spec(PoolId::DEFAULT, None));
         let table = Arc::new(ArcSwap::from_pointee(RoutingTable::empty()));
         let (router_tx, router_rx) = flume::unbounded();
         start_router(table.clone(), router_rx, Box::new(spec), &handle);
@@ -140,6 +167,7 @@ impl<R: Runtime> EngineBuilder<R> {
         Ok(Engine {
             inner: Arc::new(EngineInner {
                 id,
+                stream_ordered: self.stream_ordered,
                 runtime: self.runtime,
                 memory: self.memory,
                 policy: self.policy,

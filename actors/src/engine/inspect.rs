@@ -15,8 +15,10 @@ use std::sync::Arc;
 
 use super::Engine;
 use crate::block::Pool;
+use crate::device_stats::DeviceStats;
 use crate::error::Error;
 use crate::mailbox::{Inventory, PollerMsg, PoolMsg, PoolView};
+use crate::memory::MemoryKind;
 use crate::meta::BlockMeta;
 use crate::pool_id::PoolId;
 use crate::router::RouterMsg;
@@ -29,19 +31,39 @@ use crate::stats::HostStats;
 impl<R: Runtime> Engine<R> {
     /// Statistics over every pool.
     pub fn stats(&self) -> HostStats {
-        let mut s = self.inner.default.stats.read();
-        for (_, p) in self.inner.table.load().pools.iter() {
+        let mut s = HostStats::default();
+        for p in self.all_pools() {
             s.merge(&p.stats.read());
         }
         s.limit_bytes = self.max_bytes().map(|l| l as i64);
         s
     }
 
+    /// Device statistics over every pool (`None` for an engine built without them: see
+    /// [`crate::EngineBuilder::device_stats`]).
+    pub fn device_stats(&self) -> Option<DeviceStats> {
+        let mut total: Option<DeviceStats> = None;
+        for p in self.all_pools() {
+            let s = p.stats.read_device()?;
+            match &mut total {
+                Some(t) => t.merge(&s),
+                None => total = Some(s),
+            }
+        }
+        if let Some(t) = &mut total {
+            t.limit_bytes = self.max_bytes().map(|l| l as i64);
+        }
+        total
+    }
+
     /// Statistics of one pool (`None` for a pool that does not exist or is gone).
     pub fn pool_stats(&self, id: PoolId) -> Option<HostStats> {
         let limit = self.max_bytes().map(|l| l as i64);
         if id.is_default() {
-            let mut s = self.inner.default.stats.read();
+            let mut s = HostStats::default();
+            for p in self.default_pools() {
+                s.merge(&p.stats.read());
+            }
             s.limit_bytes = limit;
             return Some(s);
         }
@@ -64,12 +86,12 @@ impl<R: Runtime> Engine<R> {
             .collect()
     }
 
-    /// The default pool and every capture pool alive.
-    fn all_pools(&self) -> Vec<Arc<Pool<R>>> {
+    /// The default pool, every stream pool and every capture pool alive.
+    pub(crate) fn all_pools(&self) -> Vec<Arc<Pool<R>>> {
         let table = self.inner.table.load();
-        std::iter::once(self.inner.default.clone())
-            .chain(table.pools.iter().map(|(_, p)| p.clone()))
-            .collect()
+        let mut pools = self.default_pools();
+        pools.extend(table.pools.iter().map(|(_, p)| p.clone()));
+        pools
     }
 
     /// Sets every peak to the current value.
@@ -188,6 +210,11 @@ impl<R: Runtime> Engine<R> {
                     pool: v.pool.0,
                     pin_method: s.memory.method.to_string(),
                     blocks,
+                    device: match v.memory {
+                        MemoryKind::Device(d) => Some(d),
+                        MemoryKind::Pinned => None,
+                    },
+                    stream: v.owner.map(|s| s.0),
                 });
             }
         }

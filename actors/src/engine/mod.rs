@@ -33,10 +33,12 @@ use crate::memory::MemorySource;
 use crate::miss::{miss_async, miss_blocking, Wait};
 use crate::policy::{SizeClass, SizePolicy};
 use crate::router::{RouterMsg, RoutingTable};
-use crate::runtime::Runtime;
+use crate::runtime::{Runtime, StreamId};
 
 struct EngineInner<R: Runtime> {
     id: u64,
+    /// Every stream gets a pool of its own (device memory): see [`EngineBuilder::stream_ordered`].
+    stream_ordered: bool,
     runtime: Arc<R>,
     memory: Arc<dyn MemorySource>,
     policy: Arc<dyn SizePolicy>,
@@ -73,6 +75,12 @@ enum Step<R: Runtime> {
     Ready(Lease<R>),
     Miss {
         pool: Arc<Pool<R>>,
+        class: SizeClass,
+        during_capture: bool,
+    },
+    /// A stream-ordered engine's first request on a stream: its pool is still to be made.
+    NewStream {
+        stream: StreamId,
         class: SizeClass,
         during_capture: bool,
     },
@@ -122,20 +130,33 @@ impl<R: Runtime> Engine<R> {
             None => (&inner.default, false),
             Some(s) => {
                 table = inner.table.load();
-                if table.captures.is_empty() {
-                    (&inner.default, false)
+                let (capture, capturing) = if table.captures.is_empty() {
+                    (None, false)
                 } else {
                     let capturing = inner.runtime.is_capturing(s)?;
-                    let pool = table
-                        .captures
-                        .iter()
-                        .find(|c| (c.filter)(s))
-                        .map_or(&inner.default, |c| &c.pool);
-                    (pool, capturing)
+                    let pool = table.captures.iter().find(|c| (c.filter)(s));
+                    (pool.map(|c| &c.pool), capturing)
+                };
+                match capture {
+                    Some(pool) => (pool, capturing),
+                    None if inner.stream_ordered => {
+                        let id = inner.runtime.stream_id(s);
+                        match table.stream_pool(id) {
+                            Some(pool) => (pool, capturing),
+                            None => {
+                                return Ok(Step::NewStream {
+                                    stream: id,
+                                    class,
+                                    during_capture: capturing,
+                                })
+                            }
+                        }
+                    }
+                    None => (&inner.default, capturing),
                 }
             }
         };
-        if let Some(block) = pool.ready.take_mine(class.index) {
+        if let Some(block) = pool.ready.take_mine(class) {
             return Ok(Step::Ready(Lease::new(
                 block,
                 size,
@@ -161,9 +182,9 @@ impl<R: Runtime> Engine<R> {
         let ready = &pool.ready;
         let found = pool
             .parked
-            .take_mine(class.index)
-            .or_else(|| ready.steal(ready.my_shard(), class.index))
-            .or_else(|| pool.parked.steal(class.index));
+            .take_mine(class)
+            .or_else(|| ready.steal(ready.my_shard(), class))
+            .or_else(|| pool.parked.steal(class));
         match found {
             Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),
             None => Step::Miss {
@@ -174,68 +195,87 @@ impl<R: Runtime> Engine<R> {
         }
     }
 
-    async fn alloc_inner(
+    /// Allocates `size` bytes for work on `stream` (`None`: the default pool), waiting for
+    /// room under the cap as `wait` says. What every `alloc*` call comes down to.
+    pub async fn alloc_with(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
         wait: Wait,
     ) -> Result<Lease<R>, Error> {
-        match self.step(size, stream)? {
-            Step::Ready(lease) => Ok(lease),
+        let (pool, class, during_capture) = match self.step(size, stream)? {
+            Step::Ready(lease) => return Ok(lease),
             Step::Miss {
                 pool,
                 class,
                 during_capture,
+            } => (pool, class, during_capture),
+            Step::NewStream {
+                stream,
+                class,
+                during_capture,
             } => {
-                let block = miss_async(&pool, class, size, wait)
-                    .await
-                    .map_err(|e| pool.history.on_oom(pool.id, e))?;
-                Ok(Lease::new(block, size, during_capture, self.inner.id))
+                let rx = self.call_router(|reply| RouterMsg::StreamPool { stream, reply })?;
+                let pool = rx.recv_async().await.map_err(|_| Error::Shutdown)?;
+                (pool, class, during_capture)
             }
-        }
+        };
+        let block = miss_async(&pool, class, size, wait)
+            .await
+            .map_err(|e| pool.oom(e))?;
+        Ok(Lease::new(block, size, during_capture, self.inner.id))
     }
 
-    fn alloc_blocking_inner(
+    /// [`Engine::alloc_with`] for threads outside the tokio runtime: blocks the calling
+    /// thread on a miss.
+    pub fn alloc_blocking_with(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
         wait: Wait,
     ) -> Result<Lease<R>, Error> {
-        match self.step(size, stream)? {
-            Step::Ready(lease) => Ok(lease),
+        let (pool, class, during_capture) = match self.step(size, stream)? {
+            Step::Ready(lease) => return Ok(lease),
             Step::Miss {
                 pool,
                 class,
                 during_capture,
+            } => (pool, class, during_capture),
+            Step::NewStream {
+                stream,
+                class,
+                during_capture,
             } => {
-                let block = miss_blocking(&pool, class, size, wait)
-                    .map_err(|e| pool.history.on_oom(pool.id, e))?;
-                Ok(Lease::new(block, size, during_capture, self.inner.id))
+                let rx = self.call_router(|reply| RouterMsg::StreamPool { stream, reply })?;
+                let pool = rx.recv().map_err(|_| Error::Shutdown)?;
+                (pool, class, during_capture)
             }
-        }
+        };
+        let block = miss_blocking(&pool, class, size, wait).map_err(|e| pool.oom(e))?;
+        Ok(Lease::new(block, size, during_capture, self.inner.id))
     }
 
     /// Allocates `size` bytes in the default pool. Under a memory cap, waits for room (up
     /// to the builder's `alloc_timeout`) when even an emptied cache leaves none. Cancel-safe:
     /// dropping the future leaves nothing queued and loses no memory.
     pub async fn alloc(&self, size: usize) -> Result<Lease<R>, Error> {
-        self.alloc_inner(size, None, Wait::Default).await
+        self.alloc_with(size, None, Wait::Default).await
     }
 
     /// [`Engine::alloc`], waiting at most `timeout` for room ([`Error::Timeout`] after).
     pub async fn alloc_timeout(&self, size: usize, timeout: Duration) -> Result<Lease<R>, Error> {
-        self.alloc_inner(size, None, Wait::Upto(timeout)).await
+        self.alloc_with(size, None, Wait::Upto(timeout)).await
     }
 
     /// [`Engine::alloc`] that never waits for room: fails with [`Error::OutOfMemory`] where
     /// `alloc` would wait.
     pub async fn try_alloc(&self, size: usize) -> Result<Lease<R>, Error> {
-        self.alloc_inner(size, None, Wait::Never).await
+        self.alloc_with(size, None, Wait::Never).await
     }
 
     /// [`Engine::try_alloc`] for work on `stream` (see [`Engine::alloc_on`]).
     pub async fn try_alloc_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        self.alloc_inner(size, Some(stream), Wait::Never).await
+        self.alloc_with(size, Some(stream), Wait::Never).await
     }
 
     /// [`Engine::alloc_blocking`], waiting at most `timeout` for room.
@@ -244,7 +284,7 @@ impl<R: Runtime> Engine<R> {
         size: usize,
         timeout: Duration,
     ) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_inner(size, None, Wait::Upto(timeout))
+        self.alloc_blocking_with(size, None, Wait::Upto(timeout))
     }
 
     /// The cap on reserved bytes, if any.
@@ -277,19 +317,19 @@ impl<R: Runtime> Engine<R> {
     /// Allocates `size` bytes for work on `stream`: in a capture's private pool when a
     /// capture's filter accepts the stream, in the default pool otherwise.
     pub async fn alloc_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        self.alloc_inner(size, Some(stream), Wait::Default).await
+        self.alloc_with(size, Some(stream), Wait::Default).await
     }
 
     /// [`Engine::alloc`] for threads outside the tokio runtime. It blocks the calling thread
     /// on a miss (and while it waits for room, up to the builder's `alloc_timeout`); do not
     /// call it from async code on a current-thread runtime.
     pub fn alloc_blocking(&self, size: usize) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_inner(size, None, Wait::Default)
+        self.alloc_blocking_with(size, None, Wait::Default)
     }
 
     /// [`Engine::alloc_on`] for threads outside the tokio runtime.
     pub fn alloc_blocking_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_inner(size, Some(stream), Wait::Default)
+        self.alloc_blocking_with(size, Some(stream), Wait::Default)
     }
 
     /// Records `stream` on a lease, after checking that this allocator lent it.
@@ -304,12 +344,10 @@ impl<R: Runtime> Engine<R> {
     /// Frees every cached block of the default pool and of released capture pools (kept
     /// blocks of released pools too); blocks in use or waiting on events are untouched.
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
-        let (tx, rx) = flume::bounded(1);
-        self.send_pool(PoolMsg::EmptyCache {
-            include_kept: false,
-            reply: tx,
-        })?;
-        let mut report = rx.recv_async().await.map_err(|_| Error::Shutdown)?;
+        let mut report = EmptyReport::default();
+        for rx in self.ask_default_pools_to_empty()? {
+            report.merge(&rx.recv_async().await.map_err(|_| Error::Shutdown)?);
+        }
         let released = self
             .call_router(|reply| RouterMsg::EmptyReleased { reply })?
             .recv_async()
@@ -321,18 +359,44 @@ impl<R: Runtime> Engine<R> {
 
     /// [`Engine::empty_cache`] for threads outside the tokio runtime.
     pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
-        let (tx, rx) = flume::bounded(1);
-        self.send_pool(PoolMsg::EmptyCache {
-            include_kept: false,
-            reply: tx,
-        })?;
-        let mut report = rx.recv().map_err(|_| Error::Shutdown)?;
+        let mut report = EmptyReport::default();
+        for rx in self.ask_default_pools_to_empty()? {
+            report.merge(&rx.recv().map_err(|_| Error::Shutdown)?);
+        }
         let released = self
             .call_router(|reply| RouterMsg::EmptyReleased { reply })?
             .recv()
             .map_err(|_| Error::Shutdown)?;
         report.merge(&released);
         Ok(report)
+    }
+
+    /// Asks the default pool and every stream pool to empty their caches; the replies come
+    /// on the receivers.
+    fn ask_default_pools_to_empty(&self) -> Result<Vec<flume::Receiver<EmptyReport>>, Error> {
+        let mut replies = Vec::new();
+        for pool in self.default_pools() {
+            let (tx, rx) = flume::bounded(1);
+            let msg = PoolMsg::EmptyCache {
+                include_kept: false,
+                reply: tx,
+            };
+            if pool.mailbox.send(msg).is_ok() {
+                replies.push(rx);
+            } else if pool.id.is_default() && pool.owner.is_none() {
+                return Err(Error::Shutdown);
+            }
+        }
+        Ok(replies)
+    }
+
+    /// The default pool, and in a stream-ordered engine every stream's pool (together they
+    /// are the default pool, split by stream).
+    pub(crate) fn default_pools(&self) -> Vec<Arc<Pool<R>>> {
+        let table = self.inner.table.load();
+        std::iter::once(self.inner.default.clone())
+            .chain(table.streams.iter().map(|(_, p)| p.clone()))
+            .collect()
     }
 
     fn send_pool(&self, msg: PoolMsg<Block<R>>) -> Result<(), Error> {

@@ -56,6 +56,10 @@ pub(super) struct Arena<R: Runtime> {
     maps: HashMap<u64, usize>,
     next_map: u64,
     clock: u64,
+    /// The memory source unmaps only whole map calls (see `MemorySource::unmaps_granules`):
+    /// each run is mapped by a call of its own and goes back whole, once no lent piece
+    /// touches any of its granules.
+    whole: bool,
 }
 
 /// Granules of `[offset, offset + len)`.
@@ -76,7 +80,7 @@ fn count_unmapped(
 
 impl<R: Runtime> Arena<R> {
     /// An arena over the reserved range of `segment` (whose `arena` map is set).
-    pub(super) fn new(segment: Arc<Seg<R>>, granule: usize) -> Self {
+    pub(super) fn new(segment: Arc<Seg<R>>, granule: usize, whole: bool) -> Self {
         let mut carver = Carver::new();
         let size = segment.size();
         let seg = carver.add_segment_with(size, |_| segment.clone());
@@ -89,7 +93,13 @@ impl<R: Runtime> Arena<R> {
             maps: HashMap::new(),
             next_map: 0,
             clock: 0,
+            whole,
         }
+    }
+
+    /// Whether each run is mapped, and unmapped, as one piece of memory.
+    pub(super) fn whole_runs(&self) -> bool {
+        self.whole
     }
 
     /// Bytes of a granule.
@@ -101,7 +111,7 @@ impl<R: Runtime> Arena<R> {
     /// range no longer than `max_len` that holds it.
     pub(super) fn place_mapped(&mut self, size: usize, max_len: usize) -> Option<Piece> {
         let (granules, g) = (&self.granules, self.granule);
-        let piece = self.carver.place_ranked(self.seg, size, |at, len| {
+        let piece = self.carver.place_ranked(self.seg, size, 0, |at, len| {
             (len <= max_len && count_unmapped(granules, g, at, size) == 0).then_some((len, at))
         })?;
         self.touch(piece);
@@ -109,12 +119,25 @@ impl<R: Runtime> Arena<R> {
     }
 
     /// Cuts a piece for `size` bytes where the fewest granules need mapping, then from the
-    /// smallest free range, then at the lowest address. Returns the piece and the granules
-    /// it still needs mapped (the mapped ones it touches are held from now on).
-    pub(super) fn place(&mut self, size: usize) -> Option<(Piece, Vec<usize>)> {
+    /// smallest free range, then at the lowest address; places start or end at a free
+    /// range's ends. With `pack`, second comes where the piece leaves the least of the
+    /// granules it touches unused (its last granule's tail, and its first granule's head
+    /// when no other piece uses that granule: what would be stranded around it), and places
+    /// may also start or end at granule boundaries. Returns the piece and the granules it
+    /// still needs mapped (the mapped ones it touches are held from now on).
+    pub(super) fn place(&mut self, size: usize, pack: bool) -> Option<(Piece, Vec<usize>)> {
         let (granules, g) = (&self.granules, self.granule);
-        let piece = self.carver.place_ranked(self.seg, size, |at, len| {
-            Some((count_unmapped(granules, g, at, size), len, at))
+        let want = crate::carve::align_up(size)?;
+        let boundary = if pack { g } else { 0 };
+        let piece = self.carver.place_ranked(self.seg, size, boundary, |at, len| {
+            let stranded = if pack {
+                let tail = (g - (at + want) % g) % g;
+                let head_shared = granules.get(&(at / g)).is_some_and(|gr| gr.refs > 0);
+                tail + if head_shared { 0 } else { at % g }
+            } else {
+                0
+            };
+            Some((count_unmapped(granules, g, at, size), stranded, len, at))
         })?;
         self.touch(piece);
         let need = span(g, piece.offset, piece.len)
@@ -180,6 +203,7 @@ impl<R: Runtime> Arena<R> {
         }
         if let Some(m) = self.segment.arena_map() {
             granules.iter().for_each(|&i| m.set(i, true));
+            m.set_start(granules[0], true);
             m.live_maps.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -193,6 +217,7 @@ impl<R: Runtime> Arena<R> {
             };
             if let Some(m) = self.segment.arena_map() {
                 m.set(*i, false);
+                m.set_start(*i, false);
             }
             if let Some(n) = self.maps.get_mut(&gr.map) {
                 *n -= 1;
@@ -206,6 +231,40 @@ impl<R: Runtime> Arena<R> {
             m.live_maps.fetch_sub(ended, Ordering::Relaxed);
         }
         ended
+    }
+
+    /// The ranges to unmap to give back `bytes` of idle memory (all of it for `usize::MAX`),
+    /// least recently used first: runs of idle granules, or, when the source unmaps only
+    /// whole map calls, the runs of map calls none of whose granules a lent piece touches.
+    pub(super) fn idle_runs(&self, bytes: usize) -> Vec<(usize, usize)> {
+        if !self.whole {
+            return self.runs(&self.idle_granules(bytes));
+        }
+        // Per map call: (last use, first granule, granules, all idle).
+        let mut calls: HashMap<u64, (u64, usize, usize, bool)> = HashMap::new();
+        for (&i, gr) in &self.granules {
+            let e = calls.entry(gr.map).or_insert((0, i, 0, true));
+            e.0 = e.0.max(gr.used);
+            e.1 = e.1.min(i);
+            e.2 += 1;
+            e.3 &= gr.refs == 0;
+        }
+        let mut idle: Vec<(u64, usize, usize)> = calls
+            .into_values()
+            .filter(|c| c.3)
+            .map(|(used, first, n, _)| (used, first, n))
+            .collect();
+        idle.sort_unstable();
+        let mut out = Vec::new();
+        let mut freed = 0;
+        for (_, first, n) in idle {
+            if freed >= bytes {
+                break;
+            }
+            out.push((first * self.granule, n * self.granule));
+            freed = freed.saturating_add(n * self.granule);
+        }
+        out
     }
 
     /// Mapped granules that no lent piece touches, least recently used first, until they
@@ -260,6 +319,11 @@ impl<R: Runtime> Arena<R> {
     }
 
     /// (free ranges, free bytes) inside mapped memory, and pieces lent.
+    /// Free ranges of the range but the last one (the unmapped rest of the reservation).
+    pub(super) fn free_ranges(&self) -> usize {
+        self.carver.free_ranges().saturating_sub(1)
+    }
+
     pub(super) fn census(&self) -> (usize, usize, usize) {
         let (mut ranges, mut bytes) = (0, 0);
         for (_, free) in self.mapped_runs() {
@@ -322,7 +386,8 @@ impl<R: Runtime> PoolActor<R> {
         let map = ArenaMap::new(granule, memory.size);
         let segment = Segment::new(SegId(u64::MAX), memory, self.shared.clone(), Some(map));
         let segs = self.carved.as_mut()?;
-        segs.arena = Some(Arena::new(segment, granule));
+        let whole = !self.shared.memory.unmaps_granules();
+        segs.arena = Some(Arena::new(segment, granule, whole));
         Some(())
     }
 
@@ -360,6 +425,7 @@ impl<R: Runtime> PoolActor<R> {
             return Err(Error::Runtime(RuntimeError::new("host_map", "no arena")));
         };
         let runs = arena.runs(&need);
+        let calls = if arena.whole_runs() { runs.len() } else { 1 };
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let t0 = Instant::now();
         let job = tokio::task::spawn_blocking(move || {
@@ -384,14 +450,23 @@ impl<R: Runtime> PoolActor<R> {
         });
         match res {
             Ok(()) => {
-                self.shared.stats.allocations.increase(1);
+                self.shared.stats.allocations.increase(calls as i64);
                 tracing::debug!(
                     bytes,
                     took_us = t0.elapsed().as_micros() as u64,
                     "memory mapped"
                 );
                 if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
-                    a.mapped(&need);
+                    if a.whole_runs() {
+                        // One map call per run: each goes back whole.
+                        let g = a.granule();
+                        for (o, l) in a.runs(&need) {
+                            let run: Vec<usize> = (o / g..(o + l) / g).collect();
+                            a.mapped(&run);
+                        }
+                    } else {
+                        a.mapped(&need);
+                    }
                 }
                 Ok(())
             }
@@ -432,12 +507,11 @@ impl<R: Runtime> PoolActor<R> {
         let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
             return (0, 0);
         };
-        let idle = arena.idle_granules(bytes);
-        if idle.is_empty() {
+        let runs = arena.idle_runs(bytes);
+        if runs.is_empty() {
             return (0, 0);
         }
         let granule = arena.granule();
-        let runs = arena.runs(&idle);
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let job = tokio::task::spawn_blocking(move || {
             let mut gone = Vec::new();

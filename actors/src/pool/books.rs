@@ -95,6 +95,8 @@ impl<R: Runtime> PoolActor<R> {
         }
         PoolView {
             pool: self.shared.id,
+            memory: self.shared.memory.kind(),
+            owner: self.shared.owner,
             segments,
             cached,
             kept,

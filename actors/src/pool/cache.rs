@@ -48,7 +48,7 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     pub(super) async fn miss(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        if let Some(b) = self.shared.ready.take(class.index) {
+        if let Some(b) = self.shared.ready.take(class) {
             return Ok(b);
         }
         if self.carved.is_some() {
@@ -57,7 +57,7 @@ impl<R: Runtime> PoolActor<R> {
         // Invariant 3: notice completed events before taking fresh memory.
         if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
             self.flush_events().await;
-            if let Some(b) = self.shared.ready.take(class.index) {
+            if let Some(b) = self.shared.ready.take(class) {
                 return Ok(b);
             }
         }

@@ -87,6 +87,7 @@ impl<R: Runtime> PoolActor<R> {
         match &res {
             Ok(m) => {
                 self.shared.history.on_segment_alloc(self.shared.id, m);
+                stats.segment(m.size, true);
                 stats.allocations.increase(1);
                 stats.allocated_bytes.increase(m.size as i64);
                 tracing::debug!(

@@ -35,15 +35,16 @@ use crate::budget::Budget;
 use crate::history::Recorder;
 use crate::home::{Home, HomeParts, DIVERT_CLOSING};
 use crate::mailbox::{PollerMsg, PoolMsg, SegmentView};
-use crate::memory::MemorySource;
+use crate::memory::{MemoryKind, MemorySource};
 use crate::policy::BlockLayout;
 use crate::pool_id::PoolId;
-use crate::runtime::Runtime;
+use crate::runtime::{Runtime, StreamId};
 use crate::spawn::spawn_named;
 
 /// Everything needed to start a pool.
 pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) id: PoolId,
+    pub(crate) owner: Option<StreamId>,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -53,12 +54,15 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) budget: Arc<Budget>,
     pub(crate) history: Arc<Recorder>,
     pub(crate) layout: BlockLayout,
+    pub(crate) device_stats: Option<usize>,
 }
 
 /// Starts a pool actor and returns the pool's home.
 pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
+    let kind = spec.memory.kind();
     let (shared, rx) = Home::new(HomeParts {
         id: spec.id,
+        owner: spec.owner,
         runtime: spec.runtime,
         memory: spec.memory,
         classes: spec.classes,
@@ -67,6 +71,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         budget: spec.budget,
         history: spec.history,
         layout: spec.layout,
+        device_stats: spec.device_stats,
     });
     let actor = PoolActor {
         shared: shared.clone(),
@@ -79,10 +84,18 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         carved: segments::Segments::for_layout(spec.layout),
         refused: Vec::new(),
     };
-    let name = if spec.id.is_default() {
-        "pinpool::pool(default)".to_string()
+    let pool = if spec.id.is_default() {
+        "default".to_string()
     } else {
-        format!("pinpool::pool({})", spec.id)
+        spec.id.to_string()
+    };
+    let name = match (kind, spec.owner) {
+        (MemoryKind::Pinned, None) => format!("pinpool::pool({pool})"),
+        (MemoryKind::Pinned, Some(s)) => format!("pinpool::pool({pool}, stream {:#x})", s.0),
+        (MemoryKind::Device(d), None) => format!("pinpool::device_pool({d}, {pool})"),
+        (MemoryKind::Device(d), Some(s)) => {
+            format!("pinpool::device_pool({d}, {pool}, stream {:#x})", s.0)
+        }
     };
     spawn_named(&name, &spec.handle, actor.run());
     shared
@@ -215,6 +228,13 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     async fn handle(&mut self, msg: PoolMsg<Block<R>>) {
+        self.dispatch(msg).await;
+        if let Some(c) = &self.carved {
+            self.shared.stats.set_free_ranges(c.free_ranges());
+        }
+    }
+
+    async fn dispatch(&mut self, msg: PoolMsg<Block<R>>) {
         match msg {
             PoolMsg::Miss { class, ask, reply } => self.on_miss(class, ask, reply).await,
             PoolMsg::Keep(block) => {

@@ -83,6 +83,13 @@ impl<R: Runtime> Segments<R> {
     }
 
     /// (free ranges, free bytes, lent pieces), for the books.
+    /// Free ranges, counted cheaply: the carver's, and the arena's but its unmapped tail
+    /// (free ranges that reach into unmapped space count as one each).
+    pub(super) fn free_ranges(&self) -> usize {
+        let arena = self.arena.as_ref().map_or(0, |a| a.free_ranges());
+        self.carver.free_ranges() + arena
+    }
+
     pub(super) fn census(&self) -> (usize, usize, usize) {
         let c = &self.carver;
         let (r, b, l) = self.arena.as_ref().map_or((0, 0, 0), |a| a.census());
@@ -162,9 +169,8 @@ impl<R: Runtime> Segments<R> {
     /// `split_any`.
     fn place(&mut self, size: usize, split_any: bool) -> Option<crate::carve::Piece> {
         let c = self.carving;
-        self.carver.place(size, |seg| {
-            split_any || seg <= c.small_segment || seg / c.split_ratio.max(1) <= size
-        })
+        self.carver
+            .place(size, |seg| c.may_split(seg, size, split_any))
     }
 }
 
@@ -213,6 +219,10 @@ impl<R: Runtime> PoolActor<R> {
     fn recall(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         let segs = self.carved.as_mut()?;
         let (last, in_arena) = segs.last_range.remove(&class.index)?;
+        if last.len != class.size {
+            // A class of several sizes: the range its last block left is another size.
+            return None;
+        }
         let (piece, seg) = match (in_arena, segs.arena.as_mut()) {
             (true, Some(a)) => (a.take_exact(last)?, a.segment.clone()),
             (true, None) => return None,
@@ -338,7 +348,11 @@ impl<R: Runtime> PoolActor<R> {
         if let Some(b) = self.carve_tight(class).or_else(|| self.recall(class)) {
             return Ok(b);
         }
-        if self.has_arena().await {
+        let arena_fits = self
+            .carved
+            .as_ref()
+            .is_some_and(|s| class.size <= s.carving.arena_max_block);
+        if arena_fits && self.has_arena().await {
             if let Some(res) = self.miss_arena(class).await {
                 return res;
             }
@@ -357,7 +371,7 @@ impl<R: Runtime> PoolActor<R> {
         let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
         let (cap, size) = match &self.carved {
             Some(s) => {
-                let cap = s.carving.reserve_cap(s.peak_live);
+                let cap = s.carving.fresh_cap(s.peak_live, self.shared.budget.limit());
                 let room = cap.map_or(0, |c| c.saturating_sub(reserved));
                 (cap, s.segment_size(class.size, room))
             }
@@ -403,7 +417,8 @@ impl<R: Runtime> PoolActor<R> {
     /// `None` when the arena's range cannot hold the block (separate segments then).
     async fn miss_arena(&mut self, class: SizeClass) -> Option<Result<Box<Block<R>>, Error>> {
         self.absorb_ready();
-        let mut placed = self.carved.as_mut()?.arena.as_mut()?.place(class.size)?;
+        let pack = self.carved.as_ref()?.carving.pack_granules;
+        let mut placed = self.carved.as_mut()?.arena.as_mut()?.place(class.size, pack)?;
         if !placed.1.is_empty() && self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
             let arena = self.carved.as_mut()?.arena.as_mut()?;
             if let Err(e) = arena.release(placed.0) {
@@ -411,12 +426,14 @@ impl<R: Runtime> PoolActor<R> {
             }
             self.flush_events().await;
             self.absorb_ready();
-            placed = self.carved.as_mut()?.arena.as_mut()?.place(class.size)?;
+            placed = self.carved.as_mut()?.arena.as_mut()?.place(class.size, pack)?;
         }
         let (piece, need) = placed;
         if !need.is_empty() {
             let segs = self.carved.as_ref()?;
-            let cap = segs.carving.reserve_cap(segs.peak_live);
+            let cap = segs
+                .carving
+                .fresh_cap(segs.peak_live, self.shared.budget.limit());
             if let Err(e) = self.map_for(piece, need, cap).await {
                 return Some(Err(e));
             }

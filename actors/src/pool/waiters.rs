@@ -137,7 +137,7 @@ impl<R: Runtime> PoolActor<R> {
         while self
             .waiters
             .front()
-            .is_some_and(|w| w.class.index == block.class)
+            .is_some_and(|w| w.class.index == block.class && block.size >= w.class.size)
         {
             let w = self.pop_waiter()?;
             block.state = BlockState::InUse;
@@ -188,7 +188,7 @@ impl<R: Runtime> PoolActor<R> {
                 }
                 continue;
             }
-            if let Some(b) = self.shared.ready.take(class.index) {
+            if let Some(b) = self.shared.ready.take(class) {
                 if let Some(b) = self.offer(b) {
                     self.home(b).await;
                 }

@@ -1,0 +1,366 @@
+//! Statistics with the meaning of `torch.cuda.memory_stats()` (PyTorch's `DeviceStats`), and
+//! the per-pool counters behind them.
+//!
+//! PyTorch splits each statistic over its two pools: the small pool (blocks up to 1 MiB, cut
+//! from 2 MiB segments) and the large pool. A [`StatArray`] holds the aggregate and both
+//! parts. Here a block is small when it is at most 1 MiB, and a segment (an allocation from
+//! the memory source, or one run of granules mapped by one call) is small when it is at most
+//! 2 MiB.
+//!
+//! The counters a request changes (allocations and active blocks, their bytes, the bytes
+//! requested) live in per-thread shards like the host statistics, so that a device pool's
+//! cached path writes only its own thread's cache lines (invariant 5); segment counters are
+//! written by the pool actor (and by blocking threads it waits for). Only pools built with
+//! device statistics pay for them.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+
+use crate::counters::{AtomicStat, ShardStat, Stat};
+use crate::shard::CachePadded;
+
+/// Blocks up to this size are in PyTorch's small pool.
+pub const SMALL_BLOCK: usize = 1 << 20;
+/// Segments up to this size are small-pool segments.
+pub const SMALL_SEGMENT: usize = 2 << 20;
+
+/// One statistic over PyTorch's pools: the aggregate, the small pool and the large pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatArray {
+    /// Both pools.
+    pub all: Stat,
+    /// Blocks up to 1 MiB (segments up to 2 MiB).
+    pub small_pool: Stat,
+    /// The rest.
+    pub large_pool: Stat,
+}
+
+impl StatArray {
+    fn from_parts(parts: [Stat; 2]) -> Self {
+        let mut all = parts[0];
+        all.add(&parts[1]);
+        Self {
+            all,
+            small_pool: parts[0],
+            large_pool: parts[1],
+        }
+    }
+
+    fn merge(&mut self, o: &StatArray) {
+        self.all.add(&o.all);
+        self.small_pool.add(&o.small_pool);
+        self.large_pool.add(&o.large_pool);
+    }
+}
+
+/// Statistics of one device (or one of its pools), with the keys of
+/// `torch.cuda.memory_stats()`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceStats {
+    /// Blocks handed out and not yet freed by their users.
+    pub allocation: StatArray,
+    /// Segments: allocations from the device (or runs of granules mapped by one call).
+    pub segment: StatArray,
+    /// Blocks handed out and not yet reusable (in use, or freed and waiting on events).
+    pub active: StatArray,
+    /// Free ranges inside segments that still hold blocks.
+    pub inactive_split: StatArray,
+    /// Bytes of `allocation`.
+    pub allocated_bytes: StatArray,
+    /// Bytes of `segment`: what the allocator holds of the device.
+    pub reserved_bytes: StatArray,
+    /// Bytes of `active`.
+    pub active_bytes: StatArray,
+    /// Bytes of reserved memory that no active block uses.
+    pub inactive_split_bytes: StatArray,
+    /// Bytes the users asked for, of the blocks in `allocation`.
+    pub requested_bytes: StatArray,
+    /// Requests that had to empty the caches and try again.
+    pub num_alloc_retries: i64,
+    /// Requests that failed for want of memory.
+    pub num_ooms: i64,
+    /// Blocks larger than `max_split_size` handed out and not yet freed.
+    pub oversize_allocations: Stat,
+    /// Segments larger than `max_split_size`.
+    pub oversize_segments: Stat,
+    /// Calls that took memory from the device (`cuMemAlloc`, or a map call).
+    pub num_device_alloc: i64,
+    /// Calls that gave memory back.
+    pub num_device_free: i64,
+    /// Times every stream was synchronized to free memory (never: this allocator waits on
+    /// events instead).
+    pub num_sync_all_streams: i64,
+    /// The `max_split_size` in force (`None`: unlimited).
+    pub max_split_size: Option<i64>,
+    /// The cap on reserved bytes of the device, if one is set.
+    pub limit_bytes: Option<i64>,
+}
+
+impl DeviceStats {
+    /// Adds another pool's report into this one (for a device's total over its pools).
+    pub fn merge(&mut self, o: &DeviceStats) {
+        for (a, b) in [
+            (&mut self.allocation, &o.allocation),
+            (&mut self.segment, &o.segment),
+            (&mut self.active, &o.active),
+            (&mut self.inactive_split, &o.inactive_split),
+            (&mut self.allocated_bytes, &o.allocated_bytes),
+            (&mut self.reserved_bytes, &o.reserved_bytes),
+            (&mut self.active_bytes, &o.active_bytes),
+            (&mut self.inactive_split_bytes, &o.inactive_split_bytes),
+            (&mut self.requested_bytes, &o.requested_bytes),
+        ] {
+            a.merge(b);
+        }
+        self.num_alloc_retries += o.num_alloc_retries;
+        self.num_ooms += o.num_ooms;
+        self.oversize_allocations.add(&o.oversize_allocations);
+        self.oversize_segments.add(&o.oversize_segments);
+        self.num_device_alloc += o.num_device_alloc;
+        self.num_device_free += o.num_device_free;
+        self.num_sync_all_streams += o.num_sync_all_streams;
+        self.max_split_size = self.max_split_size.or(o.max_split_size);
+        self.limit_bytes = self.limit_bytes.or(o.limit_bytes);
+    }
+
+    /// A flat view with the keys of `torch.cuda.memory_stats()`: `allocated_bytes.all.current`,
+    /// `segment.small_pool.peak`, `num_alloc_retries`, …
+    pub fn to_map(&self) -> BTreeMap<String, i64> {
+        let mut m = BTreeMap::new();
+        for (name, a) in [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ] {
+            for (pool, s) in [
+                ("all", &a.all),
+                ("small_pool", &a.small_pool),
+                ("large_pool", &a.large_pool),
+            ] {
+                m.insert(format!("{name}.{pool}.current"), s.current);
+                m.insert(format!("{name}.{pool}.peak"), s.peak);
+                m.insert(format!("{name}.{pool}.allocated"), s.allocated);
+                m.insert(format!("{name}.{pool}.freed"), s.freed);
+            }
+        }
+        for (name, s) in [
+            ("oversize_allocations", &self.oversize_allocations),
+            ("oversize_segments", &self.oversize_segments),
+        ] {
+            m.insert(format!("{name}.current"), s.current);
+            m.insert(format!("{name}.peak"), s.peak);
+            m.insert(format!("{name}.allocated"), s.allocated);
+            m.insert(format!("{name}.freed"), s.freed);
+        }
+        for (k, v) in [
+            ("num_alloc_retries", self.num_alloc_retries),
+            ("num_ooms", self.num_ooms),
+            ("num_device_alloc", self.num_device_alloc),
+            ("num_device_free", self.num_device_free),
+            ("num_sync_all_streams", self.num_sync_all_streams),
+        ] {
+            m.insert(k.to_string(), v);
+        }
+        if let Some(v) = self.max_split_size {
+            m.insert("max_split_size".to_string(), v);
+        }
+        if let Some(v) = self.limit_bytes {
+            m.insert("limit_bytes".to_string(), v);
+        }
+        m
+    }
+}
+
+/// Which pool a block of `bytes` is in: 0 small, 1 large.
+#[inline]
+fn block_pool(bytes: usize) -> usize {
+    usize::from(bytes > SMALL_BLOCK)
+}
+
+/// Which pool a segment of `bytes` is in: 0 small, 1 large.
+fn segment_pool(bytes: usize) -> usize {
+    usize::from(bytes > SMALL_SEGMENT)
+}
+
+/// A shard's counters of one pool.
+#[derive(Debug, Default)]
+struct PoolShard {
+    allocation: ShardStat,
+    allocated_bytes: ShardStat,
+    requested_bytes: ShardStat,
+    active: ShardStat,
+    active_bytes: ShardStat,
+    oversize: ShardStat,
+}
+
+/// The device counters of one engine pool.
+#[derive(Debug)]
+pub(crate) struct Detail {
+    shards: Box<[CachePadded<[PoolShard; 2]>]>,
+    segment: [AtomicStat; 2],
+    reserved: [AtomicStat; 2],
+    oversize_segments: AtomicStat,
+    /// Free ranges inside segments that lend blocks, as the pool actor last counted them.
+    pub(crate) free_ranges: AtomicI64,
+    /// Blocks above this are oversize.
+    max_split: usize,
+}
+
+impl Detail {
+    pub(crate) fn new(shards: usize, max_split: usize) -> Self {
+        Self {
+            shards: (0..shards).map(|_| CachePadded::default()).collect(),
+            segment: Default::default(),
+            reserved: Default::default(),
+            oversize_segments: AtomicStat::default(),
+            free_ranges: AtomicI64::new(0),
+            max_split,
+        }
+    }
+
+    /// A block of `bytes` for a request of `requested` was handed out (charged to `shard`).
+    #[inline]
+    pub(crate) fn lent(&self, shard: usize, owner: bool, bytes: usize, requested: usize) {
+        let p = &self.shards[shard][block_pool(bytes)];
+        p.allocation.increase(1, owner);
+        p.allocated_bytes.increase(bytes as i64, owner);
+        p.requested_bytes.increase(requested as i64, owner);
+        p.active.increase(1, owner);
+        p.active_bytes.increase(bytes as i64, owner);
+        if bytes > self.max_split {
+            p.oversize.increase(1, owner);
+        }
+    }
+
+    /// Its user freed it (it may still wait on events).
+    #[inline]
+    pub(crate) fn freed(&self, shard: usize, owner: bool, bytes: usize, requested: usize) {
+        let p = &self.shards[shard][block_pool(bytes)];
+        p.allocation.decrease(1, owner);
+        p.allocated_bytes.decrease(bytes as i64, owner);
+        p.requested_bytes.decrease(requested as i64, owner);
+        if bytes > self.max_split {
+            p.oversize.decrease(1, owner);
+        }
+    }
+
+    /// It became reusable (or kept).
+    #[inline]
+    pub(crate) fn deactivated(&self, shard: usize, owner: bool, bytes: usize) {
+        let p = &self.shards[shard][block_pool(bytes)];
+        p.active.decrease(1, owner);
+        p.active_bytes.decrease(bytes as i64, owner);
+    }
+
+    /// A segment of `bytes` was taken (`taken`) or given back.
+    pub(crate) fn segment(&self, bytes: usize, taken: bool) {
+        let p = segment_pool(bytes);
+        if taken {
+            self.segment[p].increase(1);
+            self.reserved[p].increase(bytes as i64);
+            if bytes > self.max_split {
+                self.oversize_segments.increase(1);
+            }
+        } else {
+            self.segment[p].decrease(1);
+            self.reserved[p].decrease(bytes as i64);
+            if bytes > self.max_split {
+                self.oversize_segments.decrease(1);
+            }
+        }
+    }
+
+    pub(crate) fn read(&self) -> DeviceStats {
+        let mut parts: [[Stat; 2]; 6] = Default::default();
+        for shard in self.shards.iter() {
+            for (p, ps) in shard.iter().enumerate() {
+                parts[0][p].add(&ps.allocation.read());
+                parts[1][p].add(&ps.allocated_bytes.read());
+                parts[2][p].add(&ps.requested_bytes.read());
+                parts[3][p].add(&ps.active.read());
+                parts[4][p].add(&ps.active_bytes.read());
+                parts[5][p].add(&ps.oversize.read());
+            }
+        }
+        let segment = [self.segment[0].read(), self.segment[1].read()];
+        let reserved = [self.reserved[0].read(), self.reserved[1].read()];
+        let mut inactive = [Stat::default(); 2];
+        for p in 0..2 {
+            // Reserved bytes that no active block uses, now; peaks are not tracked.
+            inactive[p].current = (reserved[p].current - parts[4][p].current).max(0);
+        }
+        let ranges = self.free_ranges.load(Relaxed);
+        let mut oversize = parts[5][0];
+        oversize.add(&parts[5][1]);
+        DeviceStats {
+            allocation: StatArray::from_parts(parts[0]),
+            segment: StatArray::from_parts(segment),
+            active: StatArray::from_parts(parts[3]),
+            inactive_split: StatArray {
+                all: Stat {
+                    current: ranges,
+                    ..Stat::default()
+                },
+                ..StatArray::default()
+            },
+            allocated_bytes: StatArray::from_parts(parts[1]),
+            reserved_bytes: StatArray::from_parts(reserved),
+            active_bytes: StatArray::from_parts(parts[4]),
+            inactive_split_bytes: StatArray::from_parts(inactive),
+            requested_bytes: StatArray::from_parts(parts[2]),
+            oversize_allocations: oversize,
+            oversize_segments: self.oversize_segments.read(),
+            max_split_size: (self.max_split < usize::MAX).then_some(self.max_split as i64),
+            ..DeviceStats::default()
+        }
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        for shard in self.shards.iter() {
+            for p in shard.iter() {
+                for s in [
+                    &p.allocation,
+                    &p.allocated_bytes,
+                    &p.requested_bytes,
+                    &p.active,
+                    &p.active_bytes,
+                    &p.oversize,
+                ] {
+                    s.reset_peak();
+                }
+            }
+        }
+        for s in self.segment.iter().chain(&self.reserved) {
+            s.reset_peak();
+        }
+        self.oversize_segments.reset_peak();
+    }
+
+    pub(crate) fn reset_accumulated(&self) {
+        for shard in self.shards.iter() {
+            for p in shard.iter() {
+                for s in [
+                    &p.allocation,
+                    &p.allocated_bytes,
+                    &p.requested_bytes,
+                    &p.active,
+                    &p.active_bytes,
+                    &p.oversize,
+                ] {
+                    s.reset_accumulated();
+                }
+            }
+        }
+        for s in self.segment.iter().chain(&self.reserved) {
+            s.reset_accumulated();
+        }
+        self.oversize_segments.reset_accumulated();
+    }
+}

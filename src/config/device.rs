@@ -1,0 +1,240 @@
+//! Configuration of device-memory allocation, parsed from `PINPOOL_DEVICE_CONF` in the
+//! grammar of `PINPOOL_CONF` (and in the spirit of `PYTORCH_CUDA_ALLOC_CONF`, whose keys it
+//! takes where they mean the same).
+//!
+//! Owns [`DeviceConfig`]. Every key is optional; a malformed string is a typed
+//! [`ConfigError`] naming the key or entry, never a panic and never an ignored key.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::{grammar, ConfigError};
+
+/// The environment variable [`DeviceConfig::from_env`] reads.
+pub const DEVICE_ENV_VAR: &str = "PINPOOL_DEVICE_CONF";
+
+/// Settings of the device allocator.
+///
+/// ```
+/// use pinpool::config::DeviceConfig;
+///
+/// let c: DeviceConfig = "max_split_size_mb:256, roundup_power2_divisions:4".parse()?;
+/// assert_eq!(c.max_split_size, Some(256 << 20));
+/// assert_eq!(c.roundup_power2_divisions, 4);
+/// assert!(c.expandable_segments);
+/// assert_eq!(c.to_string().parse::<DeviceConfig>()?, c);
+/// # Ok::<(), pinpool::config::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct DeviceConfig {
+    /// Blocks above this size are never cut out of a larger free range, and free ranges
+    /// above it are not split for smaller requests (key `max_split_size_mb`, in MiB, at
+    /// least 20; `unlimited` by default): large blocks then cannot fragment memory that
+    /// smaller ones need. They count as oversize in the statistics.
+    pub max_split_size: Option<usize>,
+    /// Requests above 1 MiB round up to one of this many steps per power of two (key
+    /// `roundup_power2_divisions`: a power of two from 1 to 64; 0, the default, rounds to
+    /// 512 bytes only): more reuse of freed blocks for requests of varying size, at the
+    /// price of more bytes per block.
+    pub roundup_power2_divisions: u32,
+    /// Before fresh memory would take reserved bytes above this share of the memory limit,
+    /// cached memory nobody uses goes back first (key `garbage_collection_threshold`,
+    /// strictly between 0 and 1; only with a limit; off by default).
+    pub garbage_collection_threshold: Option<f64>,
+    /// Cut blocks out of one expandable range per pool and stream, mapped granule by
+    /// granule (key `expandable_segments`, default `true`), rather than separate segments.
+    pub expandable_segments: bool,
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        Self {
+            max_split_size: None,
+            roundup_power2_divisions: 0,
+            garbage_collection_threshold: None,
+            expandable_segments: true,
+        }
+    }
+}
+
+impl DeviceConfig {
+    /// Every key `PINPOOL_DEVICE_CONF` accepts, in the order `Display` prints them.
+    pub const KEYS: &'static [&'static str] = &[
+        "max_split_size_mb",
+        "roundup_power2_divisions",
+        "garbage_collection_threshold",
+        "expandable_segments",
+    ];
+
+    /// Reads [`DEVICE_ENV_VAR`] (`PINPOOL_DEVICE_CONF`); the defaults when it is unset.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        match std::env::var(DEVICE_ENV_VAR) {
+            Ok(text) => text.parse(),
+            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError::NotUnicode),
+        }
+    }
+
+    /// Parses a `key:value,key:value` string; keys left out keep their defaults.
+    ///
+    /// ```
+    /// use pinpool::config::{ConfigError, DeviceConfig};
+    ///
+    /// let err = DeviceConfig::parse("max_split_size_mb:4").unwrap_err();
+    /// assert!(matches!(err, ConfigError::InvalidValue { .. }));
+    /// ```
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let mut config = Self::default();
+        for (key, value) in grammar::entries(text, Self::KEYS)? {
+            config.set(key, value)?;
+        }
+        Ok(config)
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        let invalid = |expected: &'static str| ConfigError::InvalidValue {
+            key: key.to_owned(),
+            value: value.to_owned(),
+            expected,
+        };
+        match key {
+            "max_split_size_mb" => {
+                const EXPECTED: &str = "`unlimited` or a whole number of MiB, at least 20";
+                self.max_split_size = if value == "unlimited" {
+                    None
+                } else {
+                    let mb: usize = value.parse().map_err(|_| invalid(EXPECTED))?;
+                    let bytes = mb.checked_mul(1 << 20).ok_or_else(|| invalid(EXPECTED))?;
+                    if mb < 20 {
+                        return Err(invalid(EXPECTED));
+                    }
+                    Some(bytes)
+                };
+            }
+            "roundup_power2_divisions" => {
+                const EXPECTED: &str = "0, or a power of two from 1 to 64";
+                let d: u32 = value.parse().map_err(|_| invalid(EXPECTED))?;
+                if d > 64 || (d > 0 && !d.is_power_of_two()) {
+                    return Err(invalid(EXPECTED));
+                }
+                self.roundup_power2_divisions = d;
+            }
+            "garbage_collection_threshold" => {
+                const EXPECTED: &str = "a number strictly between 0 and 1";
+                let t: f64 = value.parse().map_err(|_| invalid(EXPECTED))?;
+                if !(t > 0.0 && t < 1.0) {
+                    return Err(invalid(EXPECTED));
+                }
+                self.garbage_collection_threshold = Some(t);
+            }
+            "expandable_segments" => {
+                self.expandable_segments =
+                    grammar::parse_bool(value).ok_or_else(|| invalid("a boolean"))?
+            }
+            _ => {
+                return Err(ConfigError::UnknownKey {
+                    key: key.to_owned(),
+                    valid: Self::KEYS,
+                })
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for DeviceConfig {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Self::parse(text)
+    }
+}
+
+/// Prints the configuration in `PINPOOL_DEVICE_CONF` form; parsing the output gives it back.
+impl fmt::Display for DeviceConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.max_split_size {
+            Some(b) => write!(f, "max_split_size_mb:{}", b >> 20)?,
+            None => write!(f, "max_split_size_mb:unlimited")?,
+        }
+        write!(
+            f,
+            ",roundup_power2_divisions:{}",
+            self.roundup_power2_divisions
+        )?;
+        if let Some(t) = self.garbage_collection_threshold {
+            write!(f, ",garbage_collection_threshold:{t}")?;
+        }
+        write!(f, ",expandable_segments:{}", self.expandable_segments)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_parse_from_an_empty_string_and_round_trip() {
+        let c = DeviceConfig::parse("").unwrap();
+        assert_eq!(c, DeviceConfig::default());
+        assert_eq!(DeviceConfig::parse(&c.to_string()).unwrap(), c);
+        let full = DeviceConfig::parse(
+            "max_split_size_mb:64,roundup_power2_divisions:8,garbage_collection_threshold:0.6,expandable_segments:false",
+        )
+        .unwrap();
+        assert_eq!(full.max_split_size, Some(64 << 20));
+        assert_eq!(full.garbage_collection_threshold, Some(0.6));
+        assert!(!full.expandable_segments);
+        assert_eq!(DeviceConfig::parse(&full.to_string()).unwrap(), full);
+    }
+
+    #[test]
+    fn every_bad_value_is_an_invalid_value_naming_its_key() {
+        for (text, key) in [
+            ("max_split_size_mb:19", "max_split_size_mb"),
+            ("max_split_size_mb:-1", "max_split_size_mb"),
+            (
+                "max_split_size_mb:99999999999999999999",
+                "max_split_size_mb",
+            ),
+            ("roundup_power2_divisions:3", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:128", "roundup_power2_divisions"),
+            (
+                "garbage_collection_threshold:1",
+                "garbage_collection_threshold",
+            ),
+            (
+                "garbage_collection_threshold:0",
+                "garbage_collection_threshold",
+            ),
+            (
+                "garbage_collection_threshold:NaN",
+                "garbage_collection_threshold",
+            ),
+            ("expandable_segments:perhaps", "expandable_segments"),
+        ] {
+            let err = DeviceConfig::parse(text).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::InvalidValue { key: k, .. } if k == key),
+                "{text}: {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_duplicate_and_malformed_entries_are_typed_errors() {
+        assert!(matches!(
+            DeviceConfig::parse("max_split_size:10"),
+            Err(ConfigError::UnknownKey { .. })
+        ));
+        assert!(matches!(
+            DeviceConfig::parse("expandable_segments:true,expandable_segments:true"),
+            Err(ConfigError::DuplicateKey { .. })
+        ));
+        assert!(matches!(
+            DeviceConfig::parse("expandable_segments"),
+            Err(ConfigError::MissingSeparator { .. })
+        ));
+    }
+}

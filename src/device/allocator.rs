@@ -1,0 +1,455 @@
+//! `DeviceAllocator`: the public face of device-memory caching.
+//!
+//! A cheap `Clone + Send + Sync` handle on one engine per device (see `builder`). Every
+//! request names the stream it is for; the stream's device picks the engine, and within it
+//! the stream's own pool (the engine is stream-ordered): a buffer freed with no other stream
+//! recorded is reusable by its stream at once, with no event. Dropping the last handle
+//! closes the engines; each block goes back to its device once its buffer drops (after its
+//! events, if any).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pinpool_actors::{
+    BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
+    Inventory, MemorySnapshot, OomReport, PoolId, TraceEntry, Wait,
+};
+
+use super::buffer::DeviceBuffer;
+use super::builder::DeviceBuilder;
+use super::raw::RawTable;
+use super::runtime::DeviceRuntime;
+use crate::config::DeviceConfig;
+use crate::sim::SimRuntime;
+
+pub(crate) struct Inner<R: DeviceRuntime> {
+    pub(crate) runtime: Arc<R>,
+    pub(crate) devices: Box<[Engine<R>]>,
+    pub(crate) raw: RawTable<DeviceBuffer<R>>,
+    pub(crate) config: DeviceConfig,
+}
+
+impl<R: DeviceRuntime> Drop for Inner<R> {
+    fn drop(&mut self) {
+        // Raw buffers never deleted go back with the allocator.
+        drop(self.raw.drain());
+    }
+}
+
+/// A caching allocator for device memory, one pool per (device, stream), in the manner of
+/// PyTorch's `CUDACachingAllocator`.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), pinpool::Error> {
+/// use pinpool::DeviceAllocator;
+///
+/// let pool = DeviceAllocator::builder().build()?; // the simulated device
+/// let stream = pool.runtime().stream();
+/// let buf = pool.alloc(1 << 20, &stream).await?; // fresh memory the first time
+/// let ptr = buf.device_ptr();
+/// drop(buf); // no other stream used it: reusable by `stream` at once
+/// let again = pool.alloc(1 << 20, &stream).await?; // the cached path
+/// assert_eq!(again.device_ptr(), ptr);
+/// assert_eq!(pool.stats(0)?.num_device_alloc, 1);
+/// # Ok(()) }
+/// ```
+pub struct DeviceAllocator<R: DeviceRuntime = SimRuntime> {
+    inner: Arc<Inner<R>>,
+}
+
+impl<R: DeviceRuntime> Clone for DeviceAllocator<R> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl DeviceAllocator<SimRuntime> {
+    /// A builder, on a simulated runtime with one 16 GiB device until told otherwise.
+    pub fn builder() -> DeviceBuilder<SimRuntime> {
+        DeviceBuilder::new(Arc::new(SimRuntime::new()))
+    }
+}
+
+/// The cap that `fraction` of a device of `total` bytes gives.
+pub(crate) fn fraction_of(fraction: f64, total: usize) -> Result<usize, Error> {
+    if !(fraction > 0.0 && fraction <= 1.0) {
+        return Err(Error::InvalidLimit {
+            reason: format!("memory fraction {fraction} is not in (0, 1]"),
+        });
+    }
+    let bytes = (total as f64 * fraction) as usize;
+    if bytes == 0 {
+        return Err(Error::InvalidLimit {
+            reason: format!("memory fraction {fraction} of {total} bytes is 0 bytes"),
+        });
+    }
+    Ok(bytes)
+}
+
+impl<R: DeviceRuntime> DeviceAllocator<R> {
+    pub(crate) fn from_inner(inner: Inner<R>) -> Self {
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The runtime underneath.
+    pub fn runtime(&self) -> &Arc<R> {
+        &self.inner.runtime
+    }
+
+    /// The configuration the allocator was built with.
+    pub fn config(&self) -> &DeviceConfig {
+        &self.inner.config
+    }
+
+    /// How many devices the allocator serves.
+    pub fn device_count(&self) -> usize {
+        self.inner.devices.len()
+    }
+
+    /// The engine of device `device` (for tools that need its lower-level calls).
+    pub fn engine(&self, device: usize) -> Result<&Engine<R>, Error> {
+        self.inner.devices.get(device).ok_or(Error::NoSuchDevice {
+            ordinal: device,
+            count: self.inner.devices.len(),
+        })
+    }
+
+    /// The engine of the device `stream` runs on.
+    fn engine_of(&self, stream: &R::Stream) -> Result<(usize, &Engine<R>), Error> {
+        let d = self.inner.runtime.stream_device(stream);
+        Ok((d, self.engine(d)?))
+    }
+
+    /// Allocates `size` bytes for work on `stream`, on the stream's device. A size that
+    /// stream used before is served from its cache without a round trip to any actor; 0
+    /// gives an empty buffer. Under a cap ([`DeviceBuilder::max_bytes`]) a request that
+    /// does not fit waits, first come first served, until buffers come back (up to
+    /// [`DeviceBuilder::alloc_timeout`]); when the device itself is out of memory, the
+    /// caches are emptied and the request tried once more before it fails with
+    /// [`Error::OutOfMemory`] (and the OOM observers hear of it). Cancel-safe.
+    pub async fn alloc(&self, size: usize, stream: &R::Stream) -> Result<DeviceBuffer<R>, Error> {
+        self.alloc_with(size, stream, Wait::Default).await
+    }
+
+    /// [`DeviceAllocator::alloc`], waiting at most `timeout` for room under the cap.
+    pub async fn alloc_timeout(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+        timeout: Duration,
+    ) -> Result<DeviceBuffer<R>, Error> {
+        self.alloc_with(size, stream, Wait::Upto(timeout)).await
+    }
+
+    /// Allocates without ever waiting for other buffers to come back: where `alloc` would
+    /// wait at the cap, this fails at once with [`Error::OutOfMemory`].
+    pub async fn try_alloc(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+    ) -> Result<DeviceBuffer<R>, Error> {
+        self.alloc_with(size, stream, Wait::Never).await
+    }
+
+    async fn alloc_with(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+        wait: Wait,
+    ) -> Result<DeviceBuffer<R>, Error> {
+        let (d, engine) = self.engine_of(stream)?;
+        let lease = engine.alloc_with(size, Some(stream), wait).await?;
+        Ok(DeviceBuffer::new(lease, stream.clone(), d))
+    }
+
+    /// [`DeviceAllocator::alloc`] for threads outside the tokio runtime: blocks the calling
+    /// thread on a miss (and while it waits for room). Do not call it from async code.
+    pub fn alloc_blocking(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+    ) -> Result<DeviceBuffer<R>, Error> {
+        self.alloc_blocking_with(size, stream, Wait::Default)
+    }
+
+    /// [`DeviceAllocator::alloc_blocking`], waiting at most `timeout` for room.
+    pub fn alloc_blocking_timeout(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+        timeout: Duration,
+    ) -> Result<DeviceBuffer<R>, Error> {
+        self.alloc_blocking_with(size, stream, Wait::Upto(timeout))
+    }
+
+    /// [`DeviceAllocator::try_alloc`] for threads outside the tokio runtime.
+    pub fn try_alloc_blocking(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+    ) -> Result<DeviceBuffer<R>, Error> {
+        self.alloc_blocking_with(size, stream, Wait::Never)
+    }
+
+    fn alloc_blocking_with(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+        wait: Wait,
+    ) -> Result<DeviceBuffer<R>, Error> {
+        let (d, engine) = self.engine_of(stream)?;
+        let lease = engine.alloc_blocking_with(size, Some(stream), wait)?;
+        Ok(DeviceBuffer::new(lease, stream.clone(), d))
+    }
+
+    /// PyTorch's `raw_alloc_with_stream`: allocates `size` bytes for `stream` and returns
+    /// only the device address (0 for `size` 0), for code that holds pointers. Give it back
+    /// with [`DeviceAllocator::raw_delete`]; whatever is never given back goes back with
+    /// the allocator. Blocks the calling thread on a miss, as `alloc_blocking` does.
+    pub fn raw_alloc_with_stream(&self, size: usize, stream: &R::Stream) -> Result<u64, Error> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let buf = self.alloc_blocking(size, stream)?;
+        let ptr = buf.device_ptr();
+        self.inner.raw.insert(ptr as usize, Box::new(buf));
+        Ok(ptr)
+    }
+
+    /// PyTorch's `raw_delete`: frees what `raw_alloc_with_stream` returned (0 is a no-op).
+    /// An address it did not return, or one already deleted, is
+    /// [`Error::UnknownPointer`] and changes nothing.
+    pub fn raw_delete(&self, ptr: u64) -> Result<(), Error> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        match self.inner.raw.remove(ptr as usize) {
+            Some(buf) => {
+                drop(buf);
+                Ok(())
+            }
+            None => Err(Error::UnknownPointer { ptr }),
+        }
+    }
+
+    /// Records `stream` on a raw allocation (PyTorch's `recordStream` for raw pointers):
+    /// its reuse waits for the stream's work enqueued before it is deleted.
+    pub fn raw_record_stream(&self, ptr: u64, stream: &R::Stream) -> Result<(), Error> {
+        let mut buf = self
+            .inner
+            .raw
+            .remove(ptr as usize)
+            .ok_or(Error::UnknownPointer { ptr })?;
+        buf.record_stream(stream);
+        self.inner.raw.insert(ptr as usize, buf);
+        Ok(())
+    }
+
+    /// Records `stream` on `buf` after checking that this allocator lent it
+    /// ([`Error::ForeignBuffer`] otherwise, and nothing changes).
+    pub fn record_stream(
+        &self,
+        buf: &mut DeviceBuffer<R>,
+        stream: &R::Stream,
+    ) -> Result<(), Error> {
+        let engine = self.engine(buf.device())?;
+        engine.record_stream(buf.lease_mut(), stream)
+    }
+
+    /// Frees every cached block of every device (blocks in use or waiting on events are
+    /// untouched).
+    pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
+        let mut total = EmptyReport::default();
+        for e in self.inner.devices.iter() {
+            total.merge(&e.empty_cache().await?);
+        }
+        Ok(total)
+    }
+
+    /// [`DeviceAllocator::empty_cache`] for threads outside the tokio runtime.
+    pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
+        let mut total = EmptyReport::default();
+        for e in self.inner.devices.iter() {
+            total.merge(&e.empty_cache_blocking()?);
+        }
+        Ok(total)
+    }
+
+    /// Statistics of device `device`, with the keys of `torch.cuda.memory_stats()`.
+    pub fn stats(&self, device: usize) -> Result<DeviceStats, Error> {
+        let engine = self.engine(device)?;
+        Ok(engine.device_stats().unwrap_or_default())
+    }
+
+    /// Sets every peak statistic of device `device` to its current value.
+    pub fn reset_peak_stats(&self, device: usize) -> Result<(), Error> {
+        self.engine(device)?.reset_peak_stats();
+        Ok(())
+    }
+
+    /// Zeroes the accumulated statistics of device `device`.
+    pub fn reset_accumulated_stats(&self, device: usize) -> Result<(), Error> {
+        self.engine(device)?.reset_accumulated_stats();
+        Ok(())
+    }
+
+    /// The cap on device `device`'s reserved bytes, if any.
+    pub fn max_bytes(&self, device: usize) -> Result<Option<usize>, Error> {
+        Ok(self.engine(device)?.max_bytes())
+    }
+
+    /// Sets (`Some`) or lifts (`None`) the cap of device `device` while running; lowering it
+    /// frees nothing by itself, raising it lets waiting requests in.
+    pub fn set_max_bytes(&self, device: usize, bytes: Option<usize>) -> Result<(), Error> {
+        self.engine(device)?.set_max_bytes(bytes)
+    }
+
+    /// Sets the cap of device `device` to `fraction` of its memory
+    /// ([`Error::InvalidLimit`] unless `fraction` is in (0, 1]; nothing changes then).
+    pub fn set_memory_fraction(&self, fraction: f64, device: usize) -> Result<(), Error> {
+        let engine = self.engine(device)?;
+        let (_, total) = self.inner.runtime.device_memory_info(device)?;
+        engine.set_max_bytes(Some(fraction_of(fraction, total)?))
+    }
+
+    /// Bytes device `device`'s pools reserve (what the cap limits).
+    pub fn reserved_bytes(&self, device: usize) -> Result<usize, Error> {
+        Ok(self.engine(device)?.reserved_bytes())
+    }
+
+    /// Free and total bytes of device `device`, as its driver reports them.
+    pub fn memory_info(&self, device: usize) -> Result<(usize, usize), Error> {
+        self.engine(device)?;
+        self.inner.runtime.device_memory_info(device)
+    }
+
+    /// Every segment and block of every device (address, size, requested size, state,
+    /// stream, device) and the configuration in force; serializable with serde.
+    pub async fn snapshot(&self) -> Result<MemorySnapshot, Error> {
+        let mut all: Option<MemorySnapshot> = None;
+        for e in self.inner.devices.iter() {
+            let s = e.snapshot().await?;
+            match &mut all {
+                None => all = Some(s),
+                Some(a) => {
+                    a.segments.extend(s.segments);
+                    a.reserved_bytes += s.reserved_bytes;
+                }
+            }
+        }
+        let mut all = all.ok_or(Error::Shutdown)?;
+        all.segments.sort_by_key(|s| (s.device, s.address));
+        Ok(all)
+    }
+
+    /// The largest cached block and the bytes cached on device `device`.
+    pub async fn cache_info(&self, device: usize) -> Result<CacheInfo, Error> {
+        self.engine(device)?.cache_info().await
+    }
+
+    /// The segment that holds device address `ptr`, on any device, or `None`.
+    pub async fn base_allocation(&self, ptr: u64) -> Result<Option<BaseAllocation>, Error> {
+        for e in self.inner.devices.iter() {
+            if let Some(b) = e.base_allocation(ptr as usize as *const u8).await? {
+                return Ok(Some(b));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether the blocks in use in `pool` of device `device` start exactly at the
+    /// `expected` device addresses (PyTorch's `_cuda_checkPoolLiveAllocations`).
+    pub fn check_pool_live_allocations(
+        &self,
+        device: usize,
+        pool: PoolId,
+        expected: &[u64],
+    ) -> impl Future<Output = Result<bool, Error>> + Send + '_ {
+        let ptrs: Vec<*const u8> = expected.iter().map(|&p| p as usize as *const u8).collect();
+        let check = self
+            .engine(device)
+            .map(|e| e.check_pool_live_allocations(pool, &ptrs));
+        async move { check?.await }
+    }
+
+    /// Where every pool of device `device` has its reserved bytes; for checks at quiescent
+    /// points.
+    pub async fn inventory(&self, device: usize) -> Result<Vec<Inventory>, Error> {
+        self.engine(device)?.inventory().await
+    }
+
+    /// Turns history recording on or off on every device (see
+    /// [`PinnedAllocator::record_history`](crate::PinnedAllocator::record_history)).
+    pub fn record_history(
+        &self,
+        enabled: bool,
+        max_entries: usize,
+        context: HistoryContext,
+    ) -> Result<(), Error> {
+        for e in self.inner.devices.iter() {
+            e.record_history(enabled, max_entries, context)?;
+        }
+        Ok(())
+    }
+
+    /// Adds a `UserDefined` entry named `name` to every device's history.
+    pub fn record_annotation(&self, name: &str) {
+        for e in self.inner.devices.iter() {
+            e.record_annotation(name);
+        }
+    }
+
+    /// The recorded history of device `device`.
+    pub async fn history(&self, device: usize) -> Result<History, Error> {
+        self.engine(device)?.history().await
+    }
+
+    /// [`DeviceAllocator::history`] for threads outside the tokio runtime.
+    pub fn history_blocking(&self, device: usize) -> Result<History, Error> {
+        self.engine(device)?.history_blocking()
+    }
+
+    /// The history page of device `device` (see [`crate::report::render_history_html`]).
+    pub async fn history_html(&self, device: usize) -> Result<String, Error> {
+        let h = self.history(device).await?;
+        Ok(crate::report::render_history_html(
+            &h,
+            &format!("pinpool device {device}"),
+        ))
+    }
+
+    /// Calls `f` for every trace entry recorded on any device while history is on.
+    pub fn attach_trace_tracker(&self, f: impl Fn(&TraceEntry) + Send + Sync + 'static) {
+        let f = Arc::new(f);
+        for e in self.inner.devices.iter() {
+            let f = f.clone();
+            e.attach_trace_tracker(move |t| f(t));
+        }
+    }
+
+    /// Calls `f` for every request that fails for want of device memory, with the report
+    /// (device, bytes requested, reserved and in use, the cap, and what the driver still had
+    /// free).
+    pub fn attach_oom_observer(&self, f: impl Fn(&OomReport) + Send + Sync + 'static) {
+        let f = Arc::new(f);
+        for e in self.inner.devices.iter() {
+            let f = f.clone();
+            e.attach_oom_observer(move |r| f(r));
+        }
+    }
+}
+
+impl<R: DeviceRuntime> std::fmt::Debug for DeviceAllocator<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceAllocator")
+            .field("runtime", &self.inner.runtime.name())
+            .field("devices", &self.inner.devices.len())
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,124 @@
+//! `DeviceBuffer`: device memory lent by a [`DeviceAllocator`](crate::DeviceAllocator).
+//!
+//! RAII: dropping the buffer is the free. It knows its device address, its length, the
+//! stream it was allocated on (which owns it: work on that stream is ordered, so a buffer no
+//! other stream used is reusable by it at once) and the other streams recorded on it, whose
+//! work must finish before the memory is handed out again (invariant 1).
+
+use std::fmt;
+
+use pinpool_actors::{Error, Lease, PoolId, Runtime, StreamId};
+
+use crate::sim::SimRuntime;
+
+/// Device memory, returned to its allocator when dropped.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), pinpool::Error> {
+/// let pool = pinpool::DeviceAllocator::builder().build()?;
+/// let stream = pool.runtime().stream();
+/// let buf = pool.alloc(1 << 20, &stream).await?;
+/// assert_eq!((buf.len(), buf.device()), (1 << 20, 0));
+/// assert_ne!(buf.device_ptr(), 0);
+/// stream.fill_device(buf.device_ptr(), buf.len(), 7).unwrap(); // a kernel on its stream
+/// drop(buf); // reusable by `stream` at once: its work runs in order
+/// # Ok(()) }
+/// ```
+pub struct DeviceBuffer<R: Runtime = SimRuntime> {
+    lease: Lease<R>,
+    stream: R::Stream,
+    device: usize,
+}
+
+impl<R: Runtime> DeviceBuffer<R> {
+    pub(crate) fn new(lease: Lease<R>, stream: R::Stream, device: usize) -> Self {
+        Self {
+            lease,
+            stream,
+            device,
+        }
+    }
+
+    pub(crate) fn lease_mut(&mut self) -> &mut Lease<R> {
+        &mut self.lease
+    }
+
+    /// The device address of the bytes (not dereferenceable on the host; 0 never: an
+    /// empty buffer has a dangling but aligned address).
+    pub fn device_ptr(&self) -> u64 {
+        self.lease.as_ptr() as usize as u64
+    }
+
+    /// Bytes requested.
+    pub fn len(&self) -> usize {
+        self.lease.len()
+    }
+
+    /// Whether the buffer is empty (a request of 0 bytes holds no memory).
+    pub fn is_empty(&self) -> bool {
+        self.lease.is_empty()
+    }
+
+    /// Bytes of the block behind the buffer (at least `len`: the request rounded up).
+    pub fn capacity(&self) -> usize {
+        self.lease.capacity()
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The stream the buffer was allocated on: it owns the buffer.
+    pub fn stream(&self) -> &R::Stream {
+        &self.stream
+    }
+
+    /// The pool the buffer came from (`None` for an empty buffer).
+    pub fn pool(&self) -> Option<PoolId> {
+        self.lease.pool()
+    }
+
+    /// Whether the buffer was allocated while its stream was being captured into a graph.
+    pub fn allocated_during_capture(&self) -> bool {
+        self.lease.allocated_during_capture()
+    }
+
+    /// Marks the buffer as used by work enqueued on `stream` (PyTorch's `recordStream`).
+    /// When the buffer is dropped, an event is recorded on that stream, and the memory is
+    /// handed out again only once the event has completed. Recording the buffer's own
+    /// stream changes nothing: its work is ordered anyway.
+    pub fn record_stream(&mut self, stream: &R::Stream) {
+        self.lease.record_stream(stream);
+    }
+
+    /// The streams recorded so far (the buffer's own stream is never among them).
+    pub fn recorded_streams(&self) -> Vec<StreamId> {
+        self.lease.recorded_streams()
+    }
+
+    /// Checks that `len` bytes at `offset` lie inside the buffer; the device address of
+    /// the first of them.
+    pub fn offset_ptr(&self, offset: usize, len: usize) -> Result<u64, Error> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(self.device_ptr() + offset as u64),
+            _ => Err(Error::LengthMismatch {
+                src_len: offset.saturating_add(len),
+                dst_len: self.len(),
+            }),
+        }
+    }
+}
+
+impl<R: Runtime> fmt::Debug for DeviceBuffer<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("device", &self.device)
+            .field("ptr", &format_args!("{:#x}", self.device_ptr()))
+            .field("len", &self.len())
+            .field("capacity", &self.capacity())
+            .field("pool", &self.pool())
+            .finish()
+    }
+}

@@ -1,0 +1,176 @@
+//! `DeviceBuilder`: the settings of a [`DeviceAllocator`], and the start of one engine per
+//! device (each with its own actors, budget, statistics and history, as PyTorch keeps one
+//! allocator per device).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pinpool_actors::{DeviceFit, EngineBuilder, Error, SizePolicy};
+
+use super::allocator::{DeviceAllocator, Inner};
+use super::raw::RawTable;
+use super::runtime::DeviceRuntime;
+use crate::config::DeviceConfig;
+
+/// How the cap of each device is set.
+#[derive(Debug, Clone, Copy)]
+enum Cap {
+    None,
+    Bytes(usize),
+    Fraction(f64),
+}
+
+/// Configures a [`DeviceAllocator`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), pinpool::Error> {
+/// use std::time::Duration;
+///
+/// let pool = pinpool::DeviceAllocator::builder()
+///     .memory_fraction(0.5) // at most half of each device
+///     .alloc_timeout(Duration::from_secs(5))
+///     .build()?;
+/// assert_eq!(pool.max_bytes(0)?, Some(8 << 30)); // half of the simulated 16 GiB
+/// # Ok(()) }
+/// ```
+pub struct DeviceBuilder<R: DeviceRuntime> {
+    runtime: Arc<R>,
+    config: DeviceConfig,
+    cap: Cap,
+    alloc_timeout: Option<Duration>,
+    handle: Option<tokio::runtime::Handle>,
+    shards: Option<usize>,
+    policy: Option<Arc<dyn SizePolicy>>,
+}
+
+impl<R: DeviceRuntime> DeviceBuilder<R> {
+    /// A builder over `runtime`'s devices.
+    pub fn new(runtime: Arc<R>) -> Self {
+        Self {
+            runtime,
+            config: DeviceConfig::default(),
+            cap: Cap::None,
+            alloc_timeout: None,
+            handle: None,
+            shards: None,
+            policy: None,
+        }
+    }
+
+    /// Use `runtime` instead (other settings start over).
+    pub fn runtime<R2: DeviceRuntime>(self, runtime: Arc<R2>) -> DeviceBuilder<R2> {
+        DeviceBuilder::new(runtime)
+    }
+
+    /// The layout settings (`PINPOOL_DEVICE_CONF`'s keys: `max_split_size_mb`,
+    /// `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`).
+    pub fn config(mut self, config: &DeviceConfig) -> Self {
+        self.config = config.clone();
+        self
+    }
+
+    /// Caps the bytes each device's pools reserve (default: no cap). A request that would
+    /// pass it first has the device's caches emptied; if it still does not fit,
+    /// [`DeviceAllocator::alloc`] waits, first come first served, for buffers to come back,
+    /// and [`DeviceAllocator::try_alloc`] fails with [`Error::OutOfMemory`].
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.cap = Cap::Bytes(bytes);
+        self
+    }
+
+    /// Caps each device at `fraction` of its memory (PyTorch's
+    /// `set_per_process_memory_fraction`); `build` fails with [`Error::InvalidLimit`] unless
+    /// `fraction` is in (0, 1].
+    pub fn memory_fraction(mut self, fraction: f64) -> Self {
+        self.cap = Cap::Fraction(fraction);
+        self
+    }
+
+    /// How long `alloc` waits for room under the cap before [`Error::Timeout`] (default: as
+    /// long as it takes).
+    pub fn alloc_timeout(mut self, timeout: Duration) -> Self {
+        self.alloc_timeout = Some(timeout);
+        self
+    }
+
+    /// The tokio runtime for the actors (default: the current one).
+    pub fn handle(mut self, handle: tokio::runtime::Handle) -> Self {
+        self.handle = Some(handle);
+        self
+    }
+
+    /// Thread shards for the cached path (default: twice the machine's parallelism).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = Some(shards);
+        self
+    }
+
+    /// A size policy other than the one the configuration describes (for comparisons).
+    pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// The policy the configuration describes: [`DeviceFit`] with its keys applied, its
+    /// expandable range no larger than the device.
+    fn device_policy(&self, total: usize) -> DeviceFit {
+        let c = &self.config;
+        let mut p = DeviceFit::default()
+            .roundup_power2_divisions(c.roundup_power2_divisions)
+            .arena_reserve(total.next_multiple_of(2 << 20).max(2 << 20));
+        if !c.expandable_segments {
+            p = p.separate_segments();
+        }
+        if let Some(m) = c.max_split_size {
+            p = p.max_split_size(m);
+        }
+        if let Some(t) = c.garbage_collection_threshold {
+            p = p.garbage_collection_threshold(t);
+        }
+        p
+    }
+
+    /// Starts one engine per device.
+    pub fn build(self) -> Result<DeviceAllocator<R>, Error> {
+        let handle = match &self.handle {
+            Some(h) => h.clone(),
+            None => tokio::runtime::Handle::try_current().map_err(|_| Error::NoTokioRuntime)?,
+        };
+        let count = self.runtime.device_count();
+        let mut devices = Vec::with_capacity(count);
+        for d in 0..count {
+            let (_, total) = self.runtime.device_memory_info(d)?;
+            let limit = match self.cap {
+                Cap::None => None,
+                Cap::Bytes(b) => Some(b),
+                Cap::Fraction(f) => Some(super::allocator::fraction_of(f, total)?),
+            };
+            let policy: Arc<dyn SizePolicy> = match &self.policy {
+                Some(p) => p.clone(),
+                None => Arc::new(self.device_policy(total)),
+            };
+            let mut b = EngineBuilder::new(self.runtime.clone(), self.runtime.device_memory(d)?)
+                .policy(policy)
+                .stream_ordered(true)
+                .device_stats(self.config.max_split_size.unwrap_or(usize::MAX))
+                .handle(handle.clone());
+            if let Some(l) = limit {
+                b = b.max_bytes(l);
+            }
+            if let Some(t) = self.alloc_timeout {
+                b = b.alloc_timeout(t);
+            }
+            if let Some(s) = self.shards {
+                b = b.shards(s);
+            }
+            devices.push(b.build()?);
+        }
+        Ok(DeviceAllocator::from_inner(Inner {
+            runtime: self.runtime,
+            devices: devices.into_boxed_slice(),
+            raw: RawTable::new(),
+            config: self.config,
+        }))
+    }
+}

@@ -1,0 +1,24 @@
+//! Device memory: [`DeviceAllocator`] and [`DeviceBuffer`], the caching allocator of
+//! PyTorch's `CUDACachingAllocator` (seed 002's interface) on pinpool's engine.
+//!
+//! One engine per device (its own actors, cap, statistics and history), stream-ordered: each
+//! stream that allocates gets a pool of its own, and a block freed with no other stream
+//! recorded is reusable by its stream at once, with no event. Blocks are the request rounded
+//! to 512 bytes, cut out of one expandable range per pool where the device can map memory
+//! granule by granule (CUDA's virtual memory calls, or the simulation), else out of separate
+//! segments; see [`pinpool_actors::DeviceFit`]. The layout's settings come from
+//! `PINPOOL_DEVICE_CONF` ([`crate::config::DeviceConfig`]).
+//!
+//! This module holds the public face: `runtime` (what a runtime must offer: its devices and
+//! their memory), `builder`, `allocator`, `buffer`, and `raw` (the raw-pointer calls' table).
+
+mod allocator;
+mod buffer;
+mod builder;
+mod raw;
+mod runtime;
+
+pub use allocator::DeviceAllocator;
+pub use buffer::DeviceBuffer;
+pub use builder::DeviceBuilder;
+pub use runtime::DeviceRuntime;

@@ -1,0 +1,209 @@
+//! The buffers lent through the raw-pointer calls (`raw_alloc_with_stream`, `raw_delete`),
+//! by address: a lock-free open-addressing table.
+//!
+//! Owns those buffers: `raw_alloc_with_stream` puts one in, `raw_delete` takes it out and
+//! drops it (the free). Each slot holds an address (0: never used, 1: used once, now free)
+//! and a pointer to the buffer. An insert claims the first free slot of its address's probe
+//! sequence with a compare-and-swap, then publishes the buffer; a removal takes the buffer
+//! with a swap, so of two racing `raw_delete`s of one address exactly one gets it and the
+//! other gets a typed error, as does a `raw_delete` of an address never lent. When a probe
+//! sequence is full, the buffer goes to an overflow list owned by whoever holds its
+//! receiving end (an insert or a removal that finds the list non-empty drains it, looks, and
+//! puts back what it did not take), so no request is ever refused for want of slots.
+
+use std::ptr;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+
+/// Slots of the table: 2^16 (about a megabyte).
+const SLOTS: usize = 1 << 16;
+/// How far an address's probe sequence runs.
+const PROBES: usize = 64;
+const EMPTY: usize = 0;
+const FREED: usize = 1;
+
+/// Buffers whose probe sequence was full, with their addresses.
+type Overflow<T> = (flume::Sender<(usize, Box<T>)>, flume::Receiver<(usize, Box<T>)>);
+
+struct Slot<T> {
+    addr: AtomicUsize,
+    value: AtomicPtr<T>,
+}
+
+/// Buffers by device address.
+pub(crate) struct RawTable<T> {
+    slots: Box<[Slot<T>]>,
+    overflow: Overflow<T>,
+    overflowed: AtomicUsize,
+}
+
+fn home(addr: usize) -> usize {
+    // Fibonacci hashing of the address (its low bits are alignment).
+    (addr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16) & (SLOTS - 1)
+}
+
+impl<T: Send> RawTable<T> {
+    pub(crate) fn new() -> Self {
+        Self {
+            slots: (0..SLOTS)
+                .map(|_| Slot {
+                    addr: AtomicUsize::new(EMPTY),
+                    value: AtomicPtr::new(ptr::null_mut()),
+                })
+                .collect(),
+            overflow: flume::unbounded(),
+            overflowed: AtomicUsize::new(0),
+        }
+    }
+
+    fn probe(addr: usize) -> impl Iterator<Item = usize> {
+        let h = home(addr);
+        (0..PROBES).map(move |i| (h + i) & (SLOTS - 1))
+    }
+
+    /// Files `value` under `addr` (an address not filed now: the allocator never lends
+    /// one address twice at once).
+    pub(crate) fn insert(&self, addr: usize, value: Box<T>) {
+        for i in Self::probe(addr) {
+            let slot = &self.slots[i];
+            let cur = slot.addr.load(Ordering::Acquire);
+            if (cur == EMPTY || cur == FREED)
+                && slot
+                    .addr
+                    .compare_exchange(cur, addr, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                slot.value.store(Box::into_raw(value), Ordering::Release);
+                return;
+            }
+        }
+        self.overflowed.fetch_add(1, Ordering::SeqCst);
+        // The receiver lives beside the sender: the send cannot fail.
+        let _ = self.overflow.0.send((addr, value));
+    }
+
+    /// Takes out what is filed under `addr`, if anything.
+    pub(crate) fn remove(&self, addr: usize) -> Option<Box<T>> {
+        for i in Self::probe(addr) {
+            let slot = &self.slots[i];
+            let cur = slot.addr.load(Ordering::Acquire);
+            if cur == EMPTY {
+                break;
+            }
+            if cur == addr {
+                let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
+                if p.is_null() {
+                    // Another removal took it (or the insert has not published it yet,
+                    // which the caller's order rules out).
+                    return None;
+                }
+                slot.addr.store(FREED, Ordering::Release);
+                // SAFETY: `p` came from `Box::into_raw` in `insert`, and the swap made this
+                // call its only owner.
+                return Some(unsafe { Box::from_raw(p) });
+            }
+        }
+        self.remove_overflow(addr)
+    }
+
+    #[cold]
+    fn remove_overflow(&self, addr: usize) -> Option<Box<T>> {
+        if self.overflowed.load(Ordering::SeqCst) == 0 {
+            return None;
+        }
+        let mut found = None;
+        let mut rest = Vec::new();
+        for (a, v) in self.overflow.1.try_iter() {
+            if found.is_none() && a == addr {
+                found = Some(v);
+            } else {
+                rest.push((a, v));
+            }
+        }
+        for item in rest {
+            let _ = self.overflow.0.send(item);
+        }
+        if found.is_some() {
+            self.overflowed.fetch_sub(1, Ordering::SeqCst);
+        }
+        found
+    }
+
+    /// Takes out everything filed (for the allocator's teardown).
+    pub(crate) fn drain(&self) -> Vec<Box<T>> {
+        let mut out = Vec::new();
+        for slot in self.slots.iter() {
+            let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
+            if !p.is_null() {
+                // SAFETY: as in `remove`.
+                out.push(unsafe { Box::from_raw(p) });
+            }
+        }
+        out.extend(self.overflow.1.try_iter().map(|(_, v)| v));
+        out
+    }
+}
+
+impl<T> Drop for RawTable<T> {
+    fn drop(&mut self) {
+        for slot in self.slots.iter() {
+            let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
+            if !p.is_null() {
+                // SAFETY: as in `remove`; nobody else can reach the table any more.
+                drop(unsafe { Box::from_raw(p) });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_address_is_taken_out_once_and_unknown_ones_never() {
+        let t = RawTable::new();
+        t.insert(0x1000, Box::new(1u32));
+        t.insert(0x2000, Box::new(2u32));
+        assert_eq!(t.remove(0x3000), None);
+        assert_eq!(t.remove(0x1000).as_deref(), Some(&1));
+        assert_eq!(t.remove(0x1000), None);
+        t.insert(0x1000, Box::new(3u32));
+        assert_eq!(t.remove(0x1000).as_deref(), Some(&3));
+        assert_eq!(t.remove(0x2000).as_deref(), Some(&2));
+    }
+
+    #[test]
+    fn addresses_past_a_full_probe_sequence_overflow_and_are_still_found() {
+        let t = RawTable::new();
+        // Addresses that all start at the same slot.
+        let step = 1usize << 48;
+        let addrs: Vec<usize> = (1..=PROBES + 10).map(|i| i * step).collect();
+        assert!(addrs.iter().all(|&a| home(a) == home(addrs[0])));
+        for &a in &addrs {
+            t.insert(a, Box::new(a));
+        }
+        for &a in addrs.iter().rev() {
+            assert_eq!(t.remove(a).as_deref(), Some(&a));
+        }
+        assert!(t.drain().is_empty());
+    }
+
+    #[test]
+    fn racing_removals_of_one_address_give_it_to_exactly_one() {
+        for round in 0..200 {
+            let t = std::sync::Arc::new(RawTable::new());
+            let addr = 0x10_0000 + round * 512;
+            t.insert(addr, Box::new(round));
+            let got: usize = (0..4)
+                .map(|_| {
+                    let t = t.clone();
+                    std::thread::spawn(move || t.remove(addr).is_some() as usize)
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .sum();
+            assert_eq!(got, 1);
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! Simulated device memory: the memory source of each simulated device.
+//!
+//! Owns nothing but a handle on the runtime and the device's ordinal: the device's books
+//! (capacity, bytes in use, allocations made and given back) are atomics in the runtime's
+//! shared state, and every allocation is registered in the ledger like host memory, so that
+//! stream operations resolve device addresses the way they resolve host ones (the device
+//! addresses are host addresses of memory that takes pages only once written).
+//!
+//! Like a GPU, a device has a capacity (16 GiB unless the builder says otherwise): an
+//! allocation or a mapping that would pass it fails as out of memory, the way the driver's
+//! `cuMemAlloc` does. Expandable memory follows CUDA's virtual memory calls: a reserved
+//! range is mapped in 2 MiB granules, and what one `map` call mapped is unmapped whole, in
+//! one call (as `cuMemUnmap` needs: `unmaps_granules` is false). A free of memory still
+//! used by queued work is recorded as a violation; a free of memory it never gave out is
+//! refused and recorded.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use pinpool_actors::{MemoryKind, MemorySource, Origin, Region, RuntimeError};
+
+use super::expandable::GRANULE;
+use super::memory::HostAllocation;
+use super::{FaultPoint, Shared, SimError, ViolationKind};
+
+/// The memory of one simulated device, as a memory source.
+///
+/// ```
+/// use pinpool::sim::SimRuntime;
+/// use pinpool::{MemoryKind, MemorySource};
+///
+/// let sim = SimRuntime::builder().device_capacity(64 << 20).build();
+/// let device = sim.device_memory(0).unwrap();
+/// assert_eq!(device.kind(), MemoryKind::Device(0));
+/// let block = device.alloc(1 << 20).unwrap();
+/// assert_eq!(sim.device_used(0), Some(1 << 20));
+/// // The driver says no past the device's capacity.
+/// assert!(device.alloc(64 << 20).unwrap_err().out_of_memory);
+/// device.free(block).unwrap();
+/// assert_eq!(sim.device_used(0), Some(0));
+/// ```
+pub struct SimDeviceMemory {
+    pub(super) shared: Arc<Shared>,
+    pub(super) ordinal: usize,
+}
+
+impl SimDeviceMemory {
+    fn state(&self) -> &super::DeviceState {
+        &self.shared.devices[self.ordinal]
+    }
+
+    /// Counts `bytes` as in use, if the device has room for them.
+    fn take(&self, op: &'static str, bytes: usize) -> Result<(), RuntimeError> {
+        let s = self.state();
+        s.used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| {
+                u.checked_add(bytes).filter(|&t| t <= s.capacity)
+            })
+            .map(drop)
+            .map_err(|used| {
+                RuntimeError::out_of_memory(
+                    op,
+                    format!(
+                        "out of memory on simulated device {}: {bytes} bytes asked with {used} of {} in use",
+                        self.ordinal, s.capacity
+                    ),
+                )
+            })
+    }
+
+    fn give(&self, bytes: usize) {
+        self.state().used.fetch_sub(bytes, Ordering::SeqCst);
+    }
+
+    /// The reserved range `range` describes, if it is one of this device's.
+    fn reserved(
+        &self,
+        op: &'static str,
+        range: &Region,
+    ) -> Result<Arc<HostAllocation>, RuntimeError> {
+        let found = if range.method == Origin::DeviceMapped {
+            self.shared
+                .ledger
+                .find(range.addr(), range.size)
+                .map_err(|e| e.into_runtime(op))?
+        } else {
+            None
+        };
+        found
+            .filter(|a| a.device() == Some(self.ordinal))
+            .ok_or_else(|| {
+                RuntimeError::new(
+                    op,
+                    format!(
+                        "{} bytes at {:#x} are not a reserved range of device {}",
+                        range.size,
+                        range.addr(),
+                        self.ordinal
+                    ),
+                )
+            })
+    }
+
+    fn report_free_in_use(&self, alloc: &Arc<HostAllocation>, addr: usize, size: usize) {
+        // Queued operations and live graphs hold the other references.
+        let users = Arc::strong_count(alloc) - 1;
+        if users > 0 {
+            self.shared.report(
+                ViolationKind::FreedWhileInUse,
+                None,
+                format!(
+                    "device memory: {size} bytes at {addr:#x} given back while {users} queued operation(s) or graph(s) still use them"
+                ),
+            );
+        }
+    }
+}
+
+impl MemorySource for SimDeviceMemory {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Device(self.ordinal)
+    }
+
+    fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
+        const OP: &str = "cuMemAlloc";
+        self.shared.faults.check(FaultPoint::DeviceAlloc)?;
+        if size == 0 {
+            return Err(SimError::ZeroSize { op: OP }.into_runtime(OP));
+        }
+        let alloc = HostAllocation::lazy(size)
+            .map_err(|e| RuntimeError::out_of_memory(OP, e.to_string()))?
+            .on_device(self.ordinal);
+        let size = alloc.size();
+        self.take(OP, size)?;
+        let ptr = alloc.ptr();
+        if let Err(e) = self.shared.ledger.register(Arc::new(alloc)) {
+            self.give(size);
+            return Err(e.into_runtime(OP));
+        }
+        self.state().allocs.fetch_add(1, Ordering::SeqCst);
+        Ok(Region {
+            ptr,
+            size,
+            method: Origin::SimulatedDevice,
+        })
+    }
+
+    fn free(&self, region: Region) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemFree";
+        self.shared.faults.check(FaultPoint::DeviceFree)?;
+        let (addr, size) = (region.addr(), region.size);
+        let found = if region.method == Origin::SimulatedDevice {
+            self.shared
+                .ledger
+                .remove(addr, size)
+                .map_err(|e| e.into_runtime(OP))?
+        } else {
+            None
+        };
+        let Some(alloc) = found.filter(|a| a.device() == Some(self.ordinal)) else {
+            let e = SimError::InvalidFree { addr, size };
+            self.shared.report(
+                ViolationKind::InvalidFree,
+                None,
+                format!("{e} (device {}, method {})", self.ordinal, region.method),
+            );
+            return Err(e.into_runtime(OP));
+        };
+        self.report_free_in_use(&alloc, addr, size);
+        self.give(size);
+        self.state().frees.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn granularity(&self) -> Option<usize> {
+        self.shared.expandable.then_some(GRANULE)
+    }
+
+    fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
+        const OP: &str = "cuMemAddressReserve";
+        if !self.shared.expandable {
+            return Err(RuntimeError::new(OP, "expandable memory is turned off"));
+        }
+        #[cfg(unix)]
+        {
+            let alloc = HostAllocation::reserve(size, GRANULE)
+                .map_err(|e| RuntimeError::out_of_memory(OP, e.to_string()))?
+                .on_device(self.ordinal);
+            let ptr = alloc.ptr();
+            self.shared
+                .ledger
+                .register(Arc::new(alloc))
+                .map_err(|e| e.into_runtime(OP))?;
+            Ok(Region {
+                ptr,
+                size,
+                method: Origin::DeviceMapped,
+            })
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = size;
+            Err(RuntimeError::new(OP, "not supported on this platform"))
+        }
+    }
+
+    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemMap";
+        self.shared.faults.check(FaultPoint::DeviceAlloc)?;
+        let alloc = self.reserved(OP, range)?;
+        self.take(OP, size)?;
+        if !alloc.set_mapped_call(offset, size, true) {
+            self.give(size);
+            return Err(RuntimeError::new(
+                OP,
+                format!("{size} bytes at offset {offset:#x} are not whole unmapped granules"),
+            ));
+        }
+        self.state().allocs.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn unmaps_granules(&self) -> bool {
+        false
+    }
+
+    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemUnmap";
+        self.shared.faults.check(FaultPoint::DeviceFree)?;
+        let alloc = self.reserved(OP, range)?;
+        if !alloc.set_mapped_call(offset, size, false) {
+            self.shared.report(
+                ViolationKind::InvalidFree,
+                None,
+                format!(
+                    "device {}: unmap of {size} bytes at offset {offset:#x} is not exactly one earlier map call",
+                    self.ordinal
+                ),
+            );
+            return Err(RuntimeError::new(
+                OP,
+                format!("{size} bytes at offset {offset:#x} are not one mapped call's granules"),
+            ));
+        }
+        self.give(size);
+        self.state().frees.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemAddressFree";
+        let alloc = self.reserved(OP, &range)?;
+        #[cfg(unix)]
+        if alloc.any_mapped() {
+            let e = SimError::InvalidFree {
+                addr: range.addr(),
+                size: range.size,
+            };
+            self.shared.report(
+                ViolationKind::InvalidFree,
+                None,
+                format!("{e} (device range with granules still mapped)"),
+            );
+            return Err(e.into_runtime(OP));
+        }
+        drop(alloc);
+        self.shared
+            .ledger
+            .remove(range.addr(), range.size)
+            .map_err(|e| e.into_runtime(OP))?;
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for SimDeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.state();
+        f.debug_struct("SimDeviceMemory")
+            .field("ordinal", &self.ordinal)
+            .field("capacity", &s.capacity)
+            .field("used", &s.used.load(Ordering::Relaxed))
+            .finish()
+    }
+}
