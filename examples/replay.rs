@@ -1,9 +1,14 @@
-//! Replays allocation traces through pinpool and reports how much pinned memory each size
-//! policy reserves.
+//! Replays allocation traces through pinpool and reports how much memory each size policy
+//! reserves: pinned host memory by default, device memory with `--device`.
 //!
 //! ```sh
-//! cargo run --release --example replay -- [--policy NAME] FILE...
+//! cargo run --release --example replay -- [--device] [--policy NAME] FILE...
 //! ```
+//!
+//! With `--device` the trace runs through a `DeviceAllocator` on a simulated device (each
+//! trace stream its own simulated stream), and the policies are the device layouts:
+//! `device` (the default: blocks packed into one expandable range per stream) and
+//! `device_segments` (separate segments, PyTorch's layout without expandable segments).
 //!
 //! Each file (the text format of `pinpool::trace`, gzip or plain, or MiniMalloc CSV) is played
 //! on the simulated runtime through the real engine and its actors: an allocation at each `a`
@@ -22,18 +27,31 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use pinpool::config::SizePolicyChoice;
+use pinpool::config::{DeviceConfig, SizePolicyChoice};
 use pinpool::trace::{Trace, TraceError, TraceEvent};
-use pinpool::{PinnedAllocator, PinnedBuffer, SizePolicy};
+use pinpool::{DeviceAllocator, DeviceBuffer, PinnedAllocator, PinnedBuffer, SizePolicy};
 
-/// The names of the policies the tool knows.
-fn policy_names() -> Vec<&'static str> {
-    SizePolicyChoice::ALL.iter().map(|c| c.as_str()).collect()
+/// The device layouts `--device` knows, as `PINPOOL_DEVICE_CONF` settings.
+const DEVICE_POLICIES: [(&str, bool); 2] = [("device", true), ("device_segments", false)];
+
+/// The names of the policies the tool knows (host or device ones).
+fn policy_names(device: bool) -> Vec<&'static str> {
+    if device {
+        DEVICE_POLICIES.iter().map(|(n, _)| *n).collect()
+    } else {
+        SizePolicyChoice::ALL.iter().map(|c| c.as_str()).collect()
+    }
 }
 
-/// The policy called `name`.
+/// The host policy called `name`.
 pub fn policy(name: &str) -> Option<Arc<dyn SizePolicy>> {
     SizePolicyChoice::from_name(name).map(SizePolicyChoice::policy)
+}
+
+/// The device configuration of the device policy called `name`.
+fn device_config(name: &str) -> Option<DeviceConfig> {
+    let (_, expandable) = DEVICE_POLICIES.iter().find(|(n, _)| *n == name)?;
+    Some(DeviceConfig::default().with_expandable_segments(*expandable))
 }
 
 /// What went wrong.
@@ -54,8 +72,12 @@ impl std::fmt::Display for ReplayError {
         match self {
             ReplayError::Usage(m) => write!(
                 f,
-                "{m}\nusage: replay [--policy {}] FILE...",
-                policy_names().join("|")
+                "{m}\nusage: replay [--device] [--policy {}] FILE...",
+                policy_names(false)
+                    .into_iter()
+                    .chain(policy_names(true))
+                    .collect::<Vec<_>>()
+                    .join("|")
             ),
             ReplayError::Trace(e) => write!(f, "{e}"),
             ReplayError::Alloc { file, error } => write!(f, "{file}: allocation failed: {error}"),
@@ -69,6 +91,8 @@ impl std::error::Error for ReplayError {}
 /// What a command line asks for.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Args {
+    /// Replay through device memory (`--device`).
+    pub device: bool,
     /// Policy names to run, in order.
     pub policies: Vec<String>,
     /// Trace files.
@@ -79,9 +103,12 @@ pub struct Args {
 pub fn parse_args(args: &[String]) -> Result<Args, ReplayError> {
     let mut policies = Vec::new();
     let mut files = Vec::new();
+    let mut device = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        if let Some(name) = a.strip_prefix("--policy=") {
+        if a == "--device" {
+            device = true;
+        } else if let Some(name) = a.strip_prefix("--policy=") {
             policies.push(name.to_owned());
         } else if a == "--policy" {
             let name = it
@@ -94,21 +121,27 @@ pub fn parse_args(args: &[String]) -> Result<Args, ReplayError> {
             files.push(PathBuf::from(a));
         }
     }
+    let known = policy_names(device);
     for p in &policies {
-        if policy(p).is_none() {
+        if !known.contains(&p.as_str()) {
             return Err(ReplayError::Usage(format!(
-                "unknown policy {p:?} (known: {})",
-                policy_names().join(", ")
+                "unknown {}policy {p:?} (known: {})",
+                if device { "device " } else { "" },
+                known.join(", ")
             )));
         }
     }
     if policies.is_empty() {
-        policies = policy_names().into_iter().map(String::from).collect();
+        policies = known.into_iter().map(String::from).collect();
     }
     if files.is_empty() {
         return Err(ReplayError::Usage("no trace files given".into()));
     }
-    Ok(Args { policies, files })
+    Ok(Args {
+        device,
+        policies,
+        files,
+    })
 }
 
 /// The outcome of replaying one trace under one policy.
@@ -150,6 +183,57 @@ impl Report {
             self.ns_per_request
         )
     }
+}
+
+/// Replays `trace` (named `file` in the report) through a fresh device allocator on a
+/// simulated device, with the device policy `policy_name`.
+pub fn replay_device(trace: &Trace, file: &str, policy_name: &str) -> Result<Report, ReplayError> {
+    let config = device_config(policy_name)
+        .ok_or_else(|| ReplayError::Usage(format!("unknown device policy {policy_name:?}")))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(ReplayError::Runtime)?;
+    let alloc_err = |error| ReplayError::Alloc {
+        file: file.to_owned(),
+        error,
+    };
+    rt.block_on(async {
+        let pool = DeviceAllocator::builder()
+            .config(&config)
+            .build()
+            .map_err(alloc_err)?;
+        let mut streams = std::collections::BTreeMap::new();
+        let mut live: Vec<Option<DeviceBuffer>> = Vec::new();
+        live.resize_with(trace.allocation_count(), || None);
+        let t0 = Instant::now();
+        for event in trace.events() {
+            match *event {
+                TraceEvent::Alloc { id, bytes, stream } => {
+                    let size = usize::try_from(bytes).unwrap_or(usize::MAX);
+                    let s = streams
+                        .entry(stream)
+                        .or_insert_with(|| pool.runtime().stream());
+                    live[id] = Some(pool.alloc(size, s).await.map_err(alloc_err)?);
+                }
+                TraceEvent::Free { id } => live[id] = None,
+            }
+        }
+        let elapsed = t0.elapsed();
+        let stats = pool.stats(0).map_err(alloc_err)?;
+        drop(live);
+        let requests = trace.allocation_count();
+        Ok(Report {
+            file: file.to_owned(),
+            policy: policy_name.to_owned(),
+            requests,
+            peak_live: trace.peak_live_bytes(),
+            peak_reserved: stats.reserved_bytes.all.peak.max(0) as u64,
+            fresh: stats.num_device_alloc.max(0) as u64,
+            ns_per_request: elapsed.as_nanos() as f64 / requests.max(1) as f64,
+        })
+    })
 }
 
 /// Replays `trace` (named `file` in the report) through a fresh allocator with `policy`.
@@ -223,9 +307,13 @@ pub fn run(args: &[String], mut out: impl FnMut(&str)) -> Result<Vec<Report>, Re
             trace.peak_live_bytes() as f64 / (1u64 << 20) as f64
         ));
         for p in &args.policies {
-            let r = replay_trace(trace, name, p)?;
+            let r = if args.device {
+                replay_device(trace, name, p)?
+            } else {
+                replay_trace(trace, name, p)?
+            };
             out(&format!(
-                "  {:<8} peak reserved {:>9.1} MiB = {:.3}x peak live, {} fresh host allocations, {:.0} ns per request",
+                "  {:<8} peak reserved {:>9.1} MiB = {:.3}x peak live, {} fresh allocations, {:.0} ns per request",
                 r.policy,
                 r.peak_reserved as f64 / (1u64 << 20) as f64,
                 r.reserved_over_peak(),

@@ -92,6 +92,10 @@ pub struct Carving {
     /// In the arena, place a block where it strands the least of the granules it touches
     /// (see `Arena::place`): fewer granules mapped for the same blocks.
     pub pack_granules: bool,
+    /// Where the memory source unmaps only whole map calls, runs of at least this many
+    /// bytes are mapped by one call (fast: one piece of memory) and shorter runs granule by
+    /// granule (each granule can go back on its own).
+    pub map_whole_from: usize,
 }
 
 impl Carving {
@@ -201,6 +205,7 @@ impl Default for BestFit {
                 max_split: usize::MAX,
                 gc_threshold_permille: None,
                 pack_granules: false,
+                map_whole_from: usize::MAX,
             },
         }
     }
@@ -331,6 +336,7 @@ impl Default for DeviceFit {
                 max_split: usize::MAX,
                 gc_threshold_permille: None,
                 pack_granules: true,
+                map_whole_from: 256 << 20,
             },
             divisions: 0,
         }
@@ -374,6 +380,13 @@ impl DeviceFit {
     /// Bytes of address space the expandable range of each pool reserves (default 1 TiB).
     pub fn arena_reserve(mut self, bytes: usize) -> Self {
         self.carving.arena_reserve = bytes;
+        self
+    }
+
+    /// Runs of at least `bytes` are mapped by one call where the memory source unmaps only
+    /// whole calls (default 256 MiB): see [`Carving::map_whole_from`].
+    pub fn map_whole_from(mut self, bytes: usize) -> Self {
+        self.carving.map_whole_from = bytes;
         self
     }
 

@@ -143,6 +143,32 @@ impl DeviceConfig {
     }
 }
 
+impl DeviceConfig {
+    /// This configuration with `max_split_size` set (`None`: unlimited).
+    pub fn with_max_split_size(mut self, bytes: Option<usize>) -> Self {
+        self.max_split_size = bytes;
+        self
+    }
+
+    /// This configuration with `roundup_power2_divisions` set.
+    pub fn with_roundup_power2_divisions(mut self, divisions: u32) -> Self {
+        self.roundup_power2_divisions = divisions;
+        self
+    }
+
+    /// This configuration with `garbage_collection_threshold` set.
+    pub fn with_garbage_collection_threshold(mut self, threshold: Option<f64>) -> Self {
+        self.garbage_collection_threshold = threshold;
+        self
+    }
+
+    /// This configuration with `expandable_segments` set.
+    pub fn with_expandable_segments(mut self, on: bool) -> Self {
+        self.expandable_segments = on;
+        self
+    }
+}
+
 impl FromStr for DeviceConfig {
     type Err = ConfigError;
 

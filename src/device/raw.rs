@@ -22,7 +22,10 @@ const EMPTY: usize = 0;
 const FREED: usize = 1;
 
 /// Buffers whose probe sequence was full, with their addresses.
-type Overflow<T> = (flume::Sender<(usize, Box<T>)>, flume::Receiver<(usize, Box<T>)>);
+type Overflow<T> = (
+    flume::Sender<(usize, Box<T>)>,
+    flume::Receiver<(usize, Box<T>)>,
+);
 
 struct Slot<T> {
     addr: AtomicUsize,

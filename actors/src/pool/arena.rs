@@ -129,16 +129,18 @@ impl<R: Runtime> Arena<R> {
         let (granules, g) = (&self.granules, self.granule);
         let want = crate::carve::align_up(size)?;
         let boundary = if pack { g } else { 0 };
-        let piece = self.carver.place_ranked(self.seg, size, boundary, |at, len| {
-            let stranded = if pack {
-                let tail = (g - (at + want) % g) % g;
-                let head_shared = granules.get(&(at / g)).is_some_and(|gr| gr.refs > 0);
-                tail + if head_shared { 0 } else { at % g }
-            } else {
-                0
-            };
-            Some((count_unmapped(granules, g, at, size), stranded, len, at))
-        })?;
+        let piece = self
+            .carver
+            .place_ranked(self.seg, size, boundary, |at, len| {
+                let stranded = if pack {
+                    let tail = (g - (at + want) % g) % g;
+                    let head_shared = granules.get(&(at / g)).is_some_and(|gr| gr.refs > 0);
+                    tail + if head_shared { 0 } else { at % g }
+                } else {
+                    0
+                };
+                Some((count_unmapped(granules, g, at, size), stranded, len, at))
+            })?;
         self.touch(piece);
         let need = span(g, piece.offset, piece.len)
             .filter(|i| !self.granules.contains_key(i))
@@ -283,6 +285,27 @@ impl<R: Runtime> Arena<R> {
         out
     }
 
+    /// The map calls that map `granules`, as (offset, bytes): their maximal runs, or, where
+    /// the source unmaps only whole calls, runs of at least `whole_from` bytes as one call
+    /// each and shorter ones granule by granule (so that each granule of those can go back
+    /// on its own).
+    pub(super) fn map_units(&self, granules: &[usize], whole_from: usize) -> Vec<(usize, usize)> {
+        let runs = self.runs(granules);
+        if !self.whole {
+            return runs;
+        }
+        let g = self.granule;
+        runs.into_iter()
+            .flat_map(|(o, l)| {
+                if l >= whole_from {
+                    vec![(o, l)]
+                } else {
+                    (0..l / g).map(|i| (o + i * g, g)).collect()
+                }
+            })
+            .collect()
+    }
+
     /// Maximal runs of consecutive granules, as (offset, bytes).
     pub(super) fn runs(&self, granules: &[usize]) -> Vec<(usize, usize)> {
         let mut runs: Vec<(usize, usize)> = Vec::new();
@@ -424,8 +447,13 @@ impl<R: Runtime> PoolActor<R> {
             budget.release(bytes);
             return Err(Error::Runtime(RuntimeError::new("host_map", "no arena")));
         };
-        let runs = arena.runs(&need);
+        let whole_from = self
+            .carved
+            .as_ref()
+            .map_or(usize::MAX, |s| s.carving.map_whole_from);
+        let runs = arena.map_units(&need, whole_from);
         let calls = if arena.whole_runs() { runs.len() } else { 1 };
+        let units = runs.clone();
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let t0 = Instant::now();
         let job = tokio::task::spawn_blocking(move || {
@@ -458,11 +486,11 @@ impl<R: Runtime> PoolActor<R> {
                 );
                 if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
                     if a.whole_runs() {
-                        // One map call per run: each goes back whole.
+                        // One map call per unit: each goes back whole.
                         let g = a.granule();
-                        for (o, l) in a.runs(&need) {
-                            let run: Vec<usize> = (o / g..(o + l) / g).collect();
-                            a.mapped(&run);
+                        for (o, l) in units {
+                            let unit: Vec<usize> = (o / g..(o + l) / g).collect();
+                            a.mapped(&unit);
                         }
                     } else {
                         a.mapped(&need);

@@ -418,7 +418,12 @@ impl<R: Runtime> PoolActor<R> {
     async fn miss_arena(&mut self, class: SizeClass) -> Option<Result<Box<Block<R>>, Error>> {
         self.absorb_ready();
         let pack = self.carved.as_ref()?.carving.pack_granules;
-        let mut placed = self.carved.as_mut()?.arena.as_mut()?.place(class.size, pack)?;
+        let mut placed = self
+            .carved
+            .as_mut()?
+            .arena
+            .as_mut()?
+            .place(class.size, pack)?;
         if !placed.1.is_empty() && self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
             let arena = self.carved.as_mut()?.arena.as_mut()?;
             if let Err(e) = arena.release(placed.0) {
@@ -426,7 +431,12 @@ impl<R: Runtime> PoolActor<R> {
             }
             self.flush_events().await;
             self.absorb_ready();
-            placed = self.carved.as_mut()?.arena.as_mut()?.place(class.size, pack)?;
+            placed = self
+                .carved
+                .as_mut()?
+                .arena
+                .as_mut()?
+                .place(class.size, pack)?;
         }
         let (piece, need) = placed;
         if !need.is_empty() {
