@@ -291,11 +291,15 @@ impl Detail {
         }
         let segment = [self.segment[0].read(), self.segment[1].read()];
         let reserved = [self.reserved[0].read(), self.reserved[1].read()];
+        // Reserved bytes that no active block uses, now (peaks are not tracked). Blocks and
+        // segments fall in the pools by different sizes, so the small pool's part is taken
+        // as it comes and the large pool's is the rest of the total.
+        let active_all = parts[4][0].current + parts[4][1].current;
+        let total = (reserved[0].current + reserved[1].current - active_all).max(0);
+        let small = (reserved[0].current - parts[4][0].current).clamp(0, total);
         let mut inactive = [Stat::default(); 2];
-        for p in 0..2 {
-            // Reserved bytes that no active block uses, now; peaks are not tracked.
-            inactive[p].current = (reserved[p].current - parts[4][p].current).max(0);
-        }
+        inactive[0].current = small;
+        inactive[1].current = total - small;
         let ranges = self.free_ranges.load(Relaxed);
         let mut oversize = parts[5][0];
         oversize.add(&parts[5][1]);

@@ -26,6 +26,8 @@ use crate::sim::SimRuntime;
 pub(crate) struct Inner<R: DeviceRuntime> {
     pub(crate) runtime: Arc<R>,
     pub(crate) devices: Box<[Engine<R>]>,
+    /// Each device's memory, in bytes: no request larger than that is tried.
+    pub(crate) totals: Box<[usize]>,
     pub(crate) raw: RawTable<DeviceBuffer<R>>,
     pub(crate) config: DeviceConfig,
 }
@@ -120,10 +122,19 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         })
     }
 
-    /// The engine of the device `stream` runs on.
-    fn engine_of(&self, stream: &R::Stream) -> Result<(usize, &Engine<R>), Error> {
+    /// The engine of the device `stream` runs on, for a request of `size` bytes: one larger
+    /// than the device is refused at once, with nothing touched.
+    fn engine_of(&self, stream: &R::Stream, size: usize) -> Result<(usize, &Engine<R>), Error> {
         let d = self.inner.runtime.stream_device(stream);
-        Ok((d, self.engine(d)?))
+        let engine = self.engine(d)?;
+        if size > self.inner.totals[d] {
+            return Err(Error::OutOfMemory {
+                requested: size,
+                reserved: engine.reserved_bytes(),
+                limit: None,
+            });
+        }
+        Ok((d, engine))
     }
 
     /// Allocates `size` bytes for work on `stream`, on the stream's device. A size that
@@ -163,7 +174,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         stream: &R::Stream,
         wait: Wait,
     ) -> Result<DeviceBuffer<R>, Error> {
-        let (d, engine) = self.engine_of(stream)?;
+        let (d, engine) = self.engine_of(stream, size)?;
         let lease = engine.alloc_with(size, Some(stream), wait).await?;
         Ok(DeviceBuffer::new(lease, stream.clone(), d))
     }
@@ -203,7 +214,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         stream: &R::Stream,
         wait: Wait,
     ) -> Result<DeviceBuffer<R>, Error> {
-        let (d, engine) = self.engine_of(stream)?;
+        let (d, engine) = self.engine_of(stream, size)?;
         let lease = engine.alloc_blocking_with(size, Some(stream), wait)?;
         Ok(DeviceBuffer::new(lease, stream.clone(), d))
     }

@@ -139,8 +139,10 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         };
         let count = self.runtime.device_count();
         let mut devices = Vec::with_capacity(count);
+        let mut totals = Vec::with_capacity(count);
         for d in 0..count {
             let (_, total) = self.runtime.device_memory_info(d)?;
+            totals.push(total);
             let limit = match self.cap {
                 Cap::None => None,
                 Cap::Bytes(b) => Some(b),
@@ -169,6 +171,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         Ok(DeviceAllocator::from_inner(Inner {
             runtime: self.runtime,
             devices: devices.into_boxed_slice(),
+            totals: totals.into_boxed_slice(),
             raw: RawTable::new(),
             config: self.config,
         }))

@@ -176,6 +176,11 @@ impl MemorySource for SimDeviceMemory {
         self.shared.expandable.then_some(GRANULE)
     }
 
+    fn free_bytes(&self) -> Option<usize> {
+        let s = self.state();
+        Some(s.capacity.saturating_sub(s.used.load(Ordering::SeqCst)))
+    }
+
     fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
         const OP: &str = "cuMemAddressReserve";
         if !self.shared.expandable {

@@ -139,12 +139,19 @@ impl HostAllocation {
         let key = stream.wrapping_add(1);
         let mut total = self.overflow.load(Ordering::Acquire);
         let mut mine = None;
+        let mut free_slot = false;
         for (id, n) in &self.writers {
             let count = n.load(Ordering::Acquire);
             total += count;
-            if id.load(Ordering::Acquire) == key {
-                mine = Some(count);
+            match id.load(Ordering::Acquire) {
+                k if k == key => mine = Some(count),
+                0 => free_slot = true,
+                _ => {}
             }
+        }
+        // A stream that has not written yet would count in a free slot, from 0.
+        if mine.is_none() && free_slot {
+            mine = Some(0);
         }
         Writes { total, mine }
     }

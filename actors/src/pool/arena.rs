@@ -460,20 +460,24 @@ impl<R: Runtime> PoolActor<R> {
             let mut done = Vec::new();
             for (o, l) in runs {
                 if let Err(e) = shared.map_now(&segment.memory, o, l) {
-                    // All or nothing: what this call mapped goes back.
+                    // All or nothing: what this call mapped goes back (and its bytes to
+                    // the budget, as `unmap_now` does).
+                    let mut released = 0;
                     for (o, l) in done {
-                        let _ = shared.unmap_now(&segment.memory, o, l);
+                        if shared.unmap_now(&segment.memory, o, l).is_ok() {
+                            released += l;
+                        }
                     }
-                    return Err(e);
+                    return Err((e, released));
                 }
                 done.push((o, l));
             }
             Ok(())
         });
         let res = job.await.unwrap_or_else(|e| {
-            Err(RuntimeError::new(
-                "host_map",
-                format!("blocking task failed: {e}"),
+            Err((
+                RuntimeError::new("host_map", format!("blocking task failed: {e}")),
+                0,
             ))
         });
         match res {
@@ -498,9 +502,9 @@ impl<R: Runtime> PoolActor<R> {
                 }
                 Ok(())
             }
-            Err(e) => {
+            Err((e, released)) => {
                 // Bytes unmapped on the way out went back to the budget already.
-                budget.release(bytes);
+                budget.release(bytes - released);
                 self.release_unmapped(piece);
                 tracing::warn!(error = %e, "mapping memory failed");
                 Err(if e.out_of_memory {
