@@ -75,6 +75,7 @@ run() {
     set +e
     set -o pipefail
     [ -x "$dir/gpu" ] && step gpu "$dir/gpu" --test-threads=1 --nocapture
+    [ -x "$dir/gpu_device" ] && step gpu_device "$dir/gpu_device" --test-threads=1 --nocapture
     [ -x "$dir/gpu_config" ] && step gpu_config "$dir/gpu_config" --test-threads=1 --nocapture
     [ -x "$dir/pinpool_lib" ] && step cuda_runtime "$dir/pinpool_lib" cuda:: --test-threads=1 --nocapture
     [ -x "$dir/serve" ] && step serve "$dir/serve"

@@ -4,7 +4,9 @@
 //!
 //! - `context`: binding contexts to threads, relaxed capture mode around host calls.
 //! - `host`: the two ways of pinning (`cuMemHostAlloc`; `mmap` + pre-fault + register).
-//! - `vmm`: expandable host memory (a reserved range mapped granule by granule).
+//! - `vmm`: expandable memory (a reserved range mapped in granules), host or device.
+//! - `device`: device memory ([`CudaDeviceMemory`]), the devices of the device allocator,
+//!   and cudarc's `DevicePtr`/`DevicePtrMut` for `DeviceBuffer<CudaRuntime>`.
 //! - `events`: pooled events, one free list per context.
 //! - `runtime`: [`CudaRuntime`] itself, detection ([`cuda_available`]).
 //! - `builder`: [`Builder::cuda`](crate::Builder::cuda) and
@@ -36,6 +38,7 @@ mod auto;
 mod builder;
 mod context;
 mod copy;
+mod device;
 mod error;
 mod events;
 mod host;
@@ -46,6 +49,7 @@ mod vmm;
 mod gpu_tests;
 
 pub use auto::{AutoEvent, AutoRuntime, AutoStream};
+pub use device::CudaDeviceMemory;
 pub use error::CudaInitError;
 pub use events::PooledEvent;
 pub use runtime::{cuda_available, device_count, stream_id, CudaRuntime};

@@ -44,6 +44,9 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuStreamIsCapturing",
     "cuThreadExchangeStreamCaptureMode",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemGetInfo_v2",
 ];
 
 /// Whether a CUDA driver and at least one device are present. Never panics; the answer is
@@ -160,7 +163,10 @@ impl CudaRuntime {
         let ctx =
             CudaContext::new(ordinal).map_err(|e| CudaInitError::driver("CudaContext::new", e))?;
         let layout = RegisterLayout::new(config.huge_pages, config.prefault_threads);
-        let vmm_granule = bind(&ctx).ok().and_then(|()| vmm::granularity());
+        let device = ctx.ordinal() as std::ffi::c_int;
+        let vmm_granule = bind(&ctx)
+            .ok()
+            .and_then(|()| vmm::granularity(vmm::Location::Host { device }));
         Ok(Self {
             ctx,
             config,
@@ -284,7 +290,7 @@ impl CudaRuntime {
     /// Reserves an address range for expandable host memory.
     pub fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         let granule = self.vmm_call("cuMemAddressReserve")?;
-        vmm::reserve(size, granule)
+        vmm::reserve(size, granule, PinMethod::Mapped)
     }
 
     /// Maps pinned granules into a reserved range.
@@ -300,7 +306,7 @@ impl CudaRuntime {
         let device = self.ctx.ordinal() as std::ffi::c_int;
         // SAFETY: the engine maps only whole, unmapped granules of a range it reserved here
         // (checked for shape above).
-        unsafe { vmm::map(range, offset, size, granule, device) }
+        unsafe { vmm::map(range, offset, size, granule, vmm::Location::Host { device }) }
     }
 
     /// Unmaps granules of a reserved range and gives their memory back.

@@ -1,9 +1,11 @@
-//! Expandable host memory through the CUDA virtual memory calls (CUDA 12.2 and later): an
-//! address range reserved with `cuMemAddressReserve`, and pinned host granules created with
-//! `cuMemCreate` (location `CU_MEM_LOCATION_TYPE_HOST`), mapped into it one granule per
-//! handle with `cuMemMap`, and made readable and writable by the device and the host with
-//! `cuMemSetAccess`. A granule is unmapped on its own: its handle is found again with
-//! `cuMemRetainAllocationHandle`, so nothing is kept here.
+//! Expandable memory through the CUDA virtual memory calls: an address range reserved with
+//! `cuMemAddressReserve`, and memory created with `cuMemCreate` — pinned host memory
+//! (location `CU_MEM_LOCATION_TYPE_HOST`, CUDA 12.2 and later) or a device's memory —
+//! mapped into it with `cuMemMap`, and made readable and writable with `cuMemSetAccess` (by
+//! the device, and for host memory by the host too). Host memory is mapped one handle per
+//! granule, so that a granule can be unmapped on its own; device memory one handle per map
+//! call (fast: one call for a whole run), unmapped whole. At unmap a handle is found again
+//! with `cuMemRetainAllocationHandle`, so nothing is kept here.
 //!
 //! Owns no state. Keeps invariant 7: a failure at any step gives back what the earlier
 //! steps of the same call took. The caller binds a context and relaxes the capture mode
@@ -21,14 +23,32 @@ use crate::{HostMemory, PinMethod, RuntimeError};
 /// x86-64 is 2 MiB already).
 const MIN_GRANULE: usize = 2 << 20;
 
-fn host_prop() -> sys::CUmemAllocationProp {
+/// Where mapped memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Location {
+    /// Pinned host memory, accessed by this device.
+    Host { device: c_int },
+    /// This device's memory.
+    Device(c_int),
+}
+
+impl Location {
+    fn accessor(self) -> c_int {
+        match self {
+            Location::Host { device } | Location::Device(device) => device,
+        }
+    }
+}
+
+fn prop(location: Location) -> sys::CUmemAllocationProp {
+    let (type_, id) = match location {
+        Location::Host { .. } => (sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0),
+        Location::Device(d) => (sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, d),
+    };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
         requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-            id: 0,
-        },
+        location: sys::CUmemLocation { type_, id },
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
             compressionType: 0,
@@ -43,10 +63,10 @@ fn check(op: &'static str, r: sys::CUresult) -> Result<(), RuntimeError> {
     r.result().map_err(|e| runtime_error(op, e))
 }
 
-/// The granule for pinned host memory, or `None` when the driver cannot create it (older
-/// than 12.2, or no such support on this system).
-pub(crate) fn granularity() -> Option<usize> {
-    let prop = host_prop();
+/// The granule for memory at `location`, or `None` when the driver cannot create it (for
+/// host memory: older than 12.2, or no such support on this system).
+pub(crate) fn granularity(location: Location) -> Option<usize> {
+    let prop = prop(location);
     let mut granule = 0usize;
     // SAFETY: both pointers are valid for the call; the driver writes only `granule`.
     let r = unsafe {
@@ -60,8 +80,13 @@ pub(crate) fn granularity() -> Option<usize> {
         .then(|| granule.max(MIN_GRANULE).next_power_of_two())
 }
 
-/// Reserves `size` bytes of address space, none of it mapped.
-pub(crate) fn reserve(size: usize, granule: usize) -> Result<HostMemory, RuntimeError> {
+/// Reserves `size` bytes of address space, none of it mapped, described as `method`
+/// ([`PinMethod::Mapped`] for host memory, `DeviceMapped` for device memory).
+pub(crate) fn reserve(
+    size: usize,
+    granule: usize,
+    method: PinMethod,
+) -> Result<HostMemory, RuntimeError> {
     let mut va: sys::CUdeviceptr = 0;
     // SAFETY: `va` is valid for the write; no memory is touched.
     check("cuMemAddressReserve", unsafe {
@@ -69,28 +94,25 @@ pub(crate) fn reserve(size: usize, granule: usize) -> Result<HostMemory, Runtime
     })?;
     let ptr = NonNull::new(va as usize as *mut u8)
         .ok_or_else(|| RuntimeError::new("cuMemAddressReserve", "returned a null address"))?;
-    Ok(HostMemory {
-        ptr,
-        size,
-        method: PinMethod::Mapped,
-    })
+    Ok(HostMemory { ptr, size, method })
 }
 
-/// Maps pinned host memory at `[offset, offset + size)` of `range`, one handle per granule,
-/// readable and writable by `device` and by the host.
+/// Maps memory at `location` at `[offset, offset + size)` of `range`, readable and writable
+/// by the accessing device (and, for host memory, by the host): one handle per `unit` (the
+/// granule, or `size` for one handle for the whole span).
 ///
 /// # Safety
 /// `range` came from [`reserve`]; the granules of the span lie inside it, are whole, and
-/// are not mapped.
+/// are not mapped; `unit` divides `size`.
 pub(crate) unsafe fn map(
     range: &HostMemory,
     offset: usize,
     size: usize,
-    granule: usize,
-    device: c_int,
+    unit: usize,
+    location: Location,
 ) -> Result<(), RuntimeError> {
     let base = range.ptr.as_ptr() as usize as sys::CUdeviceptr + offset as sys::CUdeviceptr;
-    let prop = host_prop();
+    let prop = prop(location);
     let mut done = 0usize;
     let res = (|| {
         while done < size {
@@ -98,10 +120,10 @@ pub(crate) unsafe fn map(
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: `h` and `prop` are valid for the call.
             check("cuMemCreate", unsafe {
-                sys::cuMemCreate(&mut h, granule, &prop, 0)
+                sys::cuMemCreate(&mut h, unit, &prop, 0)
             })?;
-            // SAFETY: `at` is an unmapped granule of the reserved range (caller's promise).
-            if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(at, granule, 0, h, 0) }) {
+            // SAFETY: `at` is unmapped space of the reserved range (caller's promise).
+            if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(at, unit, 0, h, 0) }) {
                 // SAFETY: `h` was created above and is mapped nowhere.
                 unsafe { sys::cuMemRelease(h) };
                 return Err(e);
@@ -109,18 +131,19 @@ pub(crate) unsafe fn map(
             // The mapping holds the memory; the handle is found again at unmap.
             // SAFETY: `h` was created above.
             unsafe { sys::cuMemRelease(h) };
-            done += granule;
+            done += unit;
         }
-        set_access(base, size, device)
+        set_access(base, size, location)
     })();
     if res.is_err() {
-        // SAFETY: exactly the granules mapped above.
-        let _ = unsafe { unmap(range, offset, done, granule) };
+        // SAFETY: exactly the units mapped above.
+        let _ = unsafe { unmap(range, offset, done, unit) };
     }
     res
 }
 
-fn set_access(at: sys::CUdeviceptr, size: usize, device: c_int) -> Result<(), RuntimeError> {
+fn set_access(at: sys::CUdeviceptr, size: usize, location: Location) -> Result<(), RuntimeError> {
+    let device = location.accessor();
     let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     let desc = [
         sys::CUmemAccessDesc {
@@ -138,6 +161,12 @@ fn set_access(at: sys::CUdeviceptr, size: usize, device: c_int) -> Result<(), Ru
             flags: rw,
         },
     ];
+    if matches!(location, Location::Device(_)) {
+        // SAFETY: the span is mapped; `desc` is valid for the call.
+        return check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(at, size, desc.as_ptr(), 1)
+        });
+    }
     // SAFETY: the span is mapped; `desc` is valid for the call.
     let both = unsafe { sys::cuMemSetAccess(at, size, desc.as_ptr(), 2) };
     if both == sys::CUresult::CUDA_SUCCESS {
@@ -150,19 +179,21 @@ fn set_access(at: sys::CUdeviceptr, size: usize, device: c_int) -> Result<(), Ru
     })
 }
 
-/// Unmaps the granules of `[offset, offset + size)` of `range` and gives their memory back.
+/// Unmaps `[offset, offset + size)` of `range`, one `unit` at a time (each unit one
+/// mapping of [`map`]), and gives the memory back.
 ///
 /// # Safety
-/// The granules were mapped with [`map`] and nothing uses them any more.
+/// Each unit of the span was mapped by [`map`] as one mapping, and nothing uses them any
+/// more.
 pub(crate) unsafe fn unmap(
     range: &HostMemory,
     offset: usize,
     size: usize,
-    granule: usize,
+    unit: usize,
 ) -> Result<(), RuntimeError> {
     let base = range.ptr.as_ptr() as usize + offset;
     let mut first_error = None;
-    for at in (base..base + size).step_by(granule) {
+    for at in (base..base + size).step_by(unit.max(1)) {
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `at` is a mapped granule (caller's promise); the driver writes `h`.
         let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, at as *mut c_void) };
@@ -170,7 +201,7 @@ pub(crate) unsafe fn unmap(
             // SAFETY: as above; the mapping goes, and with the retained handle released
             // the memory goes back.
             let r = check("cuMemUnmap", unsafe {
-                sys::cuMemUnmap(at as sys::CUdeviceptr, granule)
+                sys::cuMemUnmap(at as sys::CUdeviceptr, unit)
             });
             // SAFETY: `h` was retained above.
             unsafe { sys::cuMemRelease(h) };

@@ -58,9 +58,17 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         }
     }
 
-    /// Use `runtime` instead (other settings start over).
+    /// Use `runtime` instead, keeping the other settings.
     pub fn runtime<R2: DeviceRuntime>(self, runtime: Arc<R2>) -> DeviceBuilder<R2> {
-        DeviceBuilder::new(runtime)
+        DeviceBuilder {
+            runtime,
+            config: self.config,
+            cap: self.cap,
+            alloc_timeout: self.alloc_timeout,
+            handle: self.handle,
+            shards: self.shards,
+            policy: self.policy,
+        }
     }
 
     /// The layout settings (`PINPOOL_DEVICE_CONF`'s keys: `max_split_size_mb`,

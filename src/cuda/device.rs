@@ -1,0 +1,311 @@
+//! Device memory on a real GPU: [`CudaDeviceMemory`], the memory source of one device for
+//! the device allocator, and [`DeviceRuntime`] for [`CudaRuntime`] (its devices, and which
+//! device a stream runs on).
+//!
+//! Owns a retained primary context per device memory source. Memory comes two ways, as the
+//! size policy asks: whole segments from `cuMemAlloc` / `cuMemFree`, or runs mapped into one
+//! reserved device address range per pool with CUDA's virtual memory calls (`cuMemCreate`
+//! and `cuMemMap` for a whole run at once, `cuMemSetAccess` for this device; a run is
+//! unmapped whole, so `unmaps_granules` is false). Every call binds the device's context
+//! and runs in relaxed capture mode on the calling (blocking) thread, so that it neither
+//! fails nor breaks a capture underway on another thread (invariant 6 keeps these calls off
+//! the cached path).
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    result, sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
+
+use super::context::{bind, RelaxedCaptureMode};
+use super::error::runtime_error;
+use super::runtime::{device_count, stream_id, CudaRuntime};
+use super::vmm::{self, Location};
+use crate::config::{DeviceConfig, DEVICE_ENV_VAR};
+use crate::device::{DeviceBuffer, DeviceBuilder, DeviceRuntime};
+use crate::{Error, MemoryKind, MemorySource, Origin, Region, RuntimeError};
+
+/// The memory of one CUDA device, as the device allocator's memory source.
+///
+/// ```no_run
+/// use pinpool::{DeviceRuntime, MemoryKind};
+///
+/// let runtime = pinpool::cuda::CudaRuntime::new(0)?;
+/// let memory = runtime.device_memory(0)?;
+/// assert_eq!(memory.kind(), MemoryKind::Device(0));
+/// let region = memory.alloc(1 << 20)?; // cuMemAlloc
+/// memory.free(region)?; // cuMemFree
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct CudaDeviceMemory {
+    ctx: Arc<CudaContext>,
+    /// The granule of the device's mapped memory, where the driver has the virtual memory
+    /// calls.
+    granule: Option<usize>,
+}
+
+impl std::fmt::Debug for CudaDeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDeviceMemory")
+            .field("device", &self.ctx.ordinal())
+            .field("granule", &self.granule)
+            .finish()
+    }
+}
+
+impl CudaDeviceMemory {
+    /// The memory of the device whose (primary) context is `ctx`.
+    pub fn new(ctx: Arc<CudaContext>) -> Self {
+        let location = Location::Device(ctx.ordinal() as std::ffi::c_int);
+        let granule = bind(&ctx).ok().and_then(|()| vmm::granularity(location));
+        Self { ctx, granule }
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    fn location(&self) -> Location {
+        Location::Device(self.ctx.ordinal() as std::ffi::c_int)
+    }
+
+    /// Binds the device's context and relaxes the thread's capture mode for one call.
+    fn enter(&self) -> Result<RelaxedCaptureMode, RuntimeError> {
+        bind(&self.ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+        RelaxedCaptureMode::enter()
+            .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))
+    }
+
+    /// The granule, after checking that `[offset, offset + size)` is whole granules of a
+    /// range this device reserved.
+    fn granules_of(
+        &self,
+        op: &'static str,
+        range: &Region,
+        offset: usize,
+        size: usize,
+    ) -> Result<usize, RuntimeError> {
+        let granule = self
+            .granule
+            .ok_or_else(|| RuntimeError::new(op, "this device cannot map memory"))?;
+        let whole = offset % granule == 0
+            && size % granule == 0
+            && offset.checked_add(size).is_some_and(|e| e <= range.size);
+        if range.method != Origin::DeviceMapped || !whole {
+            return Err(RuntimeError::new(
+                op,
+                format!(
+                    "{size} bytes at offset {offset} are not whole granules of a reserved device range"
+                ),
+            ));
+        }
+        Ok(granule)
+    }
+}
+
+impl MemorySource for CudaDeviceMemory {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Device(self.ctx.ordinal())
+    }
+
+    fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
+        if size == 0 {
+            return Err(RuntimeError::new("cuMemAlloc", "cannot allocate 0 bytes"));
+        }
+        let _relaxed = self.enter()?;
+        // SAFETY: the device's context is current; the memory is only handed out as a
+        // region, and freed once through `free`.
+        let ptr =
+            unsafe { result::malloc_sync(size) }.map_err(|e| runtime_error("cuMemAlloc", e))?;
+        let ptr = NonNull::new(ptr as usize as *mut u8)
+            .ok_or_else(|| RuntimeError::new("cuMemAlloc", "returned a null address"))?;
+        Ok(Region {
+            ptr,
+            size,
+            method: Origin::Device,
+        })
+    }
+
+    fn free(&self, region: Region) -> Result<(), RuntimeError> {
+        if region.method != Origin::Device {
+            return Err(RuntimeError::new(
+                "cuMemFree",
+                format!(
+                    "memory obtained as {} is not freed with cuMemFree",
+                    region.method
+                ),
+            ));
+        }
+        let _relaxed = self.enter()?;
+        // SAFETY: the engine gives back each region it got from `alloc` exactly once, when
+        // no work uses it any more.
+        unsafe { result::free_sync(region.addr() as u64) }
+            .map_err(|e| runtime_error("cuMemFree", e))
+    }
+
+    fn granularity(&self) -> Option<usize> {
+        self.granule
+    }
+
+    fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
+        let granule = self.granule.ok_or_else(|| {
+            RuntimeError::new("cuMemAddressReserve", "this device cannot map memory")
+        })?;
+        bind(&self.ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+        vmm::reserve(size, granule, Origin::DeviceMapped)
+    }
+
+    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        self.granules_of("cuMemMap", range, offset, size)?;
+        let _relaxed = self.enter()?;
+        // SAFETY: the engine maps only whole, unmapped granules of a range reserved here
+        // (checked for shape above); the whole run is one mapping.
+        unsafe { vmm::map(range, offset, size, size, self.location()) }
+    }
+
+    fn unmaps_granules(&self) -> bool {
+        false
+    }
+
+    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        self.granules_of("cuMemUnmap", range, offset, size)?;
+        let _relaxed = self.enter()?;
+        // SAFETY: the engine unmaps exactly the run of one earlier `map` call, once no block
+        // touches it.
+        unsafe { vmm::unmap(range, offset, size, size) }
+    }
+
+    fn free_bytes(&self) -> Option<usize> {
+        bind(&self.ctx).ok()?;
+        result::mem_get_info().ok().map(|(free, _)| free)
+    }
+
+    fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
+        self.granules_of("cuMemAddressFree", &range, 0, 0)?;
+        bind(&self.ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+        // SAFETY: the engine gives back a range it reserved here once nothing is mapped.
+        unsafe { vmm::unreserve(range) }
+    }
+}
+
+impl CudaRuntime {
+    /// The context of device `device`: the runtime's own, or that device's primary context.
+    fn device_context(&self, device: usize) -> Result<Arc<CudaContext>, Error> {
+        let count = DeviceRuntime::device_count(self);
+        if device >= count {
+            return Err(Error::NoSuchDevice {
+                ordinal: device,
+                count,
+            });
+        }
+        if device == self.ordinal() {
+            return Ok(self.context().clone());
+        }
+        CudaContext::new(device).map_err(|e| Error::Runtime(runtime_error("CudaContext::new", e)))
+    }
+}
+
+/// The driver's devices, for [`DeviceAllocator`](crate::DeviceAllocator) on the GPU.
+impl DeviceRuntime for CudaRuntime {
+    fn device_count(&self) -> usize {
+        device_count().unwrap_or(0)
+    }
+
+    fn device_memory(&self, device: usize) -> Result<Arc<dyn MemorySource>, Error> {
+        let memory: Arc<dyn MemorySource> =
+            Arc::new(CudaDeviceMemory::new(self.device_context(device)?));
+        Ok(memory)
+    }
+
+    fn stream_device(&self, stream: &Self::Stream) -> usize {
+        stream.context().ordinal()
+    }
+
+    fn device_memory_info(&self, device: usize) -> Result<(usize, usize), Error> {
+        let ctx = self.device_context(device)?;
+        bind(&ctx).map_err(|e| Error::Runtime(runtime_error("cuCtxSetCurrent", e)))?;
+        result::mem_get_info().map_err(|e| Error::Runtime(runtime_error("cuMemGetInfo", e)))
+    }
+}
+
+impl<R: DeviceRuntime> DeviceBuilder<R> {
+    /// Switches to the GPU: every device the driver reports, with the layout settings of
+    /// the `PINPOOL_DEVICE_CONF` environment variable ([`DeviceConfig::from_env`]; the other
+    /// settings are kept). Never panics: without a driver it is [`Error::DeviceUnavailable`],
+    /// and with a malformed `PINPOOL_DEVICE_CONF` [`Error::InvalidConfig`].
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use pinpool::{DeviceAllocator, Error};
+    ///
+    /// match DeviceAllocator::builder().cuda() {
+    ///     Ok(builder) => {
+    ///         let pool = builder.build()?;
+    ///         let stream = pool.runtime().context().new_stream().expect("a stream");
+    ///         let buf = pool.alloc(1 << 20, &stream).await?;
+    ///         assert_eq!(buf.len(), 1 << 20);
+    ///     }
+    ///     Err(Error::DeviceUnavailable { message }) => println!("no GPU: {message}"),
+    ///     Err(other) => return Err(other),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn cuda(self) -> Result<DeviceBuilder<CudaRuntime>, Error> {
+        let config = DeviceConfig::from_env().map_err(|e| Error::InvalidConfig {
+            message: format!("{DEVICE_ENV_VAR}: {e}"),
+        })?;
+        let runtime = CudaRuntime::new(0)?;
+        Ok(self.runtime(Arc::new(runtime)).config(&config))
+    }
+}
+
+/// cudarc's view of a [`DeviceBuffer`]: its length in bytes and the stream that owns it.
+impl DeviceSlice<u8> for DeviceBuffer<CudaRuntime> {
+    fn len(&self) -> usize {
+        DeviceBuffer::len(self)
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        DeviceBuffer::stream(self)
+    }
+}
+
+impl DeviceBuffer<CudaRuntime> {
+    /// The address for work on `stream`, ordered the way cudarc orders its own slices. On
+    /// the buffer's own stream, or one recorded on it, nothing more is needed: stream order
+    /// (or the event recorded at the free) keeps the memory from reuse until the work has
+    /// run. On any other stream, the stream first waits for the work enqueued so far on the
+    /// buffer's own stream, and cudarc synchronises it once the work is enqueued, so that
+    /// dropping the buffer afterwards is safe: forgetting `record_stream` costs speed, never
+    /// correctness.
+    fn ordered_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        let own = DeviceBuffer::stream(self);
+        let id = stream_id(stream);
+        if stream_id(own) == id || self.recorded_streams().contains(&id) {
+            return (self.device_ptr(), SyncOnDrop::Sync(None));
+        }
+        stream.context().record_err(stream.join(own));
+        (self.device_ptr(), SyncOnDrop::sync_stream(stream))
+    }
+}
+
+/// Lets cudarc read the buffer: `stream.memcpy_dtoh(&buf, ..)`, `memcpy_dtod(&buf, ..)`.
+/// For kernel arguments pass the address itself: `let p = buf.device_ptr(); args.arg(&p)`.
+impl DevicePtr<u8> for DeviceBuffer<CudaRuntime> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.ordered_ptr(stream)
+    }
+}
+
+/// Lets cudarc write the buffer: `stream.memcpy_htod(&src, &mut buf)`, `memset_zeros(&mut buf)`.
+impl DevicePtrMut<u8> for DeviceBuffer<CudaRuntime> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.ordered_ptr(stream)
+    }
+}

@@ -1,0 +1,389 @@
+//! The device allocator on a real GPU, through the public `DeviceAllocator` API (feature
+//! `cuda`).
+//!
+//! Each test first checks `cuda_available()`; without a driver or device it prints
+//! `<test>: skipped: no CUDA driver/GPU` and passes, except the test of exactly that path.
+//! Run them one at a time (they fill the device, and timings disturb other threads):
+//! `cargo test --release --features cuda --test gpu_device -- --test-threads=1 --nocapture`.
+//! Lines starting with `gpu ` are measurements; `docs/gpu-tests.md` records them.
+#![cfg(feature = "cuda")]
+
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys, CudaSlice, CudaStream};
+use pinpool::cuda::{cuda_available, CudaRuntime};
+use pinpool::{DeviceAllocator, DeviceBuffer, Error, OomReport, Runtime};
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+/// A device allocator on the GPU, or `None` (after saying so) where there is none.
+fn gpu(test: &str) -> Option<DeviceAllocator<CudaRuntime>> {
+    if !cuda_available() {
+        println!("{test}: skipped: no CUDA driver/GPU");
+        return None;
+    }
+    let builder = DeviceAllocator::builder()
+        .cuda()
+        .expect("cuda_available() but the GPU did not start");
+    Some(builder.build().expect("allocator"))
+}
+
+/// A byte pattern that differs from position to position and from seed to seed.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(31).wrapping_add(seed as u32 * 17) as u8)
+        .collect()
+}
+
+/// Two kernels, written in PTX so that no compiler is needed at run time: `spin` runs for
+/// `ns` nanoseconds of the GPU's global timer; `copy_bytes` copies `n` bytes, one thread a
+/// byte.
+const KERNELS: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry spin(.param .u64 ns)
+{
+    .reg .pred %p;
+    .reg .u64 %t<4>;
+    ld.param.u64 %t0, [ns];
+    mov.u64 %t1, %globaltimer;
+LOOP:
+    mov.u64 %t2, %globaltimer;
+    sub.u64 %t3, %t2, %t1;
+    setp.lt.u64 %p, %t3, %t0;
+    @%p bra LOOP;
+    ret;
+}
+
+.visible .entry copy_bytes(.param .u64 dst, .param .u64 src, .param .u64 n)
+{
+    .reg .pred %p;
+    .reg .u32 %r<4>;
+    .reg .u64 %rd<8>;
+    .reg .u16 %rs<2>;
+    ld.param.u64 %rd1, [dst];
+    ld.param.u64 %rd2, [src];
+    ld.param.u64 %rd3, [n];
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mul.wide.u32 %rd4, %r1, %r2;
+    cvt.u64.u32 %rd5, %r3;
+    add.u64 %rd4, %rd4, %rd5;
+    setp.ge.u64 %p, %rd4, %rd3;
+    @%p bra DONE;
+    cvta.to.global.u64 %rd6, %rd2;
+    add.u64 %rd6, %rd6, %rd4;
+    ld.global.u8 %rs1, [%rd6];
+    cvta.to.global.u64 %rd7, %rd1;
+    add.u64 %rd7, %rd7, %rd4;
+    st.global.u8 [%rd7], %rs1;
+DONE:
+    ret;
+}
+"#;
+
+/// The two kernels, loaded into the stream's context.
+struct Kernels {
+    spin: sys::CUfunction,
+    copy: sys::CUfunction,
+}
+
+impl Kernels {
+    fn load(stream: &Arc<CudaStream>) -> Self {
+        stream.context().bind_to_thread().unwrap();
+        let ptx = CString::new(KERNELS).unwrap();
+        // SAFETY: `ptx` is a NUL-terminated PTX text; the module stays loaded for the
+        // process (tests are short).
+        unsafe {
+            let module = result::module::load_data(ptx.as_ptr() as *const c_void).unwrap();
+            Self {
+                spin: result::module::get_function(module, CString::new("spin").unwrap()).unwrap(),
+                copy: result::module::get_function(module, CString::new("copy_bytes").unwrap())
+                    .unwrap(),
+            }
+        }
+    }
+
+    /// Keeps `stream` busy for `ms` milliseconds of GPU time.
+    fn spin(&self, stream: &Arc<CudaStream>, ms: u64) {
+        let mut ns = ms * 1_000_000;
+        let mut params = [&mut ns as *mut u64 as *mut c_void];
+        stream.context().bind_to_thread().unwrap();
+        // SAFETY: `spin` takes one u64 parameter; the stream is alive.
+        unsafe {
+            result::launch_kernel(
+                self.spin,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .unwrap();
+    }
+
+    /// Copies `n` bytes from `src` to `dst` (device addresses) with a kernel on `stream`.
+    fn copy(&self, stream: &Arc<CudaStream>, mut dst: u64, mut src: u64, mut n: u64) {
+        let mut params = [
+            &mut dst as *mut u64 as *mut c_void,
+            &mut src as *mut u64 as *mut c_void,
+            &mut n as *mut u64 as *mut c_void,
+        ];
+        let blocks = n.div_ceil(256) as u32;
+        stream.context().bind_to_thread().unwrap();
+        // SAFETY: `copy_bytes` takes three u64 parameters; the caller passes `n` bytes of
+        // live device memory at each address.
+        unsafe {
+            result::launch_kernel(
+                self.copy,
+                (blocks, 1, 1),
+                (256, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .unwrap();
+    }
+}
+
+/// Whether everything enqueued on `stream` so far has run, asked through the runtime.
+fn stream_done(rt: &CudaRuntime, stream: &Arc<CudaStream>) -> bool {
+    let event = rt.record_event(stream).unwrap();
+    let done = rt.query_event(&event).unwrap();
+    rt.release_event(event);
+    done
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_another_streams_kernel_still_reads_is_not_handed_out_until_that_work_completes() {
+    let test = "a_block_another_streams_kernel_still_reads_is_not_handed_out";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let (a, b) = (
+        rt.context().new_stream().unwrap(),
+        rt.context().new_stream().unwrap(),
+    );
+    let kernels = Kernels::load(&a);
+    let size = 4 * MIB;
+    let expected = pattern(size, 3);
+    let out: CudaSlice<u8> = b.alloc_zeros(size).unwrap();
+    b.synchronize().unwrap();
+
+    let mut buf = pool.alloc(size, &a).await.unwrap();
+    let ptr = buf.device_ptr();
+    a.memcpy_htod(&expected, &mut buf).unwrap();
+    a.synchronize().unwrap();
+    // Stream B: 300 ms of other work, then a kernel that reads the buffer.
+    buf.record_stream(&b);
+    kernels.spin(&b, 300);
+    let (out_ptr, _) = cudarc::driver::DevicePtr::device_ptr(&out, &b);
+    kernels.copy(&b, out_ptr, ptr, size as u64);
+    let freed = Instant::now();
+    drop(buf);
+
+    // While B's kernel waits, stream A gets other memory for the same size, and overwrites it.
+    let mut others: Vec<DeviceBuffer<CudaRuntime>> = Vec::new();
+    for _ in 0..4 {
+        let mut other = pool.alloc(size, &a).await.unwrap();
+        assert_ne!(
+            other.device_ptr(),
+            ptr,
+            "handed out while B's kernel had not read it"
+        );
+        a.memset_zeros(&mut other).unwrap();
+        others.push(other);
+    }
+    assert!(!stream_done(&rt, &b), "B finished 300 ms of work at once");
+    assert_eq!(pool.engine(0).unwrap().stats().waiting_blocks, 1);
+    a.synchronize().unwrap();
+    drop(others);
+
+    // Once B is done, the block comes back (the poller saw the event) with the bytes intact.
+    b.synchronize().unwrap();
+    let held_ms = freed.elapsed().as_secs_f64() * 1e3;
+    let back = b.clone_dtoh(&out).unwrap();
+    assert!(back == expected, "the kernel read damaged bytes");
+    let start = Instant::now();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let again = pool.alloc(size, &a).await.unwrap();
+        if again.device_ptr() == ptr {
+            break;
+        }
+        std::mem::forget(again); // keep it out of the way (the test's process ends soon)
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "the block never came back after B's work completed"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    println!(
+        "gpu device_held_while_kernel_reads ms={held_ms:.1} reused_after_tries={tries} data=intact"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_freed_on_its_own_busy_stream_is_reused_by_that_stream_at_once_without_an_event() {
+    let test = "a_block_freed_on_its_own_busy_stream_is_reused_at_once";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let a = rt.context().new_stream().unwrap();
+    let kernels = Kernels::load(&a);
+    let mut buf = pool.alloc(MIB, &a).await.unwrap();
+    let ptr = buf.device_ptr();
+    kernels.spin(&a, 200);
+    a.memset_zeros(&mut buf).unwrap(); // queued behind the spin
+    drop(buf);
+    let t = Instant::now();
+    let again = pool.alloc(MIB, &a).await.unwrap();
+    let ns = t.elapsed().as_nanos();
+    assert_eq!(
+        again.device_ptr(),
+        ptr,
+        "its own stream did not get the block back"
+    );
+    assert!(!stream_done(&rt, &a), "the stream's work had already run");
+    let stats = pool.engine(0).unwrap().stats();
+    assert_eq!(stats.waiting_blocks, 0, "a block waited on an event");
+    a.synchronize().unwrap();
+    println!("gpu device_same_stream_reuse ns={ns} events=0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driver_out_of_memory_frees_the_cache_retries_and_then_reports_a_typed_error() {
+    let test = "driver_out_of_memory_frees_the_cache_retries";
+    let Some(pool) = gpu(test) else { return };
+    let reports: Arc<Mutex<Vec<OomReport>>> = Arc::default();
+    let seen = reports.clone();
+    pool.attach_oom_observer(move |r| seen.lock().unwrap().push(*r));
+    let rt = pool.runtime().clone();
+    let (a, b) = (
+        rt.context().new_stream().unwrap(),
+        rt.context().new_stream().unwrap(),
+    );
+
+    // 8 GiB cached in stream A's pool.
+    drop(pool.alloc(8 * GIB, &a).await.unwrap());
+    // Everything else but 4 GiB taken outside the allocator.
+    let (free, _) = pool.memory_info(0).unwrap();
+    let hog: CudaSlice<u8> = b.alloc_zeros::<u8>(free - 4 * GIB).unwrap();
+
+    // 10 GiB on stream B: does not fit beside the cache, fits once it is freed.
+    let big = pool
+        .alloc(10 * GIB, &b)
+        .await
+        .expect("the retry after freeing the cache");
+    let stats = pool.stats(0).unwrap();
+    assert!(stats.num_alloc_retries >= 1, "{stats:?}");
+    assert!(stats.num_device_free >= 1, "the cached block was not freed");
+
+    // 10 GiB more does not fit at all: a typed error, and the observers hear of it.
+    let err = pool.alloc(10 * GIB, &b).await.unwrap_err();
+    assert!(
+        matches!(err, Error::OutOfMemory { requested, .. } if requested == 10 * GIB),
+        "{err:?}"
+    );
+    let report = reports
+        .lock()
+        .unwrap()
+        .last()
+        .cloned()
+        .expect("an OOM report");
+    assert_eq!(report.requested, 10 * GIB);
+    assert!(report.allocated >= 10 * GIB, "{report:?}");
+    let driver_free = report.driver_free.expect("the driver's free bytes");
+    assert!(driver_free < 10 * GIB, "{report:?}");
+    assert_eq!(pool.stats(0).unwrap().num_ooms, 1);
+    println!(
+        "gpu device_oom requested_gib=10 driver_free_mib={} retries={} error=\"{err}\"",
+        driver_free >> 20,
+        stats.num_alloc_retries
+    );
+    drop(big);
+    drop(hog);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cudarc_copies_and_a_kernel_launch_work_on_device_buffers() {
+    let test = "cudarc_copies_and_a_kernel_launch_work_on_device_buffers";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let (a, other) = (
+        rt.context().new_stream().unwrap(),
+        rt.context().new_stream().unwrap(),
+    );
+    let kernels = Kernels::load(&a);
+    let size = 3 * MIB + 5;
+    let expected = pattern(size, 9);
+    let mut src = pool.alloc(size, &a).await.unwrap();
+    let dst = pool.alloc(size, &a).await.unwrap();
+    let mut copied = pool.alloc(size, &a).await.unwrap();
+
+    a.memcpy_htod(&expected, &mut src).unwrap(); // HostSlice -> DevicePtrMut
+    kernels.copy(&a, dst.device_ptr(), src.device_ptr(), size as u64); // a kernel launch
+    a.memcpy_dtod(&dst, &mut copied).unwrap(); // DevicePtr -> DevicePtrMut
+    let mut back = vec![0u8; size];
+    a.memcpy_dtoh(&copied, &mut back).unwrap(); // DevicePtr -> host
+    a.synchronize().unwrap();
+    assert!(back == expected, "the bytes did not make the round trip");
+
+    // On a stream that does not own the buffer and is not recorded, cudarc waits for the
+    // copy before returning (so a drop right after is safe); recorded, it does not.
+    kernels.spin(&other, 100);
+    let mut host = vec![0u8; size];
+    other.memcpy_dtoh(&copied, &mut host).unwrap();
+    assert!(
+        stream_done(&rt, &other),
+        "an unrecorded stream's copy returned before it ran"
+    );
+    assert!(host == expected);
+    copied.record_stream(&other);
+    kernels.spin(&other, 100);
+    other.memcpy_dtoh(&copied, &mut host).unwrap();
+    assert!(!stream_done(&rt, &other), "a recorded stream's copy waited");
+    drop(copied);
+    assert_eq!(pool.engine(0).unwrap().stats().waiting_blocks, 1);
+    other.synchronize().unwrap();
+    println!(
+        "gpu device_cudarc copies=htod,dtod,dtoh kernel=copy_bytes foreign_stream=synchronous"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_errors_are_typed_on_the_gpu_and_without_one() {
+    match DeviceAllocator::builder().cuda() {
+        Err(Error::DeviceUnavailable { message }) => {
+            assert!(!cuda_available());
+            println!("no CUDA driver: {message}");
+        }
+        Err(other) => panic!("unexpected error {other:?}"),
+        Ok(builder) => {
+            let pool = builder.build().unwrap();
+            let stream = pool.runtime().context().new_stream().unwrap();
+            let (_, total) = pool.memory_info(0).unwrap();
+            let err = pool.alloc(total + 1, &stream).await.unwrap_err();
+            assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
+            let count = pool.device_count();
+            assert!(matches!(
+                pool.stats(count),
+                Err(Error::NoSuchDevice { ordinal, .. }) if ordinal == count
+            ));
+            assert!(matches!(
+                pool.raw_delete(0xdead_0000),
+                Err(Error::UnknownPointer { ptr: 0xdead_0000 })
+            ));
+            let empty = pool.alloc(0, &stream).await.unwrap();
+            assert!(empty.is_empty());
+            println!("gpu device_errors too_big=OutOfMemory unknown_pointer=UnknownPointer");
+        }
+    }
+}
