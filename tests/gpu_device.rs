@@ -292,12 +292,15 @@ async fn driver_out_of_memory_frees_the_cache_retries_and_then_reports_a_typed_e
         matches!(err, Error::OutOfMemory { requested, .. } if requested == 10 * GIB),
         "{err:?}"
     );
-    let report = reports
-        .lock()
-        .unwrap()
-        .last()
-        .cloned()
-        .expect("an OOM report");
+    // Observers run off the allocating thread: wait for the report.
+    let start = Instant::now();
+    let report = loop {
+        if let Some(r) = reports.lock().unwrap().last().copied() {
+            break r;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "no OOM report");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
     assert_eq!(report.requested, 10 * GIB);
     assert!(report.allocated >= 10 * GIB, "{report:?}");
     let driver_free = report.driver_free.expect("the driver's free bytes");
@@ -338,21 +341,21 @@ async fn cudarc_copies_and_a_kernel_launch_work_on_device_buffers() {
 
     // On a stream that does not own the buffer and is not recorded, cudarc waits for the
     // copy before returning (so a drop right after is safe); recorded, it does not.
+    let mut theirs: CudaSlice<u8> = other.alloc_zeros(size).unwrap();
+    other.synchronize().unwrap();
     kernels.spin(&other, 100);
-    let mut host = vec![0u8; size];
-    other.memcpy_dtoh(&copied, &mut host).unwrap();
+    other.memcpy_dtod(&copied, &mut theirs).unwrap();
     assert!(
         stream_done(&rt, &other),
         "an unrecorded stream's copy returned before it ran"
     );
-    assert!(host == expected);
     copied.record_stream(&other);
     kernels.spin(&other, 100);
-    other.memcpy_dtoh(&copied, &mut host).unwrap();
+    other.memcpy_dtod(&copied, &mut theirs).unwrap();
     assert!(!stream_done(&rt, &other), "a recorded stream's copy waited");
     drop(copied);
     assert_eq!(pool.engine(0).unwrap().stats().waiting_blocks, 1);
-    other.synchronize().unwrap();
+    assert!(other.clone_dtoh(&theirs).unwrap() == expected);
     println!(
         "gpu device_cudarc copies=htod,dtod,dtoh kernel=copy_bytes foreign_stream=synchronous"
     );
