@@ -1,33 +1,41 @@
 //! A simulated inference server: the main job.
 //!
-//! Many concurrent request tasks each stage an input in a pinned buffer, copy it to the
-//! device on one of a few streams, run a "kernel", copy the result back into a second pinned
-//! buffer, wait for it, and free both. Sizes vary the way batched requests do. At the end it
-//! prints throughput, the cache hit rate and the allocator's statistics.
+//! Many concurrent request tasks each stage an input in a pinned buffer, take the request's
+//! device buffers (its input, and activations twice that size) from the device pool on the
+//! stream it runs on, copy the input to the device, run a "kernel" that writes the
+//! activations from it, copy part of them back into a second pinned buffer, wait for it,
+//! check the bytes and free everything. Sizes vary the way batched requests do. At the end
+//! it prints throughput, the cache hit rates and the statistics of both allocators.
 //!
 //! ```text
-//! cargo run --release --example serve -- [--requests N] [--concurrency N] [--streams N] [--max-mib N]
+//! cargo run --release --example serve -- [--requests N] [--concurrency N] [--streams N]
+//!     [--max-mib N] [--device-max-mib N]
 //! ```
 //!
 //! By default reserved pinned memory is capped at 40 MiB, below what the workload would
 //! reserve unbounded: requests over the cap wait for buffers to come back (backpressure).
+//! Device memory is capped at 512 MiB, more than the largest requests of every task at once
+//! need (each task holds two device buffers at a time, so a cap below that could leave every
+//! task holding its input while waiting for room for its activations).
 //!
-//! ```text
-//! ```
+//! Device buffers are freed on their own stream as soon as the work on them is enqueued:
+//! stream order makes them reusable by the next request on that stream at once, with no
+//! event, and the simulated device checks that no such reuse overtakes the work.
 //!
-//! It runs on the simulated runtime (software streams that check every copy for early reuse).
-//! Built with `--features cuda` on a machine with a GPU, it runs the same server on the real
-//! runtime instead: each request copies its input into device memory, a device-side clear and
-//! copy stand in for the model, the result comes back into pinned memory, and the bytes are
-//! checked. Without a GPU it says so and runs on the simulated runtime as before.
+//! It runs on the simulated runtime (software streams and a simulated 16 GiB device that
+//! check every copy and kernel for early reuse). Built with `--features cuda` on a machine
+//! with a GPU, it runs the same server on the real runtime instead, every result checked.
+//! Without a GPU it says so and runs on the simulated runtime as before.
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pinpool::sim::{DeviceBuffer, SimRuntime, SimStream};
-use pinpool::{Builder, PinnedAllocator, Runtime};
+use pinpool::sim::{SimRuntime, SimStream};
+use pinpool::{
+    Builder, DeviceAllocator, DeviceBuilder, DeviceRuntime, DeviceStats, PinnedAllocator, Runtime,
+};
 
 struct Args {
     requests: u64,
@@ -35,6 +43,8 @@ struct Args {
     streams: usize,
     /// Cap on reserved pinned memory, in MiB (0: none).
     max_mib: u64,
+    /// Cap on reserved device memory, in MiB (0: none).
+    device_max_mib: u64,
 }
 
 impl Args {
@@ -46,6 +56,19 @@ impl Args {
             b
         }
     }
+
+    /// The device allocator on `runtime` (the pinned pool's), with its cap.
+    fn device<R: DeviceRuntime>(
+        &self,
+        runtime: Arc<R>,
+    ) -> Result<DeviceAllocator<R>, pinpool::Error> {
+        let b = DeviceBuilder::new(runtime);
+        if self.device_max_mib > 0 {
+            b.max_bytes((self.device_max_mib as usize) << 20).build()
+        } else {
+            b.build()
+        }
+    }
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -54,6 +77,7 @@ fn parse_args() -> Result<Args, String> {
         concurrency: 64,
         streams: 4,
         max_mib: 40,
+        device_max_mib: 512,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -68,11 +92,14 @@ fn parse_args() -> Result<Args, String> {
             "--concurrency" => a.concurrency = value("--concurrency")?.max(1) as usize,
             "--streams" => a.streams = value("--streams")?.max(1) as usize,
             "--max-mib" => a.max_mib = value("--max-mib")?,
+            "--device-max-mib" => a.device_max_mib = value("--device-max-mib")?,
             "-h" | "--help" => {
                 println!(
-                    "usage: serve [--requests N] [--concurrency N] [--streams N] [--max-mib N]\n\
+                    "usage: serve [--requests N] [--concurrency N] [--streams N] [--max-mib N] \
+                     [--device-max-mib N]\n\
                      --max-mib caps reserved pinned memory (default 40; 0 for none): requests\n\
-                     over the cap wait for buffers to come back instead of failing"
+                     over the cap wait for buffers to come back instead of failing\n\
+                     --device-max-mib caps reserved device memory (default 512; 0 for none)"
                 );
                 std::process::exit(0);
             }
@@ -101,6 +128,9 @@ fn xorshift(s: &mut u64) -> u64 {
 /// Bytes of each buffer actually copied (the simulated device checks them all).
 const COPY: usize = 16 << 10;
 
+/// Activations are this many times the size of the request's input.
+const ACTIVATIONS: usize = 2;
+
 #[derive(Default)]
 struct Counters {
     done: AtomicU64,
@@ -110,8 +140,8 @@ struct Counters {
 
 async fn serve_one(
     pool: &PinnedAllocator<SimRuntime>,
+    device: &DeviceAllocator<SimRuntime>,
     stream: &SimStream,
-    dev: &DeviceBuffer,
     size: usize,
     tag: u8,
     counters: &Counters,
@@ -120,18 +150,26 @@ async fn serve_one(
     let t0 = Instant::now();
     let mut input = pool.alloc(size).await?;
     let mut output = pool.alloc(size / 4).await?;
+    let d_input = device.alloc(size, stream).await?;
+    let d_act = device.alloc(size * ACTIVATIONS, stream).await?;
     counters
         .alloc_ns
         .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
 
     input.fill(tag);
-    stream.copy_to_device(input.as_ptr(), COPY.min(size), dev)?;
+    let n = COPY.min(size);
+    stream.copy_htod(input.as_ptr(), d_input.device_ptr(), n)?;
     input.record_stream(stream);
     drop(input); // freed at once; reused only after the copy has run
-    stream.delay(Duration::from_micros(20)); // the model
-    let n = COPY.min(output.len());
-    stream.copy_to_host(dev, output.as_mut_ptr(), n)?;
+                 // The model: clear the activations, then write them from the input.
+    stream.fill_device(d_act.device_ptr(), n, 0)?;
+    stream.delay(Duration::from_micros(20));
+    stream.copy_dtod(d_input.device_ptr(), d_act.device_ptr(), n)?;
+    let n = n.min(output.len());
+    stream.copy_dtoh(d_act.device_ptr(), output.as_mut_ptr(), n)?;
     output.record_stream(stream);
+    // Freed on their own stream: the next request on it may take them at once.
+    drop((d_input, d_act));
     let done = rt.record_event(stream)?;
     while !rt.query_event(&done)? {
         tokio::time::sleep(Duration::from_micros(100)).await;
@@ -240,6 +278,48 @@ fn report(stats: &pinpool::HostStats, counters: &Counters, elapsed: Duration) {
     }
 }
 
+/// The device side of the table.
+fn report_device(stats: &DeviceStats) {
+    let mib = |b: i64| b as f64 / (1 << 20) as f64;
+    let allocs = stats.allocation.all.allocated.max(1);
+    println!(
+        "| device buffers allocated | {} |",
+        stats.allocation.all.allocated
+    );
+    println!(
+        "| device cache hit rate | {:.3} % |",
+        100.0 * (1.0 - stats.num_device_alloc as f64 / allocs as f64)
+    );
+    println!(
+        "| device memory taken from the driver | {} calls ({} given back) |",
+        stats.num_device_alloc, stats.num_device_free
+    );
+    println!(
+        "| device reserved now / peak | {:.1} / {:.1} MiB |",
+        mib(stats.reserved_bytes.all.current),
+        mib(stats.reserved_bytes.all.peak)
+    );
+    println!(
+        "| device allocated peak (small / large pool) | {:.1} MiB ({:.1} / {:.1}) |",
+        mib(stats.allocated_bytes.all.peak),
+        mib(stats.allocated_bytes.small_pool.peak),
+        mib(stats.allocated_bytes.large_pool.peak)
+    );
+    println!(
+        "| device requested peak | {:.1} MiB |",
+        mib(stats.requested_bytes.all.peak)
+    );
+    match stats.limit_bytes {
+        Some(limit) => println!(
+            "| device memory limit | {:.1} MiB (cache emptied to make room {} times; requests refused {}) |",
+            mib(limit),
+            stats.num_alloc_retries,
+            stats.num_ooms
+        ),
+        None => println!("| device memory limit | none |"),
+    }
+}
+
 fn progress(done: u64, total: u64, start: Instant, final_line: bool) {
     let width = 30;
     let filled = (done * width / total.max(1)) as usize;
@@ -302,6 +382,9 @@ async fn serve_sim(args: Args) {
         .apply(Builder::new(Arc::new(sim.clone())))
         .build()
         .expect("allocator");
+    let device = args
+        .device(pool.runtime().clone())
+        .expect("device allocator");
     let streams: Vec<SimStream> = (0..args.streams).map(|_| sim.stream()).collect();
     let counters = Arc::new(Counters::default());
     let next = Arc::new(AtomicU64::new(0));
@@ -312,12 +395,12 @@ async fn serve_sim(args: Args) {
     let mut workers = Vec::new();
     for w in 0..args.concurrency {
         let pool = pool.clone();
+        let device = device.clone();
         let stream = streams[w % streams.len()].clone();
         let counters = counters.clone();
         let next = next.clone();
         let total = args.requests;
         workers.push(tokio::spawn(async move {
-            let dev = DeviceBuffer::new(COPY);
             let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -325,9 +408,16 @@ async fn serve_sim(args: Args) {
                     return Ok::<_, String>(());
                 }
                 let size = request_size(&mut rng);
-                serve_one(&pool, &stream, &dev, size, (i % 251) as u8 + 1, &counters)
-                    .await
-                    .map_err(|e| format!("request {i}: {e}"))?;
+                serve_one(
+                    &pool,
+                    &device,
+                    &stream,
+                    size,
+                    (i % 251) as u8 + 1,
+                    &counters,
+                )
+                .await
+                .map_err(|e| format!("request {i}: {e}"))?;
             }
         }));
     }
@@ -337,6 +427,7 @@ async fn serve_sim(args: Args) {
     }
 
     report(&pool.stats(), &counters, elapsed);
+    report_device(&device.stats(0).expect("device 0"));
     println!("| early reuses detected | {} |", sim.violations());
     if sim.violations() > 0 || failed {
         for v in sim.violation_log().iter().take(5) {
@@ -351,22 +442,13 @@ async fn serve_sim(args: Args) {
 mod gpu {
     use super::*;
 
-    use cudarc::driver::{CudaSlice, CudaStream};
+    use cudarc::driver::{result, CudaStream};
     use pinpool::cuda::CudaRuntime;
-
-    /// The largest request `request_size` makes.
-    const MAX_REQUEST: usize = 16 * 1024 * 128;
-
-    /// Device memory of one worker: where the input lands and where the "model" writes.
-    struct Device {
-        input: CudaSlice<u8>,
-        output: CudaSlice<u8>,
-    }
 
     async fn serve_one(
         pool: &PinnedAllocator<CudaRuntime>,
+        device: &DeviceAllocator<CudaRuntime>,
         stream: &Arc<CudaStream>,
-        dev: &mut Device,
         size: usize,
         tag: u8,
         counters: &Counters,
@@ -375,19 +457,28 @@ mod gpu {
         let t0 = Instant::now();
         let mut input = pool.alloc(size).await?;
         let mut output = pool.alloc(size / 4).await?;
+        let mut d_input = device.alloc(size, stream).await?;
+        let mut d_act = device.alloc(size * ACTIVATIONS, stream).await?;
         counters
             .alloc_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
 
         input.fill(tag);
         output.fill(0);
-        input.copy_to_device(stream, &mut dev.input.slice_mut(..size))?; // records the stream
+        input.copy_to_device(stream, &mut d_input)?; // records the stream
         drop(input); // freed at once; reused only after the copy has run
-        let n = output.len();
-        // The model: clear the output, then copy the first quarter of the input into it.
-        stream.memset_zeros(&mut dev.output.slice_mut(..n))?;
-        stream.memcpy_dtod(&dev.input.slice(..n), &mut dev.output.slice_mut(..n))?;
-        output.copy_from_device(stream, &dev.output.slice(..n))?;
+                     // The model: clear the activations, then write them from the input.
+        stream.memset_zeros(&mut d_act)?;
+        stream.memcpy_dtod(&d_input, &mut d_act)?;
+        // The first quarter of the activations back into pinned memory.
+        output.record_stream(stream);
+        // SAFETY: `output` is pinned memory of `output.len()` bytes, recorded on the stream
+        // (reused only after the copy has run); `d_act` holds more than that many bytes and
+        // is freed on this same stream, after the copy in stream order.
+        unsafe {
+            result::memcpy_dtoh_async(&mut output[..], d_act.device_ptr(), stream.cu_stream())
+        }?;
+        drop((d_input, d_act)); // reusable by the next request on this stream at once
         let done = rt.record_event(stream)?;
         while !rt.query_event(&done)? {
             tokio::time::sleep(Duration::from_micros(100)).await;
@@ -405,6 +496,13 @@ mod gpu {
     /// Runs the server on `pool`; false when a request failed.
     pub(super) async fn serve(pool: PinnedAllocator<CudaRuntime>, args: &Args) -> bool {
         let ctx = pool.runtime().context().clone();
+        let device = match args.device(pool.runtime().clone()) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("serve: device allocator: {e}");
+                return false;
+            }
+        };
         println!(
             "pinpool serve: runtime=cuda (device {}, pin_method={}; every result is checked)",
             pool.runtime().ordinal(),
@@ -425,19 +523,12 @@ mod gpu {
         let mut workers = Vec::new();
         for w in 0..args.concurrency {
             let pool = pool.clone();
+            let device = device.clone();
             let stream = streams[w % streams.len()].clone();
             let counters = counters.clone();
             let next = next.clone();
             let total = args.requests;
             workers.push(tokio::spawn(async move {
-                let mut dev = Device {
-                    input: stream
-                        .alloc_zeros::<u8>(MAX_REQUEST)
-                        .map_err(|e| e.to_string())?,
-                    output: stream
-                        .alloc_zeros::<u8>(MAX_REQUEST / 4)
-                        .map_err(|e| e.to_string())?,
-                };
                 let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -448,8 +539,8 @@ mod gpu {
                     let size = request_size(&mut rng);
                     serve_one(
                         &pool,
+                        &device,
                         &stream,
-                        &mut dev,
                         size,
                         (i % 251) as u8 + 1,
                         &counters,
@@ -465,6 +556,10 @@ mod gpu {
             s.synchronize().expect("stream");
         }
         report(&pool.stats(), &counters, elapsed);
+        match device.stats(0) {
+            Ok(stats) => report_device(&stats),
+            Err(e) => eprintln!("serve: device statistics: {e}"),
+        }
         let done = counters.done.load(Ordering::Relaxed);
         println!("| results checked | {done} of {} correct |", args.requests);
         !failed && done == args.requests

@@ -154,3 +154,30 @@ async fn a_slow_stream_holds_only_its_own_block() {
     assert_ne!(w.device_ptr(), px, "x still waits for the slow stream");
     drop(hold);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_goes_back_to_the_device_only_after_the_work_queued_on_it_has_run() {
+    let (pool, sim) = device_pool();
+    let s = sim.stream();
+    let buf = pool.alloc(64 * MIB, &s).await.unwrap();
+    let ptr = buf.device_ptr();
+    let host = sim.host_alloc(4096).unwrap(); // pinned host memory to copy into
+                                              // The bytes are written at once; the copy out runs only after 200 ms of other work.
+    s.fill_device(ptr, 4096, 0x5a).unwrap();
+    s.delay(Duration::from_millis(200));
+    s.copy_dtoh(ptr, host.ptr.as_ptr(), 4096).unwrap();
+    drop(buf); // reusable by `s` at once: stream order
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Giving the memory back to the device must wait for the copy out.
+    let report = pool.empty_cache().await.unwrap();
+    assert!(report.freed_bytes >= 64 * MIB, "{report:?}");
+    s.synchronize().unwrap();
+    // SAFETY: 4096 bytes of live host memory, written by the finished copy.
+    let back = unsafe { std::slice::from_raw_parts(host.ptr.as_ptr(), 4096) }.to_vec();
+    sim.host_free(host).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0x5a),
+        "the memory went back before the copy out ran"
+    );
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}

@@ -6,7 +6,9 @@
 //! size policy asks: whole segments from `cuMemAlloc` / `cuMemFree`, or runs mapped into one
 //! reserved device address range per pool with CUDA's virtual memory calls (`cuMemCreate`
 //! and `cuMemMap` for a whole run at once, `cuMemSetAccess` for this device; a run is
-//! unmapped whole, so `unmaps_granules` is false). Every call binds the device's context
+//! unmapped whole, so `unmaps_granules` is false). Memory goes back only after the device
+//! is synchronised: a block freed on its own stream is reusable by that stream at once, but
+//! work queued on it may still run. Every call binds the device's context
 //! and runs in relaxed capture mode on the calling (blocking) thread, so that it neither
 //! fails nor breaks a capture underway on another thread (invariant 6 keeps these calls off
 //! the cached path).
@@ -78,6 +80,14 @@ impl CudaDeviceMemory {
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))
     }
 
+    /// Waits for all work queued on the device (with the context bound). A block freed on
+    /// its own stream is reusable by that stream at once, but its memory may go back to the
+    /// driver only once the work queued on it has run: `cuMemFree` would wait by itself, and
+    /// `cuMemUnmap` does not (PyTorch synchronises before it, too).
+    fn synchronize(&self, op: &'static str) -> Result<(), RuntimeError> {
+        result::ctx::synchronize().map_err(|e| runtime_error(op, e))
+    }
+
     /// The granule, after checking that `[offset, offset + size)` is whole granules of a
     /// range this device reserved.
     fn granules_of(
@@ -139,8 +149,9 @@ impl MemorySource for CudaDeviceMemory {
             ));
         }
         let _relaxed = self.enter()?;
+        self.synchronize("cuMemFree")?;
         // SAFETY: the engine gives back each region it got from `alloc` exactly once, when
-        // no work uses it any more.
+        // no work uses it any more (the device was synchronised just above).
         unsafe { result::free_sync(region.addr() as u64) }
             .map_err(|e| runtime_error("cuMemFree", e))
     }
@@ -172,8 +183,9 @@ impl MemorySource for CudaDeviceMemory {
     fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
         self.granules_of("cuMemUnmap", range, offset, size)?;
         let _relaxed = self.enter()?;
+        self.synchronize("cuMemUnmap")?;
         // SAFETY: the engine unmaps exactly the run of one earlier `map` call, once no block
-        // touches it.
+        // touches it and the work queued on it has run (synchronised just above).
         unsafe { vmm::unmap(range, offset, size, size) }
     }
 

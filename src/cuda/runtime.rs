@@ -47,6 +47,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemGetInfo_v2",
+    "cuCtxSynchronize",
 ];
 
 /// Whether a CUDA driver and at least one device are present. Never panics; the answer is

@@ -10,9 +10,10 @@
 //! allocation or a mapping that would pass it fails as out of memory, the way the driver's
 //! `cuMemAlloc` does. Expandable memory follows CUDA's virtual memory calls: a reserved
 //! range is mapped in 2 MiB granules, and what one `map` call mapped is unmapped whole, in
-//! one call (as `cuMemUnmap` needs: `unmaps_granules` is false). A free of memory still
-//! used by queued work is recorded as a violation; a free of memory it never gave out is
-//! refused and recorded.
+//! one call (as `cuMemUnmap` needs: `unmaps_granules` is false). Giving memory back waits
+//! for every stream of the device first (as `cuMemFree` does); a stream that never gets
+//! there, or a free of memory still used by a live graph, is recorded as a violation; a free
+//! of memory it never gave out is refused and recorded.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -101,6 +102,25 @@ impl SimDeviceMemory {
             })
     }
 
+    /// Waits for every stream of the device, as the driver does before it takes memory
+    /// back (`cuMemFree` synchronises the device; PyTorch synchronises before `cuMemUnmap`):
+    /// a block freed on its own stream is reusable by that stream at once, but its memory
+    /// may go back to the device only once the work queued on it has run. A stream that
+    /// does not get there within a few seconds (stopped by a test) is recorded as a
+    /// violation, and the memory goes back anyway.
+    fn synchronize(&self, op: &'static str) {
+        for stream in self.state().synchronize(std::time::Duration::from_secs(5)) {
+            self.shared.report(
+                ViolationKind::FreedWhileInUse,
+                Some(stream),
+                format!(
+                    "device {}: {op} while stream {} had not run its queued work",
+                    self.ordinal, stream.0
+                ),
+            );
+        }
+    }
+
     fn report_free_in_use(&self, alloc: &Arc<HostAllocation>, addr: usize, size: usize) {
         // Queued operations and live graphs hold the other references.
         let users = Arc::strong_count(alloc) - 1;
@@ -157,6 +177,9 @@ impl MemorySource for SimDeviceMemory {
         } else {
             None
         };
+        if found.is_some() {
+            self.synchronize(OP);
+        }
         let Some(alloc) = found.filter(|a| a.device() == Some(self.ordinal)) else {
             let e = SimError::InvalidFree { addr, size };
             self.shared.report(
@@ -233,6 +256,7 @@ impl MemorySource for SimDeviceMemory {
         const OP: &str = "cuMemUnmap";
         self.shared.faults.check(FaultPoint::DeviceFree)?;
         let alloc = self.reserved(OP, range)?;
+        self.synchronize(OP);
         if !alloc.set_mapped_call(offset, size, false) {
             self.shared.report(
                 ViolationKind::InvalidFree,

@@ -106,6 +106,37 @@ pub(crate) struct DeviceState {
     /// Allocations and map calls made, and given back.
     allocs: AtomicU64,
     frees: AtomicU64,
+    /// The queues of the device's streams, so that giving memory back can wait for every
+    /// stream of the device first, as `cuMemFree` does (weak: streams end on their own).
+    streams: std::sync::Mutex<Vec<(StreamId, flume::WeakSender<worker::Op>)>>,
+}
+
+impl DeviceState {
+    /// Waits, up to `timeout` each, until every stream of the device has run the work
+    /// queued on it so far; returns the streams that did not get there in time.
+    pub(crate) fn synchronize(&self, timeout: Duration) -> Vec<StreamId> {
+        let queues: Vec<_> = {
+            let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+            streams.retain(|(_, q)| q.upgrade().is_some());
+            streams
+                .iter()
+                .filter_map(|(id, q)| Some((*id, q.upgrade()?)))
+                .collect()
+        };
+        let waits: Vec<_> = queues
+            .into_iter()
+            .map(|(id, q)| {
+                let (reply, wait) = flume::bounded(1);
+                let _ = q.send(worker::Op::Signal(reply));
+                (id, wait)
+            })
+            .collect();
+        waits
+            .into_iter()
+            .filter(|(_, wait)| wait.recv_timeout(timeout) == Err(flume::RecvTimeoutError::Timeout))
+            .map(|(id, _)| id)
+            .collect()
+    }
 }
 
 /// The default capacity of a simulated device: 16 GiB.
@@ -231,6 +262,7 @@ impl SimRuntimeBuilder {
                         used: AtomicUsize::new(0),
                         allocs: AtomicU64::new(0),
                         frees: AtomicU64::new(0),
+                        streams: std::sync::Mutex::new(Vec::new()),
                     })
                     .collect(),
                 lifeline: lifeline_rx,

@@ -98,6 +98,12 @@ impl SimStream {
         let shared = Arc::clone(&sim.shared);
         let (tx, rx) = flume::unbounded();
         let started = worker::spawn(id, Arc::clone(&shared), rx);
+        if let Some(d) = shared.devices.get(device) {
+            d.streams
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((id, tx.downgrade()));
+        }
         if let Err(e) = &started {
             tracing::error!(stream = id.0, error = %e, "simulated stream has no worker");
         }
