@@ -347,3 +347,23 @@ fn blocking_calls_work_from_plain_threads() {
     pool.empty_cache_blocking().unwrap();
     assert_eq!(sim.device_used(0), Some(0));
 }
+
+#[tokio::test]
+async fn the_device_peaks_are_of_all_pools_at_once_not_the_sum_of_each_pools_peak() {
+    let (pool, sim) = device_pool();
+    let (a, b) = (sim.stream(), sim.stream());
+    // Stream A's pool peaks at 64 MiB and gives it all back; then stream B's pool does.
+    drop(pool.alloc(64 * MIB, &a).await.unwrap());
+    pool.empty_cache().await.unwrap();
+    let held = pool.alloc(64 * MIB, &b).await.unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes.all.current, 64 * MIB as i64);
+    assert_eq!(s.reserved_bytes.all.peak, 64 * MIB as i64, "{:?}", s.reserved_bytes);
+    assert!(s.allocated_bytes.all.peak <= s.reserved_bytes.all.peak, "{s:?}");
+    assert!(s.active_bytes.all.peak <= s.reserved_bytes.all.peak, "{s:?}");
+    drop(held);
+    // After a reset the peak starts from what is reserved now.
+    pool.empty_cache().await.unwrap();
+    pool.reset_peak_stats(0).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes.all.peak, 0);
+}

@@ -64,6 +64,9 @@ pub(crate) struct Budget {
     /// Name of the size policy (reported by snapshots).
     pub(crate) policy: &'static str,
     pools: ArcSwap<Vec<Weak<dyn Member>>>,
+    /// The most bytes reserved at once since the last `reset_peak` (exact: every pool
+    /// reserves here before it takes memory, off the cached path).
+    peak: AtomicUsize,
 }
 
 impl Budget {
@@ -81,6 +84,7 @@ impl Budget {
             shards,
             policy,
             pools: ArcSwap::from_pointee(Vec::new()),
+            peak: AtomicUsize::new(0),
         }
     }
 
@@ -107,16 +111,34 @@ impl Budget {
     /// Reserves `bytes` if the cap allows it.
     pub(crate) fn try_reserve(&self, bytes: usize) -> bool {
         let limit = self.limit.load(Ordering::Relaxed);
-        self.reserved
+        match self
+            .reserved
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
                 r.checked_add(bytes).filter(|&t| t <= limit)
-            })
-            .is_ok()
+            }) {
+            Ok(before) => {
+                self.peak.fetch_max(before + bytes, Ordering::Relaxed);
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     /// Reserves `bytes` whatever the cap (the runtime rounded an allocation up).
     pub(crate) fn force_reserve(&self, bytes: usize) {
-        self.reserved.fetch_add(bytes, Ordering::SeqCst);
+        let before = self.reserved.fetch_add(bytes, Ordering::SeqCst);
+        self.peak
+            .fetch_max(before.saturating_add(bytes), Ordering::Relaxed);
+    }
+
+    /// The most bytes reserved at once since the last [`Budget::reset_peak`].
+    pub(crate) fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed).max(self.reserved())
+    }
+
+    /// Starts the peak over from the bytes reserved now.
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.reserved(), Ordering::Relaxed);
     }
 
     /// Gives back `bytes`; wakes the pools whose requests wait.

@@ -46,6 +46,13 @@ impl StatArray {
         }
     }
 
+    /// Caps every peak at `bound` (and at least the current value).
+    fn cap_peaks(&mut self, bound: i64) {
+        for s in [&mut self.all, &mut self.small_pool, &mut self.large_pool] {
+            s.peak = s.peak.min(bound).max(s.current);
+        }
+    }
+
     fn merge(&mut self, o: &StatArray) {
         self.all.add(&o.all);
         self.small_pool.add(&o.small_pool);
@@ -88,8 +95,9 @@ pub struct DeviceStats {
     pub num_device_alloc: i64,
     /// Calls that gave memory back.
     pub num_device_free: i64,
-    /// Times every stream was synchronized to free memory (never: this allocator waits on
-    /// events instead).
+    /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:
+    /// blocks wait on events instead, and the wait for the device's queued work before
+    /// memory goes back to the driver is part of each of `num_device_free`'s calls).
     pub num_sync_all_streams: i64,
     /// The `max_split_size` in force (`None`: unlimited).
     pub max_split_size: Option<i64>,
@@ -98,6 +106,25 @@ pub struct DeviceStats {
 }
 
 impl DeviceStats {
+    /// Makes the peaks of a device's total exact where they can be: the reserved peak is
+    /// `reserved_peak` (all pools together, counted where memory is taken), and no byte
+    /// peak exceeds it. Summed over pools and thread shards, the other peaks are upper
+    /// bounds (each part peaked at its own time).
+    pub(crate) fn exact_peaks(&mut self, reserved_peak: i64) {
+        let r = &mut self.reserved_bytes;
+        r.all.peak = reserved_peak.max(r.all.current);
+        let bound = r.all.peak;
+        r.cap_peaks(bound);
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.active_bytes,
+            &mut self.requested_bytes,
+            &mut self.inactive_split_bytes,
+        ] {
+            s.cap_peaks(bound);
+        }
+    }
+
     /// Adds another pool's report into this one (for a device's total over its pools).
     pub fn merge(&mut self, o: &DeviceStats) {
         for (a, b) in [

@@ -52,6 +52,7 @@ impl<R: Runtime> Engine<R> {
         }
         if let Some(t) = &mut total {
             t.limit_bytes = self.max_bytes().map(|l| l as i64);
+            t.exact_peaks(self.default_pool().budget.peak() as i64);
         }
         total
     }
@@ -97,6 +98,7 @@ impl<R: Runtime> Engine<R> {
     /// Sets every peak to the current value.
     pub fn reset_peak_stats(&self) {
         self.all_pools().iter().for_each(|p| p.stats.reset_peak());
+        self.default_pool().budget.reset_peak();
     }
 
     /// Zeroes the accumulated counts (`allocated`, `freed`, timings, retries, OOMs).
