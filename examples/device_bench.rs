@@ -1,82 +1,117 @@
 //! pinpool's side of `../shared/anchors/side_by_side_device.sh`: the metrics of
 //! `torch_device_bench.cpp` (PyTorch's device caching allocator and `cudaMallocAsync`),
-//! measured the same way through [`DeviceAllocator`], printed as
-//! `pinpool <metric> [key=value ...] <number>`, plus pinpool's own extras.
+//! measured the same way through [`DeviceAllocator`], printed one figure a line as
+//! `pinpool <metric> [key=value ...] <number>` with the anchor's metric names and keys, so
+//! that `compare.py` pairs them; plus pinpool's own extras, which pair with nothing.
 //!
 //! ```sh
-//! cargo run --release --example device_bench -- --runtime sim --quick TRACE...  # any machine
-//! cargo build --release --features cuda --example device_bench                   # then, on a GPU host:
+//! cargo run --release --example device_bench -- --runtime sim --quick TRACE...   # any machine
+//! cargo build --release --features cuda --example device_bench                    # then, on a GPU host:
 //! ../shared/anchors/side_by_side_device.sh target/release/examples/device_bench
 //! ```
 //!
-//! Options: `--runtime cuda|sim` (default: cuda when built with the `cuda` feature),
-//! `--quick` (fewer iterations, for smoke runs), `--policy device|device_segments` (the
-//! expandable range, the default, or separate segments). The last arguments are trace files
-//! (plain text as the anchor takes them, or gzip-compressed).
+//! Options:
+//! - `--runtime sim|cuda|auto`: the simulated 16 GiB device, or CUDA device 0 (built with
+//!   `--features cuda`). `auto`, the default, takes CUDA when the build has it and the driver
+//!   reports a device, the simulated device otherwise.
+//! - `--quick`: every iteration count divided by 20, for smoke runs.
+//! - `--repeat N`: run each `dev_pair_ns` loop N times and print the fastest (noisy hosts).
+//! - `--policy device|device_segments`: one expandable range per stream (the default) or
+//!   separate segments, PyTorch's layout without expandable segments. The other layout keys
+//!   come from `PINPOOL_DEVICE_CONF`, as the allocator reads them.
+//! - The remaining arguments are trace files: the plain text the anchor reads (`a <id>
+//!   <bytes> <stream>`, `f <id>`, `#` comments), gzip-compressed or not, or MiniMalloc CSV.
 //!
-//! What each metric measures (as the anchor does; the anchor's calls are PyTorch's
-//! `raw_alloc_with_stream` / `raw_delete`, so these use pinpool's):
-//! - `dev_pair_ns size=S`: one thread, allocate a cached size on a stream and free it.
-//! - `dev_pair_with_record_ns size=1048576`: allocate on a stream, record use on a second,
-//!   idle stream, free (the event path).
-//! - `dev_mt_Mpairs_per_s same_class=C threads=T`: T threads, each on its own stream, all
-//!   64 KiB (C=1) or `4096 << (t % 12)` (C=0).
-//! - `dev_mixed_sizes_ns_per_request held=64`: one thread holds 64 buffers and replaces one
-//!   at a time with one of another size, 4 KiB to 1 MiB.
-//! - `dev_fresh_alloc_ms size_mb=M`: cache emptied, then the first allocation of M MiB.
-//! - `dev_reserved_MiB_for_request_MiB request=1025`: peak reserved for a 1025 MiB request.
-//! - `dev_replay_* trace=NAME`: a trace replayed twice from an empty cache, each trace stream
-//!   its own stream; the second run's peak reserved over peak live bytes, time per request
-//!   and segments taken.
+//! What each metric measures, as the anchor does (its calls are PyTorch's
+//! `raw_alloc_with_stream`, `raw_delete` and `recordStream`; these are pinpool's):
+//! - `dev_pair_ns size=S`: one thread, allocate a cached size on a stream and free it,
+//!   2 000 000 times, for 4 KiB, 1 MiB and 64 MiB.
+//! - `dev_pair_with_record_ns size=1048576`: allocate a buffer on one stream, record use on a
+//!   second, idle stream, drop it (the event path); 200 000 times.
+//! - `dev_mt_Mpairs_per_s same_class=C threads=T`: T threads, each on its own stream, each
+//!   allocating and freeing 300 000 times, all 64 KiB (C=1) or `4096 << (t % 12)` (C=0); each
+//!   warms its size first, and the clock runs from the last spawn to the last join.
+//! - `dev_mixed_sizes_ns_per_request held=64`: one thread holds 64 pointers and replaces one
+//!   at a time with one of another size, 4 KiB to 1 MiB; 50 000 times.
+//! - `dev_fresh_alloc_ms size_mb=M`: cache emptied, then the first allocation of M MiB (the
+//!   allocation call alone) on a stream the allocator has served before, as the anchor's.
+//! - `dev_reserved_MiB_for_request_MiB request=1025`: peak reserved bytes, all pools, for one
+//!   1025 MiB request from an empty cache.
+//! - `dev_replay_* trace=NAME`: each trace played twice from an emptied cache, each trace
+//!   stream its own stream (kept across the two runs); from the second run: peak reserved
+//!   over peak live requested bytes, time per trace line (allocation or free), and the
+//!   segment count. As PyTorch's `segment[0].allocated`, that count is cumulative: it counts
+//!   every segment the device allocator has taken since it started.
 //!
-//! Extras: `dev_pair_buffer_ns` (the `DeviceBuffer` path: `alloc_blocking` and drop, no
-//! pointer table), `dev_async_pair_ns` (`alloc().await` in a tokio task).
+//! Extras: `dev_pair_buffer_ns size=S` (the `DeviceBuffer` path: `alloc_blocking` and drop,
+//! no pointer table), `dev_pair_with_record_raw_ns` (the record loop through raw pointers and
+//! `raw_record_stream`), `dev_mixed_sizes_fresh` (device allocations made during the mixed
+//! sizes loop), `dev_async_pair_ns` (`alloc().await` of a cached size in a tokio
+//! task) and `dev_replay_fresh trace=NAME` (device allocations during the second run).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pinpool::config::DeviceConfig;
-use pinpool::trace::{Trace, TraceEvent};
+use pinpool::trace::{Trace, TraceError, TraceEvent};
 use pinpool::{DeviceAllocator, DeviceBuilder, DeviceRuntime};
 
-type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Result<T> = std::result::Result<T, BoxError>;
+
+/// Every iteration count is divided by this with `--quick`.
+const QUICK_DIVISOR: u64 = 20;
+
+const USAGE: &str = "usage: device_bench [--runtime sim|cuda|auto] [--quick] [--repeat N] \
+                     [--policy device|device_segments] [TRACE...]";
 
 struct Args {
     runtime: String,
     quick: bool,
-    expandable: bool,
+    repeat: usize,
+    /// `Some(true)` for `--policy device`, `Some(false)` for `device_segments`.
+    expandable: Option<bool>,
     traces: Vec<String>,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
     let mut args = Args {
-        runtime: if cfg!(feature = "cuda") {
-            "cuda".into()
-        } else {
-            "sim".into()
-        },
+        runtime: "auto".into(),
         quick: false,
-        expandable: true,
+        repeat: 1,
+        expandable: None,
         traces: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--runtime" => args.runtime = it.next().ok_or("--runtime needs a value")?,
+            "--runtime" => {
+                args.runtime = it.next().ok_or("--runtime needs a value")?;
+                if !["sim", "cuda", "auto"].contains(&args.runtime.as_str()) {
+                    return Err(format!("--runtime: unknown runtime {:?}", args.runtime));
+                }
+            }
             "--quick" => args.quick = true,
+            "--repeat" => {
+                args.repeat = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&r| r > 0)
+                    .ok_or("--repeat needs a positive number")?
+            }
             "--policy" => match it.next().as_deref() {
-                Some("device") => args.expandable = true,
-                Some("device_segments") => args.expandable = false,
+                Some("device") => args.expandable = Some(true),
+                Some("device_segments") => args.expandable = Some(false),
                 other => return Err(format!("--policy: unknown device policy {other:?}")),
             },
-            "-h" | "--help" => {
-                return Err("usage: device_bench [--runtime cuda|sim] [--quick] \
-                     [--policy device|device_segments] [TRACE...]"
-                    .into())
+            "-h" | "--help" => return Err(USAGE.into()),
+            "--" => args.traces.extend(it.by_ref()),
+            flag if flag.starts_with("--") => {
+                return Err(format!("unknown argument {flag:?}\n{USAGE}"))
             }
-            flag if flag.starts_with("--") => return Err(format!("unknown argument {flag:?}")),
             file => args.traces.push(file.to_owned()),
         }
     }
@@ -84,100 +119,286 @@ fn parse_args() -> std::result::Result<Args, String> {
 }
 
 fn ns_per(t0: Instant, n: u64) -> f64 {
-    t0.elapsed().as_nanos() as f64 / n as f64
+    t0.elapsed().as_nanos() as f64 / n.max(1) as f64
+}
+
+/// One step of a trace as the replay plays it: allocations fill numbered slots.
+#[derive(Clone, Copy)]
+enum Step {
+    Alloc {
+        slot: usize,
+        bytes: usize,
+        stream: u64,
+    },
+    Free {
+        slot: usize,
+    },
+}
+
+/// A trace ready to replay.
+struct Replay {
+    steps: Vec<Step>,
+    /// Slots the allocations use.
+    slots: usize,
+    /// What the anchor divides the replay time by: every event line, frees of unknown ids
+    /// included.
+    lines: u64,
+    /// Peak live requested bytes, counted as the anchor counts them.
+    peak_live: u64,
+    /// Which reader took the file.
+    reader: &'static str,
+}
+
+impl Replay {
+    /// Reads `path` with `pinpool::trace` (strict: ids dense and in order, frees only of live
+    /// ids), or, when it rejects the content, the way the anchor reads it.
+    fn open(path: &str) -> Result<Replay> {
+        match Trace::open(path) {
+            Ok(trace) => Ok(Replay::from_trace(&trace)),
+            Err(e @ TraceError::Invalid { .. }) => {
+                let replay = Replay::read_lenient(path)?;
+                eprintln!("  ({e}; read as the anchor reads it instead)");
+                Ok(replay)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn from_trace(trace: &Trace) -> Replay {
+        let steps = trace
+            .events()
+            .iter()
+            .map(|e| match *e {
+                TraceEvent::Alloc { id, bytes, stream } => Step::Alloc {
+                    slot: id,
+                    bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
+                    stream,
+                },
+                TraceEvent::Free { id } => Step::Free { slot: id },
+            })
+            .collect::<Vec<_>>();
+        Replay {
+            lines: steps.len() as u64,
+            steps,
+            slots: trace.allocation_count(),
+            peak_live: trace.peak_live_bytes(),
+            reader: "pinpool::trace",
+        }
+    }
+
+    /// The anchor's reading: any integer ids, an id may come back once freed, a free of an
+    /// id not live is skipped (but counted as a line), extra fields are ignored. An id
+    /// allocated again while live leaves the first allocation live to the end, as the
+    /// anchor's map does. Gzip-compressed files are taken too.
+    fn read_lenient(path: &str) -> Result<Replay> {
+        let io = |e: std::io::Error| format!("{path}: {e}");
+        let mut reader = BufReader::new(std::fs::File::open(path).map_err(io)?);
+        let gzip = reader.fill_buf().map_err(io)?.starts_with(&[0x1f, 0x8b]);
+        let reader: Box<dyn BufRead> = if gzip {
+            Box::new(BufReader::new(flate2::read::MultiGzDecoder::new(reader)))
+        } else {
+            Box::new(reader)
+        };
+        let mut replay = Replay {
+            steps: Vec::new(),
+            slots: 0,
+            lines: 0,
+            peak_live: 0,
+            reader: "lenient",
+        };
+        let mut live: HashMap<i64, (usize, usize)> = HashMap::new();
+        let mut cur: u64 = 0;
+        for (n, line) in reader.lines().enumerate() {
+            let line = line.map_err(io)?;
+            let bad = |what: &str| format!("{path}:{}: {what}: {line:?}", n + 1);
+            let mut fields = line.split_ascii_whitespace();
+            let Some(tag) = fields.next() else { continue };
+            if tag.starts_with('#') {
+                continue;
+            }
+            let mut int = |name: &str| -> Result<i64> {
+                let text = fields
+                    .next()
+                    .ok_or_else(|| bad(&format!("missing {name}")))?;
+                Ok(text.parse().map_err(|_| bad(&format!("bad {name}")))?)
+            };
+            replay.lines += 1;
+            match tag {
+                "a" => {
+                    let id = int("id")?;
+                    let bytes = usize::try_from(int("bytes")?).map_err(|_| bad("bad bytes"))?;
+                    let stream = int("stream")? as u64;
+                    let slot = replay.slots;
+                    replay.slots += 1;
+                    live.insert(id, (slot, bytes));
+                    replay.steps.push(Step::Alloc {
+                        slot,
+                        bytes,
+                        stream,
+                    });
+                    cur += bytes as u64;
+                    replay.peak_live = replay.peak_live.max(cur);
+                }
+                "f" => {
+                    if let Some((slot, bytes)) = live.remove(&int("id")?) {
+                        replay.steps.push(Step::Free { slot });
+                        cur -= bytes as u64;
+                    }
+                }
+                _ => return Err(bad("unknown event (expected `a` or `f`)").into()),
+            }
+        }
+        Ok(replay)
+    }
+}
+
+/// The trace's name as the anchor prints it: no directory, no `.txt` or `.trace` (and no
+/// `.gz` at the end, for compressed files the anchor does not read).
+fn trace_name(path: &str) -> String {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    let mut s = file.strip_suffix(".gz").unwrap_or(file).to_owned();
+    // As the anchor's `base()`: cut at the last occurrence of each, wherever it is.
+    for suffix in [".txt", ".trace"] {
+        if let Some(i) = s.rfind(suffix) {
+            s.truncate(i);
+        }
+    }
+    s
 }
 
 /// The benchmark over one runtime: its allocator, and how to make a new stream on device 0.
-struct Bench<R: DeviceRuntime, F: Fn() -> R::Stream + Sync> {
+struct Bench<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> {
     pool: DeviceAllocator<R>,
     new_stream: F,
     quick: bool,
+    repeat: usize,
 }
 
-impl<R: DeviceRuntime, F: Fn() -> R::Stream + Sync> Bench<R, F> {
-    fn n(&self, full: u64, quick: u64) -> u64 {
+impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
+    /// The anchor's iteration count `full`, or its share with `--quick`.
+    fn n(&self, full: u64) -> u64 {
         if self.quick {
-            quick
+            full / QUICK_DIVISOR
         } else {
             full
         }
     }
 
+    fn fresh_count(&self) -> Result<i64> {
+        Ok(self.pool.stats(0)?.num_device_alloc)
+    }
+
     fn pair(&self) -> Result<()> {
-        let stream = (self.new_stream)();
+        let stream = (self.new_stream)()?;
         let pool = &self.pool;
+        let n = self.n(2_000_000);
         for size in [4096usize, 1 << 20, 64 << 20] {
-            let n = self.n(2_000_000, 100_000);
             pool.raw_delete(pool.raw_alloc_with_stream(size, &stream)?)?;
-            let t0 = Instant::now();
-            for _ in 0..n {
-                let p = pool.raw_alloc_with_stream(size, &stream)?;
-                pool.raw_delete(std::hint::black_box(p))?;
+            let mut best = f64::INFINITY;
+            for _ in 0..self.repeat {
+                let t0 = Instant::now();
+                for _ in 0..n {
+                    let p = pool.raw_alloc_with_stream(size, &stream)?;
+                    pool.raw_delete(std::hint::black_box(p))?;
+                }
+                best = best.min(ns_per(t0, n));
             }
-            println!("pinpool dev_pair_ns size={size} {:.1}", ns_per(t0, n));
-            let t0 = Instant::now();
-            for _ in 0..n {
-                drop(std::hint::black_box(pool.alloc_blocking(size, &stream)?));
+            println!("pinpool dev_pair_ns size={size} {best:.1}");
+            let mut best = f64::INFINITY;
+            for _ in 0..self.repeat {
+                let t0 = Instant::now();
+                for _ in 0..n {
+                    drop(std::hint::black_box(pool.alloc_blocking(size, &stream)?));
+                }
+                best = best.min(ns_per(t0, n));
             }
-            println!(
-                "pinpool dev_pair_buffer_ns size={size} {:.1}",
-                ns_per(t0, n)
-            );
+            println!("pinpool dev_pair_buffer_ns size={size} {best:.1}");
         }
         Ok(())
     }
 
     fn pair_with_record(&self) -> Result<()> {
-        let (stream, other) = ((self.new_stream)(), (self.new_stream)());
-        let size = 1 << 20;
-        let n = self.n(200_000, 20_000);
-        drop(self.pool.alloc_blocking(size, &stream)?);
+        let (stream, other) = ((self.new_stream)()?, (self.new_stream)()?);
+        let pool = &self.pool;
+        let size = 1usize << 20;
+        let n = self.n(200_000);
+        drop(pool.alloc_blocking(size, &stream)?);
+        let fresh0 = self.fresh_count()?;
         let t0 = Instant::now();
         for _ in 0..n {
-            let mut b = self.pool.alloc_blocking(size, &stream)?;
+            let mut b = pool.alloc_blocking(size, &stream)?;
             b.record_stream(&other);
         }
         println!(
             "pinpool dev_pair_with_record_ns size={size} {:.1}",
             ns_per(t0, n)
         );
+        let fresh1 = self.fresh_count()?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            let p = pool.raw_alloc_with_stream(size, &stream)?;
+            pool.raw_record_stream(p, &other)?;
+            pool.raw_delete(p)?;
+        }
+        println!(
+            "pinpool dev_pair_with_record_raw_ns size={size} {:.1}",
+            ns_per(t0, n)
+        );
+        eprintln!(
+            "  (fresh device allocations during the record loops: {} with buffers, {} with raw pointers)",
+            fresh1 - fresh0,
+            self.fresh_count()? - fresh1
+        );
         Ok(())
     }
 
     fn mt(&self) -> Result<()> {
-        let k = self.n(300_000, 30_000);
+        let k = self.n(300_000);
         for same in [0, 1] {
             for threads in [1usize, 2, 4, 8, 16] {
                 let ready = AtomicUsize::new(0);
                 let secs = std::thread::scope(|s| -> Result<f64> {
                     let handles: Vec<_> = (0..threads)
                         .map(|t| {
-                            let (ready, pool) = (&ready, &self.pool);
-                            let stream = (self.new_stream)();
-                            s.spawn(move || -> std::result::Result<(), pinpool::Error> {
+                            let ready = &ready;
+                            s.spawn(move || -> Result<()> {
                                 let size = if same == 1 {
                                     1 << 16
                                 } else {
                                     4096usize << (t % 12)
                                 };
-                                pool.raw_delete(pool.raw_alloc_with_stream(size, &stream)?)?;
+                                // Each thread its own stream, made on the thread, as the
+                                // anchor does. A thread that fails still counts itself ready,
+                                // so the others do not wait for it forever.
+                                let warm = (|| -> Result<R::Stream> {
+                                    let stream = (self.new_stream)()?;
+                                    let p = self.pool.raw_alloc_with_stream(size, &stream)?;
+                                    self.pool.raw_delete(p)?;
+                                    Ok(stream)
+                                })();
                                 ready.fetch_add(1, Ordering::SeqCst);
+                                let stream = warm?;
                                 while ready.load(Ordering::SeqCst) < threads {
                                     std::hint::spin_loop();
                                 }
                                 for _ in 0..k {
-                                    let p = pool.raw_alloc_with_stream(size, &stream)?;
-                                    pool.raw_delete(std::hint::black_box(p))?;
+                                    let p = self.pool.raw_alloc_with_stream(size, &stream)?;
+                                    self.pool.raw_delete(std::hint::black_box(p))?;
                                 }
                                 Ok(())
                             })
                         })
                         .collect();
                     let t0 = Instant::now();
+                    let mut first_err = None;
                     for h in handles {
-                        h.join().map_err(|_| "a benchmark thread panicked")??;
+                        let r = h.join().map_err(|_| "a benchmark thread panicked".into());
+                        if let Err(e) = r.and_then(|r| r) {
+                            first_err.get_or_insert(e);
+                        }
                     }
-                    Ok(t0.elapsed().as_secs_f64())
+                    let secs = t0.elapsed().as_secs_f64();
+                    first_err.map_or(Ok(secs), Err)
                 })?;
                 println!(
                     "pinpool dev_mt_Mpairs_per_s same_class={same} threads={threads} {:.2}",
@@ -189,14 +410,15 @@ impl<R: DeviceRuntime, F: Fn() -> R::Stream + Sync> Bench<R, F> {
     }
 
     fn mixed_sizes(&self) -> Result<()> {
-        let stream = (self.new_stream)();
+        let stream = (self.new_stream)()?;
         let pool = &self.pool;
-        let n = self.n(50_000, 5_000) as usize;
+        let n = self.n(50_000) as usize;
         let size = |i: usize| 4096 + i.wrapping_mul(104_729) % (1 << 20);
-        let mut held = (0..64)
-            .map(|i| pool.raw_alloc_with_stream(size(n + i), &stream))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let before = pool.stats(0)?.num_device_alloc;
+        let mut held = Vec::with_capacity(64);
+        for i in 0..64 {
+            held.push(pool.raw_alloc_with_stream(size(n + i), &stream)?);
+        }
+        let fresh0 = self.fresh_count()?;
         let t0 = Instant::now();
         for i in 0..n {
             let p = pool.raw_alloc_with_stream(size(i), &stream)?;
@@ -207,9 +429,9 @@ impl<R: DeviceRuntime, F: Fn() -> R::Stream + Sync> Bench<R, F> {
             "pinpool dev_mixed_sizes_ns_per_request held=64 {:.1}",
             ns_per(t0, n as u64)
         );
-        eprintln!(
-            "  (fresh device allocations during the mixed sizes loop: {})",
-            pool.stats(0)?.num_device_alloc - before
+        println!(
+            "pinpool dev_mixed_sizes_fresh held=64 {}",
+            self.fresh_count()? - fresh0
         );
         for p in held {
             pool.raw_delete(p)?;
@@ -218,8 +440,12 @@ impl<R: DeviceRuntime, F: Fn() -> R::Stream + Sync> Bench<R, F> {
     }
 
     fn fresh(&self) -> Result<()> {
-        let stream = (self.new_stream)();
+        let stream = (self.new_stream)()?;
         let pool = &self.pool;
+        // The anchor measures on a stream its allocator has served before: make this
+        // stream's pool (and reserve its address range) first, so that only fresh memory
+        // is timed.
+        pool.raw_delete(pool.raw_alloc_with_stream(4096, &stream)?)?;
         for mb in [16usize, 256, 1024] {
             pool.empty_cache_blocking()?;
             let t0 = Instant::now();
@@ -238,14 +464,11 @@ impl<R: DeviceRuntime, F: Fn() -> R::Stream + Sync> Bench<R, F> {
         Ok(())
     }
 
-    fn async_pair(&self, rt: &tokio::runtime::Runtime) -> Result<()>
-    where
-        R::Stream: 'static,
-    {
-        let n = self.n(2_000_000, 100_000);
+    fn async_pair(&self, rt: &tokio::runtime::Runtime) -> Result<()> {
+        let n = self.n(2_000_000);
         let size = 1usize << 20;
         let pool = self.pool.clone();
-        let stream = (self.new_stream)();
+        let stream = (self.new_stream)()?;
         let ns = rt.block_on(async move {
             tokio::spawn(async move {
                 drop(pool.alloc(size, &stream).await?);
@@ -261,75 +484,80 @@ impl<R: DeviceRuntime, F: Fn() -> R::Stream + Sync> Bench<R, F> {
         Ok(())
     }
 
-    fn replay(&self, path: &str) -> Result<()> {
-        let trace = Trace::open(path)?;
-        let base = trace_name(path);
+    fn replay(&self, base: &str, trace: &Replay) -> Result<()> {
         let pool = &self.pool;
-        let mut streams = BTreeMap::new();
+        let mut streams: BTreeMap<u64, R::Stream> = BTreeMap::new();
+        let mut live: Vec<u64> = vec![0; trace.slots];
         for rep in 0..2 {
+            // The first run warms nothing up: the cache is emptied before each.
             pool.empty_cache_blocking()?;
             pool.reset_peak_stats(0)?;
-            let mut live: Vec<u64> = vec![0; trace.allocation_count()];
+            let fresh0 = self.fresh_count()?;
             let t0 = Instant::now();
-            for event in trace.events() {
-                match *event {
-                    TraceEvent::Alloc { id, bytes, stream } => {
-                        let s = streams.entry(stream).or_insert_with(&self.new_stream);
-                        live[id] = pool.raw_alloc_with_stream(bytes as usize, s)?;
+            for step in &trace.steps {
+                match *step {
+                    Step::Alloc {
+                        slot,
+                        bytes,
+                        stream,
+                    } => {
+                        let s = match streams.entry(stream) {
+                            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                            std::collections::btree_map::Entry::Vacant(e) => {
+                                e.insert((self.new_stream)()?)
+                            }
+                        };
+                        live[slot] = pool.raw_alloc_with_stream(bytes, s)?;
                     }
-                    TraceEvent::Free { id } => {
-                        pool.raw_delete(std::mem::take(&mut live[id]))?;
-                    }
+                    Step::Free { slot } => pool.raw_delete(std::mem::take(&mut live[slot]))?,
                 }
             }
-            let ns = ns_per(t0, trace.events().len() as u64);
+            let ns = ns_per(t0, trace.lines);
             let stats = pool.stats(0)?;
             if rep == 1 {
-                let peak = trace.peak_live_bytes().max(1) as f64;
+                eprintln!(
+                    "  ({base}: {} lines, {} allocations on {} streams, peak live {:.1} MiB, read by {})",
+                    trace.lines,
+                    trace.slots,
+                    streams.len(),
+                    trace.peak_live as f64 / 1048576.0,
+                    trace.reader
+                );
                 println!(
                     "pinpool dev_replay_reserved_over_peak trace={base} {:.3}",
-                    stats.reserved_bytes.all.peak as f64 / peak
+                    stats.reserved_bytes.all.peak as f64 / trace.peak_live.max(1) as f64
                 );
                 println!("pinpool dev_replay_ns_per_request trace={base} {ns:.1}");
                 println!(
                     "pinpool dev_replay_segments trace={base} {}",
                     stats.segment.all.allocated
                 );
+                println!(
+                    "pinpool dev_replay_fresh trace={base} {}",
+                    stats.num_device_alloc - fresh0
+                );
             }
-            for p in live {
-                pool.raw_delete(p)?;
+            for p in live.iter_mut() {
+                pool.raw_delete(std::mem::take(p))?;
             }
         }
         Ok(())
     }
 
-    fn run(&self, rt: &tokio::runtime::Runtime, traces: &[String]) -> Result<()>
-    where
-        R::Stream: 'static,
-    {
+    fn run(&self, rt: &tokio::runtime::Runtime, traces: &[(String, Replay)]) -> Result<()> {
         self.pair()?;
         self.pair_with_record()?;
         self.mt()?;
         self.mixed_sizes()?;
         self.fresh()?;
         self.async_pair(rt)?;
-        for t in traces {
-            self.replay(t)?;
+        for (base, trace) in traces {
+            self.replay(base, trace)
+                .map_err(|e| -> BoxError { format!("replay of {base}: {e}").into() })?;
         }
         self.pool.empty_cache_blocking()?;
         Ok(())
     }
-}
-
-/// The trace's name as the anchor prints it: no directory, no `.txt` / `.trace` / `.gz`.
-fn trace_name(path: &str) -> String {
-    let mut s = path.rsplit('/').next().unwrap_or(path).to_owned();
-    for suffix in [".gz", ".txt", ".trace"] {
-        if let Some(i) = s.rfind(suffix) {
-            s.truncate(i);
-        }
-    }
-    s
 }
 
 fn tokio_runtime() -> Result<tokio::runtime::Runtime> {
@@ -339,46 +567,101 @@ fn tokio_runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-fn config(args: &Args) -> DeviceConfig {
-    DeviceConfig::default().with_expandable_segments(args.expandable)
+/// The layout settings: `PINPOOL_DEVICE_CONF`, with `--policy` over it.
+fn config(args: &Args) -> Result<DeviceConfig> {
+    let mut config = DeviceConfig::from_env()
+        .map_err(|e| format!("{}: {e}", pinpool::config::DEVICE_ENV_VAR))?;
+    if let Some(expandable) = args.expandable {
+        config = config.with_expandable_segments(expandable);
+    }
+    Ok(config)
 }
 
-fn run_sim(args: &Args) -> Result<()> {
+/// Builds the allocator over `runtime` and runs every measurement on this (plain) thread
+/// and threads it spawns, the actors on a tokio runtime of their own.
+fn bench<R: DeviceRuntime>(
+    runtime: Arc<R>,
+    what: &str,
+    new_stream: impl Fn(&Arc<R>) -> Result<R::Stream> + Sync,
+    args: &Args,
+    traces: &[(String, Replay)],
+) -> Result<()> {
     let rt = tokio_runtime()?;
-    let sim = Arc::new(pinpool::sim::SimRuntime::new());
-    let pool = DeviceBuilder::new(sim.clone())
-        .config(&config(args))
+    let config = config(args)?;
+    let pool = DeviceBuilder::new(runtime.clone())
+        .config(&config)
         .handle(rt.handle().clone())
         .build()?;
+    let (_, total) = pool.memory_info(0)?;
+    eprintln!(
+        "device_bench: runtime {what} ({:.0} GiB), {config}, {}{} trace(s)",
+        total as f64 / (1u64 << 30) as f64,
+        if args.quick {
+            format!("quick (counts / {QUICK_DIVISOR}), ")
+        } else {
+            String::new()
+        },
+        traces.len()
+    );
+    // Every stream made lives to the end of the run, as PyTorch's pool streams do: a
+    // destroyed CUDA stream's handle can come back as the next stream's, and with it
+    // whatever the allocator still keeps under that stream's id.
+    let streams = Mutex::new(Vec::new());
     let bench = Bench {
         pool,
-        new_stream: || sim.stream(),
+        new_stream: || {
+            let s = new_stream(&runtime)?;
+            streams
+                .lock()
+                .map_err(|_| "a benchmark thread panicked")?
+                .push(s.clone());
+            Ok(s)
+        },
         quick: args.quick,
+        repeat: args.repeat,
     };
-    bench.run(&rt, &args.traces)?;
+    let result = bench.run(&rt, traces);
     drop(bench);
+    drop(streams);
     rt.shutdown_timeout(Duration::from_secs(5));
-    Ok(())
+    result
+}
+
+fn run_sim(args: &Args, traces: &[(String, Replay)]) -> Result<()> {
+    let sim = Arc::new(pinpool::sim::SimRuntime::new());
+    bench(sim, "sim", |sim| Ok(sim.stream()), args, traces)
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda(args: &Args) -> Result<()> {
-    let rt = tokio_runtime()?;
-    let pool = DeviceAllocator::builder()
-        .cuda()?
-        .config(&config(args))
-        .handle(rt.handle().clone())
-        .build()?;
-    let ctx = pool.runtime().context().clone();
-    let bench = Bench {
-        pool,
-        new_stream: || ctx.new_stream().expect("a CUDA stream"),
-        quick: args.quick,
-    };
-    bench.run(&rt, &args.traces)?;
-    drop(bench);
-    rt.shutdown_timeout(Duration::from_secs(5));
-    Ok(())
+fn run_cuda(args: &Args, traces: &[(String, Replay)]) -> Result<()> {
+    let cuda = Arc::new(pinpool::cuda::CudaRuntime::new(0)?);
+    bench(
+        cuda,
+        "cuda, device 0",
+        |cuda| Ok(cuda.context().new_stream()?),
+        args,
+        traces,
+    )
+}
+
+/// The runtime `--runtime` names, `auto` resolved.
+fn pick_runtime(name: &str) -> &'static str {
+    match name {
+        "sim" => "sim",
+        "cuda" => "cuda",
+        #[cfg(feature = "cuda")]
+        _ if pinpool::cuda::cuda_available() => "cuda",
+        _ => {
+            if cfg!(feature = "cuda") {
+                eprintln!("device_bench: no CUDA device found; using the simulated device");
+            } else {
+                eprintln!(
+                    "device_bench: built without the cuda feature; using the simulated device"
+                );
+            }
+            "sim"
+        }
+    }
 }
 
 fn main() {
@@ -389,23 +672,25 @@ fn main() {
             std::process::exit(2);
         }
     };
-    eprintln!(
-        "device_bench: runtime {}, {}, {} trace(s){}",
-        args.runtime,
-        if args.expandable {
-            "expandable range"
-        } else {
-            "separate segments"
-        },
-        args.traces.len(),
-        if args.quick { ", quick" } else { "" }
-    );
-    let result = match args.runtime.as_str() {
-        "sim" => run_sim(&args),
+    // Every trace is read first, so that a bad file fails before any measurement.
+    let mut traces = Vec::with_capacity(args.traces.len());
+    for path in &args.traces {
+        match Replay::open(path) {
+            Ok(t) => traces.push((trace_name(path), t)),
+            Err(e) => {
+                eprintln!("device_bench: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    let result = match pick_runtime(&args.runtime) {
+        "sim" => run_sim(&args, &traces),
         #[cfg(feature = "cuda")]
-        "cuda" => run_cuda(&args),
-        other => {
-            eprintln!("runtime {other:?} is not available in this build (sim, or cuda with --features cuda)");
+        "cuda" => run_cuda(&args, &traces),
+        _ => {
+            eprintln!(
+                "device_bench: runtime cuda is not in this build (build with --features cuda)"
+            );
             std::process::exit(2);
         }
     };

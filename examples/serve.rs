@@ -1,40 +1,65 @@
 //! A simulated inference server: the main job.
 //!
-//! Many concurrent request tasks each stage an input in a pinned buffer, take the request's
-//! device buffers (its input, and activations twice that size) from the device pool on the
-//! stream it runs on, copy the input to the device, run a "kernel" that writes the
-//! activations from it, copy part of them back into a second pinned buffer, wait for it,
-//! check the bytes and free everything. Sizes vary the way batched requests do. At the end
-//! it prints throughput, the cache hit rates and the statistics of both allocators.
+//! Many concurrent request tasks each take the request's memory — its input and its result
+//! in pinned host memory from a [`PinnedAllocator`], its input and its activations
+//! ([`ACTIVATIONS`] times the input's size) in device memory from a [`DeviceAllocator`], on
+//! the stream the request runs on — then copy the input to the device, run a "kernel" that
+//! writes the activations from it, copy the start of the activations back into the pinned
+//! result, wait for it, check the bytes and free everything. Sizes vary the way batched
+//! requests do. At the end it prints throughput and, side by side, the statistics of the
+//! pinned and the device allocator (cache hit rates, driver calls, reserved and in-use
+//! peaks, limits).
 //!
 //! ```text
 //! cargo run --release --example serve -- [--requests N] [--concurrency N] [--streams N]
 //!     [--max-mib N] [--device-max-mib N]
 //! ```
 //!
-//! By default reserved pinned memory is capped at 40 MiB, below what the workload would
-//! reserve unbounded: requests over the cap wait for buffers to come back (backpressure).
-//! Device memory is capped at 512 MiB, more than the largest requests of every task at once
-//! need (each task holds two device buffers at a time, so a cap below that could leave every
-//! task holding its input while waiting for room for its activations).
+//! - `--requests N` (default 20000), `--concurrency N` request tasks (default 64),
+//!   `--streams N` (default 4; task `i` runs on stream `i % N`).
+//! - `--max-mib N` caps reserved pinned memory (default 40; 0 for none). By default the cap is
+//!   below what the workload would reserve unbounded, so requests over it wait for buffers to
+//!   come back (backpressure).
+//! - `--device-max-mib N` caps reserved device memory (default 48; 0 for none). The requests
+//!   hold little device memory at once (about 12 MiB on the simulated runtime: each frees its
+//!   device buffers as soon as its work is enqueued), but unbounded the allocator reserves
+//!   about 100 MiB, since each stream's pool keeps blocks of every size it has served. At 48 MiB it empties its caches
+//!   now and then to stay under the cap, and a few requests wait for room (the table counts
+//!   both); the lower the cap, the more of each.
+//! - `PINPOOL_DEVICE_CONF` (e.g. `expandable_segments:False,max_split_size_mb:64`) sets the
+//!   device allocator's layout.
 //!
 //! Device buffers are freed on their own stream as soon as the work on them is enqueued:
-//! stream order makes them reusable by the next request on that stream at once, with no
-//! event, and the simulated device checks that no such reuse overtakes the work.
+//! stream order makes them reusable by the next request on that stream at once, with no event
+//! and no `record_stream`. The pinned buffers are used by the stream, so they record it before
+//! they are freed. The simulated runtime checks every copy and kernel against both rules.
+//!
+//! A request first tries to take its four buffers without waiting (`try_alloc`: the cached
+//! path, as a rule). When one does not fit under its cap, it gives back what it took and
+//! takes them again in turn, one request at a time, waiting at the caps (`alloc_timeout`)
+//! for buffers to come back. So no task ever waits for memory while holding some and another
+//! waits too: any caps that the largest request fits under (3 MiB pinned, 8 MiB device) are
+//! safe, however many tasks share them. (A wait that lasts 200 ms, as when a request's
+//! own input splits a segment so that its activations fit nowhere under the cap, gives
+//! everything back, empties the caches and starts again.) The allocators count such refusals
+//! as out-of-memory; the table shows them apart from the requests refused for good.
 //!
 //! It runs on the simulated runtime (software streams and a simulated 16 GiB device that
 //! check every copy and kernel for early reuse). Built with `--features cuda` on a machine
-//! with a GPU, it runs the same server on the real runtime instead, every result checked.
-//! Without a GPU it says so and runs on the simulated runtime as before.
+//! with a GPU, it runs the same server on the real runtime instead (pinned and device memory
+//! from the driver, copies and the "kernel" as cudarc calls), every result checked. Without a
+//! GPU it says so and runs on the simulated runtime as before.
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pinpool::config::{DeviceConfig, DEVICE_ENV_VAR};
 use pinpool::sim::{SimRuntime, SimStream};
 use pinpool::{
-    Builder, DeviceAllocator, DeviceBuilder, DeviceRuntime, DeviceStats, PinnedAllocator, Runtime,
+    Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, DeviceStats, HostStats,
+    PinnedAllocator, PinnedBuffer, Runtime,
 };
 
 struct Args {
@@ -47,8 +72,13 @@ struct Args {
     device_max_mib: u64,
 }
 
+/// The smallest pinned cap that the largest request fits under (its input and result).
+const MIN_MAX_MIB: u64 = 3;
+/// The smallest device cap that the largest request fits under (its input and activations).
+const MIN_DEVICE_MAX_MIB: u64 = 8;
+
 impl Args {
-    /// The allocator builder's memory cap.
+    /// The pinned allocator builder's memory cap.
     fn apply<R: Runtime>(&self, b: Builder<R>) -> Builder<R> {
         if self.max_mib > 0 {
             b.max_bytes((self.max_mib as usize) << 20)
@@ -57,17 +87,34 @@ impl Args {
         }
     }
 
-    /// The device allocator on `runtime` (the pinned pool's), with its cap.
-    fn device<R: DeviceRuntime>(
-        &self,
-        runtime: Arc<R>,
-    ) -> Result<DeviceAllocator<R>, pinpool::Error> {
-        let b = DeviceBuilder::new(runtime);
+    /// The device allocator on `runtime` (the pinned allocator's own), with its cap and the
+    /// layout `PINPOOL_DEVICE_CONF` asks for.
+    fn device<R: DeviceRuntime>(&self, runtime: Arc<R>) -> Result<DeviceAllocator<R>, String> {
+        let config = DeviceConfig::from_env().map_err(|e| format!("{DEVICE_ENV_VAR}: {e}"))?;
+        let mut b = DeviceBuilder::new(runtime).config(&config);
         if self.device_max_mib > 0 {
-            b.max_bytes((self.device_max_mib as usize) << 20).build()
-        } else {
-            b.build()
+            b = b.max_bytes((self.device_max_mib as usize) << 20);
         }
+        b.build().map_err(|e| format!("device allocator: {e}"))
+    }
+
+    /// The header line: the workload and both caps.
+    fn describe(&self) -> String {
+        let cap = |mib: u64| {
+            if mib > 0 {
+                format!("{mib} MiB")
+            } else {
+                "none".into()
+            }
+        };
+        format!(
+            "{} requests, {} concurrent, {} streams, pinned memory limit {}, device memory limit {}",
+            self.requests,
+            self.concurrency,
+            self.streams,
+            cap(self.max_mib),
+            cap(self.device_max_mib)
+        )
     }
 }
 
@@ -77,7 +124,7 @@ fn parse_args() -> Result<Args, String> {
         concurrency: 64,
         streams: 4,
         max_mib: 40,
-        device_max_mib: 512,
+        device_max_mib: 48,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -99,12 +146,27 @@ fn parse_args() -> Result<Args, String> {
                      [--device-max-mib N]\n\
                      --max-mib caps reserved pinned memory (default 40; 0 for none): requests\n\
                      over the cap wait for buffers to come back instead of failing\n\
-                     --device-max-mib caps reserved device memory (default 512; 0 for none)"
+                     --device-max-mib caps reserved device memory (default 48; 0 for none)\n\
+                     {DEVICE_ENV_VAR} sets the device allocator's layout \
+                     (e.g. expandable_segments:False)"
                 );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
         }
+    }
+    if a.max_mib > 0 && a.max_mib < MIN_MAX_MIB {
+        return Err(format!(
+            "--max-mib {}: the largest request needs {MIN_MAX_MIB} MiB of pinned memory",
+            a.max_mib
+        ));
+    }
+    if a.device_max_mib > 0 && a.device_max_mib < MIN_DEVICE_MAX_MIB {
+        return Err(format!(
+            "--device-max-mib {}: the largest request needs {MIN_DEVICE_MAX_MIB} MiB of device \
+             memory",
+            a.device_max_mib
+        ));
     }
     Ok(a)
 }
@@ -125,67 +187,283 @@ fn xorshift(s: &mut u64) -> u64 {
     *s
 }
 
-/// Bytes of each buffer actually copied (the simulated device checks them all).
+/// Bytes of each buffer actually copied on the simulated runtime (it checks them all).
 const COPY: usize = 16 << 10;
 
-/// Activations are this many times the size of the request's input.
+/// The activations are this many times the size of the request's input.
 const ACTIVATIONS: usize = 2;
 
 #[derive(Default)]
 struct Counters {
     done: AtomicU64,
     bytes: AtomicU64,
+    /// Time spent getting each request's four buffers, waiting for the turn included.
     alloc_ns: AtomicU64,
+    /// Requests that the pinned or the device allocator refused and that were tried again:
+    /// refused at once at a cap, or given up after waiting [`GIVE_UP`] (the allocators count
+    /// both among their out-of-memory refusals).
+    pinned_retried: AtomicU64,
+    device_retried: AtomicU64,
+    /// Bytes (whole blocks) the requests hold now, and the most they held at once.
+    pinned_held: Held,
+    device_held: Held,
 }
 
+/// Bytes held now, and the most held at once.
+#[derive(Default)]
+struct Held {
+    now: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl Held {
+    fn take(&self, bytes: usize) {
+        let now = self.now.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn give_back(&self, bytes: usize) {
+        self.now.fetch_sub(bytes as u64, Ordering::Relaxed);
+    }
+
+    fn peak(&self) -> i64 {
+        self.peak.load(Ordering::Relaxed) as i64
+    }
+}
+
+/// Counts in `retried` a refusal that [`Server::acquire`] tries again: any refusal of a
+/// request that did not wait, the end of the wait of one that did.
+fn note_retry<T>(r: &Result<T, pinpool::Error>, wait: Option<Duration>, retried: &AtomicU64) {
+    use pinpool::Error::{OutOfMemory, Timeout};
+    if let (Err(OutOfMemory { .. }), None) | (Err(Timeout { .. }), Some(_)) = (r, wait) {
+        retried.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// How long a request waits in turn for room under the caps before it starts again.
+const GIVE_UP: Duration = Duration::from_millis(200);
+
+/// What every request task shares: both allocators, the turn to allocate, the counters.
+struct Server<R: DeviceRuntime> {
+    pool: PinnedAllocator<R>,
+    device: DeviceAllocator<R>,
+    /// Held by the request that waits at the caps, so that no two tasks wait for memory
+    /// while each holds part of what it needs (no deadlock at a cap).
+    turn: tokio::sync::Mutex<()>,
+    counters: Counters,
+}
+
+/// One request's memory.
+struct Buffers<R: DeviceRuntime> {
+    /// The request's input, staged in pinned memory.
+    input: PinnedBuffer<R>,
+    /// Where the start of the activations comes back (a quarter of the input's size).
+    output: PinnedBuffer<R>,
+    /// The input on the device.
+    d_input: DeviceBuffer<R>,
+    /// The activations the "kernel" writes.
+    d_act: DeviceBuffer<R>,
+}
+
+impl<R: DeviceRuntime> Server<R> {
+    fn new(pool: PinnedAllocator<R>, device: DeviceAllocator<R>) -> Self {
+        Self {
+            pool,
+            device,
+            turn: tokio::sync::Mutex::new(()),
+            counters: Counters::default(),
+        }
+    }
+
+    /// Takes a request's buffers for work on `stream`: the pinned ones, then the device ones.
+    ///
+    /// First without waiting: under the caps that is the cached path, and a request that
+    /// does not fit gives back what it took. Then in turn, one request at a time, waiting at
+    /// the caps for buffers to come back. No task ever waits for memory while it holds some
+    /// and another task waits too, so the tasks cannot deadlock. A request can still stand in
+    /// its own way (its input kept in the middle of a segment whose free ends are too small
+    /// for its activations, and the cap reached); so a wait that lasts [`GIVE_UP`] gives
+    /// everything back, empties the caches and starts again.
+    async fn acquire(&self, stream: &R::Stream, size: usize) -> Result<Buffers<R>, pinpool::Error> {
+        let t0 = Instant::now();
+        let buffers = match self.take(stream, size, None).await {
+            Ok(b) => b,
+            Err(pinpool::Error::OutOfMemory { .. }) => {
+                let _turn = self.turn.lock().await;
+                loop {
+                    match self.take(stream, size, Some(GIVE_UP)).await {
+                        Ok(b) => break b,
+                        Err(pinpool::Error::Timeout { .. }) => {
+                            self.pool.empty_cache().await?;
+                            self.device.empty_cache().await?;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        let c = &self.counters;
+        c.alloc_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        c.pinned_held
+            .take(buffers.input.capacity() + buffers.output.capacity());
+        c.device_held
+            .take(buffers.d_input.capacity() + buffers.d_act.capacity());
+        Ok(buffers)
+    }
+
+    /// The four buffers of a request: without waiting at the caps (`wait` `None`), or
+    /// waiting at most `wait`. On the first refusal what was taken goes back.
+    async fn take(
+        &self,
+        stream: &R::Stream,
+        size: usize,
+        wait: Option<Duration>,
+    ) -> Result<Buffers<R>, pinpool::Error> {
+        let pinned = |size| async move {
+            let r = match wait {
+                None => self.pool.try_alloc(size).await,
+                Some(t) => self.pool.alloc_timeout(size, t).await,
+            };
+            note_retry(&r, wait, &self.counters.pinned_retried);
+            r
+        };
+        let on_device = |size| async move {
+            let r = match wait {
+                None => self.device.try_alloc(size, stream).await,
+                Some(t) => self.device.alloc_timeout(size, stream, t).await,
+            };
+            note_retry(&r, wait, &self.counters.device_retried);
+            r
+        };
+        let input = pinned(size).await?;
+        let output = pinned(size / 4).await?;
+        let d_input = on_device(size).await?;
+        let d_act = on_device(size * ACTIVATIONS).await?;
+        Ok(Buffers {
+            input,
+            output,
+            d_input,
+            d_act,
+        })
+    }
+
+    /// Frees a request's device buffers (on their own stream: no event needed).
+    fn release_device(&self, d_input: DeviceBuffer<R>, d_act: DeviceBuffer<R>) {
+        let held = d_input.capacity() + d_act.capacity();
+        drop((d_input, d_act));
+        self.counters.device_held.give_back(held);
+    }
+
+    /// Frees a pinned buffer (any stream that used it recorded on it).
+    fn release_pinned(&self, buf: PinnedBuffer<R>) {
+        let held = buf.capacity();
+        drop(buf);
+        self.counters.pinned_held.give_back(held);
+    }
+
+    /// A request done: counts it.
+    fn served(&self, size: usize) {
+        let c = &self.counters;
+        c.done.fetch_add(1, Ordering::Relaxed);
+        c.bytes.fetch_add(size as u64, Ordering::Relaxed);
+    }
+
+    /// Waits until `stream` has run everything enqueued so far, without blocking the task's
+    /// thread.
+    async fn wait_for(&self, stream: &R::Stream) -> Result<(), pinpool::Error> {
+        let rt = self.pool.runtime();
+        let done = rt.record_event(stream)?;
+        while !rt.query_event(&done)? {
+            tokio::time::sleep(Duration::from_micros(100)).await;
+        }
+        rt.release_event(done);
+        Ok(())
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 async fn serve_one(
-    pool: &PinnedAllocator<SimRuntime>,
-    device: &DeviceAllocator<SimRuntime>,
+    server: &Server<SimRuntime>,
     stream: &SimStream,
     size: usize,
     tag: u8,
-    counters: &Counters,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let rt = pool.runtime();
-    let t0 = Instant::now();
-    let mut input = pool.alloc(size).await?;
-    let mut output = pool.alloc(size / 4).await?;
-    let d_input = device.alloc(size, stream).await?;
-    let d_act = device.alloc(size * ACTIVATIONS, stream).await?;
-    counters
-        .alloc_ns
-        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+) -> Result<(), BoxError> {
+    let Buffers {
+        mut input,
+        mut output,
+        d_input,
+        d_act,
+    } = server.acquire(stream, size).await?;
 
     input.fill(tag);
     let n = COPY.min(size);
     stream.copy_htod(input.as_ptr(), d_input.device_ptr(), n)?;
     input.record_stream(stream);
-    drop(input); // freed at once; reused only after the copy has run
-                 // The model: clear the activations, then write them from the input.
+    // Freed at once; reused only after the copy has run.
+    server.release_pinned(input);
+    // The model: clear the activations, write their start from the input and their end
+    // from scratch.
     stream.fill_device(d_act.device_ptr(), n, 0)?;
     stream.delay(Duration::from_micros(20));
     stream.copy_dtod(d_input.device_ptr(), d_act.device_ptr(), n)?;
+    stream.fill_device(d_act.offset_ptr(d_act.len() - n, n)?, n, !tag)?;
     let n = n.min(output.len());
     stream.copy_dtoh(d_act.device_ptr(), output.as_mut_ptr(), n)?;
     output.record_stream(stream);
     // Freed on their own stream: the next request on it may take them at once.
-    drop((d_input, d_act));
-    let done = rt.record_event(stream)?;
-    while !rt.query_event(&done)? {
-        tokio::time::sleep(Duration::from_micros(100)).await;
-    }
-    rt.release_event(done);
+    server.release_device(d_input, d_act);
+    server.wait_for(stream).await?;
     if output[..n].iter().any(|&b| b != tag) {
         return Err("the result came back wrong".into());
     }
-    drop(output);
-    counters.done.fetch_add(1, Ordering::Relaxed);
-    counters.bytes.fetch_add(size as u64, Ordering::Relaxed);
+    server.release_pinned(output);
+    server.served(size);
     Ok(())
 }
 
-fn spawn_ticker(
-    counters: Arc<Counters>,
+/// Starts the request tasks: task `w` runs on `streams[w % streams.len()]` and serves
+/// requests with `serve` until `total` have been handed out.
+fn spawn_workers<R, F, Fut>(
+    server: &Arc<Server<R>>,
+    streams: &[R::Stream],
+    concurrency: usize,
+    total: u64,
+    serve: F,
+) -> Vec<tokio::task::JoinHandle<Result<(), String>>>
+where
+    R: DeviceRuntime,
+    F: Fn(Arc<Server<R>>, R::Stream, usize, u8) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), BoxError>> + Send,
+{
+    let next = Arc::new(AtomicU64::new(0));
+    (0..concurrency)
+        .map(|w| {
+            let server = server.clone();
+            let stream = streams[w % streams.len()].clone();
+            let next = next.clone();
+            let serve = serve.clone();
+            tokio::spawn(async move {
+                let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= total {
+                        return Ok(());
+                    }
+                    let size = request_size(&mut rng);
+                    serve(server.clone(), stream.clone(), size, (i % 251) as u8 + 1)
+                        .await
+                        .map_err(|e| format!("request {i}: {e}"))?;
+                }
+            })
+        })
+        .collect()
+}
+
+fn spawn_ticker<R: DeviceRuntime>(
+    server: Arc<Server<R>>,
     total: u64,
     start: Instant,
 ) -> tokio::task::JoinHandle<()> {
@@ -197,7 +475,12 @@ fn spawn_ticker(
         };
         loop {
             tokio::time::sleep(Duration::from_millis(every)).await;
-            progress(counters.done.load(Ordering::Relaxed), total, start, false);
+            progress(
+                server.counters.done.load(Ordering::Relaxed),
+                total,
+                start,
+                false,
+            );
         }
     })
 }
@@ -224,99 +507,129 @@ async fn join_workers(
     (failed, elapsed)
 }
 
-/// Prints the table of results common to both runtimes.
-fn report(stats: &pinpool::HostStats, counters: &Counters, elapsed: Duration) {
+fn mib(bytes: i64) -> String {
+    format!("{:.1}", bytes as f64 / (1 << 20) as f64)
+}
+
+/// Prints the table of the workload's results, common to both runtimes, then `checked` (the
+/// runtime's own row: how it checked the results) and, side by side, the statistics of the
+/// pinned and the device allocator.
+fn report(
+    host: &HostStats,
+    device: &DeviceStats,
+    counters: &Counters,
+    elapsed: Duration,
+    checked: (&str, String),
+) {
     let done = counters.done.load(Ordering::Relaxed);
-    let allocs = stats.active_requests.allocated.max(1);
-    let hit = 1.0 - stats.num_host_alloc as f64 / allocs as f64;
-    let mib = |b: i64| b as f64 / (1 << 20) as f64;
+    let secs = elapsed.as_secs_f64();
     println!();
     println!("| metric | value |");
     println!("| --- | --- |");
     println!("| requests served | {done} |");
-    println!("| wall time | {:.2} s |", elapsed.as_secs_f64());
-    println!(
-        "| throughput | {:.0} req/s |",
-        done as f64 / elapsed.as_secs_f64()
-    );
+    println!("| wall time | {secs:.2} s |");
+    println!("| throughput | {:.0} req/s |", done as f64 / secs);
     println!(
         "| staged | {:.2} GB/s |",
-        counters.bytes.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e9
+        counters.bytes.load(Ordering::Relaxed) as f64 / secs / 1e9
     );
     println!(
-        "| mean time to get both buffers (incl. scheduling) | {:.2} µs |",
+        "| mean time to get a request's 2 pinned + 2 device buffers (incl. waiting) | {:.2} µs |",
         counters.alloc_ns.load(Ordering::Relaxed) as f64 / done.max(1) as f64 / 1e3
     );
-    println!(
-        "| buffers allocated | {} |",
-        stats.active_requests.allocated
-    );
-    println!("| cache hit rate | {:.3} % |", hit * 100.0);
-    println!("| fresh pinned allocations | {} |", stats.num_host_alloc);
-    println!(
-        "| reserved now / peak | {:.1} / {:.1} MiB |",
-        mib(stats.allocated_bytes.current),
-        mib(stats.allocated_bytes.peak)
-    );
-    println!(
-        "| active bytes peak | {:.1} MiB |",
-        mib(stats.active_bytes.peak)
-    );
-    println!(
-        "| host alloc time total / max | {:.1} ms / {} µs |",
-        stats.host_alloc_time.total as f64 / 1e3,
-        stats.host_alloc_time.max
-    );
-    match stats.limit_bytes {
-        Some(limit) => println!(
-            "| memory limit | {:.1} MiB (cache emptied to make room {} times; requests refused {}) |",
-            mib(limit),
-            stats.num_alloc_retries,
-            stats.num_ooms
-        ),
-        None => println!("| memory limit | none |"),
-    }
-}
+    println!("| {} | {} |", checked.0, checked.1);
 
-/// The device side of the table.
-fn report_device(stats: &DeviceStats) {
-    let mib = |b: i64| b as f64 / (1 << 20) as f64;
-    let allocs = stats.allocation.all.allocated.max(1);
-    println!(
-        "| device buffers allocated | {} |",
-        stats.allocation.all.allocated
+    let hit = |fresh: i64, allocated: i64| {
+        format!(
+            "{:.3} %",
+            100.0 * (1.0 - fresh as f64 / allocated.max(1) as f64)
+        )
+    };
+    let limit = |l: Option<i64>| l.map_or("none".into(), |l| format!("{} MiB", mib(l)));
+    let retried = |c: &AtomicU64| c.load(Ordering::Relaxed) as i64;
+    let (h_retried, d_retried) = (
+        retried(&counters.pinned_retried),
+        retried(&counters.device_retried),
     );
-    println!(
-        "| device cache hit rate | {:.3} % |",
-        100.0 * (1.0 - stats.num_device_alloc as f64 / allocs as f64)
-    );
-    println!(
-        "| device memory taken from the driver | {} calls ({} given back) |",
-        stats.num_device_alloc, stats.num_device_free
-    );
-    println!(
-        "| device reserved now / peak | {:.1} / {:.1} MiB |",
-        mib(stats.reserved_bytes.all.current),
-        mib(stats.reserved_bytes.all.peak)
-    );
-    println!(
-        "| device allocated peak (small / large pool) | {:.1} MiB ({:.1} / {:.1}) |",
-        mib(stats.allocated_bytes.all.peak),
-        mib(stats.allocated_bytes.small_pool.peak),
-        mib(stats.allocated_bytes.large_pool.peak)
-    );
-    println!(
-        "| device requested peak | {:.1} MiB |",
-        mib(stats.requested_bytes.all.peak)
-    );
-    match stats.limit_bytes {
-        Some(limit) => println!(
-            "| device memory limit | {:.1} MiB (cache emptied to make room {} times; requests refused {}) |",
-            mib(limit),
-            stats.num_alloc_retries,
-            stats.num_ooms
+    let rows: [(&str, String, String); 12] = [
+        (
+            "buffers allocated",
+            host.active_requests.allocated.to_string(),
+            device.allocation.all.allocated.to_string(),
         ),
-        None => println!("| device memory limit | none |"),
+        (
+            "cache hit rate",
+            hit(host.num_host_alloc, host.active_requests.allocated),
+            hit(device.num_device_alloc, device.allocation.all.allocated),
+        ),
+        (
+            "memory taken from the driver (calls)",
+            host.num_host_alloc.to_string(),
+            device.num_device_alloc.to_string(),
+        ),
+        (
+            "memory given back to the driver (calls)",
+            host.num_host_free.to_string(),
+            device.num_device_free.to_string(),
+        ),
+        (
+            "reserved now / peak",
+            format!(
+                "{} / {} MiB",
+                mib(host.allocated_bytes.current),
+                mib(host.allocated_bytes.peak)
+            ),
+            format!(
+                "{} / {} MiB",
+                mib(device.reserved_bytes.all.current),
+                mib(device.reserved_bytes.all.peak)
+            ),
+        ),
+        (
+            "in use peak, as the statistics report it",
+            format!("{} MiB", mib(host.active_bytes.peak)),
+            format!("{} MiB", mib(device.allocated_bytes.all.peak)),
+        ),
+        (
+            "held by the requests at once, peak (measured here)",
+            format!("{} MiB", mib(counters.pinned_held.peak())),
+            format!("{} MiB", mib(counters.device_held.peak())),
+        ),
+        (
+            "driver allocation time total / max",
+            format!(
+                "{:.1} ms / {} µs",
+                host.host_alloc_time.total as f64 / 1e3,
+                host.host_alloc_time.max
+            ),
+            "-".into(),
+        ),
+        (
+            "memory limit",
+            limit(host.limit_bytes),
+            limit(device.limit_bytes),
+        ),
+        (
+            "caches emptied to make room",
+            host.num_alloc_retries.to_string(),
+            device.num_alloc_retries.to_string(),
+        ),
+        (
+            "requests refused, then tried again in turn",
+            h_retried.to_string(),
+            d_retried.to_string(),
+        ),
+        (
+            "requests refused for good (out of memory)",
+            (host.num_ooms - h_retried).to_string(),
+            (device.num_ooms - d_retried).to_string(),
+        ),
+    ];
+    println!();
+    println!("| allocator | pinned host | device |");
+    println!("| --- | --- | --- |");
+    for (name, h, d) in rows {
+        println!("| {name} | {h} | {d} |");
     }
 }
 
@@ -339,15 +652,14 @@ fn progress(done: u64, total: u64, start: Instant, final_line: bool) {
     let _ = err.flush();
 }
 
+fn fail(e: String) -> ! {
+    eprintln!("serve: {e}");
+    std::process::exit(2);
+}
+
 #[tokio::main]
 async fn main() {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("serve: {e}");
-            std::process::exit(2);
-        }
-    };
+    let args = parse_args().unwrap_or_else(|e| fail(e));
     #[cfg(feature = "cuda")]
     match PinnedAllocator::builder().cuda(0) {
         Ok(builder) => {
@@ -363,20 +675,6 @@ async fn main() {
 }
 
 async fn serve_sim(args: Args) {
-    println!(
-        "pinpool serve: runtime=sim (software streams; every copy is checked for early reuse)"
-    );
-    println!(
-        "{} requests, {} concurrent, {} streams, memory limit {}",
-        args.requests,
-        args.concurrency,
-        args.streams,
-        if args.max_mib > 0 {
-            format!("{} MiB", args.max_mib)
-        } else {
-            "none".into()
-        }
-    );
     let sim = SimRuntime::new();
     let pool = args
         .apply(Builder::new(Arc::new(sim.clone())))
@@ -384,51 +682,37 @@ async fn serve_sim(args: Args) {
         .expect("allocator");
     let device = args
         .device(pool.runtime().clone())
-        .expect("device allocator");
+        .unwrap_or_else(|e| fail(e));
+    println!(
+        "pinpool serve: runtime=sim (software streams and a simulated device; every copy and \
+         kernel is checked for early reuse)"
+    );
+    println!("{}", args.describe());
+    println!("device layout: {}", device.config());
     let streams: Vec<SimStream> = (0..args.streams).map(|_| sim.stream()).collect();
-    let counters = Arc::new(Counters::default());
-    let next = Arc::new(AtomicU64::new(0));
+    let server = Arc::new(Server::new(pool, device));
     let start = Instant::now();
-
-    let ticker = spawn_ticker(counters.clone(), args.requests, start);
-
-    let mut workers = Vec::new();
-    for w in 0..args.concurrency {
-        let pool = pool.clone();
-        let device = device.clone();
-        let stream = streams[w % streams.len()].clone();
-        let counters = counters.clone();
-        let next = next.clone();
-        let total = args.requests;
-        workers.push(tokio::spawn(async move {
-            let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= total {
-                    return Ok::<_, String>(());
-                }
-                let size = request_size(&mut rng);
-                serve_one(
-                    &pool,
-                    &device,
-                    &stream,
-                    size,
-                    (i % 251) as u8 + 1,
-                    &counters,
-                )
-                .await
-                .map_err(|e| format!("request {i}: {e}"))?;
-            }
-        }));
-    }
-    let (failed, elapsed) = join_workers(workers, ticker, &counters, args.requests, start).await;
+    let ticker = spawn_ticker(server.clone(), args.requests, start);
+    let workers = spawn_workers(
+        &server,
+        &streams,
+        args.concurrency,
+        args.requests,
+        |server, stream, size, tag| async move { serve_one(&server, &stream, size, tag).await },
+    );
+    let (failed, elapsed) =
+        join_workers(workers, ticker, &server.counters, args.requests, start).await;
     for s in &streams {
         s.synchronize().expect("stream");
     }
 
-    report(&pool.stats(), &counters, elapsed);
-    report_device(&device.stats(0).expect("device 0"));
-    println!("| early reuses detected | {} |", sim.violations());
+    report(
+        &server.pool.stats(),
+        &server.device.stats(0).expect("device 0"),
+        &server.counters,
+        elapsed,
+        ("early reuses detected", sim.violations().to_string()),
+    );
     if sim.violations() > 0 || failed {
         for v in sim.violation_log().iter().take(5) {
             eprintln!("violation: {v:?}");
@@ -446,122 +730,91 @@ mod gpu {
     use pinpool::cuda::CudaRuntime;
 
     async fn serve_one(
-        pool: &PinnedAllocator<CudaRuntime>,
-        device: &DeviceAllocator<CudaRuntime>,
+        server: &Server<CudaRuntime>,
         stream: &Arc<CudaStream>,
         size: usize,
         tag: u8,
-        counters: &Counters,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let rt = pool.runtime();
-        let t0 = Instant::now();
-        let mut input = pool.alloc(size).await?;
-        let mut output = pool.alloc(size / 4).await?;
-        let mut d_input = device.alloc(size, stream).await?;
-        let mut d_act = device.alloc(size * ACTIVATIONS, stream).await?;
-        counters
-            .alloc_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    ) -> Result<(), BoxError> {
+        let Buffers {
+            mut input,
+            mut output,
+            mut d_input,
+            mut d_act,
+        } = server.acquire(stream, size).await?;
 
         input.fill(tag);
         output.fill(0);
-        input.copy_to_device(stream, &mut d_input)?; // records the stream
-        drop(input); // freed at once; reused only after the copy has run
-                     // The model: clear the activations, then write them from the input.
+        // Records the stream on the pinned buffer, which is then freed at once: it is reused
+        // only after the copy has run.
+        input.copy_to_device(stream, &mut d_input)?;
+        server.release_pinned(input);
+        // The model: clear the activations, then write the input into their start.
         stream.memset_zeros(&mut d_act)?;
         stream.memcpy_dtod(&d_input, &mut d_act)?;
-        // The first quarter of the activations back into pinned memory.
+        // The start of the activations comes back: a partial copy, so by address.
+        let n = output.len();
+        let src = d_act.offset_ptr(0, n)?;
         output.record_stream(stream);
-        // SAFETY: `output` is pinned memory of `output.len()` bytes, recorded on the stream
-        // (reused only after the copy has run); `d_act` holds more than that many bytes and
-        // is freed on this same stream, after the copy in stream order.
-        unsafe {
-            result::memcpy_dtoh_async(&mut output[..], d_act.device_ptr(), stream.cu_stream())
-        }?;
-        drop((d_input, d_act)); // reusable by the next request on this stream at once
-        let done = rt.record_event(stream)?;
-        while !rt.query_event(&done)? {
-            tokio::time::sleep(Duration::from_micros(100)).await;
-        }
-        rt.release_event(done);
+        stream.context().bind_to_thread()?;
+        // SAFETY: `src` is `n` bytes inside `d_act`, which is owned by `stream`, so its reuse
+        // is ordered after the copy; `output` is pinned memory of `n` bytes with `stream`
+        // recorded on it, so it is neither freed nor handed out again before the copy has run,
+        // and it is read only once the stream has got past the copy.
+        unsafe { result::memcpy_dtoh_async(&mut output[..n], src, stream.cu_stream()) }?;
+        // Freed on their own stream: the next request on it may take them at once.
+        server.release_device(d_input, d_act);
+        server.wait_for(stream).await?;
         if output.iter().any(|&b| b != tag) {
             return Err("the result came back wrong".into());
         }
-        drop(output);
-        counters.done.fetch_add(1, Ordering::Relaxed);
-        counters.bytes.fetch_add(size as u64, Ordering::Relaxed);
+        server.release_pinned(output);
+        server.served(size);
         Ok(())
     }
 
-    /// Runs the server on `pool`; false when a request failed.
+    /// Runs the server on `pool` and a device allocator on the same runtime; false when a
+    /// request failed.
     pub(super) async fn serve(pool: PinnedAllocator<CudaRuntime>, args: &Args) -> bool {
         let ctx = pool.runtime().context().clone();
-        let device = match args.device(pool.runtime().clone()) {
-            Ok(d) => d,
-            Err(e) => {
-                eprintln!("serve: device allocator: {e}");
-                return false;
-            }
-        };
+        let device = args
+            .device(pool.runtime().clone())
+            .unwrap_or_else(|e| fail(e));
         println!(
             "pinpool serve: runtime=cuda (device {}, pin_method={}; every result is checked)",
             pool.runtime().ordinal(),
             pool.runtime().config().pin_method
         );
-        println!(
-            "{} requests, {} concurrent, {} streams",
-            args.requests, args.concurrency, args.streams
-        );
+        println!("{}", args.describe());
+        println!("device layout: {}", device.config());
         let streams: Vec<Arc<CudaStream>> = (0..args.streams)
             .map(|_| ctx.new_stream().expect("stream"))
             .collect();
-        let counters = Arc::new(Counters::default());
-        let next = Arc::new(AtomicU64::new(0));
+        let server = Arc::new(Server::new(pool, device));
         let start = Instant::now();
-        let ticker = spawn_ticker(counters.clone(), args.requests, start);
-
-        let mut workers = Vec::new();
-        for w in 0..args.concurrency {
-            let pool = pool.clone();
-            let device = device.clone();
-            let stream = streams[w % streams.len()].clone();
-            let counters = counters.clone();
-            let next = next.clone();
-            let total = args.requests;
-            workers.push(tokio::spawn(async move {
-                let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= total {
-                        stream.synchronize().map_err(|e| e.to_string())?;
-                        return Ok::<_, String>(());
-                    }
-                    let size = request_size(&mut rng);
-                    serve_one(
-                        &pool,
-                        &device,
-                        &stream,
-                        size,
-                        (i % 251) as u8 + 1,
-                        &counters,
-                    )
-                    .await
-                    .map_err(|e| format!("request {i}: {e}"))?;
-                }
-            }));
-        }
+        let ticker = spawn_ticker(server.clone(), args.requests, start);
+        let workers = spawn_workers(
+            &server,
+            &streams,
+            args.concurrency,
+            args.requests,
+            |server, stream, size, tag| async move { serve_one(&server, &stream, size, tag).await },
+        );
         let (failed, elapsed) =
-            super::join_workers(workers, ticker, &counters, args.requests, start).await;
+            join_workers(workers, ticker, &server.counters, args.requests, start).await;
         for s in &streams {
             s.synchronize().expect("stream");
         }
-        report(&pool.stats(), &counters, elapsed);
-        match device.stats(0) {
-            Ok(stats) => report_device(&stats),
-            Err(e) => eprintln!("serve: device statistics: {e}"),
-        }
-        let done = counters.done.load(Ordering::Relaxed);
-        println!("| results checked | {done} of {} correct |", args.requests);
+        let done = server.counters.done.load(Ordering::Relaxed);
+        report(
+            &server.pool.stats(),
+            &server.device.stats(0).expect("device 0"),
+            &server.counters,
+            elapsed,
+            (
+                "results checked",
+                format!("{done} of {} correct", args.requests),
+            ),
+        );
         !failed && done == args.requests
     }
 }

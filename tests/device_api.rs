@@ -358,9 +358,20 @@ async fn the_device_peaks_are_of_all_pools_at_once_not_the_sum_of_each_pools_pea
     let held = pool.alloc(64 * MIB, &b).await.unwrap();
     let s = pool.stats(0).unwrap();
     assert_eq!(s.reserved_bytes.all.current, 64 * MIB as i64);
-    assert_eq!(s.reserved_bytes.all.peak, 64 * MIB as i64, "{:?}", s.reserved_bytes);
-    assert!(s.allocated_bytes.all.peak <= s.reserved_bytes.all.peak, "{s:?}");
-    assert!(s.active_bytes.all.peak <= s.reserved_bytes.all.peak, "{s:?}");
+    assert_eq!(
+        s.reserved_bytes.all.peak,
+        64 * MIB as i64,
+        "{:?}",
+        s.reserved_bytes
+    );
+    assert!(
+        s.allocated_bytes.all.peak <= s.reserved_bytes.all.peak,
+        "{s:?}"
+    );
+    assert!(
+        s.active_bytes.all.peak <= s.reserved_bytes.all.peak,
+        "{s:?}"
+    );
     drop(held);
     // After a reset the peak starts from what is reserved now.
     pool.empty_cache().await.unwrap();

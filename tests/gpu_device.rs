@@ -390,3 +390,35 @@ async fn device_errors_are_typed_on_the_gpu_and_without_one() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_stream_never_inherits_the_blocks_of_a_dropped_stream_whose_work_still_runs() {
+    let test = "a_new_stream_never_inherits_the_blocks_of_a_dropped_stream";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let a = rt.context().new_stream().unwrap();
+    let kernels = Kernels::load(&a);
+    let mut buf = pool.alloc(MIB, &a).await.unwrap();
+    let ptr = buf.device_ptr();
+    kernels.spin(&a, 300);
+    a.memset_zeros(&mut buf).unwrap(); // still queued when the stream is dropped
+    drop(buf);
+    let a_id = pinpool::cuda::stream_id(&a);
+    drop(a);
+    // The driver may give a new stream the handle of a destroyed one; the allocator keeps
+    // the streams it serves alive, so the new stream's id (and pool) are its own.
+    let b = rt.context().new_stream().unwrap();
+    assert_ne!(
+        pinpool::cuda::stream_id(&b),
+        a_id,
+        "a stream the allocator serves was destroyed"
+    );
+    let other = pool.alloc(MIB, &b).await.unwrap();
+    assert_ne!(
+        other.device_ptr(),
+        ptr,
+        "a new stream got a block the old stream's work still writes"
+    );
+    b.synchronize().unwrap();
+    println!("gpu device_dropped_stream new_stream_id=distinct block=distinct");
+}

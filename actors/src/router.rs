@@ -81,9 +81,13 @@ pub(crate) enum RouterMsg<R: Runtime> {
     EmptyReleased { reply: Reply<EmptyReport> },
     /// Inventories of every private pool and every stream pool.
     Inventory { reply: Reply<Vec<Inventory>> },
-    /// The pool of a stream (made now if it has none yet).
+    /// The pool of a stream (made now if it has none yet). `keep` is the stream itself,
+    /// held while the router lives: a stream's id may be its handle, which the driver hands
+    /// to a new stream once the old one is destroyed, and the new stream must not inherit
+    /// the old one's pool (whose blocks may still be used by the old stream's queued work).
     StreamPool {
         stream: StreamId,
+        keep: R::Stream,
         reply: Reply<Arc<Pool<R>>>,
     },
     /// The allocator is gone: close every private pool and stop.
@@ -113,6 +117,7 @@ pub(crate) fn start_router<R: Runtime>(
         captures: Vec::new(),
         pools: BTreeMap::new(),
         streams: BTreeMap::new(),
+        owners: Vec::new(),
     };
     spawn_named("pinpool::router", handle, actor.run());
 }
@@ -124,6 +129,8 @@ struct Router<R: Runtime> {
     captures: Vec<(PoolId, StreamFilter<R>)>,
     pools: BTreeMap<PoolId, PrivatePool<R>>,
     streams: BTreeMap<StreamId, Arc<Pool<R>>>,
+    /// The streams of `streams`, kept alive (see `RouterMsg::StreamPool`).
+    owners: Vec<R::Stream>,
 }
 
 impl<R: Runtime> Router<R> {
@@ -159,8 +166,12 @@ impl<R: Runtime> Router<R> {
                     }
                     let _ = reply.send(all);
                 }
-                RouterMsg::StreamPool { stream, reply } => {
-                    let pool = self.stream_pool(stream);
+                RouterMsg::StreamPool {
+                    stream,
+                    keep,
+                    reply,
+                } => {
+                    let pool = self.stream_pool(stream, keep);
                     let _ = reply.send(pool);
                 }
                 RouterMsg::Close => break,
@@ -200,12 +211,13 @@ impl<R: Runtime> Router<R> {
         Ok(())
     }
 
-    fn stream_pool(&mut self, stream: StreamId) -> Arc<Pool<R>> {
+    fn stream_pool(&mut self, stream: StreamId, keep: R::Stream) -> Arc<Pool<R>> {
         if let Some(p) = self.streams.get(&stream) {
             return p.clone();
         }
         let pool = start_pool((self.factory)(PoolId::DEFAULT, Some(stream)));
         self.streams.insert(stream, pool.clone());
+        self.owners.push(keep);
         tracing::debug!(stream = stream.0, "stream pool made");
         self.publish();
         pool

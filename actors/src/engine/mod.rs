@@ -81,6 +81,8 @@ enum Step<R: Runtime> {
     /// A stream-ordered engine's first request on a stream: its pool is still to be made.
     NewStream {
         stream: StreamId,
+        /// The stream, for the router to keep alive.
+        keep: R::Stream,
         class: SizeClass,
         during_capture: bool,
     },
@@ -146,6 +148,7 @@ impl<R: Runtime> Engine<R> {
                             None => {
                                 return Ok(Step::NewStream {
                                     stream: id,
+                                    keep: s.clone(),
                                     class,
                                     during_capture: capturing,
                                 })
@@ -212,10 +215,15 @@ impl<R: Runtime> Engine<R> {
             } => (pool, class, during_capture),
             Step::NewStream {
                 stream,
+                keep,
                 class,
                 during_capture,
             } => {
-                let rx = self.call_router(|reply| RouterMsg::StreamPool { stream, reply })?;
+                let rx = self.call_router(|reply| RouterMsg::StreamPool {
+                    stream,
+                    keep,
+                    reply,
+                })?;
                 let pool = rx.recv_async().await.map_err(|_| Error::Shutdown)?;
                 (pool, class, during_capture)
             }
@@ -243,10 +251,15 @@ impl<R: Runtime> Engine<R> {
             } => (pool, class, during_capture),
             Step::NewStream {
                 stream,
+                keep,
                 class,
                 during_capture,
             } => {
-                let rx = self.call_router(|reply| RouterMsg::StreamPool { stream, reply })?;
+                let rx = self.call_router(|reply| RouterMsg::StreamPool {
+                    stream,
+                    keep,
+                    reply,
+                })?;
                 let pool = rx.recv().map_err(|_| Error::Shutdown)?;
                 (pool, class, during_capture)
             }
