@@ -462,6 +462,25 @@ where
         .collect()
 }
 
+/// Serves `args.requests` requests with `serve` on `args.concurrency` tasks over `streams`,
+/// with a progress line; returns whether any request failed, and the wall time.
+async fn run_workers<R, F, Fut>(
+    server: &Arc<Server<R>>,
+    streams: &[R::Stream],
+    args: &Args,
+    serve: F,
+) -> (bool, Duration)
+where
+    R: DeviceRuntime,
+    F: Fn(Arc<Server<R>>, R::Stream, usize, u8) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), BoxError>> + Send,
+{
+    let start = Instant::now();
+    let ticker = spawn_ticker(server.clone(), args.requests, start);
+    let workers = spawn_workers(server, streams, args.concurrency, args.requests, serve);
+    join_workers(workers, ticker, &server.counters, args.requests, start).await
+}
+
 fn spawn_ticker<R: DeviceRuntime>(
     server: Arc<Server<R>>,
     total: u64,
@@ -691,17 +710,13 @@ async fn serve_sim(args: Args) {
     println!("device layout: {}", device.config());
     let streams: Vec<SimStream> = (0..args.streams).map(|_| sim.stream()).collect();
     let server = Arc::new(Server::new(pool, device));
-    let start = Instant::now();
-    let ticker = spawn_ticker(server.clone(), args.requests, start);
-    let workers = spawn_workers(
+    let (failed, elapsed) = run_workers(
         &server,
         &streams,
-        args.concurrency,
-        args.requests,
+        &args,
         |server, stream, size, tag| async move { serve_one(&server, &stream, size, tag).await },
-    );
-    let (failed, elapsed) =
-        join_workers(workers, ticker, &server.counters, args.requests, start).await;
+    )
+    .await;
     for s in &streams {
         s.synchronize().expect("stream");
     }
@@ -790,17 +805,13 @@ mod gpu {
             .map(|_| ctx.new_stream().expect("stream"))
             .collect();
         let server = Arc::new(Server::new(pool, device));
-        let start = Instant::now();
-        let ticker = spawn_ticker(server.clone(), args.requests, start);
-        let workers = spawn_workers(
+        let (failed, elapsed) = run_workers(
             &server,
             &streams,
-            args.concurrency,
-            args.requests,
+            args,
             |server, stream, size, tag| async move { serve_one(&server, &stream, size, tag).await },
-        );
-        let (failed, elapsed) =
-            join_workers(workers, ticker, &server.counters, args.requests, start).await;
+        )
+        .await;
         for s in &streams {
             s.synchronize().expect("stream");
         }

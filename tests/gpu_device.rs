@@ -154,6 +154,12 @@ impl Kernels {
     }
 }
 
+/// Two new streams of the runtime's device.
+fn two_streams(rt: &CudaRuntime) -> (Arc<CudaStream>, Arc<CudaStream>) {
+    let ctx = rt.context();
+    (ctx.new_stream().unwrap(), ctx.new_stream().unwrap())
+}
+
 /// Whether everything enqueued on `stream` so far has run, asked through the runtime.
 fn stream_done(rt: &CudaRuntime, stream: &Arc<CudaStream>) -> bool {
     let event = rt.record_event(stream).unwrap();
@@ -167,10 +173,7 @@ async fn a_block_another_streams_kernel_still_reads_is_not_handed_out_until_that
     let test = "a_block_another_streams_kernel_still_reads_is_not_handed_out";
     let Some(pool) = gpu(test) else { return };
     let rt = pool.runtime().clone();
-    let (a, b) = (
-        rt.context().new_stream().unwrap(),
-        rt.context().new_stream().unwrap(),
-    );
+    let (a, b) = two_streams(&rt);
     let kernels = Kernels::load(&a);
     let size = 4 * MIB;
     let expected = pattern(size, 3);
@@ -266,10 +269,7 @@ async fn driver_out_of_memory_frees_the_cache_retries_and_then_reports_a_typed_e
     let seen = reports.clone();
     pool.attach_oom_observer(move |r| seen.lock().unwrap().push(*r));
     let rt = pool.runtime().clone();
-    let (a, b) = (
-        rt.context().new_stream().unwrap(),
-        rt.context().new_stream().unwrap(),
-    );
+    let (a, b) = two_streams(&rt);
 
     // 8 GiB cached in stream A's pool.
     drop(pool.alloc(8 * GIB, &a).await.unwrap());
@@ -320,10 +320,7 @@ async fn cudarc_copies_and_a_kernel_launch_work_on_device_buffers() {
     let test = "cudarc_copies_and_a_kernel_launch_work_on_device_buffers";
     let Some(pool) = gpu(test) else { return };
     let rt = pool.runtime().clone();
-    let (a, other) = (
-        rt.context().new_stream().unwrap(),
-        rt.context().new_stream().unwrap(),
-    );
+    let (a, other) = two_streams(&rt);
     let kernels = Kernels::load(&a);
     let size = 3 * MIB + 5;
     let expected = pattern(size, 9);

@@ -117,7 +117,6 @@ pub(crate) fn start_router<R: Runtime>(
         captures: Vec::new(),
         pools: BTreeMap::new(),
         streams: BTreeMap::new(),
-        owners: Vec::new(),
     };
     spawn_named("pinpool::router", handle, actor.run());
 }
@@ -128,9 +127,8 @@ struct Router<R: Runtime> {
     factory: PoolFactory<R>,
     captures: Vec<(PoolId, StreamFilter<R>)>,
     pools: BTreeMap<PoolId, PrivatePool<R>>,
-    streams: BTreeMap<StreamId, Arc<Pool<R>>>,
-    /// The streams of `streams`, kept alive (see `RouterMsg::StreamPool`).
-    owners: Vec<R::Stream>,
+    /// Each stream's pool, and the stream itself, kept alive (see `RouterMsg::StreamPool`).
+    streams: BTreeMap<StreamId, (Arc<Pool<R>>, R::Stream)>,
 }
 
 impl<R: Runtime> Router<R> {
@@ -156,7 +154,7 @@ impl<R: Runtime> Router<R> {
                 RouterMsg::Inventory { reply } => {
                     let mut all = Vec::new();
                     let pools = self.pools.values().map(|p| &p.shared);
-                    for p in pools.chain(self.streams.values()) {
+                    for p in pools.chain(self.streams.values().map(|(p, _)| p)) {
                         let (tx, rx) = flume::bounded(1);
                         if p.mailbox.send(PoolMsg::Inventory { reply: tx }).is_ok() {
                             if let Ok(inv) = rx.recv_async().await {
@@ -180,7 +178,7 @@ impl<R: Runtime> Router<R> {
         for (_, p) in std::mem::take(&mut self.pools) {
             let _ = p.shared.mailbox.send(PoolMsg::Close);
         }
-        for (_, p) in std::mem::take(&mut self.streams) {
+        for (_, (p, _)) in std::mem::take(&mut self.streams) {
             let _ = p.mailbox.send(PoolMsg::Close);
         }
         self.captures.clear();
@@ -212,12 +210,11 @@ impl<R: Runtime> Router<R> {
     }
 
     fn stream_pool(&mut self, stream: StreamId, keep: R::Stream) -> Arc<Pool<R>> {
-        if let Some(p) = self.streams.get(&stream) {
+        if let Some((p, _)) = self.streams.get(&stream) {
             return p.clone();
         }
         let pool = start_pool((self.factory)(PoolId::DEFAULT, Some(stream)));
-        self.streams.insert(stream, pool.clone());
-        self.owners.push(keep);
+        self.streams.insert(stream, (pool.clone(), keep));
         tracing::debug!(stream = stream.0, "stream pool made");
         self.publish();
         pool
@@ -313,7 +310,11 @@ impl<R: Runtime> Router<R> {
             .map(|(id, p)| (*id, p.shared.clone()))
             .collect();
         // A BTreeMap iterates in key order: the table's streams are sorted.
-        let streams = self.streams.iter().map(|(s, p)| (*s, p.clone())).collect();
+        let streams = self
+            .streams
+            .iter()
+            .map(|(s, (p, _))| (*s, p.clone()))
+            .collect();
         self.table.store(Arc::new(RoutingTable {
             captures,
             pools,

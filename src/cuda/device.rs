@@ -88,6 +88,12 @@ impl CudaDeviceMemory {
         result::ctx::synchronize().map_err(|e| runtime_error(op, e))
     }
 
+    /// The granule, or why `op` cannot map memory here.
+    fn granule(&self, op: &'static str) -> Result<usize, RuntimeError> {
+        self.granule
+            .ok_or_else(|| RuntimeError::new(op, "this device cannot map memory"))
+    }
+
     /// The granule, after checking that `[offset, offset + size)` is whole granules of a
     /// range this device reserved.
     fn granules_of(
@@ -97,20 +103,8 @@ impl CudaDeviceMemory {
         offset: usize,
         size: usize,
     ) -> Result<usize, RuntimeError> {
-        let granule = self
-            .granule
-            .ok_or_else(|| RuntimeError::new(op, "this device cannot map memory"))?;
-        let whole = offset % granule == 0
-            && size % granule == 0
-            && offset.checked_add(size).is_some_and(|e| e <= range.size);
-        if range.method != Origin::DeviceMapped || !whole {
-            return Err(RuntimeError::new(
-                op,
-                format!(
-                    "{size} bytes at offset {offset} are not whole granules of a reserved device range"
-                ),
-            ));
-        }
+        let granule = self.granule(op)?;
+        vmm::check_whole_granules(op, range, offset, size, granule, Origin::DeviceMapped)?;
         Ok(granule)
     }
 }
@@ -161,9 +155,7 @@ impl MemorySource for CudaDeviceMemory {
     }
 
     fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
-        let granule = self.granule.ok_or_else(|| {
-            RuntimeError::new("cuMemAddressReserve", "this device cannot map memory")
-        })?;
+        let granule = self.granule("cuMemAddressReserve")?;
         bind(&self.ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
         vmm::reserve(size, granule, Origin::DeviceMapped)
     }

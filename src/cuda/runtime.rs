@@ -239,17 +239,7 @@ impl CudaRuntime {
         size: usize,
     ) -> Result<usize, RuntimeError> {
         let granule = self.vmm_call(op)?;
-        let whole = offset % granule == 0
-            && size % granule == 0
-            && offset.checked_add(size).is_some_and(|e| e <= range.size);
-        if range.method != PinMethod::Mapped || !whole {
-            return Err(RuntimeError::new(
-                op,
-                format!(
-                    "{size} bytes at offset {offset} are not whole granules of a reserved range"
-                ),
-            ));
-        }
+        vmm::check_whole_granules(op, range, offset, size, granule, PinMethod::Mapped)?;
         Ok(granule)
     }
 

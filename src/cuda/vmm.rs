@@ -80,6 +80,28 @@ pub(crate) fn granularity(location: Location) -> Option<usize> {
         .then(|| granule.max(MIN_GRANULE).next_power_of_two())
 }
 
+/// Checks that `[offset, offset + size)` is whole granules of a range reserved as `method`
+/// (the shape every map, unmap and unreserve call needs).
+pub(crate) fn check_whole_granules(
+    op: &'static str,
+    range: &HostMemory,
+    offset: usize,
+    size: usize,
+    granule: usize,
+    method: PinMethod,
+) -> Result<(), RuntimeError> {
+    let whole = offset % granule == 0
+        && size % granule == 0
+        && offset.checked_add(size).is_some_and(|e| e <= range.size);
+    if range.method != method || !whole {
+        return Err(RuntimeError::new(
+            op,
+            format!("{size} bytes at offset {offset} are not whole granules of a reserved range"),
+        ));
+    }
+    Ok(())
+}
+
 /// Reserves `size` bytes of address space, none of it mapped, described as `method`
 /// ([`PinMethod::Mapped`] for host memory, `DeviceMapped` for device memory).
 pub(crate) fn reserve(

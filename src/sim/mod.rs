@@ -37,6 +37,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
+
 use pinpool_actors::{
     HostMemory, MemoryKind, MemorySource, PinMethod, Region, Runtime, RuntimeError, StreamId,
 };
@@ -108,21 +110,34 @@ pub(crate) struct DeviceState {
     frees: AtomicU64,
     /// The queues of the device's streams, so that giving memory back can wait for every
     /// stream of the device first, as `cuMemFree` does (weak: streams end on their own).
-    streams: std::sync::Mutex<Vec<(StreamId, flume::WeakSender<worker::Op>)>>,
+    streams: ArcSwap<Vec<(StreamId, flume::WeakSender<worker::Op>)>>,
 }
 
 impl DeviceState {
+    /// Notes a new stream of the device.
+    pub(crate) fn add_stream(&self, id: StreamId, queue: flume::WeakSender<worker::Op>) {
+        self.streams.rcu(|streams| {
+            let mut all = Vec::clone(streams);
+            all.push((id, queue.clone()));
+            all
+        });
+    }
+
     /// Waits, up to `timeout` each, until every stream of the device has run the work
     /// queued on it so far; returns the streams that did not get there in time.
     pub(crate) fn synchronize(&self, timeout: Duration) -> Vec<StreamId> {
-        let queues: Vec<_> = {
-            let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
-            streams.retain(|(_, q)| q.upgrade().is_some());
-            streams
-                .iter()
-                .filter_map(|(id, q)| Some((*id, q.upgrade()?)))
-                .collect()
-        };
+        // Ended streams drop out of the list here.
+        self.streams.rcu(|streams| {
+            let mut live = Vec::clone(streams);
+            live.retain(|(_, q)| q.upgrade().is_some());
+            live
+        });
+        let queues: Vec<_> = self
+            .streams
+            .load()
+            .iter()
+            .filter_map(|(id, q)| Some((*id, q.upgrade()?)))
+            .collect();
         let waits: Vec<_> = queues
             .into_iter()
             .map(|(id, q)| {
@@ -262,7 +277,7 @@ impl SimRuntimeBuilder {
                         used: AtomicUsize::new(0),
                         allocs: AtomicU64::new(0),
                         frees: AtomicU64::new(0),
-                        streams: std::sync::Mutex::new(Vec::new()),
+                        streams: ArcSwap::from_pointee(Vec::new()),
                     })
                     .collect(),
                 lifeline: lifeline_rx,

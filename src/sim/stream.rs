@@ -99,10 +99,7 @@ impl SimStream {
         let (tx, rx) = flume::unbounded();
         let started = worker::spawn(id, Arc::clone(&shared), rx);
         if let Some(d) = shared.devices.get(device) {
-            d.streams
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((id, tx.downgrade()));
+            d.add_stream(id, tx.downgrade());
         }
         if let Err(e) = &started {
             tracing::error!(stream = id.0, error = %e, "simulated stream has no worker");
