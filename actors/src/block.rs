@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::home::Home;
 use crate::keepalive;
-use crate::mailbox::{PollerMsg, PoolMsg};
+use crate::mailbox::{PollerMsg, PoolMsg, Split};
 use crate::memory::Region;
 use crate::meta::BlockMeta;
 use crate::parked::Parkable;
@@ -102,6 +102,48 @@ impl<R: Runtime> Block<R> {
             segment: None,
             recalled: false,
         })
+    }
+
+    /// Splits a ready block cut out of a segment: it keeps its first `keep` bytes (as a
+    /// block of class `class`) and the rest becomes a new ready block of class `rest_class`
+    /// (returned). The pool actor is told before either part can come back to it (see
+    /// [`Split`]). `None`, and the block unchanged, when it was not cut out of a segment or
+    /// leaves no rest.
+    pub(crate) fn split_off(
+        &mut self,
+        keep: usize,
+        class: usize,
+        rest_class: usize,
+    ) -> Option<Box<Block<R>>> {
+        let seg = self.segment.clone()?;
+        if keep == 0 || keep >= self.size {
+            return None;
+        }
+        let rest_len = self.size - keep;
+        // `keep` lies inside the block, so the rest's start does too.
+        let ptr = std::ptr::NonNull::new(self.memory.ptr.as_ptr().wrapping_add(keep))?;
+        let rest = Region {
+            ptr,
+            size: rest_len,
+            method: self.memory.method,
+        };
+        let mut tail = self.pool.new_block(rest, rest_class, seg.clone());
+        tail.state = BlockState::Cached;
+        self.pool.note_split(Split {
+            addr: self.memory.addr(),
+            first: keep,
+            first_class: class,
+            rest: rest_len,
+            rest_class,
+            seg: seg.id,
+            in_arena: seg.is_arena(),
+            rest_meta: tail.meta.clone(),
+        });
+        self.memory.size = keep;
+        self.size = keep;
+        self.class = class;
+        self.recalled = false;
+        Some(tail)
     }
 
     /// The free of a buffer: back to the ready queue when no stream used the block; parked
@@ -363,6 +405,51 @@ impl<R: Runtime> Parkable for Block<R> {
 }
 
 impl<R: Runtime> Pool<R> {
+    /// A block of class `class` over `memory`, cut out of `segment`: a record the actor
+    /// recycled if there is one (no allocation), else a new one.
+    pub(crate) fn new_block(
+        self: &Arc<Self>,
+        memory: Region,
+        class: usize,
+        segment: Arc<Seg<R>>,
+    ) -> Box<Block<R>> {
+        let Ok(mut b) = self.shells.1.try_recv() else {
+            let mut b = Block::new(memory, class, self.clone());
+            b.segment = Some(segment);
+            return b;
+        };
+        b.memory = memory;
+        b.size = memory.size;
+        b.class = class;
+        b.shard = 0;
+        b.during_capture = false;
+        b.state = BlockState::InUse;
+        b.freed = false;
+        b.segment = Some(segment);
+        b.recalled = false;
+        b.meta.lent(0);
+        b
+    }
+
+    /// Keeps the record of a block taken back into its segment's free ranges (its memory
+    /// no longer its own: `freed`, no segment) for [`Self::new_block`], unless its snapshot
+    /// record is still shared or enough are kept.
+    pub(crate) fn recycle(&self, mut block: Box<Block<R>>) {
+        if !block.freed || block.segment.is_some() || Arc::strong_count(&block.meta) != 1 {
+            return;
+        }
+        block.streams.clear();
+        block.events.get_mut().clear();
+        let _ = self.shells.0.try_send(block);
+    }
+
+    /// Drops the kept records (each holds the pool: the pool would never be dropped).
+    pub(crate) fn drop_shells(&self) {
+        for b in self.shells.1.try_iter() {
+            drop(b);
+        }
+    }
+
     /// Whether a freed block goes to the actor rather than the ready queues: too large to
     /// cache, or a large piece of a segment (coalesced at once).
     #[inline]

@@ -3,7 +3,8 @@
 //! Owns the pool's identity, its runtime and memory source, its ready queues and parked
 //! slots (the cached path: invariant 5), the senders to its actor and to the event poller,
 //! its statistics, the flags that divert frees to the actor (closing, or requests waiting for
-//! room), and the registry channel of segments given back. It gives memory back to its source
+//! room), the registry channel of segments given back, and the channel of ready blocks that
+//! threads split. It gives memory back to its source
 //! and keeps the books as it does (stats, history, the budget: invariant 2).
 //!
 //! Generic over the block type `B`, which it only holds in its queues: what a block is and
@@ -19,10 +20,10 @@ use flume::{Receiver, Sender};
 use crate::budget::{Budget, EmptyReport, Member};
 use crate::error::Error;
 use crate::history::Recorder;
-use crate::mailbox::{PollerMsg, PoolMsg};
+use crate::mailbox::{PollerMsg, PoolMsg, Split};
 use crate::memory::{MemorySource, Region};
 use crate::parked::Parked;
-use crate::policy::BlockLayout;
+use crate::policy::{BlockLayout, SizePolicy};
 use crate::pool_id::PoolId;
 use crate::ready::ReadyQueues;
 use crate::runtime::{Runtime, RuntimeError, StreamId};
@@ -32,6 +33,9 @@ use crate::stats::PoolStats;
 pub(crate) const DIVERT_CLOSING: u8 = 1;
 /// `divert` bit: requests wait for room somewhere in the allocator.
 pub(crate) const DIVERT_PRESSURE: u8 = 2;
+
+/// How many block records a pool keeps for reuse.
+const SHELLS: usize = 1024;
 
 /// The part of a pool every handle and block can reach.
 pub(crate) struct Home<R: Runtime, B> {
@@ -66,6 +70,17 @@ pub(crate) struct Home<R: Runtime, B> {
     /// Freed carved blocks larger than this that do not fill their segment go to the actor,
     /// to be coalesced at once.
     pub(crate) absorb_above: usize,
+    /// The size policy: the classes of split blocks.
+    pub(crate) policy: Arc<dyn SizePolicy>,
+    /// A thread that finds no ready block of its class may split a ready block of a larger
+    /// class up to this many bytes (0: never; layouts that do not carve).
+    pub(crate) split_up_to: usize,
+    /// Splits made by threads, for the actor to note in its books (see [`Split`]).
+    splits: (Sender<Split>, Receiver<Split>),
+    /// Block records the actor took back into its free ranges, for the next blocks cut or
+    /// split to reuse instead of allocating (see `Pool::recycle`). Emptied when the actor
+    /// stops (each holds its pool).
+    pub(crate) shells: (Sender<Box<B>>, Receiver<Box<B>>),
 }
 
 /// What a home is made of.
@@ -80,6 +95,7 @@ pub(crate) struct HomeParts<R: Runtime, B> {
     pub(crate) budget: Arc<Budget>,
     pub(crate) history: Arc<Recorder>,
     pub(crate) layout: BlockLayout,
+    pub(crate) policy: Arc<dyn SizePolicy>,
     /// Keep device statistics, blocks above this many bytes counting as oversize.
     pub(crate) device_stats: Option<usize>,
 }
@@ -115,6 +131,13 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
                 BlockLayout::Whole => usize::MAX,
                 BlockLayout::Carved(c) => c.small_limit,
             },
+            split_up_to: match parts.layout {
+                BlockLayout::Whole => 0,
+                BlockLayout::Carved(c) => c.small_limit.min(c.max_split),
+            },
+            splits: flume::unbounded(),
+            shells: flume::bounded(SHELLS),
+            policy: parts.policy,
         });
         home.budget.register(&home);
         (home, rx)
@@ -199,6 +222,17 @@ impl<R: Runtime, B> Home<R, B> {
             let allocated = self.stats.active_bytes_now().max(0) as usize;
             (self.memory.kind(), allocated, self.memory.free_bytes())
         })
+    }
+
+    /// Tells the actor that a thread split a ready block (before either part can come back).
+    pub(crate) fn note_split(&self, split: Split) {
+        // The receiver lives beside the sender: the send cannot fail.
+        let _ = self.splits.0.send(split);
+    }
+
+    /// The splits made since the last look (for the actor's books).
+    pub(crate) fn splits(&self) -> flume::TryIter<'_, Split> {
+        self.splits.1.try_iter()
     }
 
     /// The addresses of segments given back since the last look (for the actor's registry).

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use flume::Sender;
 
 use crate::budget::EmptyReport;
+use crate::carve::SegId;
 use crate::error::Error;
 use crate::memory::{MemoryKind, Region};
 use crate::meta::BlockMeta;
@@ -27,6 +28,8 @@ pub(crate) struct Ask {
     pub(crate) wait: bool,
     /// Whether every pool's cache has been emptied for this request already.
     pub(crate) emptied: bool,
+    /// The requesting thread's shard of the pool's ready queues.
+    pub(crate) shard: usize,
 }
 
 /// Why a pool did not hand out a block.
@@ -66,6 +69,22 @@ pub(crate) enum PoolMsg<B> {
     Wake,
     /// The pool's owner is gone: give everything back as it comes home, then stop.
     Close,
+}
+
+/// A ready block split in two by the thread that took it (see `Block::split_off`): the
+/// first part, `first` bytes at `addr`, was lent; the rest, `rest` bytes after it, a new
+/// block of class `rest_class`, went to the ready queues. Sent before either part can come
+/// back, so the actor notes it before it takes either back into its free ranges.
+pub(crate) struct Split {
+    pub(crate) addr: usize,
+    pub(crate) first: usize,
+    pub(crate) first_class: usize,
+    pub(crate) rest: usize,
+    pub(crate) rest_class: usize,
+    /// The segment the block was cut from (for a separate segment; the arena is `in_arena`).
+    pub(crate) seg: SegId,
+    pub(crate) in_arena: bool,
+    pub(crate) rest_meta: Arc<BlockMeta>,
 }
 
 /// Messages the event poller answers.

@@ -143,6 +143,7 @@ pub(crate) async fn miss_async<R: Runtime>(
             requested,
             wait: may_wait,
             emptied: false,
+            shard: pool.ready.my_shard(),
         };
         loop {
             let rx = send_miss(pool, class, ask)?;
@@ -183,6 +184,7 @@ pub(crate) fn miss_blocking<R: Runtime>(
         requested,
         wait: timeout.is_some(),
         emptied: false,
+        shard: pool.ready.my_shard(),
     };
     loop {
         let rx = send_miss(pool, class, ask)?;

@@ -31,6 +31,24 @@ pub trait SizePolicy: Send + Sync + 'static {
     fn layout(&self) -> BlockLayout {
         BlockLayout::Whole
     }
+    /// For carving layouts whose ready blocks a request may split: the largest class every
+    /// request of which a free block of `bytes` serves (`None`: none does, or the policy's
+    /// blocks are never split).
+    fn class_served_by(&self, bytes: usize) -> Option<usize> {
+        let _ = bytes;
+        None
+    }
+}
+
+/// [`SizePolicy::class_served_by`] for classes whose requests are at most their class's
+/// size in `BestFit`'s ladder.
+fn best_fit_served_by(bytes: usize) -> Option<usize> {
+    let c = BestFit::default().class_of(bytes)?;
+    if c.size <= bytes {
+        Some(c.index)
+    } else {
+        c.index.checked_sub(1)
+    }
 }
 
 /// How a pool lays its blocks out in host allocations.
@@ -288,6 +306,10 @@ impl SizePolicy for BestFit {
     fn layout(&self) -> BlockLayout {
         BlockLayout::Carved(self.carving)
     }
+
+    fn class_served_by(&self, bytes: usize) -> Option<usize> {
+        best_fit_served_by(bytes)
+    }
 }
 
 /// The device policy: blocks of exactly the request rounded up to 512 bytes (PyTorch's device
@@ -462,6 +484,12 @@ impl SizePolicy for DeviceFit {
 
     fn layout(&self) -> BlockLayout {
         BlockLayout::Carved(self.carving)
+    }
+
+    fn class_served_by(&self, bytes: usize) -> Option<usize> {
+        // A request's class is the `BestFit` class of its rounded size, at most that
+        // class's size.
+        best_fit_served_by(bytes)
     }
 }
 

@@ -55,6 +55,21 @@ impl<B> Shard<B> {
         self.queued[class / 64].load(Ordering::Acquire) & (1 << (class % 64)) != 0
     }
 
+    /// The smallest class in `from..=to` whose queue may hold a block.
+    fn first_marked(&self, from: usize, to: usize) -> Option<usize> {
+        let mut c = from;
+        while c <= to {
+            let (w, bit) = (c / 64, c % 64);
+            let bits = self.queued.get(w)?.load(Ordering::Acquire) >> bit;
+            if bits != 0 {
+                let found = c + bits.trailing_zeros() as usize;
+                return (found <= to).then_some(found);
+            }
+            c = (w + 1) * 64;
+        }
+        None
+    }
+
     /// The queue of `class` (of this shard) holds a block.
     fn mark(&self, class: usize) {
         self.queued[class / 64].fetch_or(1 << (class % 64), Ordering::Release);
@@ -188,6 +203,41 @@ impl<B: Slotted> ReadyQueues<B> {
             })
     }
 
+    /// The ready block of the smallest class in `above + 1 ..= upto` (every block of those
+    /// classes is larger than a request of class `above`): this thread's slots and queues
+    /// first, then the other shards' queues. For a request that will split it (see
+    /// `Block::split_off`).
+    #[cold]
+    pub(crate) fn take_larger(&self, above: usize, upto: usize) -> Option<Box<B>> {
+        let me = self.my_shard();
+        let classes = self.shards[me].queues.len();
+        let upto = upto.min(classes.saturating_sub(1));
+        let mine = &self.shards[me];
+        for c in above + 1..=upto {
+            if let Some(b) = take_slot(self.slot(me, c)) {
+                return Some(b);
+            }
+            if mine.may_hold(c) {
+                if let Ok(b) = mine.queues[c].rx.try_recv() {
+                    return Some(b);
+                }
+            }
+        }
+        (1..self.shards.len())
+            .map(|i| (me + i) & self.mask)
+            .find_map(|s| {
+                let shard = &self.shards[s];
+                let mut from = above + 1;
+                while let Some(c) = shard.first_marked(from, upto) {
+                    if let Ok(b) = shard.queues[c].rx.try_recv() {
+                        return Some(b);
+                    }
+                    from = c + 1;
+                }
+                None
+            })
+    }
+
     /// `block` when it holds the `class.size` bytes a request needs. A class may hold blocks
     /// of several sizes (policies whose classes are buckets of exact sizes); one too small
     /// goes back into `shard`'s queue (only a shard's owner fills its slots) and the request
@@ -217,8 +267,9 @@ impl<B: Slotted> ReadyQueues<B> {
         self.put_queue(me.shard, block);
     }
 
+    /// Puts a ready block into `shard`'s queue for its class.
     #[cold]
-    fn put_queue(&self, shard: usize, block: Box<B>) {
+    pub(crate) fn put_queue(&self, shard: usize, block: Box<B>) {
         let class = block.class();
         // The receiver lives beside the sender, so the send cannot fail.
         let shard = &self.shards[shard];

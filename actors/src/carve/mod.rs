@@ -281,6 +281,19 @@ impl<T> Carver<T> {
         })
     }
 
+    /// A lent piece of `seg` was split in two by whoever held it: one more piece is lent (the
+    /// two come back one by one). `false` for an unknown segment or one that lends nothing.
+    pub(crate) fn split_lent(&mut self, seg: SegId) -> bool {
+        match self.segments.get_mut(&seg) {
+            Some(s) if s.lent > 0 => {
+                s.lent += 1;
+                self.lent_pieces += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Takes back a lent piece and merges it with free neighbours. Returns whether its
     /// segment is now wholly free.
     pub(crate) fn release(&mut self, piece: Piece) -> Result<bool, CarveError> {
@@ -375,6 +388,17 @@ impl<T> Carver<T> {
         self.segments
             .values()
             .map(|s| (&s.payload, s.free.iter().map(|(&o, &l)| (o, l)).collect()))
+    }
+
+    /// Free ranges of segments that lend a piece, no longer than `max_len`, largest first,
+    /// at most `n` of them, as (segment, offset, length).
+    pub(crate) fn open_ranges(&self, max_len: usize, n: usize) -> Vec<(SegId, usize, usize)> {
+        self.open
+            .range(..=(max_len, SegId(u64::MAX), usize::MAX))
+            .rev()
+            .take(n)
+            .map(|&(len, seg, offset)| (seg, offset, len))
+            .collect()
     }
 
     /// The payload of a segment.

@@ -136,6 +136,7 @@ impl<R: Runtime> EngineBuilder<R> {
             let poller = poller_tx.clone();
             let handle = handle.clone();
             let history = history.clone();
+            let policy = self.policy.clone();
             move |id: PoolId, owner: Option<StreamId>| PoolSpec {
                 id,
                 owner,
@@ -148,6 +149,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 budget: budget.clone(),
                 history: history.clone(),
                 layout,
+                policy: policy.clone(),
                 device_stats: self.device_stats,
             }
         };

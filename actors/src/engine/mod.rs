@@ -172,8 +172,8 @@ impl<R: Runtime> Engine<R> {
 
     /// Before asking the pool actor: a block this thread freed after a stream used it may
     /// have completed its events by now (one inline query; invariant 1); failing that, a
-    /// ready block in another thread's shard, or a block another thread parked whose events
-    /// have completed.
+    /// ready block in another thread's shard, a larger ready block split in two (carving
+    /// layouts), or a block another thread parked whose events have completed.
     #[cold]
     fn miss_here(
         pool: &Arc<Pool<R>>,
@@ -187,6 +187,7 @@ impl<R: Runtime> Engine<R> {
             .parked
             .take_mine(class)
             .or_else(|| ready.steal(ready.my_shard(), class))
+            .or_else(|| Self::split_ready(pool, class))
             .or_else(|| pool.parked.steal(class));
         match found {
             Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),
@@ -196,6 +197,30 @@ impl<R: Runtime> Engine<R> {
                 during_capture,
             },
         }
+    }
+
+    /// A ready block of a larger class (up to the pool's split limit), split: the request
+    /// keeps its first `class.size` bytes, the rest goes back to the ready queues as a block
+    /// of its own. A request whose class is empty is served without a round trip to the pool
+    /// actor, which coalesces the parts again when it next drains the ready queues.
+    fn split_ready(pool: &Arc<Pool<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
+        let policy = &*pool.policy;
+        if class.size >= pool.split_up_to {
+            return None;
+        }
+        let upto = policy.class_served_by(pool.split_up_to)?;
+        let mut block = pool.ready.take_larger(class.index, upto)?;
+        let rest = block.size - class.size;
+        match policy.class_served_by(rest) {
+            Some(rest_class) => {
+                if let Some(tail) = block.split_off(class.size, class.index, rest_class) {
+                    pool.ready.put(tail);
+                }
+            }
+            // Too small a rest to serve any request: the request takes it along.
+            None => block.class = class.index,
+        }
+        Some(block)
     }
 
     /// Allocates `size` bytes for work on `stream` (`None`: the default pool), waiting for

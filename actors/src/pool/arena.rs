@@ -171,6 +171,33 @@ impl<R: Runtime> Arena<R> {
         }
     }
 
+    /// Free ranges no longer than `max_len` that are wholly mapped, largest first, at most
+    /// `n`, as (offset, length).
+    pub(super) fn mapped_free(&self, max_len: usize, n: usize) -> Vec<Range> {
+        let g = self.granule;
+        self.carver
+            .open_ranges(max_len, usize::MAX)
+            .into_iter()
+            .filter(|&(_, o, l)| count_unmapped(&self.granules, g, o, l) == 0)
+            .map(|(_, o, l)| (o, l))
+            .take(n)
+            .collect()
+    }
+
+    /// A lent piece was split at `at` (an offset in the range) by whoever held it: one more
+    /// piece is lent, and the granule the cut falls inside, if any, is touched by both.
+    pub(super) fn split(&mut self, at: usize) -> bool {
+        if !self.carver.split_lent(self.seg) {
+            return false;
+        }
+        if at % self.granule != 0 {
+            if let Some(gr) = self.granules.get_mut(&(at / self.granule)) {
+                gr.refs += 1;
+            }
+        }
+        true
+    }
+
     /// Takes a lent piece back (or one whose granules could not be mapped): its granules
     /// are let go and its range coalesces with free neighbours.
     pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::carve::CarveError> {

@@ -36,7 +36,7 @@ use crate::history::Recorder;
 use crate::home::{Home, HomeParts, DIVERT_CLOSING};
 use crate::mailbox::{PollerMsg, PoolMsg, SegmentView};
 use crate::memory::{MemoryKind, MemorySource};
-use crate::policy::BlockLayout;
+use crate::policy::{BlockLayout, SizePolicy};
 use crate::pool_id::PoolId;
 use crate::runtime::{Runtime, StreamId};
 use crate::spawn::spawn_named;
@@ -54,6 +54,7 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) budget: Arc<Budget>,
     pub(crate) history: Arc<Recorder>,
     pub(crate) layout: BlockLayout,
+    pub(crate) policy: Arc<dyn SizePolicy>,
     pub(crate) device_stats: Option<usize>,
 }
 
@@ -71,6 +72,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         budget: spec.budget,
         history: spec.history,
         layout: spec.layout,
+        policy: spec.policy,
         device_stats: spec.device_stats,
     });
     let actor = PoolActor {
@@ -121,6 +123,7 @@ pub(crate) struct PoolActor<R: Runtime> {
 
 impl<R: Runtime> Drop for PoolActor<R> {
     fn drop(&mut self) {
+        self.shared.drop_shells();
         if self.finished {
             return;
         }
@@ -223,11 +226,13 @@ impl<R: Runtime> PoolActor<R> {
             }
         }
         self.drop_waiters();
+        self.shared.drop_shells();
         self.finished = true;
         tracing::debug!(pool = %self.shared.id, "pool actor stopped");
     }
 
     async fn handle(&mut self, msg: PoolMsg<Block<R>>) {
+        self.note_splits();
         self.dispatch(msg).await;
         if let Some(c) = &self.carved {
             self.shared.stats.set_free_ranges(c.free_ranges());

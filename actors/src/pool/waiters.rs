@@ -58,9 +58,13 @@ impl<R: Runtime> PoolActor<R> {
             }
             Err(e) => Err(Refused::Failed(e)),
         };
-        if let Err(flume::SendError(Ok(block))) = reply.send(result) {
-            // The request was cancelled: the block is ready for someone else.
-            self.take_back(block).await;
+        match reply.send(result) {
+            Err(flume::SendError(Ok(block))) => {
+                // The request was cancelled: the block is ready for someone else.
+                self.take_back(block).await;
+            }
+            Ok(()) => self.refill(ask.shard),
+            Err(_) => {}
         }
     }
 
