@@ -203,10 +203,22 @@ impl<B: Slotted> ReadyQueues<B> {
             })
     }
 
+    /// A ready block of the class below `class` in this thread's shard that holds
+    /// `class.size` bytes: classes are buckets of sizes, and a block filed under the largest
+    /// class it serves in full (the rest of a split) may still hold a request of the next.
+    #[cold]
+    pub(crate) fn take_from_below(&self, class: SizeClass) -> Option<Box<B>> {
+        let below = SizeClass {
+            index: class.index.checked_sub(1)?,
+            size: class.size,
+        };
+        self.take_mine(below)
+    }
+
     /// The ready block of the smallest class in `above + 1 ..= upto` (every block of those
     /// classes is larger than a request of class `above`): this thread's slots and queues
-    /// first, then the other shards' queues. For a request that will split it (see
-    /// `Block::split_off`).
+    /// first, then the other shards' queues, then their slots. For a request that will split
+    /// it (see `Block::split_off`) rather than ask the pool actor.
     #[cold]
     pub(crate) fn take_larger(&self, above: usize, upto: usize) -> Option<Box<B>> {
         let me = self.my_shard();
@@ -223,8 +235,8 @@ impl<B: Slotted> ReadyQueues<B> {
                 }
             }
         }
-        (1..self.shards.len())
-            .map(|i| (me + i) & self.mask)
+        let others = || (1..self.shards.len()).map(|i| (me + i) & self.mask);
+        others()
             .find_map(|s| {
                 let shard = &self.shards[s];
                 let mut from = above + 1;
@@ -235,6 +247,9 @@ impl<B: Slotted> ReadyQueues<B> {
                     from = c + 1;
                 }
                 None
+            })
+            .or_else(|| {
+                others().find_map(|s| (above + 1..=upto).find_map(|c| take_slot(self.slot(s, c))))
             })
     }
 

@@ -209,7 +209,10 @@ impl<R: Runtime> Engine<R> {
             return None;
         }
         let upto = policy.class_served_by(pool.split_up_to)?;
-        let mut block = pool.ready.take_larger(class.index, upto)?;
+        let mut block = pool
+            .ready
+            .take_from_below(class)
+            .or_else(|| pool.ready.take_larger(class.index, upto))?;
         let rest = block.size - class.size;
         match policy.class_served_by(rest) {
             Some(rest_class) => {

@@ -171,17 +171,27 @@ impl<R: Runtime> Arena<R> {
         }
     }
 
-    /// Free ranges no longer than `max_len` that are wholly mapped, largest first, at most
-    /// `n`, as (offset, length).
+    /// Free mapped memory in stretches no longer than `max_len`, largest first, at most
+    /// `n`, as (offset, length): free ranges that are wholly mapped, and the mapped start of
+    /// a free range that runs on into unmapped granules (it ends at a granule boundary).
     pub(super) fn mapped_free(&self, max_len: usize, n: usize) -> Vec<Range> {
         let g = self.granule;
-        self.carver
-            .open_ranges(max_len, usize::MAX)
+        let mut out: Vec<Range> = self
+            .carver
+            .open_ranges(usize::MAX, usize::MAX)
             .into_iter()
-            .filter(|&(_, o, l)| count_unmapped(&self.granules, g, o, l) == 0)
-            .map(|(_, o, l)| (o, l))
-            .take(n)
-            .collect()
+            .filter_map(|(_, o, l)| {
+                let mut end = o;
+                while end < o + l && end - o <= max_len && self.granules.contains_key(&(end / g)) {
+                    end = (end / g + 1) * g;
+                }
+                let len = end.min(o + l) - o;
+                (len > 0 && len <= max_len).then_some((o, len))
+            })
+            .collect();
+        out.sort_unstable_by_key(|r| std::cmp::Reverse(r.1));
+        out.truncate(n);
+        out
     }
 
     /// A lent piece was split at `at` (an offset in the range) by whoever held it: one more

@@ -1,0 +1,158 @@
+//! Misses served on the requesting thread: under a carving layout (`bestfit` for pinned
+//! memory, the device layout), a request that finds no ready block of its class splits a
+//! ready block of a larger class, and after a miss the pool actor hands the requesting thread
+//! the free ranges of its mapped memory as ready blocks. Neither needs the pool actor, and
+//! the actor books every split so that the parts coalesce and all memory goes back.
+//!
+//! To show that no actor is involved, the allocators here run their actors on a
+//! current-thread runtime that is driven only during set-up: once nothing drives it, a request
+//! that needed an actor would never be answered (each such request runs on a thread of its
+//! own and must answer within a deadline).
+
+mod common;
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pinpool::sim::SimRuntime;
+use pinpool::{BestFit, Builder, DeviceAllocator, DeviceBuilder};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+fn idle_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs `f` on a thread of its own and returns its result, or `None` when it has not
+/// answered within a few seconds (it waits on an actor that nothing runs).
+fn without_actors<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(5)).ok()
+}
+
+fn device_pool(rt: &tokio::runtime::Runtime) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .handle(rt.handle().clone())
+        .build()
+        .unwrap();
+    (pool, sim)
+}
+
+#[test]
+fn a_device_request_whose_class_is_empty_splits_a_larger_ready_block_without_the_pool_actor() {
+    let rt = idle_runtime();
+    let (pool, sim) = device_pool(&rt);
+    let s = sim.stream();
+    let (big, other) = rt.block_on(async {
+        let b = pool.alloc(MIB, &s).await.unwrap();
+        // The rest of the granule, so that no other free memory is handed over.
+        let other = pool.alloc(MIB, &s).await.unwrap();
+        (b.device_ptr(), other)
+    });
+    // The first 1 MiB block is ready (its drop above), the only ready block; nothing runs
+    // the actors from here on.
+    let (p, st) = (pool.clone(), s.clone());
+    let parts = without_actors(move || {
+        let head = p.raw_alloc_with_stream(4 * KIB, &st).unwrap();
+        let tail = p.raw_alloc_with_stream(MIB - 4 * KIB, &st).unwrap();
+        (head, tail)
+    })
+    .expect("both parts served without the pool actor");
+    assert_eq!(
+        parts,
+        (big, big + 4 * KIB as u64),
+        "head and tail of one block"
+    );
+    // A request that no ready block serves waits for the actor.
+    let (tx, third) = mpsc::channel();
+    let (p, st) = (pool.clone(), s.clone());
+    std::thread::spawn(move || {
+        let _ = tx.send(p.raw_alloc_with_stream(4 * KIB, &st));
+    });
+    assert!(third.recv_timeout(Duration::from_millis(300)).is_err());
+    // Once the actor runs again, it serves it and books the splits: the parts coalesce and
+    // all the memory goes back to the device.
+    rt.block_on(async {
+        let third = loop {
+            match third.try_recv() {
+                Ok(r) => break r.unwrap(),
+                Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        };
+        for p in [parts.0, parts.1, third] {
+            pool.raw_delete(p).unwrap();
+        }
+        drop(other);
+        pool.empty_cache().await.unwrap();
+        assert_eq!(sim.device_used(0), Some(0), "all memory went back");
+        let stats = pool.stats(0).unwrap();
+        assert_eq!(stats.reserved_bytes.all.current, 0);
+    });
+}
+
+#[test]
+fn after_a_miss_the_thread_gets_the_free_mapped_ranges_and_its_next_requests_need_no_actor() {
+    let rt = idle_runtime();
+    let (pool, sim) = device_pool(&rt);
+    let s = sim.stream();
+    let (a, b) = rt.block_on(async {
+        // 1.5 MiB then 100 KiB: one 2 MiB granule, 412 KiB of it left free after the second
+        // miss, which the actor hands this thread as a ready block.
+        let a = pool.alloc(3 * MIB / 2, &s).await.unwrap();
+        let b = pool.alloc(100 * KIB, &s).await.unwrap();
+        tokio::task::yield_now().await;
+        (a, b)
+    });
+    let (p, st) = (pool.clone(), s.clone());
+    let c = without_actors(move || p.raw_alloc_with_stream(200 * KIB, &st).unwrap())
+        .expect("served from the ranges handed over at the miss");
+    assert_eq!(c, b.device_ptr() + 100 * KIB as u64);
+    rt.block_on(async {
+        drop((a, b));
+        pool.raw_delete(c).unwrap();
+        pool.empty_cache().await.unwrap();
+        assert_eq!(sim.device_used(0), Some(0), "all memory went back");
+        let stats = pool.stats(0).unwrap();
+        assert_eq!(stats.reserved_bytes.all.current, 0);
+        assert_eq!(stats.active_bytes.all.current, 0);
+    });
+}
+
+#[test]
+fn a_pinned_request_under_bestfit_splits_a_larger_ready_block_without_the_pool_actor() {
+    let rt = idle_runtime();
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
+        .handle(rt.handle().clone())
+        .build()
+        .unwrap();
+    let big = rt.block_on(async {
+        let b = pool.alloc(512 * KIB).await.unwrap();
+        b.as_ptr() as usize
+    });
+    let p = pool.clone();
+    let head = without_actors(move || {
+        let b = p.alloc_blocking(8 * KIB).unwrap();
+        let at = b.as_ptr() as usize;
+        // Freed into this thread's ready slot: the same size again is the cached path.
+        drop(b);
+        let again = p.alloc_blocking(8 * KIB).unwrap().as_ptr() as usize;
+        (at, again)
+    })
+    .expect("served without the pool actor");
+    assert_eq!(head, (big, big));
+    rt.block_on(async {
+        pool.empty_cache().await.unwrap();
+        assert_eq!(sim.live_bytes(), 0, "all memory went back");
+    });
+}
