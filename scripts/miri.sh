@@ -18,7 +18,12 @@ quick=false
 # simulated runtime keeps addresses as integers (as CUDA does) and turns them back into
 # pointers: permissive provenance.
 export MIRIFLAGS="${MIRIFLAGS:--Zmiri-ignore-leaks -Zmiri-permissive-provenance}"
-miri() { echo "== cargo +nightly miri test $*"; cargo +nightly miri test -q "$@"; }
+miri() {
+  local start=$SECONDS
+  echo "== cargo +nightly miri test $*"
+  cargo +nightly miri test -q "$@"
+  echo "== $((SECONDS - start)) s"
+}
 
 # The engine's paths end to end: ready slots across threads, parked blocks, typed views,
 # carved pieces, plan arena views (tests/unsafe_paths.rs).
