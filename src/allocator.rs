@@ -303,7 +303,31 @@ impl<R: Runtime> PinnedAllocator<R> {
 
     /// [`PinnedAllocator::alloc`] for threads outside the tokio runtime: blocks the calling
     /// thread on a cache miss, and while it waits for room under the cap (up to
-    /// [`Builder::alloc_timeout`]). Do not call it from async code.
+    /// [`Builder::alloc_timeout`]).
+    ///
+    /// From async code use `alloc(..).await`. Where blocking would deadlock — on a thread that
+    /// runs a current-thread runtime's tasks, which include the actors that answer a miss —
+    /// this and every other `*_blocking` call fails at once with [`Error::WouldDeadlock`],
+    /// whether or not the request would have missed. On a multi-thread runtime's threads it
+    /// blocks inside [`tokio::task::block_in_place`], which moves the worker's other tasks
+    /// elsewhere first. The rule is in [`pinpool_actors::blocking`].
+    ///
+    /// ```
+    /// # use pinpool::{Error, PinnedAllocator};
+    /// #[tokio::main(flavor = "current_thread")]
+    /// async fn main() {
+    ///     let pool = PinnedAllocator::builder().build().unwrap();
+    ///     assert!(matches!(
+    ///         pool.alloc_blocking(1 << 20),
+    ///         Err(Error::WouldDeadlock { .. })
+    ///     ));
+    ///     // A thread of its own may block; the runtime's thread goes on running the actors.
+    ///     let pool2 = pool.clone();
+    ///     let thread = std::thread::spawn(move || pool2.alloc_blocking(1 << 20).map(|b| b.len()));
+    ///     let len = tokio::task::spawn_blocking(move || thread.join().unwrap()).await;
+    ///     assert_eq!(len.unwrap().unwrap(), 1 << 20);
+    /// }
+    /// ```
     pub fn alloc_blocking(&self, size: usize) -> Result<PinnedBuffer<R>, Error> {
         self.engine.alloc_blocking(size).map(PinnedBuffer::new)
     }

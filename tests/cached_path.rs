@@ -85,10 +85,9 @@ async fn a_size_too_large_for_any_class_is_a_typed_error_and_changes_nothing() {
             }
             other => panic!("expected SizeTooLarge, got {other:?}"),
         }
-        assert!(matches!(
-            pool.alloc_blocking(size),
-            Err(Error::SizeTooLarge { .. })
-        ));
+        let p = pool.clone();
+        let blocking = common::on_plain_thread(move || p.alloc_blocking(size).map(|_| ())).await;
+        assert!(matches!(blocking, Err(Error::SizeTooLarge { .. })));
     }
     assert_eq!(sim.total_host_allocs(), 0);
     assert_eq!(pool.stats(), pinpool::HostStats::default());

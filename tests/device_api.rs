@@ -29,7 +29,9 @@ async fn size_zero_gives_an_empty_buffer_and_touches_no_pool() {
     let b = pool.alloc(0, &s).await.unwrap();
     assert!(b.is_empty());
     assert_eq!(b.pool(), None);
-    assert_eq!(pool.raw_alloc_with_stream(0, &s).unwrap(), 0);
+    let (p, s2) = (pool.clone(), s.clone());
+    let raw = common::on_plain_thread(move || p.raw_alloc_with_stream(0, &s2)).await;
+    assert_eq!(raw.unwrap(), 0);
     pool.raw_delete(0).unwrap();
     assert_eq!(pool.stats(0).unwrap().num_device_alloc, 0);
     assert_eq!(sim.device_used(0), Some(0));

@@ -131,7 +131,8 @@ async fn a_request_larger_than_the_limit_fails_at_once() {
             ..
         } if requested == MIB + 1 && l == MIB
     ));
-    assert!(pool.alloc_blocking(3 * MIB).is_err());
+    let p = pool.clone();
+    assert!(common::on_plain_thread(move || p.alloc_blocking(3 * MIB).is_err()).await);
     assert_eq!(
         sim.total_host_allocs(),
         0,

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::sim_pool;
+use common::{on_plain_thread, sim_pool};
 use pinpool::plan::{
     check, ArenaPlan, ArenaSession, Mismatch, Plan, PlanSessionError, Planner, Recording,
 };
@@ -134,7 +134,8 @@ async fn recording_captures_sizes_and_lifetimes_in_order_and_ignores_outside_all
     let b = rec.alloc(3000).await.unwrap();
     drop(a);
     drop(pool.alloc(7000).await.unwrap());
-    let c = rec.alloc_blocking(900).unwrap();
+    let r = rec.clone();
+    let c = on_plain_thread(move || r.alloc_blocking(900).unwrap()).await;
     drop(b);
     let recording = rec.finish();
     drop(c); // after the recording: c lives to its end
@@ -215,9 +216,12 @@ async fn record_plan_with_records_what_the_body_allocates() {
         .unwrap();
     assert_eq!(out.unwrap(), 20);
     assert_eq!(recording.lifetimes().len(), 2);
-    let (_, recording) = pool
-        .record_plan_with_blocking(|rec| drop(rec.alloc_blocking(30).unwrap()))
-        .unwrap();
+    let p = pool.clone();
+    let (_, recording) = on_plain_thread(move || {
+        p.record_plan_with_blocking(|rec| drop(rec.alloc_blocking(30).unwrap()))
+            .unwrap()
+    })
+    .await;
     assert_eq!(recording.lifetimes()[0].size, 30);
 }
 
@@ -323,12 +327,17 @@ async fn served_buffers_are_views_of_the_arena_at_the_planned_offsets() {
     let a = session.alloc(1000).await.unwrap();
     let b = session.alloc(3000).await.unwrap();
     drop(a);
-    let c = session.alloc_blocking(900).unwrap();
+    let (session, c) = on_plain_thread(move || {
+        let c = session.alloc_blocking(900).unwrap();
+        (session, c)
+    })
+    .await;
     for (buf, offset) in [(&b, offsets[1]), (&c, offsets[2])] {
         assert!(buf.is_served());
         assert_eq!(buf.as_ptr(), base.wrapping_add(offset as usize));
     }
     assert_eq!(offsets[0], offsets[2], "c reuses a's bytes");
+    drop((b, c, session));
 }
 
 #[tokio::test]
@@ -436,7 +445,9 @@ async fn plan_sessions_do_not_nest() {
     drop(session);
 
     let validator = pool.validate_plan(&plan).unwrap();
-    assert_eq!(pool.serve_plan_blocking(&plan).err(), Some(nested));
+    let (p, pl) = (pool.clone(), plan.clone());
+    let blocking = on_plain_thread(move || p.serve_plan_blocking(&pl).err()).await;
+    assert_eq!(blocking, Some(nested));
     drop(validator);
     drop(pool.serve_plan(&plan).await.unwrap());
 

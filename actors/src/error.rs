@@ -111,6 +111,16 @@ pub enum Error {
         /// The pointer.
         ptr: u64,
     },
+    /// A `*_blocking` call made where blocking the thread would deadlock: on a thread that
+    /// runs a current-thread tokio runtime's tasks, which the allocator's actors need to
+    /// answer. Nothing was done; from async code, call `use_instead`.
+    #[error("{call} would block a thread that runs a current-thread tokio runtime's tasks and wait for ever: from async code, use {use_instead}")]
+    WouldDeadlock {
+        /// The blocking call.
+        call: &'static str,
+        /// The async call to use instead.
+        use_instead: &'static str,
+    },
     /// A copy whose destination is shorter than its source.
     #[error("cannot copy {src_len} bytes into a destination of {dst_len} bytes")]
     LengthMismatch {

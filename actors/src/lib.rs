@@ -18,8 +18,9 @@
 //! (`mailbox`), a trait it defines and the higher layer implements (`ready::Slotted`,
 //! `parked::Parkable`, `budget::Member`), or a type it is generic over (`home::Home<R, B>`).
 //!
-//! 1. Vocabulary: `runtime`, `memory`, `pool_id`, `error`, `shard`, `spawn`, `keepalive`,
-//!    `policy`, `carve`, `counters`, `device_stats`, `stats`, `meta`, `trace`, `snapshot`.
+//! 1. Vocabulary: `runtime`, `memory`, `pool_id`, `error`, `blocking` (whether a blocking
+//!    call may block this thread), `shard`, `spawn`, `keepalive`, `policy`, `carve`,
+//!    `counters`, `device_stats`, `stats`, `meta`, `trace`, `snapshot`.
 //! 2. Observation: `observe` (the observer task), `history` (the history actor and the
 //!    recorder the hot paths call).
 //! 3. Lock-free holders of blocks: `ready` (the cached path), `parked` (freed blocks waiting
@@ -41,6 +42,7 @@ pub mod runtime;
 pub mod memory;
 mod pool_id;
 mod error;
+pub mod blocking;
 mod shard;
 mod spawn;
 mod keepalive;

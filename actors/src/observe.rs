@@ -11,6 +11,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use flume::Receiver;
 
+use crate::blocking::off_runtime;
+
 use crate::spawn::spawn_named;
 use crate::trace::{OomObserver, OomReport, TraceEntry, TraceTracker};
 
@@ -97,21 +99,24 @@ impl Observer {
         if trackers.is_empty() && oom.is_empty() {
             return;
         }
+        // A callback may call the blocking API: this thread runs no runtime's tasks.
         let job = tokio::task::spawn_blocking(move || {
-            for ev in &batch {
-                match ev {
-                    ObserverEvent::Trace(e) => {
-                        for f in &trackers {
-                            call("trace tracker", || f(e));
+            off_runtime(|| {
+                for ev in &batch {
+                    match ev {
+                        ObserverEvent::Trace(e) => {
+                            for f in &trackers {
+                                call("trace tracker", || f(e));
+                            }
                         }
-                    }
-                    ObserverEvent::Oom(r) => {
-                        for f in &oom {
-                            call("OOM observer", || f(r));
+                        ObserverEvent::Oom(r) => {
+                            for f in &oom {
+                                call("OOM observer", || f(r));
+                            }
                         }
                     }
                 }
-            }
+            })
         });
         if let Err(e) = job.await {
             tracing::error!(error = %e, "observer callbacks failed");

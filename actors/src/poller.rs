@@ -44,8 +44,13 @@ struct Poller<R: Runtime> {
 
 impl<R: Runtime> Drop for Poller<R> {
     /// The poller stops when every pool is gone, or is dropped with its tokio runtime. A
-    /// block whose events have completed by now goes home; one still used by device work
-    /// is leaked: freeing it could let the device write into memory given to someone else.
+    /// block whose events have completed by now is freed here; one still used by device work
+    /// is leaked (a piece of a segment leaks its segment): freeing it could let the device
+    /// write into memory given to someone else.
+    ///
+    /// Neither goes back through its pool: the pool actors are being dropped with the same
+    /// runtime, maybe at this moment on another thread, and a block handed to a pool whose
+    /// actor has just drained its queues would be stranded there, holding its pool alive.
     fn drop(&mut self) {
         // Blocks still in the mailbox would keep their pools (and this mailbox) alive forever.
         // So would blocks parked in the slots it watches.
@@ -59,14 +64,13 @@ impl<R: Runtime> Drop for Poller<R> {
         for parked in self.watched.drain(..) {
             self.pending.extend(parked.take_all());
         }
-        self.poll();
         for mut block in self.pending.drain(..) {
-            tracing::warn!(
-                bytes = block.memory.size,
-                "event poller stopped with a block still used by device work; leaked"
-            );
-            block.freed = true;
-            block.events.get_mut().clear();
+            if block.events_completed() {
+                block.leave_waiting();
+            } else {
+                block.events.get_mut().clear();
+            }
+            block.orphaned();
         }
     }
 }

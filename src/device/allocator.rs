@@ -11,6 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pinpool_actors::blocking::may_block;
 use pinpool_actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
     Inventory, MemorySnapshot, OomReport, PoolId, TraceEntry, Wait,
@@ -180,12 +181,16 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     }
 
     /// [`DeviceAllocator::alloc`] for threads outside the tokio runtime: blocks the calling
-    /// thread on a miss (and while it waits for room). Do not call it from async code.
+    /// thread on a miss (and while it waits for room). From a thread that runs a
+    /// current-thread runtime's tasks it fails with [`Error::WouldDeadlock`] at once; on a
+    /// multi-thread runtime's threads it blocks inside `block_in_place`
+    /// ([`pinpool_actors::blocking`]).
     pub fn alloc_blocking(
         &self,
         size: usize,
         stream: &R::Stream,
     ) -> Result<DeviceBuffer<R>, Error> {
+        may_block("alloc_blocking", "alloc(..).await")?;
         self.alloc_blocking_with(size, stream, Wait::Default)
     }
 
@@ -196,6 +201,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         stream: &R::Stream,
         timeout: Duration,
     ) -> Result<DeviceBuffer<R>, Error> {
+        may_block("alloc_blocking_timeout", "alloc_timeout(..).await")?;
         self.alloc_blocking_with(size, stream, Wait::Upto(timeout))
     }
 
@@ -205,6 +211,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         size: usize,
         stream: &R::Stream,
     ) -> Result<DeviceBuffer<R>, Error> {
+        may_block("try_alloc_blocking", "try_alloc(..).await")?;
         self.alloc_blocking_with(size, stream, Wait::Never)
     }
 
@@ -222,8 +229,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// PyTorch's `raw_alloc_with_stream`: allocates `size` bytes for `stream` and returns
     /// only the device address (0 for `size` 0), for code that holds pointers. Give it back
     /// with [`DeviceAllocator::raw_delete`]; whatever is never given back goes back with
-    /// the allocator. Blocks the calling thread on a miss, as `alloc_blocking` does.
+    /// the allocator. Blocks the calling thread on a miss, as `alloc_blocking` does
+    /// ([`Error::WouldDeadlock`] where that would deadlock).
     pub fn raw_alloc_with_stream(&self, size: usize, stream: &R::Stream) -> Result<u64, Error> {
+        may_block("raw_alloc_with_stream", "alloc(..).await")?;
         if size == 0 {
             return Ok(0);
         }
@@ -283,8 +292,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         Ok(total)
     }
 
-    /// [`DeviceAllocator::empty_cache`] for threads outside the tokio runtime.
+    /// [`DeviceAllocator::empty_cache`] for threads outside the tokio runtime
+    /// ([`Error::WouldDeadlock`] where blocking would deadlock).
     pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
+        may_block("empty_cache_blocking", "empty_cache().await")?;
         let mut total = EmptyReport::default();
         for e in self.inner.devices.iter() {
             total.merge(&e.empty_cache_blocking()?);

@@ -11,6 +11,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use pinpool_actors::blocking::may_block;
 use pinpool_actors::Runtime;
 
 use super::session::{ArenaPlan, Claim, PlanSessionError};
@@ -72,6 +73,7 @@ impl<R: Runtime> Notes<R> {
     }
 
     fn alloc_blocking(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
+        may_block("alloc_blocking", "alloc(..).await")?;
         self.check_open()?;
         let result = self.pool.alloc_blocking(size);
         self.track(result)
@@ -185,7 +187,9 @@ impl<R: Runtime> PlanRecorder<R> {
         self.notes.alloc(size).await
     }
 
-    /// [`PlanRecorder::alloc`] for threads outside the tokio runtime.
+    /// [`PlanRecorder::alloc`] for threads outside the tokio runtime
+    /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock: see
+    /// [`pinpool_actors::blocking`]).
     pub fn alloc_blocking(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
         self.notes.alloc_blocking(size)
     }
@@ -280,7 +284,8 @@ impl<R: Runtime> PlanValidator<R> {
         self.notes.alloc(size).await
     }
 
-    /// [`PlanValidator::alloc`] for threads outside the tokio runtime.
+    /// [`PlanValidator::alloc`] for threads outside the tokio runtime
+    /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock).
     pub fn alloc_blocking(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
         self.notes.alloc_blocking(size)
     }

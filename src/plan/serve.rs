@@ -23,6 +23,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use pinpool_actors::blocking::may_block;
 use pinpool_actors::Runtime;
 
 use super::arena::{completed, release, Arena, Freed, Pending, Ticket};
@@ -244,8 +245,14 @@ impl<R: Runtime> ArenaSession<R> {
         }
     }
 
-    /// [`ArenaSession::alloc`] for threads outside the tokio runtime.
+    /// [`ArenaSession::alloc`] for threads outside the tokio runtime
+    /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock: see
+    /// [`pinpool_actors::blocking`]).
     pub fn alloc_blocking(&mut self, size: usize) -> Result<PlanBuffer<R>, PlanSessionError> {
+        may_block(
+            "ArenaSession::alloc_blocking",
+            "ArenaSession::alloc(..).await",
+        )?;
         match self.step(size) {
             Step::Ready(buf) => Ok(buf),
             Step::Pool(ticket) => {
@@ -333,9 +340,14 @@ impl<R: Runtime> ArenaSession<R> {
         self.install(swapped, result)
     }
 
-    /// [`ArenaSession::reset`] for threads outside the tokio runtime (blocks the thread).
+    /// [`ArenaSession::reset`] for threads outside the tokio runtime (blocks the thread;
+    /// [`pinpool_actors::Error::WouldDeadlock`] where that would deadlock).
     pub fn reset_blocking(&mut self) -> Result<(), PlanSessionError> {
-        loop {
+        let blocking = may_block(
+            "ArenaSession::reset_blocking",
+            "ArenaSession::reset().await",
+        )?;
+        blocking.run(|| loop {
             self.drain();
             if self.exclusive() {
                 break;
@@ -347,7 +359,7 @@ impl<R: Runtime> ArenaSession<R> {
             } else {
                 std::thread::yield_now();
             }
-        }
+        });
         let swapped = self.retire_arena();
         let result = if self.arena.is_none() {
             Some(self.pool.alloc_blocking(self.arena_len()))
@@ -437,11 +449,13 @@ impl<R: Runtime> PinnedAllocator<R> {
         Ok(session)
     }
 
-    /// [`PinnedAllocator::serve_plan`] for threads outside the tokio runtime.
+    /// [`PinnedAllocator::serve_plan`] for threads outside the tokio runtime
+    /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock).
     pub fn serve_plan_blocking(
         &self,
         plan: &ArenaPlan,
     ) -> Result<ArenaSession<R>, PlanSessionError> {
+        may_block("serve_plan_blocking", "serve_plan(..).await")?;
         plan.check_owner(self)?;
         let claim = Claim::take(self.engine().id())?;
         let (mut session, len) = self.new_arena_session(plan, claim);

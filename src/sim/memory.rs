@@ -212,14 +212,20 @@ impl HostAllocation {
         if size == 0 || granule == 0 || size % granule != 0 || granule % HOST_ALIGN != 0 {
             return Err(SimError::ZeroSize { op: "host_reserve" });
         }
+        // `MAP_NORESERVE`: pages take memory only once written. (miri's `mmap` takes no
+        // other flags; its memory is materialised anyway.)
+        let flags = if cfg!(miri) {
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
+        } else {
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE
+        };
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        // `MAP_NORESERVE`: pages take memory only once written.
         let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 size,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                flags,
                 -1,
                 0,
             )
@@ -310,14 +316,19 @@ impl HostAllocation {
         }
         if !map {
             // SAFETY: the range lies inside this mapping (checked above); dropping its pages
-            // zeroes them and leaves them addressable.
+            // zeroes them and leaves them addressable (under miri, which has no `madvise`,
+            // zeroing them does the same).
             unsafe {
-                libc::madvise(
-                    self.ptr.as_ptr().add(offset).cast(),
-                    len,
-                    libc::MADV_DONTNEED,
-                )
-            };
+                if cfg!(miri) {
+                    std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len);
+                } else {
+                    libc::madvise(
+                        self.ptr.as_ptr().add(offset).cast(),
+                        len,
+                        libc::MADV_DONTNEED,
+                    );
+                }
+            }
         }
         for i in offset / g..(offset + len) / g {
             let bit = 1u64 << (i % 64);

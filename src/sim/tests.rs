@@ -245,6 +245,10 @@ fn hung_stream_is_let_go_when_the_runtime_is_dropped() {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "reserves 16-32 MiB, which miri materialises and tracks byte by byte: too slow"
+)]
 fn expandable_memory_is_live_only_where_mapped_and_misuse_is_refused() {
     let sim = SimRuntime::new();
     let g = sim.host_granularity().unwrap();
@@ -284,6 +288,10 @@ fn expandable_memory_is_live_only_where_mapped_and_misuse_is_refused() {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "reserves 16-32 MiB, which miri materialises and tracks byte by byte: too slow"
+)]
 fn mapping_counts_against_the_memory_limit_and_can_be_turned_off() {
     let sim = SimRuntime::builder().memory_limit(4 << 20).build();
     let g = sim.host_granularity().unwrap();

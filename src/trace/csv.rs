@@ -4,10 +4,10 @@
 //! The rows become events ordered by time (frees before allocations at equal times, then by
 //! id), so that the [`Trace`] built from them has the file's overlaps and no others.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufReader, Read};
 
 use super::build::{Builder, IdRule};
-use super::text::{id_field, number};
+use super::text::{id_field, number, read_line};
 use super::{Trace, TraceError, TraceErrorKind, TraceEvent};
 
 const HEADER: [&str; 4] = ["id", "lower", "upper", "size"];
@@ -30,14 +30,14 @@ pub fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError> {
     loop {
         buf.clear();
         line_no += 1;
-        let read = reader
-            .read_until(b'\n', &mut buf)
+        let fail = |kind| TraceError::invalid(origin, line_no, kind);
+        let read = read_line(&mut reader, &mut buf)
             .map_err(|source| TraceError::Read {
                 origin: origin.to_owned(),
                 line: line_no,
                 source,
-            })?;
-        let fail = |kind| TraceError::invalid(origin, line_no, kind);
+            })?
+            .map_err(fail)?;
         if read == 0 {
             if !header_seen {
                 return Err(fail(TraceErrorKind::BadHeader {

@@ -68,6 +68,13 @@ pub enum TraceErrorKind {
     /// The line is not valid UTF-8.
     #[error("line is not valid UTF-8")]
     NotUtf8,
+    /// The line is longer than any line of the formats can be (a few dozen bytes): the
+    /// reader stops there rather than hold a line without end.
+    #[error("line longer than {limit} bytes")]
+    LineTooLong {
+        /// The longest line accepted, in bytes (without its newline).
+        limit: usize,
+    },
     /// The first word is neither `a` nor `f`.
     #[error("unknown event tag {tag:?} (expected `a` or `f`)")]
     UnknownTag {

@@ -17,6 +17,24 @@ use super::{Trace, TraceError, TraceErrorKind, TraceEvent};
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
+/// The longest line the readers take, without its newline. Real lines are a few dozen
+/// bytes; the limit keeps a line without end (say, a small gzip stream that inflates to
+/// one endless line) from taking memory without bound.
+pub const MAX_LINE: usize = 4096;
+
+/// Reads one line (with its newline, if any) into `buf`, at most [`MAX_LINE`] bytes
+/// before it: `Ok(Err(LineTooLong))` beyond.
+pub(super) fn read_line(
+    reader: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Result<usize, TraceErrorKind>> {
+    let read = reader.take(MAX_LINE as u64 + 1).read_until(b'\n', buf)?;
+    if buf.len() > MAX_LINE && buf.last() != Some(&b'\n') {
+        return Ok(Err(TraceErrorKind::LineTooLong { limit: MAX_LINE }));
+    }
+    Ok(Ok(read))
+}
+
 /// Reads a text trace from `reader` (gzip or plain); `origin` names it in errors.
 pub fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError> {
     let mut reader = BufReader::new(reader);
@@ -39,17 +57,17 @@ fn read_lines(mut reader: impl BufRead, origin: &str) -> Result<Trace, TraceErro
     loop {
         buf.clear();
         line_no += 1;
-        let read = reader
-            .read_until(b'\n', &mut buf)
+        let fail = |kind| TraceError::invalid(origin, line_no, kind);
+        let read = read_line(&mut reader, &mut buf)
             .map_err(|source| TraceError::Read {
                 origin: origin.to_owned(),
                 line: line_no,
                 source,
-            })?;
+            })?
+            .map_err(fail)?;
         if read == 0 {
             return Ok(builder.finish());
         }
-        let fail = |kind| TraceError::invalid(origin, line_no, kind);
         let line = std::str::from_utf8(&buf).map_err(|_| fail(TraceErrorKind::NotUtf8))?;
         if let Some(event) = parse_line(line).map_err(fail)? {
             builder.push(event).map_err(fail)?;

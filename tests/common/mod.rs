@@ -66,6 +66,17 @@ pub fn eventually_blocking(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Runs `f` on a plain thread, where the blocking API may block, while this task awaits it
+/// (so that a current-thread runtime goes on running the actors that answer it). On the
+/// runtime's own thread, blocking calls are `Error::WouldDeadlock`.
+pub async fn on_plain_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.await.expect("the plain thread panicked")
+}
+
 /// Invariant 2 at a quiescent point: every pool's reserved bytes are cached, in use, waiting
 /// or kept; the runtime holds exactly what the pools reserve; and the bytes in use are those
 /// of the buffers the test holds (`in_use_blocks` of them).

@@ -2,6 +2,7 @@
 //! [`crate::router`]).
 
 use super::Engine;
+use crate::blocking::may_block;
 use crate::error::Error;
 use crate::pool_id::PoolId;
 use crate::router::{RouterMsg, StreamFilter};
@@ -37,28 +38,37 @@ impl<R: Runtime> Engine<R> {
             .map_err(|_| Error::Shutdown)?
     }
 
-    /// [`Engine::begin_allocate_to_pool`] for threads outside the tokio runtime.
+    /// [`Engine::begin_allocate_to_pool`] for threads outside the tokio runtime
+    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn begin_allocate_to_pool_blocking(
         &self,
         id: PoolId,
         filter: StreamFilter<R>,
     ) -> Result<(), Error> {
-        self.call_router(|reply| RouterMsg::Begin { id, filter, reply })?
-            .recv()
-            .map_err(|_| Error::Shutdown)?
+        let blocking = may_block(
+            "begin_allocate_to_pool_blocking",
+            "begin_allocate_to_pool(..).await",
+        )?;
+        let rx = self.call_router(|reply| RouterMsg::Begin { id, filter, reply })?;
+        blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?
     }
 
-    /// [`Engine::end_allocate_to_pool`] for threads outside the tokio runtime.
+    /// [`Engine::end_allocate_to_pool`] for threads outside the tokio runtime
+    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn end_allocate_to_pool_blocking(&self, id: PoolId) -> Result<(), Error> {
-        self.call_router(|reply| RouterMsg::End { id, reply })?
-            .recv()
-            .map_err(|_| Error::Shutdown)?
+        let blocking = may_block(
+            "end_allocate_to_pool_blocking",
+            "end_allocate_to_pool(..).await",
+        )?;
+        let rx = self.call_router(|reply| RouterMsg::End { id, reply })?;
+        blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?
     }
 
-    /// [`Engine::release_pool`] for threads outside the tokio runtime.
+    /// [`Engine::release_pool`] for threads outside the tokio runtime
+    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn release_pool_blocking(&self, id: PoolId) -> Result<(), Error> {
-        self.call_router(|reply| RouterMsg::Release { id, reply })?
-            .recv()
-            .map_err(|_| Error::Shutdown)?
+        let blocking = may_block("release_pool_blocking", "release_pool(..).await")?;
+        let rx = self.call_router(|reply| RouterMsg::Release { id, reply })?;
+        blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?
     }
 }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::Engine;
+use crate::blocking::may_block;
 use crate::error::Error;
 use crate::observe::ObserverMsg;
 use crate::runtime::Runtime;
@@ -46,10 +47,12 @@ impl<R: Runtime> Engine<R> {
         Ok(h)
     }
 
-    /// [`Engine::history`](crate::Engine::history) for threads outside the tokio runtime.
+    /// [`Engine::history`](crate::Engine::history) for threads outside the tokio runtime
+    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn history_blocking(&self) -> Result<History, Error> {
+        let blocking = may_block("history_blocking", "history().await")?;
         let rx = self.recorder().read()?;
-        let mut h = rx.recv().map_err(|_| Error::Shutdown)?;
+        let mut h = blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?;
         h.enabled = self.recorder().is_on();
         Ok(h)
     }

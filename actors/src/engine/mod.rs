@@ -24,6 +24,7 @@ use arc_swap::ArcSwap;
 use flume::Sender;
 
 use crate::block::{Block, Pool};
+use crate::blocking::may_block;
 use crate::budget::EmptyReport;
 use crate::error::Error;
 use crate::history::Recorder;
@@ -263,13 +264,15 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// [`Engine::alloc_with`] for threads outside the tokio runtime: blocks the calling
-    /// thread on a miss.
+    /// thread on a miss. [`Error::WouldDeadlock`] on a current-thread runtime's thread; on a
+    /// multi-thread runtime's, it blocks in `block_in_place` (see [`crate::blocking`]).
     pub fn alloc_blocking_with(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
         wait: Wait,
     ) -> Result<Lease<R>, Error> {
+        let blocking = may_block("alloc_blocking", "alloc(..).await")?;
         let (pool, class, during_capture) = match self.step(size, stream)? {
             Step::Ready(lease) => return Ok(lease),
             Step::Miss {
@@ -288,11 +291,13 @@ impl<R: Runtime> Engine<R> {
                     keep,
                     reply,
                 })?;
-                let pool = rx.recv().map_err(|_| Error::Shutdown)?;
+                let pool = blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?;
                 (pool, class, during_capture)
             }
         };
-        let block = miss_blocking(&pool, class, size, wait).map_err(|e| pool.oom(e))?;
+        let block = blocking
+            .run(|| miss_blocking(&pool, class, size, wait))
+            .map_err(|e| pool.oom(e))?;
         Ok(Lease::new(block, size, during_capture, self.inner.id))
     }
 
@@ -325,6 +330,7 @@ impl<R: Runtime> Engine<R> {
         size: usize,
         timeout: Duration,
     ) -> Result<Lease<R>, Error> {
+        may_block("alloc_blocking_timeout", "alloc_timeout(..).await")?;
         self.alloc_blocking_with(size, None, Wait::Upto(timeout))
     }
 
@@ -362,14 +368,18 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// [`Engine::alloc`] for threads outside the tokio runtime. It blocks the calling thread
-    /// on a miss (and while it waits for room, up to the builder's `alloc_timeout`); do not
-    /// call it from async code on a current-thread runtime.
+    /// on a miss (and while it waits for room, up to the builder's `alloc_timeout`). From a
+    /// thread that runs a current-thread runtime's tasks it fails with
+    /// [`Error::WouldDeadlock`] at once (blocking there would starve the actors that answer
+    /// it); on a multi-thread runtime's threads it blocks inside `block_in_place`. See
+    /// [`crate::blocking`].
     pub fn alloc_blocking(&self, size: usize) -> Result<Lease<R>, Error> {
         self.alloc_blocking_with(size, None, Wait::Default)
     }
 
     /// [`Engine::alloc_on`] for threads outside the tokio runtime.
     pub fn alloc_blocking_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
+        may_block("alloc_blocking_on", "alloc_on(..).await")?;
         self.alloc_blocking_with(size, Some(stream), Wait::Default)
     }
 
@@ -398,15 +408,17 @@ impl<R: Runtime> Engine<R> {
         Ok(report)
     }
 
-    /// [`Engine::empty_cache`] for threads outside the tokio runtime.
+    /// [`Engine::empty_cache`] for threads outside the tokio runtime
+    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
+        let blocking = may_block("empty_cache_blocking", "empty_cache().await")?;
         let mut report = EmptyReport::default();
         for rx in self.ask_default_pools_to_empty()? {
-            report.merge(&rx.recv().map_err(|_| Error::Shutdown)?);
+            report.merge(&blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?);
         }
-        let released = self
-            .call_router(|reply| RouterMsg::EmptyReleased { reply })?
-            .recv()
+        let released = self.call_router(|reply| RouterMsg::EmptyReleased { reply })?;
+        let released = blocking
+            .run(|| released.recv())
             .map_err(|_| Error::Shutdown)?;
         report.merge(&released);
         Ok(report)

@@ -1,0 +1,82 @@
+//! Whether a `*_blocking` call may block the calling thread, and how.
+//!
+//! Owns that one decision for every blocking entry point of the engine and of the `pinpool`
+//! crate (allocations, `empty_cache`, history, capture pools, plan sessions). A blocking call
+//! waits for an actor's reply; the actors are tokio tasks, so a thread that blocks while it
+//! is the one that would run them waits for ever. Keeps invariant 7: such a call is a typed
+//! error ([`Error::WouldDeadlock`]) instead of a hang.
+//!
+//! The rule, decided from the calling thread alone:
+//!
+//! - Outside any tokio runtime context: block (what the calls are for).
+//! - In a multi-thread runtime's context (a worker, `block_on`, or a blocking-pool thread):
+//!   block inside [`tokio::task::block_in_place`], which hands the worker's other tasks to
+//!   another thread first, so the actors keep running (on a thread that is no worker it only
+//!   calls the closure).
+//! - In a current-thread runtime's context: [`Error::WouldDeadlock`]. That thread runs the
+//!   runtime's tasks (the `block_on` future, or a task it polls); blocking it starves every
+//!   task of the runtime, the allocator's actors among them when they live there. tokio
+//!   gives no way to tell that thread from one of the runtime's `spawn_blocking` threads,
+//!   so those are refused too, except the observer's own threads ([`off_runtime`]): from a
+//!   `spawn_blocking` closure on a current-thread runtime, use
+//!   `Handle::current().block_on(pool.alloc(n))`.
+
+use std::cell::Cell;
+
+use tokio::runtime::{Handle, RuntimeFlavor};
+
+use crate::error::Error;
+
+thread_local! {
+    /// Set while this thread runs code that is known not to be a runtime's executor thread.
+    static OFF_RUNTIME: Cell<bool> = const { Cell::new(false) };
+}
+
+/// How a blocking call may block the calling thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blocking {
+    /// Block the thread as is: no runtime runs on it.
+    Plain,
+    /// Block inside [`tokio::task::block_in_place`]: a multi-thread runtime's thread.
+    InPlace,
+}
+
+impl Blocking {
+    /// Runs `wait` (which blocks the thread) in the way this calls for.
+    pub fn run<T>(self, wait: impl FnOnce() -> T) -> T {
+        match self {
+            Blocking::Plain => wait(),
+            Blocking::InPlace => tokio::task::block_in_place(wait),
+        }
+    }
+}
+
+/// Decides whether the blocking call `call` may block this thread: how, or
+/// [`Error::WouldDeadlock`] naming `use_instead`, the async call to use from async code.
+/// Cheap outside a runtime (one thread-local read); inside one it also reads the runtime's
+/// flavour.
+pub fn may_block(call: &'static str, use_instead: &'static str) -> Result<Blocking, Error> {
+    let Ok(handle) = Handle::try_current() else {
+        return Ok(Blocking::Plain);
+    };
+    match handle.runtime_flavor() {
+        RuntimeFlavor::CurrentThread if !OFF_RUNTIME.with(Cell::get) => {
+            Err(Error::WouldDeadlock { call, use_instead })
+        }
+        RuntimeFlavor::CurrentThread => Ok(Blocking::Plain),
+        _ => Ok(Blocking::InPlace),
+    }
+}
+
+/// Runs `f` with this thread marked as one that no runtime executes tasks on (the
+/// observer's blocking threads, where callbacks may call the blocking API).
+pub(crate) fn off_runtime<T>(f: impl FnOnce() -> T) -> T {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            OFF_RUNTIME.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(OFF_RUNTIME.with(|c| c.replace(true)));
+    f()
+}
