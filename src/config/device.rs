@@ -58,6 +58,9 @@ impl Default for DeviceConfig {
     }
 }
 
+/// The smallest `max_split_size_mb` (PyTorch's minimum too).
+const MIN_SPLIT_MIB: usize = 20;
+
 impl DeviceConfig {
     /// Every key `PINPOOL_DEVICE_CONF` accepts, in the order `Display` prints them.
     pub const KEYS: &'static [&'static str] = &[
@@ -106,7 +109,7 @@ impl DeviceConfig {
                 } else {
                     let mb: usize = value.parse().map_err(|_| invalid(EXPECTED))?;
                     let bytes = mb.checked_mul(1 << 20).ok_or_else(|| invalid(EXPECTED))?;
-                    if mb < 20 {
+                    if mb < MIN_SPLIT_MIB {
                         return Err(invalid(EXPECTED));
                     }
                     Some(bytes)
@@ -144,21 +147,27 @@ impl DeviceConfig {
 }
 
 impl DeviceConfig {
-    /// This configuration with `max_split_size` set (`None`: unlimited).
+    /// This configuration with `max_split_size` set (`None`: unlimited), as the key would
+    /// set it: rounded up to whole MiB, at least 20 MiB.
     pub fn with_max_split_size(mut self, bytes: Option<usize>) -> Self {
-        self.max_split_size = bytes;
+        self.max_split_size = bytes.map(|b| b.max(MIN_SPLIT_MIB << 20).next_multiple_of(1 << 20));
         self
     }
 
-    /// This configuration with `roundup_power2_divisions` set.
+    /// This configuration with `roundup_power2_divisions` set, as the key would set it: a
+    /// power of two up to 64 (rounded up), or 0.
     pub fn with_roundup_power2_divisions(mut self, divisions: u32) -> Self {
-        self.roundup_power2_divisions = divisions;
+        self.roundup_power2_divisions = match divisions {
+            0 => 0,
+            d => d.next_power_of_two().min(64),
+        };
         self
     }
 
-    /// This configuration with `garbage_collection_threshold` set.
+    /// This configuration with `garbage_collection_threshold` set; a threshold the key would
+    /// refuse (not strictly between 0 and 1) sets none.
     pub fn with_garbage_collection_threshold(mut self, threshold: Option<f64>) -> Self {
-        self.garbage_collection_threshold = threshold;
+        self.garbage_collection_threshold = threshold.filter(|t| *t > 0.0 && *t < 1.0);
         self
     }
 
@@ -181,7 +190,12 @@ impl FromStr for DeviceConfig {
 impl fmt::Display for DeviceConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.max_split_size {
-            Some(b) => write!(f, "max_split_size_mb:{}", b >> 20)?,
+            // Whole MiB, at least the key's minimum (what the builder methods store).
+            Some(b) => write!(
+                f,
+                "max_split_size_mb:{}",
+                b.div_ceil(1 << 20).max(MIN_SPLIT_MIB)
+            )?,
             None => write!(f, "max_split_size_mb:unlimited")?,
         }
         write!(
@@ -213,6 +227,23 @@ mod tests {
         assert_eq!(full.garbage_collection_threshold, Some(0.6));
         assert!(!full.expandable_segments);
         assert_eq!(DeviceConfig::parse(&full.to_string()).unwrap(), full);
+    }
+
+    #[test]
+    fn a_configuration_made_with_the_builder_methods_prints_what_parses_back_to_it() {
+        let made = DeviceConfig::default()
+            .with_max_split_size(Some((25 << 20) + 1))
+            .with_roundup_power2_divisions(3)
+            .with_garbage_collection_threshold(Some(1.5))
+            .with_expandable_segments(false);
+        assert_eq!(made.max_split_size, Some(26 << 20));
+        assert_eq!(made.roundup_power2_divisions, 4);
+        assert_eq!(made.garbage_collection_threshold, None);
+        let printed = made.to_string();
+        assert_eq!(DeviceConfig::parse(&printed).unwrap(), made, "{printed}");
+        let small = DeviceConfig::default().with_max_split_size(Some(1 << 20));
+        assert_eq!(small.max_split_size, Some(20 << 20));
+        assert_eq!(DeviceConfig::parse(&small.to_string()).unwrap(), small);
     }
 
     #[test]
