@@ -329,9 +329,6 @@ async fn tasks_aborted_while_holding_buffers_give_them_back_and_none_is_shared()
 }
 
 #[test]
-#[ignore = "known leak: a free sent to a pool actor's mailbox while the actor's Drop (pool/mod.rs) \
-            frees what it drained is stranded when the mailbox's receiver drops, and the block \
-            keeps its pool (and so the channel) alive; fails in most runs"]
 fn buffers_dropped_on_other_threads_while_the_runtime_shuts_down_all_come_back() {
     // Frees racing the pool actor's teardown: each goes to the ready queue, to the actor, or
     // (the actor gone) straight back to the runtime, and none is stranded in between.

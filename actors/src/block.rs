@@ -196,8 +196,9 @@ impl<R: Runtime> Block<R> {
                 .kept_bytes
                 .fetch_add(self.size as i64, Ordering::Relaxed);
             self.state = BlockState::Kept;
-            let mailbox = self.pool.mailbox.clone();
-            if let Err(flume::SendError(PoolMsg::Keep(b))) = mailbox.send(PoolMsg::Keep(self)) {
+            let pool = self.pool.clone();
+            if let Err(flume::SendError(PoolMsg::Keep(b))) = pool.mailbox.send(PoolMsg::Keep(self))
+            {
                 b.orphaned();
             }
         } else {
@@ -443,6 +444,18 @@ impl<R: Runtime> Pool<R> {
         let _ = self.shells.0.try_send(block);
     }
 
+    /// Once the actor is gone (dropped with its runtime), frees the blocks that a free racing
+    /// its teardown put into the ready queues after its last look: each holds the pool, so
+    /// left there neither would ever be freed. Called when the allocator's handle goes.
+    pub(crate) fn free_stranded(&self) {
+        if !self.mailbox.is_closed() {
+            return;
+        }
+        for b in self.ready.drain() {
+            b.orphaned();
+        }
+    }
+
     /// Drops the kept records (each holds the pool: the pool would never be dropped).
     pub(crate) fn drop_shells(&self) {
         for b in self.shells.1.try_iter() {
@@ -502,8 +515,8 @@ impl<R: Runtime> Drop for Block<R> {
         // Dropped by accident (a cancelled reply, an actor torn down with its runtime):
         // send it home, or free it here if home is gone.
         let b = self.take();
-        let mailbox = b.pool.mailbox.clone();
-        if let Err(flume::SendError(PoolMsg::Home(b))) = mailbox.send(PoolMsg::Home(b)) {
+        let pool = b.pool.clone();
+        if let Err(flume::SendError(PoolMsg::Home(b))) = pool.mailbox.send(PoolMsg::Home(b)) {
             b.orphaned();
         }
     }

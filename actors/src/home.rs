@@ -20,7 +20,7 @@ use flume::{Receiver, Sender};
 use crate::budget::{Budget, EmptyReport, Member};
 use crate::error::Error;
 use crate::history::Recorder;
-use crate::mailbox::{PollerMsg, PoolMsg, Split};
+use crate::mailbox::{Mailbox, PollerMsg, PoolMsg, Split};
 use crate::memory::{MemorySource, Region};
 use crate::parked::Parked;
 use crate::policy::{BlockLayout, SizePolicy};
@@ -50,7 +50,7 @@ pub(crate) struct Home<R: Runtime, B> {
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) ready: ReadyQueues<B>,
     pub(crate) parked: Arc<Parked<B>>,
-    pub(crate) mailbox: Sender<PoolMsg<B>>,
+    pub(crate) mailbox: Mailbox<B>,
     pub(crate) poller: Sender<PollerMsg<B>>,
     pub(crate) stats: PoolStats,
     /// Non-zero when frees must go to the actor, not the ready queues: the pool is closing
@@ -114,7 +114,7 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             memory: parts.memory,
             ready: ReadyQueues::new(parts.classes, parts.shards),
             parked: Parked::new(parts.shards),
-            mailbox: tx,
+            mailbox: Mailbox::new(tx),
             poller: parts.poller,
             stats: PoolStats::new(parts.shards, parts.device_stats),
             divert: AtomicU8::new(0),

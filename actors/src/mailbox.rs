@@ -2,9 +2,10 @@
 //! carry. Defined below the blocks and pools they move (generic over the block type `B`), so
 //! that whoever holds a pool's or the poller's sender can send without naming the actor.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 
-use flume::Sender;
+use flume::{Receiver, SendError, Sender};
 
 use crate::budget::EmptyReport;
 use crate::carve::SegId;
@@ -85,6 +86,62 @@ pub(crate) struct Split {
     pub(crate) seg: SegId,
     pub(crate) in_arena: bool,
     pub(crate) rest_meta: Arc<BlockMeta>,
+}
+
+/// A pool actor's mailbox, as its senders reach it: once the actor's task is gone (dropped
+/// with its runtime), it refuses messages, as a disconnected channel would, and the gone
+/// actor collects every message sent before — also those of senders that were in the middle
+/// of sending when it went. (A flume channel stays connected while the pool holds a sender,
+/// and a block stranded in it holds the pool: neither would ever be freed.)
+pub(crate) struct Mailbox<B> {
+    tx: Sender<PoolMsg<B>>,
+    /// Senders between their look at `gone` and the end of their send.
+    sending: AtomicUsize,
+    gone: AtomicBool,
+}
+
+impl<B> Mailbox<B> {
+    pub(crate) fn new(tx: Sender<PoolMsg<B>>) -> Self {
+        Self {
+            tx,
+            sending: AtomicUsize::new(0),
+            gone: AtomicBool::new(false),
+        }
+    }
+
+    /// Sends `msg`, or hands it back once the actor is gone.
+    pub(crate) fn send(&self, msg: PoolMsg<B>) -> Result<(), SendError<PoolMsg<B>>> {
+        self.sending.fetch_add(1, SeqCst);
+        // A sender that sees `gone` unset counted itself before the closing actor set it, so
+        // the actor waits for its send below (see `close`).
+        let res = if self.gone.load(SeqCst) {
+            Err(SendError(msg))
+        } else {
+            self.tx.send(msg)
+        };
+        self.sending.fetch_sub(1, SeqCst);
+        res
+    }
+
+    /// Whether the actor is gone (see [`Self::close`]).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.gone.load(SeqCst)
+    }
+
+    /// The actor is gone: refuses every later message and returns every message sent
+    /// before (from `rx`, the actor's receiver), waiting for senders caught mid-send.
+    pub(crate) fn close(&self, rx: &Receiver<PoolMsg<B>>) -> Vec<PoolMsg<B>> {
+        self.gone.store(true, SeqCst);
+        let mut out = Vec::new();
+        loop {
+            out.extend(rx.try_iter());
+            if self.sending.load(SeqCst) == 0 {
+                out.extend(rx.try_iter());
+                return out;
+            }
+            std::thread::yield_now();
+        }
+    }
 }
 
 /// Messages the event poller answers.

@@ -55,6 +55,13 @@ impl<R: Runtime> Drop for EngineInner<R> {
     fn drop(&mut self) {
         let _ = self.default.mailbox.send(PoolMsg::Close);
         let _ = self.router.send(RouterMsg::Close);
+        // Pools whose actors went with their runtime: frees that raced the teardown.
+        self.default.free_stranded();
+        let table = self.table.load();
+        let pools = table.pools.iter().map(|(_, p)| p);
+        for p in pools.chain(table.streams.iter().map(|(_, p)| p)) {
+            p.free_stranded();
+        }
     }
 }
 

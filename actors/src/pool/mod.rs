@@ -128,13 +128,14 @@ impl<R: Runtime> Drop for PoolActor<R> {
             return;
         }
         // The task was dropped with its tokio runtime: from now on frees cannot reach the
-        // actor, so they free on the spot; what is cached now is freed here.
+        // actor (the mailbox refuses them), so they free on the spot; what is cached now, and
+        // what was sent before the mailbox closed, is freed here.
         self.shared
             .divert
             .fetch_or(DIVERT_CLOSING, Ordering::SeqCst);
         // Blocks already in the mailbox would keep the pool (and the mailbox) alive forever.
         let mut homeless = self.shared.ready.drain();
-        for msg in self.rx.try_iter() {
+        for msg in self.shared.mailbox.close(&self.rx) {
             match msg {
                 PoolMsg::Home(b) | PoolMsg::Keep(b) => match b.state {
                     BlockState::Kept | BlockState::Waiting => self.kept.push(b),
