@@ -11,11 +11,13 @@
 //! `waiters`). Without waiters the cached path reads the flag it always read and does nothing
 //! more (invariant 5).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+
+use crate::loom::{fence, AtomicUsize};
 
 /// What `empty_cache` did to one pool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -193,10 +195,16 @@ impl Budget {
     /// still agrees with what it wrote, so the last writer always writes the truth.
     fn sync_flags(&self) {
         loop {
+            // The fences order each writer's count change, flag writes and re-check in one
+            // total order with the other writers' (sequentially consistent loads and stores
+            // alone are not enough under the C++ model as loom checks it: a re-check could
+            // read a stale count, and the last flag written be the wrong one).
+            fence(Ordering::SeqCst);
             let on = self.under_pressure();
             for p in self.pools() {
                 p.set_pressure(on);
             }
+            fence(Ordering::SeqCst);
             if self.under_pressure() == on {
                 break;
             }
@@ -208,5 +216,66 @@ impl Budget {
         for p in self.pools() {
             p.nudge();
         }
+    }
+}
+
+/// Models of the budget under loom (`scripts/loom.sh`).
+#[cfg(all(test, pinpool_loom))]
+mod loom_models {
+    use super::*;
+    use loom::sync::atomic::AtomicBool;
+    use loom::thread;
+
+    #[test]
+    fn two_reservations_that_together_pass_the_cap_never_both_succeed() {
+        loom::model(|| {
+            let budget = Arc::new(Budget::new(Some(100), None, 1, "test"));
+            let b1 = budget.clone();
+            let other = thread::spawn(move || b1.try_reserve(60));
+            let mine = budget.try_reserve(60);
+            let theirs = other.join().unwrap();
+            assert!(
+                mine ^ theirs,
+                "exactly one of two 60-byte reservations fits in 100"
+            );
+            assert_eq!(budget.reserved(), 60);
+            assert!(budget.peak() <= 100);
+            budget.release(60);
+            assert_eq!(budget.reserved(), 0);
+        });
+    }
+
+    struct Flag(AtomicBool);
+
+    impl Member for Flag {
+        fn set_pressure(&self, on: bool) {
+            self.0.store(on, Ordering::SeqCst);
+        }
+        fn nudge(&self) {}
+        fn ask_to_empty(&self) -> Option<flume::Receiver<EmptyReport>> {
+            None
+        }
+    }
+
+    #[test]
+    fn the_pressure_flag_ends_on_exactly_while_a_request_still_waits() {
+        loom::model(|| {
+            let budget = Arc::new(Budget::new(Some(100), None, 1, "test"));
+            let pool = Arc::new(Flag(AtomicBool::new(false)));
+            budget.register(&pool);
+            let b1 = budget.clone();
+            let other = thread::spawn(move || {
+                b1.waiter_added();
+                b1.waiter_removed();
+            });
+            budget.waiter_added();
+            other.join().unwrap();
+            assert!(
+                pool.0.load(Ordering::SeqCst),
+                "a request still waits: frees must go to the actors"
+            );
+            budget.waiter_removed();
+            assert!(!pool.0.load(Ordering::SeqCst));
+        });
     }
 }

@@ -43,6 +43,7 @@ pub mod memory;
 mod pool_id;
 mod error;
 pub mod blocking;
+mod loom;
 mod shard;
 mod spawn;
 mod keepalive;

@@ -16,9 +16,10 @@
 //! a block goes once its events complete, is the item's business.
 
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use crate::loom::{fence, AtomicBool, AtomicPtr};
 use crate::policy::SizeClass;
 use crate::ready::{take_slot, Slotted};
 use crate::shard::{CachePadded, ThreadSlot};
@@ -73,7 +74,17 @@ impl<B: Parkable> Parked<B> {
     /// watch these slots (false when the poller is gone); it is called after the block is
     /// placed, when nobody watches them yet.
     pub(crate) fn park(self: &Arc<Self>, block: Box<B>, watch: impl FnOnce(Arc<Self>) -> bool) {
-        let parked = &self.shards[self.my_shard()];
+        self.park_at(self.my_shard(), block, watch)
+    }
+
+    /// [`Self::park`] in shard `shard`.
+    fn park_at(
+        self: &Arc<Self>,
+        shard: usize,
+        block: Box<B>,
+        watch: impl FnOnce(Arc<Self>) -> bool,
+    ) {
+        let parked = &self.shards[shard];
         let p = Box::into_raw(block);
         let mut placed = false;
         for s in parked.iter() {
@@ -94,7 +105,10 @@ impl<B: Parkable> Parked<B> {
                 unsafe { Box::from_raw(old) }.to_poller();
             }
         }
-        // The poller must watch the parked slots, or blocks would wait for a request.
+        // The poller must watch the parked slots, or blocks would wait for a request. The
+        // fence pairs with the one in `unwatch_if_empty`: of a park and an unwatch that race,
+        // at least one sees the other's write.
+        fence(Ordering::SeqCst);
         if !self.watched.load(Ordering::SeqCst)
             && self
                 .watched
@@ -159,9 +173,10 @@ impl<B: Parkable> Parked<B> {
 
     /// Stops being watched unless a block is parked; returns whether it still is watched.
     /// A park racing with this either sees `watched` false (and asks to be watched again) or
-    /// is seen here (both sides use sequentially consistent operations).
+    /// is seen here (both sides write, fence, then read; loom checks it).
     pub(crate) fn unwatch_if_empty(&self) -> bool {
         self.watched.store(false, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         let any = self
             .shards
             .iter()
@@ -220,5 +235,132 @@ impl<B> Drop for Parked<B> {
                 drop(take_slot(s));
             }
         }
+    }
+}
+
+/// Models of parking under loom (`scripts/loom.sh`): threads stand at explicit shards.
+#[cfg(all(test, pinpool_loom))]
+mod loom_models {
+    use super::*;
+    use crate::loom::AtomicUsize;
+    use loom::thread;
+    use std::sync::Mutex;
+
+    const CLASS: SizeClass = SizeClass {
+        index: 1,
+        size: 1024,
+    };
+
+    /// A block whose one "event" is a flag; where it ends up is written to `log`.
+    struct Item {
+        id: usize,
+        done: Arc<AtomicBool>,
+        log: Arc<Mutex<Vec<(usize, &'static str)>>>,
+    }
+
+    impl Item {
+        fn note(&self, what: &'static str) {
+            self.log.lock().unwrap().push((self.id, what));
+        }
+    }
+
+    impl Slotted for Item {
+        fn class(&self) -> usize {
+            CLASS.index
+        }
+        fn size(&self) -> usize {
+            CLASS.size
+        }
+    }
+
+    impl Parkable for Item {
+        fn events_completed(&mut self) -> bool {
+            self.done.load(Ordering::SeqCst)
+        }
+        fn leave_waiting(&mut self) {}
+        fn returned_from_waiting(self: Box<Self>) {
+            assert!(
+                self.done.load(Ordering::SeqCst),
+                "sent home before its event"
+            );
+            self.note("home");
+        }
+        fn to_poller(self: Box<Self>) {
+            self.note("poller");
+        }
+        fn wait_here(self: Box<Self>) {
+            self.note("waited");
+        }
+    }
+
+    #[test]
+    fn a_parked_block_goes_to_exactly_one_place_and_only_once_its_event_completed() {
+        loom::model(|| {
+            let parked = Parked::<Item>::new(2);
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let done = Arc::new(AtomicBool::new(false));
+            let item = Box::new(Item {
+                id: 0,
+                done: done.clone(),
+                log: log.clone(),
+            });
+            parked.park_at(0, item, |_| true);
+            let event = thread::spawn(move || done.store(true, Ordering::SeqCst));
+            let p = parked.clone();
+            let poller = thread::spawn(move || {
+                let mut pending = Vec::new();
+                p.sweep(&mut pending);
+                for b in pending {
+                    b.note("pending");
+                }
+            });
+            // The freeing thread's next miss of the class.
+            if let Some(b) = parked.take_from(0, CLASS) {
+                assert!(b.done.load(Ordering::SeqCst), "reused before its event");
+                b.note("reused");
+            }
+            event.join().unwrap();
+            poller.join().unwrap();
+            for b in parked.take_all() {
+                b.note("still parked");
+            }
+            let log = log.lock().unwrap();
+            assert_eq!(log.len(), 1, "one place, once: {log:?}");
+        });
+    }
+
+    #[test]
+    fn a_block_parked_while_the_poller_stops_watching_is_still_watched() {
+        loom::model(|| {
+            let parked = Parked::<Item>::new(2);
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let item = move |id| {
+                Box::new(Item {
+                    id,
+                    done: Arc::new(AtomicBool::new(false)),
+                    log: log.clone(),
+                })
+            };
+            // Watched since an earlier park; that block has left.
+            parked.park_at(0, item(0), |_| true);
+            drop(parked.take_all());
+            let asked = Arc::new(AtomicUsize::new(0));
+            let (p, a) = (parked.clone(), asked.clone());
+            let freeing = thread::spawn(move || {
+                p.park_at(0, item(1), |_| {
+                    a.fetch_add(1, Ordering::SeqCst);
+                    true
+                })
+            });
+            let still_watched = parked.unwatch_if_empty();
+            freeing.join().unwrap();
+            let parked_now = parked.take_all();
+            if !parked_now.is_empty() {
+                assert!(
+                    still_watched || asked.load(Ordering::SeqCst) == 1,
+                    "a parked block nobody watches waits for a request"
+                );
+            }
+        });
     }
 }

@@ -14,10 +14,11 @@
 //! and size, nothing else.
 
 use std::ptr;
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use flume::{Receiver, Sender};
 
+use crate::loom::{AtomicPtr, AtomicU64};
 use crate::policy::SizeClass;
 use crate::shard::{CachePadded, ThreadSlot};
 
@@ -150,7 +151,12 @@ impl<B: Slotted> ReadyQueues<B> {
     /// its queue, then the others'.
     #[inline]
     pub(crate) fn take(&self, class: SizeClass) -> Option<Box<B>> {
-        let me = self.my_shard();
+        self.take_at(self.my_shard(), class)
+    }
+
+    /// [`Self::take`] for the thread of shard `me`.
+    #[inline]
+    fn take_at(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
         if let Some(b) = take_slot(self.slot(me, class.index)) {
             if let Some(b) = self.fitting(me, b, class) {
                 return Some(b);
@@ -273,7 +279,12 @@ impl<B: Slotted> ReadyQueues<B> {
     /// plain release store suffices.
     #[inline]
     pub(crate) fn put(&self, block: Box<B>) {
-        let me = ThreadSlot::current(self.mask);
+        self.put_as(ThreadSlot::current(self.mask), block)
+    }
+
+    /// [`Self::put`] for a thread standing at `me`.
+    #[inline]
+    fn put_as(&self, me: ThreadSlot, block: Box<B>) {
         let slot = self.slot(me.shard, block.class());
         if me.owns && slot.load(Ordering::Relaxed).is_null() {
             slot.store(Box::into_raw(block), Ordering::Release);
@@ -369,5 +380,119 @@ impl<B> Drop for ReadyQueues<B> {
                 drop(take_slot(s));
             }
         }
+    }
+}
+
+/// Models of the slot protocol under loom (`scripts/loom.sh`): threads stand at explicit
+/// shards, as `ThreadSlot::current` would place them.
+#[cfg(all(test, pinpool_loom))]
+mod loom_models {
+    use super::*;
+    use loom::thread;
+    use std::sync::Arc;
+
+    struct Item {
+        class: usize,
+        size: usize,
+        id: usize,
+    }
+
+    impl Slotted for Item {
+        fn class(&self) -> usize {
+            self.class
+        }
+        fn size(&self) -> usize {
+            self.size
+        }
+    }
+
+    const CLASS: SizeClass = SizeClass {
+        index: 1,
+        size: 1024,
+    };
+
+    fn item(id: usize) -> Box<Item> {
+        Box::new(Item {
+            class: CLASS.index,
+            size: CLASS.size,
+            id,
+        })
+    }
+
+    fn owner(shard: usize) -> ThreadSlot {
+        ThreadSlot { shard, owns: true }
+    }
+
+    /// Every item put is taken exactly once, by a thread or by the final drain.
+    fn assert_each_once(mut seen: Vec<usize>, left: Vec<Box<Item>>, n: usize) {
+        seen.extend(left.into_iter().map(|b| b.id));
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            (0..n).collect::<Vec<_>>(),
+            "an item lost or handed out twice"
+        );
+    }
+
+    #[test]
+    fn a_block_freed_into_a_slot_is_taken_once_by_its_owner_or_a_stealing_thread() {
+        loom::model(|| {
+            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+            q.put_as(owner(0), item(0));
+            let q1 = q.clone();
+            let stealer = thread::spawn(move || q1.steal(1, CLASS).map(|b| b.id));
+            let mine = q.take_at(0, CLASS).map(|b| b.id);
+            let stolen = stealer.join().unwrap();
+            let seen: Vec<usize> = mine.into_iter().chain(stolen).collect();
+            assert_each_once(seen, q.drain(), 1);
+        });
+    }
+
+    #[test]
+    fn frees_and_takes_racing_on_two_shards_lose_nothing_and_share_nothing() {
+        loom::model(|| {
+            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+            let handles: Vec<_> = (0..2)
+                .map(|t| {
+                    let q = q.clone();
+                    thread::spawn(move || {
+                        // Two frees on this thread's shard: one fills the slot, one overflows.
+                        q.put_as(owner(t), item(2 * t));
+                        q.put_as(owner(t), item(2 * t + 1));
+                        // A request: this shard, then the other's.
+                        q.take_at(t, CLASS)
+                            .or_else(|| q.steal(t, CLASS))
+                            .map(|b| b.id)
+                    })
+                })
+                .collect();
+            let seen: Vec<usize> = handles
+                .into_iter()
+                .filter_map(|h| h.join().unwrap())
+                .collect();
+            assert_each_once(seen, q.drain(), 4);
+        });
+    }
+
+    #[test]
+    fn a_thread_that_does_not_own_its_shard_never_overwrites_the_owners_slot() {
+        loom::model(|| {
+            let q = Arc::new(ReadyQueues::<Item>::new(4, 1));
+            let q1 = q.clone();
+            // Two threads on one shard (more threads than shards): only one owns it.
+            let other = thread::spawn(move || {
+                q1.put_as(
+                    ThreadSlot {
+                        shard: 0,
+                        owns: false,
+                    },
+                    item(1),
+                )
+            });
+            q.put_as(owner(0), item(0));
+            other.join().unwrap();
+            let taken = q.take_at(0, CLASS).map(|b| b.id);
+            assert_each_once(taken.into_iter().collect(), q.drain(), 2);
+        });
     }
 }
