@@ -20,6 +20,9 @@
 //!   so those are refused too, except the observer's own threads ([`off_runtime`]): from a
 //!   `spawn_blocking` closure on a current-thread runtime, use
 //!   `Handle::current().block_on(pool.alloc(n))`.
+//!
+//! The allocation calls decide only once the cached path has found nothing (it never blocks,
+//! and the check would cost it a thread-local lookup on every call).
 
 use std::cell::Cell;
 

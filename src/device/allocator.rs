@@ -33,6 +33,9 @@ pub(crate) struct Inner<R: DeviceRuntime> {
     pub(crate) config: DeviceConfig,
 }
 
+/// `alloc_blocking` and its async form, as a [`Error::WouldDeadlock`] names them.
+const ALLOC_BLOCKING: (&str, &str) = ("alloc_blocking", "alloc(..).await");
+
 impl<R: DeviceRuntime> Drop for Inner<R> {
     fn drop(&mut self) {
         // Raw buffers never deleted go back with the allocator.
@@ -181,17 +184,16 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     }
 
     /// [`DeviceAllocator::alloc`] for threads outside the tokio runtime: blocks the calling
-    /// thread on a miss (and while it waits for room). From a thread that runs a
-    /// current-thread runtime's tasks it fails with [`Error::WouldDeadlock`] at once; on a
-    /// multi-thread runtime's threads it blocks inside `block_in_place`
+    /// thread on a miss (and while it waits for room). Where a thread that runs a
+    /// current-thread runtime's tasks would block, it fails with [`Error::WouldDeadlock`]
+    /// instead; on a multi-thread runtime's threads it blocks inside `block_in_place`
     /// ([`pinpool_actors::blocking`]).
     pub fn alloc_blocking(
         &self,
         size: usize,
         stream: &R::Stream,
     ) -> Result<DeviceBuffer<R>, Error> {
-        may_block("alloc_blocking", "alloc(..).await")?;
-        self.alloc_blocking_with(size, stream, Wait::Default)
+        self.alloc_blocking_with(size, stream, Wait::Default, ALLOC_BLOCKING)
     }
 
     /// [`DeviceAllocator::alloc_blocking`], waiting at most `timeout` for room.
@@ -201,8 +203,12 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         stream: &R::Stream,
         timeout: Duration,
     ) -> Result<DeviceBuffer<R>, Error> {
-        may_block("alloc_blocking_timeout", "alloc_timeout(..).await")?;
-        self.alloc_blocking_with(size, stream, Wait::Upto(timeout))
+        self.alloc_blocking_with(
+            size,
+            stream,
+            Wait::Upto(timeout),
+            ("alloc_blocking_timeout", "alloc_timeout(..).await"),
+        )
     }
 
     /// [`DeviceAllocator::try_alloc`] for threads outside the tokio runtime.
@@ -211,8 +217,12 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         size: usize,
         stream: &R::Stream,
     ) -> Result<DeviceBuffer<R>, Error> {
-        may_block("try_alloc_blocking", "try_alloc(..).await")?;
-        self.alloc_blocking_with(size, stream, Wait::Never)
+        self.alloc_blocking_with(
+            size,
+            stream,
+            Wait::Never,
+            ("try_alloc_blocking", "try_alloc(..).await"),
+        )
     }
 
     fn alloc_blocking_with(
@@ -220,9 +230,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         size: usize,
         stream: &R::Stream,
         wait: Wait,
+        call: (&'static str, &'static str),
     ) -> Result<DeviceBuffer<R>, Error> {
         let (d, engine) = self.engine_of(stream, size)?;
-        let lease = engine.alloc_blocking_with(size, Some(stream), wait)?;
+        let lease = engine.alloc_blocking_as(size, Some(stream), wait, call)?;
         Ok(DeviceBuffer::new(lease, stream.clone(), d))
     }
 
@@ -232,11 +243,15 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// the allocator. Blocks the calling thread on a miss, as `alloc_blocking` does
     /// ([`Error::WouldDeadlock`] where that would deadlock).
     pub fn raw_alloc_with_stream(&self, size: usize, stream: &R::Stream) -> Result<u64, Error> {
-        may_block("raw_alloc_with_stream", "alloc(..).await")?;
         if size == 0 {
             return Ok(0);
         }
-        let buf = self.alloc_blocking(size, stream)?;
+        let buf = self.alloc_blocking_with(
+            size,
+            stream,
+            Wait::Default,
+            ("raw_alloc_with_stream", "alloc(..).await"),
+        )?;
         let ptr = buf.device_ptr();
         self.inner.raw.insert(ptr as usize, Box::new(buf));
         Ok(ptr)

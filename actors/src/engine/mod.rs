@@ -271,16 +271,33 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// [`Engine::alloc_with`] for threads outside the tokio runtime: blocks the calling
-    /// thread on a miss. [`Error::WouldDeadlock`] on a current-thread runtime's thread; on a
-    /// multi-thread runtime's, it blocks in `block_in_place` (see [`crate::blocking`]).
+    /// thread on a miss. Where it would block, [`Error::WouldDeadlock`] on a current-thread
+    /// runtime's thread; on a multi-thread runtime's, it blocks in `block_in_place` (see
+    /// [`crate::blocking`]). The cached path never blocks and checks nothing.
     pub fn alloc_blocking_with(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
         wait: Wait,
     ) -> Result<Lease<R>, Error> {
-        let blocking = may_block("alloc_blocking", "alloc(..).await")?;
-        let (pool, class, during_capture) = match self.step(size, stream)? {
+        self.alloc_blocking_as(size, stream, wait, ("alloc_blocking", "alloc(..).await"))
+    }
+
+    /// [`Engine::alloc_blocking_with`] on behalf of the public call `call.0`, whose async
+    /// form is `call.1` (what a [`Error::WouldDeadlock`] names).
+    pub fn alloc_blocking_as(
+        &self,
+        size: usize,
+        stream: Option<&R::Stream>,
+        wait: Wait,
+        call: (&'static str, &'static str),
+    ) -> Result<Lease<R>, Error> {
+        let step = self.step(size, stream)?;
+        if let Step::Ready(lease) = step {
+            return Ok(lease);
+        }
+        let blocking = may_block(call.0, call.1)?;
+        let (pool, class, during_capture) = match step {
             Step::Ready(lease) => return Ok(lease),
             Step::Miss {
                 pool,
@@ -337,8 +354,12 @@ impl<R: Runtime> Engine<R> {
         size: usize,
         timeout: Duration,
     ) -> Result<Lease<R>, Error> {
-        may_block("alloc_blocking_timeout", "alloc_timeout(..).await")?;
-        self.alloc_blocking_with(size, None, Wait::Upto(timeout))
+        self.alloc_blocking_as(
+            size,
+            None,
+            Wait::Upto(timeout),
+            ("alloc_blocking_timeout", "alloc_timeout(..).await"),
+        )
     }
 
     /// The cap on reserved bytes, if any.
@@ -375,9 +396,9 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// [`Engine::alloc`] for threads outside the tokio runtime. It blocks the calling thread
-    /// on a miss (and while it waits for room, up to the builder's `alloc_timeout`). From a
-    /// thread that runs a current-thread runtime's tasks it fails with
-    /// [`Error::WouldDeadlock`] at once (blocking there would starve the actors that answer
+    /// on a miss (and while it waits for room, up to the builder's `alloc_timeout`). Where a
+    /// thread that runs a current-thread runtime's tasks would block, it fails with
+    /// [`Error::WouldDeadlock`] instead (blocking there would starve the actors that answer
     /// it); on a multi-thread runtime's threads it blocks inside `block_in_place`. See
     /// [`crate::blocking`].
     pub fn alloc_blocking(&self, size: usize) -> Result<Lease<R>, Error> {
@@ -386,8 +407,12 @@ impl<R: Runtime> Engine<R> {
 
     /// [`Engine::alloc_on`] for threads outside the tokio runtime.
     pub fn alloc_blocking_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        may_block("alloc_blocking_on", "alloc_on(..).await")?;
-        self.alloc_blocking_with(size, Some(stream), Wait::Default)
+        self.alloc_blocking_as(
+            size,
+            Some(stream),
+            Wait::Default,
+            ("alloc_blocking_on", "alloc_on(..).await"),
+        )
     }
 
     /// Records `stream` on a lease, after checking that this allocator lent it.
