@@ -135,6 +135,17 @@ impl<B: Parkable> Parked<B> {
         {
             // SAFETY: not published; still ours.
             unsafe { Box::from_raw(p) }.to_poller();
+            return;
+        }
+        // The poller may have looked at the slots while the block was out and stopped
+        // watching them: as in `park`, either its look after `unwatch_if_empty`'s write sees
+        // the block, or this sees `watched` false and hands the block to the poller itself
+        // (else it would wait for the next request of its class).
+        fence(Ordering::SeqCst);
+        if !self.watched.load(Ordering::SeqCst) {
+            if let Some(b) = take_slot(slot) {
+                b.to_poller();
+            }
         }
     }
 
