@@ -338,8 +338,9 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Takes a carved block's range back into the free ranges, merging it with free
     /// neighbours. Returns false for a block that was not carved (left untouched).
+    /// Call `note_splits` first, after the block was received: the splits it is part of
+    /// were sent before it could come back.
     fn absorb(&mut self, block: &mut Box<Block<R>>) -> bool {
-        self.note_splits();
         let (Some(segs), Some(seg)) = (self.carved.as_mut(), block.segment.as_ref()) else {
             return false;
         };
@@ -382,7 +383,10 @@ impl<R: Runtime> PoolActor<R> {
             .as_ref()
             .map(|s| s.slot_lines.clone())
             .unwrap_or_default();
-        for mut b in self.shared.ready.drain_lines(&lines) {
+        let blocks = self.shared.ready.drain_lines(&lines);
+        // Splits of the blocks just drained were sent before they were put back.
+        self.note_splits();
+        for mut b in blocks {
             if self.absorb(&mut b) {
                 self.shared.recycle(b);
             } else {
@@ -393,6 +397,7 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Takes carved blocks back; returns those that were not carved.
     pub(super) fn absorb_all(&mut self, blocks: Vec<Box<Block<R>>>) -> Vec<Box<Block<R>>> {
+        self.note_splits();
         let mut rest = Vec::new();
         for mut b in blocks {
             if self.absorb(&mut b) {
