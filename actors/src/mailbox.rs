@@ -1,6 +1,7 @@
 //! The messages the pool actors and the event poller answer, and the plain data their replies
 //! carry. Defined below the blocks and pools they move (generic over the block type `B`), so
-//! that whoever holds a pool's or the poller's sender can send without naming the actor.
+//! that whoever holds a pool's or the poller's sender can send without naming the actor. Also
+//! a pool's [`Mailbox`]: its sender, closed for good when the actor's task is gone.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
