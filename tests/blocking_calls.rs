@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use common::sim_pool;
+use common::{current_thread, multi_thread, sim_pool};
 use pinpool::plan::{PlanSessionError, Planner};
 use pinpool::sim::SimRuntime;
 use pinpool::{DeviceAllocator, DeviceBuilder, Error, HistoryContext, TraceAction};
@@ -38,21 +38,6 @@ fn within<T: Send + 'static>(limit: Duration, scenario: impl FnOnce() -> T + Sen
             )
         }
     }
-}
-
-fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn multi_thread(workers: usize) -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 fn assert_would_deadlock<T>(result: Result<T, Error>, call: &str, use_instead: &str) {

@@ -15,18 +15,12 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::current_thread;
 use pinpool::sim::SimRuntime;
 use pinpool::{BestFit, Builder, DeviceAllocator, DeviceBuilder};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-
-fn idle_runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 /// Runs `f` on a thread of its own and returns its result, or `None` when it has not
 /// answered within a few seconds (it waits on an actor that nothing runs).
@@ -49,7 +43,7 @@ fn device_pool(rt: &tokio::runtime::Runtime) -> (DeviceAllocator<SimRuntime>, Si
 
 #[test]
 fn a_device_request_whose_class_is_empty_splits_a_larger_ready_block_without_the_pool_actor() {
-    let rt = idle_runtime();
+    let rt = current_thread();
     let (pool, sim) = device_pool(&rt);
     let s = sim.stream();
     let (big, other) = rt.block_on(async {
@@ -101,7 +95,7 @@ fn a_device_request_whose_class_is_empty_splits_a_larger_ready_block_without_the
 
 #[test]
 fn after_a_miss_the_thread_gets_the_free_mapped_ranges_and_its_next_requests_need_no_actor() {
-    let rt = idle_runtime();
+    let rt = current_thread();
     let (pool, sim) = device_pool(&rt);
     let s = sim.stream();
     let (a, b) = rt.block_on(async {
@@ -129,7 +123,7 @@ fn after_a_miss_the_thread_gets_the_free_mapped_ranges_and_its_next_requests_nee
 
 #[test]
 fn a_pinned_request_under_bestfit_splits_a_larger_ready_block_without_the_pool_actor() {
-    let rt = idle_runtime();
+    let rt = current_thread();
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
         .policy(Arc::new(BestFit::default()))

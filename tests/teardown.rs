@@ -12,19 +12,21 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use common::{assert_books_balance, eventually, eventually_blocking, sim_pool};
+use common::{assert_books_balance, eventually, eventually_blocking, multi_thread, sim_pool};
 use pinpool::plan::Planner;
 use pinpool::sim::SimRuntime;
 use pinpool::{BestFit, Builder, Error, HistoryContext, PinnedAllocator};
 
 const MIB: usize = 1 << 20;
 
-fn multi_thread(workers: usize) -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .enable_all()
+/// An allocator on a fresh simulated runtime whose actors run on `rt`.
+fn pool_on(rt: &tokio::runtime::Runtime) -> (PinnedAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .handle(rt.handle().clone())
         .build()
-        .unwrap()
+        .unwrap();
+    (pool, sim)
 }
 
 /// What holds once everything is dropped and the streams are idle: the runtime got every
@@ -90,12 +92,8 @@ fn shutting_the_runtime_down_after_stream_work_finished_frees_blocks_that_waited
     // Blocks freed with events recorded, whose work is done by the time the runtime goes:
     // whether or not the poller noticed yet, they go back.
     for round in 0..20 {
-        let sim = SimRuntime::new();
         let rt = multi_thread(2);
-        let pool = Builder::new(Arc::new(sim.clone()))
-            .handle(rt.handle().clone())
-            .build()
-            .unwrap();
+        let (pool, sim) = pool_on(&rt);
         let stream = sim.stream();
         let hold = stream.hold();
         for i in 0..8 {
@@ -151,12 +149,8 @@ fn shutting_the_runtime_down_while_blocks_wait_on_unfinished_work_never_frees_th
 
 #[test]
 fn shutting_the_runtime_down_while_a_capture_pool_keeps_blocks_keeps_them_from_reuse() {
-    let sim = SimRuntime::new();
     let rt = multi_thread(2);
-    let pool = Builder::new(Arc::new(sim.clone()))
-        .handle(rt.handle().clone())
-        .build()
-        .unwrap();
+    let (pool, sim) = pool_on(&rt);
     let cap = sim.stream();
     let id = pool.new_pool_id();
     pool.begin_allocate_to_pool_blocking(id, |_| true).unwrap();
@@ -333,12 +327,8 @@ fn buffers_dropped_on_other_threads_while_the_runtime_shuts_down_all_come_back()
     // Frees racing the pool actor's teardown: each goes to the ready queue, to the actor, or
     // (the actor gone) straight back to the runtime, and none is stranded in between.
     for round in 0..40 {
-        let sim = SimRuntime::new();
         let rt = multi_thread(2);
-        let pool = Builder::new(Arc::new(sim.clone()))
-            .handle(rt.handle().clone())
-            .build()
-            .unwrap();
+        let (pool, sim) = pool_on(&rt);
         let bufs: Vec<_> = (0..64)
             .map(|i| pool.alloc_blocking(512 << (i % 5)).unwrap())
             .collect();

@@ -9,17 +9,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{all_bytes_are, on_plain_thread, sim_pool};
+use common::{all_bytes_are, current_thread, on_plain_thread, sim_pool};
 use pinpool::plan::Planner;
 use pinpool::sim::SimRuntime;
 use pinpool::{BestFit, Builder};
-
-fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 const SIZES: [usize; 3] = [64, 512, 4096];
 

@@ -255,23 +255,22 @@ mod loom_models {
     use super::*;
     use crate::loom::AtomicUsize;
     use loom::thread;
-    use std::sync::Mutex;
 
     const CLASS: SizeClass = SizeClass {
         index: 1,
         size: 1024,
     };
 
-    /// A block whose one "event" is a flag; where it ends up is written to `log`.
+    /// A block whose one "event" is a flag; where it ends up is sent to `log`.
     struct Item {
         id: usize,
         done: Arc<AtomicBool>,
-        log: Arc<Mutex<Vec<(usize, &'static str)>>>,
+        log: flume::Sender<(usize, &'static str)>,
     }
 
     impl Item {
         fn note(&self, what: &'static str) {
-            self.log.lock().unwrap().push((self.id, what));
+            let _ = self.log.send((self.id, what));
         }
     }
 
@@ -308,7 +307,7 @@ mod loom_models {
     fn a_parked_block_goes_to_exactly_one_place_and_only_once_its_event_completed() {
         loom::model(|| {
             let parked = Parked::<Item>::new(2);
-            let log = Arc::new(Mutex::new(Vec::new()));
+            let (log, places) = flume::unbounded();
             let done = Arc::new(AtomicBool::new(false));
             let item = Box::new(Item {
                 id: 0,
@@ -335,8 +334,8 @@ mod loom_models {
             for b in parked.take_all() {
                 b.note("still parked");
             }
-            let log = log.lock().unwrap();
-            assert_eq!(log.len(), 1, "one place, once: {log:?}");
+            let places: Vec<_> = places.try_iter().collect();
+            assert_eq!(places.len(), 1, "one place, once: {places:?}");
         });
     }
 
@@ -344,7 +343,7 @@ mod loom_models {
     fn a_block_parked_while_the_poller_stops_watching_is_still_watched() {
         loom::model(|| {
             let parked = Parked::<Item>::new(2);
-            let log = Arc::new(Mutex::new(Vec::new()));
+            let (log, _places) = flume::unbounded();
             let item = move |id| {
                 Box::new(Item {
                     id,

@@ -33,9 +33,6 @@ pub(crate) struct Inner<R: DeviceRuntime> {
     pub(crate) config: DeviceConfig,
 }
 
-/// `alloc_blocking` and its async form, as a [`Error::WouldDeadlock`] names them.
-const ALLOC_BLOCKING: (&str, &str) = ("alloc_blocking", "alloc(..).await");
-
 impl<R: DeviceRuntime> Drop for Inner<R> {
     fn drop(&mut self) {
         // Raw buffers never deleted go back with the allocator.
@@ -193,7 +190,12 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         size: usize,
         stream: &R::Stream,
     ) -> Result<DeviceBuffer<R>, Error> {
-        self.alloc_blocking_with(size, stream, Wait::Default, ALLOC_BLOCKING)
+        self.alloc_blocking_with(
+            size,
+            stream,
+            Wait::Default,
+            ("alloc_blocking", "alloc(..).await"),
+        )
     }
 
     /// [`DeviceAllocator::alloc_blocking`], waiting at most `timeout` for room.

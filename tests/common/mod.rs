@@ -42,6 +42,24 @@ pub fn best_fit_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     (pool, sim)
 }
 
+/// A current-thread tokio runtime (its tasks, the allocator's actors among them, run only
+/// while some thread is in its `block_on`).
+pub fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A multi-thread tokio runtime with `workers` worker threads.
+pub fn multi_thread(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// Waits (up to 5 s) until `cond` holds; panics with `what` otherwise.
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let t0 = Instant::now();

@@ -390,15 +390,9 @@ impl<T> Carver<T> {
             .map(|s| (&s.payload, s.free.iter().map(|(&o, &l)| (o, l)).collect()))
     }
 
-    /// Free ranges of segments that lend a piece, no longer than `max_len`, largest first,
-    /// at most `n` of them, as (segment, offset, length).
-    pub(crate) fn open_ranges(&self, max_len: usize, n: usize) -> Vec<(SegId, usize, usize)> {
-        self.open
-            .range(..=(max_len, SegId(u64::MAX), usize::MAX))
-            .rev()
-            .take(n)
-            .map(|&(len, seg, offset)| (seg, offset, len))
-            .collect()
+    /// Free ranges of segments that lend a piece, as (offset, length).
+    pub(crate) fn open_ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.open.iter().map(|&(len, _, offset)| (offset, len))
     }
 
     /// The payload of a segment.

@@ -292,31 +292,28 @@ impl<R: Runtime> Engine<R> {
         wait: Wait,
         call: (&'static str, &'static str),
     ) -> Result<Lease<R>, Error> {
-        let step = self.step(size, stream)?;
-        if let Step::Ready(lease) = step {
-            return Ok(lease);
-        }
-        let blocking = may_block(call.0, call.1)?;
-        let (pool, class, during_capture) = match step {
+        // Only a request the cached path cannot serve blocks: the thread is looked at then.
+        let (pool, class, during_capture, blocking) = match self.step(size, stream)? {
             Step::Ready(lease) => return Ok(lease),
             Step::Miss {
                 pool,
                 class,
                 during_capture,
-            } => (pool, class, during_capture),
+            } => (pool, class, during_capture, may_block(call.0, call.1)?),
             Step::NewStream {
                 stream,
                 keep,
                 class,
                 during_capture,
             } => {
+                let blocking = may_block(call.0, call.1)?;
                 let rx = self.call_router(|reply| RouterMsg::StreamPool {
                     stream,
                     keep,
                     reply,
                 })?;
                 let pool = blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?;
-                (pool, class, during_capture)
+                (pool, class, during_capture, blocking)
             }
         };
         let block = blocking

@@ -178,9 +178,8 @@ impl<R: Runtime> Arena<R> {
         let g = self.granule;
         let mut out: Vec<Range> = self
             .carver
-            .open_ranges(usize::MAX, usize::MAX)
-            .into_iter()
-            .filter_map(|(_, o, l)| {
+            .open_ranges()
+            .filter_map(|(o, l)| {
                 let mut end = o;
                 while end < o + l && end - o <= max_len && self.granules.contains_key(&(end / g)) {
                     end = (end / g + 1) * g;
