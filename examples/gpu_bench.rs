@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Options: `--runtime cuda|sim` (default: cuda when built with the `cuda` feature),
-//! `--quick` (fewer iterations, for smoke runs), `--policy bestfit|tiered|pow2` (the size
+//! `--quick` (fewer iterations, for smoke runs), `--policy NAME` (the size
 //! policy of every pool it builds; default: the allocator's default, tiered).
 //!
 //! What each metric measures (as the anchor does):
@@ -74,7 +74,7 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 return Err(
                     "usage: gpu_bench [--runtime cuda|sim] [--quick] [--repeat N] \
-                     [--policy bestfit|tiered|pow2]"
+                     [--policy default|tiered|pow2|bestfit|bestfit_segments]"
                         .into(),
                 );
             }

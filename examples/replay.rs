@@ -9,6 +9,7 @@
 //! trace stream its own simulated stream), and the policies are the device layouts:
 //! `device` (the default: blocks packed into one expandable range per stream) and
 //! `device_segments` (separate segments, PyTorch's layout without expandable segments).
+//! `--policy default` names the default policy, host or device, whichever it is.
 //!
 //! Each file (the text format of `pinpool::trace`, gzip or plain, or MiniMalloc CSV) is played
 //! on the simulated runtime through the real engine and its actors: an allocation at each `a`
@@ -32,14 +33,19 @@ use pinpool::trace::{Trace, TraceError, TraceEvent};
 use pinpool::{DeviceAllocator, DeviceBuffer, PinnedAllocator, PinnedBuffer, SizePolicy};
 
 /// The device layouts `--device` knows, as `PINPOOL_DEVICE_CONF` settings.
-const DEVICE_POLICIES: [(&str, bool); 2] = [("device", true), ("device_segments", false)];
+/// `default` is the device allocator's default layout (one expandable range per stream).
+const DEVICE_POLICIES: [(&str, bool); 3] = [
+    ("default", true),
+    ("device", true),
+    ("device_segments", false),
+];
 
 /// The names of the policies the tool knows (host or device ones).
 fn policy_names(device: bool) -> Vec<&'static str> {
     if device {
         DEVICE_POLICIES.iter().map(|(n, _)| *n).collect()
     } else {
-        SizePolicyChoice::ALL.iter().map(|c| c.as_str()).collect()
+        SizePolicyChoice::names().collect()
     }
 }
 
@@ -132,7 +138,12 @@ pub fn parse_args(args: &[String]) -> Result<Args, ReplayError> {
         }
     }
     if policies.is_empty() {
-        policies = known.into_iter().map(String::from).collect();
+        // Every policy once: `default` is one of the others under another name.
+        policies = known
+            .into_iter()
+            .filter(|&n| n != SizePolicyChoice::DEFAULT_NAME)
+            .map(String::from)
+            .collect();
     }
     if files.is_empty() {
         return Err(ReplayError::Usage("no trace files given".into()));

@@ -55,7 +55,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pinpool::config::{DeviceConfig, DEVICE_ENV_VAR};
+use pinpool::config::{DeviceConfig, SizePolicyChoice, DEVICE_ENV_VAR};
 use pinpool::sim::{SimRuntime, SimStream};
 use pinpool::{
     Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, DeviceStats, HostStats,
@@ -70,6 +70,9 @@ struct Args {
     max_mib: u64,
     /// Cap on reserved device memory, in MiB (0: none).
     device_max_mib: u64,
+    /// The pinned allocator's size policy (`None`: the builder's, from `PINPOOL_CONF` or the
+    /// default).
+    policy: Option<SizePolicyChoice>,
 }
 
 /// The smallest pinned cap that the largest request fits under (its input and result).
@@ -79,7 +82,10 @@ const MIN_DEVICE_MAX_MIB: u64 = 8;
 
 impl Args {
     /// The pinned allocator builder's memory cap.
-    fn apply<R: Runtime>(&self, b: Builder<R>) -> Builder<R> {
+    fn apply<R: Runtime>(&self, mut b: Builder<R>) -> Builder<R> {
+        if let Some(p) = self.policy {
+            b = b.policy(p.policy());
+        }
         if self.max_mib > 0 {
             b.max_bytes((self.max_mib as usize) << 20)
         } else {
@@ -114,7 +120,10 @@ impl Args {
             self.streams,
             cap(self.max_mib),
             cap(self.device_max_mib)
-        )
+        ) + &self
+            .policy
+            .map(|p| format!(", pinned size policy {p}"))
+            .unwrap_or_default()
     }
 }
 
@@ -125,6 +134,7 @@ fn parse_args() -> Result<Args, String> {
         streams: 4,
         max_mib: 40,
         device_max_mib: 48,
+        policy: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -140,13 +150,25 @@ fn parse_args() -> Result<Args, String> {
             "--streams" => a.streams = value("--streams")?.max(1) as usize,
             "--max-mib" => a.max_mib = value("--max-mib")?,
             "--device-max-mib" => a.device_max_mib = value("--device-max-mib")?,
+            "--policy" => {
+                let name = it.next().ok_or("--policy needs a value")?;
+                a.policy = Some(SizePolicyChoice::from_name(&name).ok_or_else(|| {
+                    let known: Vec<_> = SizePolicyChoice::names().collect();
+                    format!(
+                        "--policy: unknown policy {name:?} (known: {})",
+                        known.join(", ")
+                    )
+                })?);
+            }
             "-h" | "--help" => {
                 println!(
                     "usage: serve [--requests N] [--concurrency N] [--streams N] [--max-mib N] \
-                     [--device-max-mib N]\n\
+                     [--device-max-mib N] [--policy NAME]\n\
                      --max-mib caps reserved pinned memory (default 40; 0 for none): requests\n\
                      over the cap wait for buffers to come back instead of failing\n\
                      --device-max-mib caps reserved device memory (default 48; 0 for none)\n\
+                     --policy sets the pinned allocator's size policy (default, tiered, pow2,\n\
+                     bestfit, bestfit_segments; default: PINPOOL_CONF's, else the default)\n\
                      {DEVICE_ENV_VAR} sets the device allocator's layout \
                      (e.g. expandable_segments:False)"
                 );

@@ -46,9 +46,28 @@ impl SizePolicyChoice {
         SizePolicyChoice::BestFitSegments,
     ];
 
-    /// The choice called `name` (as written in `PINPOOL_CONF`), if there is one.
+    /// The name that stands for whatever the default choice is ([`SizePolicyChoice::default`]).
+    pub const DEFAULT_NAME: &'static str = "default";
+
+    /// The choice called `name` (as written in `PINPOOL_CONF`), if there is one; `"default"`
+    /// names the default choice, whichever it is.
+    ///
+    /// ```
+    /// use pinpool::config::SizePolicyChoice;
+    /// assert_eq!(SizePolicyChoice::from_name("default"), Some(SizePolicyChoice::default()));
+    /// assert_eq!(SizePolicyChoice::from_name("bestfit"), Some(SizePolicyChoice::BestFit));
+    /// assert_eq!(SizePolicyChoice::from_name("best"), None);
+    /// ```
     pub fn from_name(name: &str) -> Option<Self> {
+        if name == Self::DEFAULT_NAME {
+            return Some(Self::default());
+        }
         Self::ALL.into_iter().find(|c| c.as_str() == name)
+    }
+
+    /// Every name [`SizePolicyChoice::from_name`] knows, `"default"` first.
+    pub fn names() -> impl Iterator<Item = &'static str> {
+        std::iter::once(Self::DEFAULT_NAME).chain(Self::ALL.iter().map(|c| c.as_str()))
     }
 
     /// The value as written in `PINPOOL_CONF` (the policy's name).

@@ -52,7 +52,7 @@ pub struct Config {
     /// Whether `register` allocations ask for transparent huge pages and round sizes to the
     /// huge page size (key `huge_pages`: `true`/`false`, also `1`/`0`, `on`/`off`, `yes`/`no`).
     pub huge_pages: bool,
-    /// The size policy (key `size_policy`: `tiered`, `pow2`, `bestfit` or
+    /// The size policy (key `size_policy`: `default`, `tiered`, `pow2`, `bestfit` or
     /// `bestfit_segments`), applied by
     /// [`crate::Builder::config`].
     pub size_policy: SizePolicyChoice,
@@ -147,8 +147,9 @@ impl Config {
                 self.huge_pages = grammar::parse_bool(value).ok_or_else(|| invalid("a boolean"))?
             }
             "size_policy" => {
-                self.size_policy = SizePolicyChoice::from_name(value)
-                    .ok_or_else(|| invalid("`tiered`, `pow2` or `bestfit`"))?
+                self.size_policy = SizePolicyChoice::from_name(value).ok_or_else(|| {
+                    invalid("`default`, `tiered`, `pow2`, `bestfit` or `bestfit_segments`")
+                })?
             }
             // `parse` checks keys against `KEYS` first; a key listed there but not handled
             // here is reported rather than ignored.
