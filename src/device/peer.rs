@@ -83,6 +83,38 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// passes either buffer, [`Error::StreamOnOtherDevice`] for a stream on neither
     /// device, [`Error::PeerAccessNotEnabled`] for `p2p` without peer access,
     /// [`Error::ForeignBuffer`] for a buffer of another allocator.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    ///
+    /// use pinpool::sim::SimRuntime;
+    /// use pinpool::{DeviceBuilder, Error, IpcHandle};
+    ///
+    /// #[tokio::main]
+    /// async fn main() -> Result<(), Error> {
+    ///     let sim = SimRuntime::builder().devices(2).build(); // or CudaRuntime: every GPU
+    ///     let pool = DeviceBuilder::new(Arc::new(sim.clone())).build()?;
+    ///     let (s0, s1) = (sim.stream_on(0).unwrap(), sim.stream_on(1).unwrap());
+    ///
+    ///     // Peers: device 1 reads device 0's memory directly; a peer that does not exist is
+    ///     // Error::NoSuchDevice, one without a path Error::PeerAccessUnsupported.
+    ///     pool.enable_peer_access(1, 0)?;
+    ///     let mut src = pool.alloc(1 << 20, &s0).await?;
+    ///     let mut dst = pool.alloc(1 << 20, &s1).await?;
+    ///     pool.memcpy_async(&mut dst, &mut src, 1 << 20, &s1, true)?; // p2p; false: staged
+    ///     drop(src); // safe at once: s1 is recorded on both, reuse waits for the copy
+    ///
+    ///     // IPC: export a block for another process (blocks of cuMemAlloc segments, i.e.
+    ///     // expandable_segments:false), open it there; the simulation says Error::NotSupported.
+    ///     let handle: Result<IpcHandle, Error> = pool.ipc_handle(&dst);
+    ///     assert!(matches!(handle, Err(Error::NotSupported { .. })));
+    ///     let sent = IpcHandle::new([0; 64], 4096, 1 << 20, 0).to_hex(); // across the process boundary
+    ///     let opened = pool.open_ipc(&sent.parse()?); // on a GPU: IpcMemory, closed when dropped
+    ///     assert!(matches!(opened, Err(Error::NotSupported { .. })));
+    ///     assert!(matches!(pool.get_ipc_dev_ptr(b"junk"), Err(Error::InvalidIpcHandle { .. })));
+    ///     Ok(())
+    /// }
+    /// ```
     pub fn memcpy_async(
         &self,
         dst: &mut DeviceBuffer<R>,
