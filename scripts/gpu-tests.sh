@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU tests of pinpool, built on a machine with Rust and run on a GPU machine without it.
 #
-#   scripts/gpu-tests.sh build [DIR]   build the `cuda` test binaries and the serve example in
-#                                      release mode and copy them, with this script, into DIR
-#                                      (default: .dev/gpu in the repository root)
+#   scripts/gpu-tests.sh build [DIR]   build the `cuda` test binaries and the serve and ipc_peer
+#                                      examples in release mode and copy them, with this
+#                                      script, into DIR (default: .dev/gpu in the repository root)
 #   scripts/gpu-tests.sh run [DIR]     on the GPU machine: run every binary in DIR one test at a
 #                                      time, print the output, and write it to DIR/logs (or to
 #                                      $LOG_DIR when set); exits non-zero if any failed
@@ -42,10 +42,13 @@ build() {
     echo "building the serve example (release, feature cuda) ..." >&2
     cargo build --release --features cuda --example serve 2>/dev/null
     cp -f "$root/target/release/examples/serve" "$dir/serve"
+    echo "building the ipc_peer example (the other process of the IPC tests) ..." >&2
+    cargo build --release --features cuda --example ipc_peer 2>/dev/null
+    cp -f "$root/target/release/examples/ipc_peer" "$dir/ipc_peer"
     cp -f "$here/gpu-tests.sh" "$dir/gpu-tests.sh"
     # The binaries carry line tables (profile.release debug = 1); drop them to travel light.
     if command -v strip >/dev/null; then
-        for f in "$dir"/pinpool_lib "$dir"/gpu* "$dir"/serve; do
+        for f in "$dir"/pinpool_lib "$dir"/gpu* "$dir"/serve "$dir"/ipc_peer; do
             [ "$f" = "$dir/gpu-tests.sh" ] || strip --strip-debug "$f" 2>/dev/null || true
         done
     fi
@@ -77,6 +80,8 @@ run() {
     [ -x "$dir/gpu" ] && step gpu "$dir/gpu" --test-threads=1 --nocapture
     [ -x "$dir/gpu_device" ] && step gpu_device "$dir/gpu_device" --test-threads=1 --nocapture
     [ -x "$dir/gpu_config" ] && step gpu_config "$dir/gpu_config" --test-threads=1 --nocapture
+    [ -x "$dir/gpu_ipc_peer" ] && PINPOOL_IPC_PEER="$dir/ipc_peer" \
+        step gpu_ipc_peer "$dir/gpu_ipc_peer" --test-threads=1 --nocapture
     [ -x "$dir/pinpool_lib" ] && step cuda_runtime "$dir/pinpool_lib" cuda:: --test-threads=1 --nocapture
     [ -x "$dir/serve" ] && step serve "$dir/serve"
     echo "=== measurements"

@@ -41,7 +41,10 @@ pub mod trace;
 
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
-pub use device::{DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime};
+pub use device::{
+    DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport, IpcHandle, IpcMemory,
+    IPC_HANDLE_BYTES,
+};
 pub use history::ReportError;
 pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,

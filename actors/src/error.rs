@@ -121,6 +121,52 @@ pub enum Error {
         /// The async call to use instead.
         use_instead: &'static str,
     },
+    /// The call cannot be made with this runtime or configuration (the simulated runtime
+    /// has no inter-process memory; blocks of expandable segments cannot be exported with
+    /// `cuIpcGetMemHandle`). `reason` says what would make it possible.
+    #[error("{operation} is not supported: {reason}")]
+    NotSupported {
+        /// The refused call.
+        operation: &'static str,
+        /// Why, and what to change.
+        reason: String,
+    },
+    /// An inter-process memory handle that cannot be used: bytes that are not a handle, or
+    /// one the driver refuses to open (its exporting process has exited and its memory is
+    /// gone, it came from this very process, or from another machine).
+    #[error("invalid IPC handle: {reason}")]
+    InvalidIpcHandle {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Device `device` cannot access the memory of device `peer` (no peer-to-peer path
+    /// between them).
+    #[error("device {device} cannot access the memory of device {peer}")]
+    PeerAccessUnsupported {
+        /// The device that would access.
+        device: usize,
+        /// The device whose memory it would access.
+        peer: usize,
+    },
+    /// A peer-to-peer copy asked for (`p2p`) where `enable_peer_access(device, peer)` was
+    /// not called first.
+    #[error("peer access from device {device} to device {peer} is not enabled")]
+    PeerAccessNotEnabled {
+        /// The device of the stream the copy runs on.
+        device: usize,
+        /// The other device of the copy.
+        peer: usize,
+    },
+    /// A copy between two devices enqueued on a stream of neither.
+    #[error("a copy from device {src_device} to device {dst_device} cannot run on a stream of device {stream_device}")]
+    StreamOnOtherDevice {
+        /// The device of the stream.
+        stream_device: usize,
+        /// The destination's device.
+        dst_device: usize,
+        /// The source's device.
+        src_device: usize,
+    },
     /// A copy whose destination is shorter than its source.
     #[error("cannot copy {src_len} bytes into a destination of {dst_len} bytes")]
     LengthMismatch {

@@ -6,6 +6,7 @@
 use std::ptr::NonNull;
 
 use crate::block::{Block, BlockState};
+use crate::memory::Origin;
 use crate::pool_id::PoolId;
 use crate::runtime::{Runtime, StreamId};
 
@@ -79,6 +80,13 @@ impl<R: Runtime> Lease<R> {
     /// The pool the block belongs to (`None` for an empty lease).
     pub fn pool(&self) -> Option<PoolId> {
         self.block.as_ref().map(|b| b.pool.id)
+    }
+
+    /// How the memory under the block was obtained (its segment's [`Origin`]; `None` for
+    /// an empty lease): e.g. whole device segments versus runs mapped into an expandable
+    /// range, which differ in how they can be shared with other processes.
+    pub fn origin(&self) -> Option<Origin> {
+        self.block.as_ref().map(|b| b.memory.method)
     }
 
     /// Which allocator lent this lease.

@@ -22,10 +22,11 @@ use cudarc::driver::{
 
 use super::context::{bind, RelaxedCaptureMode};
 use super::error::runtime_error;
+use super::ipc;
 use super::runtime::{device_count, stream_id, CudaRuntime};
 use super::vmm::{self, Location};
 use crate::config::{DeviceConfig, DEVICE_ENV_VAR};
-use crate::device::{DeviceBuffer, DeviceBuilder, DeviceRuntime};
+use crate::device::{DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport, IPC_HANDLE_BYTES};
 use crate::{Error, MemoryKind, MemorySource, Origin, Region, RuntimeError};
 
 /// The memory of one CUDA device, as the device allocator's memory source.
@@ -231,6 +232,49 @@ impl DeviceRuntime for CudaRuntime {
         let ctx = self.device_context(device)?;
         bind(&ctx).map_err(|e| Error::Runtime(runtime_error("cuCtxSetCurrent", e)))?;
         result::mem_get_info().map_err(|e| Error::Runtime(runtime_error("cuMemGetInfo", e)))
+    }
+
+    fn ipc_export(&self, device: usize, ptr: u64) -> Result<IpcExport, Error> {
+        ipc::export(&self.device_context(device)?, ptr)
+    }
+
+    fn ipc_open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+        ipc::open(&self.device_context(device)?, handle)
+    }
+
+    fn ipc_close(&self, device: usize, base: u64) -> Result<(), Error> {
+        ipc::close(&self.device_context(device)?, base)
+    }
+
+    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {
+        ipc::enable_peer(&self.device_context(device)?, &self.device_context(peer)?)
+    }
+
+    fn copy_device_async(
+        &self,
+        stream: &Self::Stream,
+        dst: u64,
+        dst_device: usize,
+        src: u64,
+        src_device: usize,
+        len: usize,
+        p2p: bool,
+    ) -> Result<(), Error> {
+        let (dst_ctx, src_ctx) = (
+            self.device_context(dst_device)?,
+            self.device_context(src_device)?,
+        );
+        // SAFETY: the allocator checked that both ranges lie in live buffers, and recorded
+        // the stream on both, so neither is reused before the copy has run.
+        unsafe {
+            ipc::copy(
+                stream,
+                (dst, &dst_ctx),
+                (src, &src_ctx),
+                len,
+                p2p || dst_device == src_device,
+            )
+        }
     }
 }
 

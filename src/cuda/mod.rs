@@ -7,6 +7,8 @@
 //! - `vmm`: expandable memory (a reserved range mapped in granules), host or device.
 //! - `device`: device memory ([`CudaDeviceMemory`]), the devices of the device allocator,
 //!   and cudarc's `DevicePtr`/`DevicePtrMut` for `DeviceBuffer<CudaRuntime>`.
+//! - `ipc`: the driver calls of inter-process handles, peer access and copies between
+//!   devices.
 //! - `events`: pooled events, one free list per context.
 //! - `runtime`: [`CudaRuntime`] itself, detection ([`cuda_available`]).
 //! - `builder`: [`Builder::cuda`](crate::Builder::cuda) and
@@ -42,6 +44,7 @@ mod device;
 mod error;
 mod events;
 mod host;
+mod ipc;
 mod runtime;
 mod vmm;
 

@@ -48,6 +48,14 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemFree_v2",
     "cuMemGetInfo_v2",
     "cuCtxSynchronize",
+    "cuMemGetAddressRange_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuDeviceCanAccessPeer",
+    "cuCtxEnablePeerAccess",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemcpyPeerAsync",
 ];
 
 /// Whether a CUDA driver and at least one device are present. Never panics; the answer is

@@ -8,7 +8,7 @@
 //! events, if any).
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use pinpool_actors::blocking::may_block;
@@ -19,6 +19,8 @@ use pinpool_actors::{
 
 use super::buffer::DeviceBuffer;
 use super::builder::DeviceBuilder;
+use super::ipc::IpcRegistry;
+use super::peer::PeerTable;
 use super::raw::RawTable;
 use super::runtime::DeviceRuntime;
 use crate::config::DeviceConfig;
@@ -31,6 +33,10 @@ pub(crate) struct Inner<R: DeviceRuntime> {
     pub(crate) totals: Box<[usize]>,
     pub(crate) raw: RawTable<DeviceBuffer<R>>,
     pub(crate) config: DeviceConfig,
+    /// Segments of other processes opened here (started on the first open).
+    pub(crate) ipc: OnceLock<IpcRegistry>,
+    /// Which pairs of devices have peer access.
+    pub(crate) peers: PeerTable,
 }
 
 impl<R: DeviceRuntime> Drop for Inner<R> {
@@ -98,6 +104,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         Self {
             inner: Arc::new(inner),
         }
+    }
+
+    pub(crate) fn inner(&self) -> &Inner<R> {
+        &self.inner
     }
 
     /// The runtime underneath.

@@ -7,7 +7,7 @@
 
 use std::fmt;
 
-use pinpool_actors::{Error, Lease, PoolId, Runtime, StreamId};
+use pinpool_actors::{Error, Lease, Origin, PoolId, Runtime, StreamId};
 
 use crate::sim::SimRuntime;
 
@@ -42,6 +42,16 @@ impl<R: Runtime> DeviceBuffer<R> {
 
     pub(crate) fn lease_mut(&mut self) -> &mut Lease<R> {
         &mut self.lease
+    }
+
+    /// Which allocator lent the buffer.
+    pub(crate) fn allocator_id(&self) -> u64 {
+        self.lease.allocator_id()
+    }
+
+    /// How the block's segment was obtained (`None` for an empty buffer).
+    pub(crate) fn origin(&self) -> Option<Origin> {
+        self.lease.origin()
     }
 
     /// The device address of the bytes (not dereferenceable on the host; 0 never: an

@@ -2,12 +2,13 @@
 //! device (each with its own actors, budget, statistics and history, as PyTorch keeps one
 //! allocator per device).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use pinpool_actors::{DeviceFit, EngineBuilder, Error, SizePolicy};
 
 use super::allocator::{DeviceAllocator, Inner};
+use super::peer::PeerTable;
 use super::raw::RawTable;
 use super::runtime::DeviceRuntime;
 use crate::config::DeviceConfig;
@@ -182,6 +183,8 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             totals: totals.into_boxed_slice(),
             raw: RawTable::new(),
             config: self.config,
+            ipc: OnceLock::new(),
+            peers: PeerTable::new(count),
         }))
     }
 }

@@ -10,15 +10,22 @@
 //! `PINPOOL_DEVICE_CONF` ([`crate::config::DeviceConfig`]).
 //!
 //! This module holds the public face: `runtime` (what a runtime must offer: its devices and
-//! their memory), `builder`, `allocator`, `buffer`, and `raw` (the raw-pointer calls' table).
+//! their memory), `builder`, `allocator`, `buffer`, `raw` (the raw-pointer calls' table),
+//! `ipc_handle` and `ipc` (blocks shared with other processes), and `peer` (peer access
+//! and copies between devices).
 
 mod allocator;
 mod buffer;
 mod builder;
+mod ipc;
+mod ipc_handle;
+mod peer;
 mod raw;
 mod runtime;
 
 pub use allocator::DeviceAllocator;
 pub use buffer::DeviceBuffer;
 pub use builder::DeviceBuilder;
-pub use runtime::DeviceRuntime;
+pub use ipc::IpcMemory;
+pub use ipc_handle::{IpcHandle, IPC_HANDLE_BYTES};
+pub use runtime::{DeviceRuntime, IpcExport};

@@ -1,5 +1,6 @@
 //! What the device allocator needs of a runtime beside events: its devices, each device's
-//! memory as a memory source, and which device a stream runs on.
+//! memory as a memory source, which device a stream runs on, inter-process handles of
+//! device memory, peer access between devices, and device-to-device copies.
 //!
 //! Implemented by the simulated runtime (its simulated devices) and, with the `cuda`
 //! feature, by the CUDA runtime (the driver's devices).
@@ -8,7 +9,18 @@ use std::sync::Arc;
 
 use pinpool_actors::{Error, MemorySource, Runtime};
 
+use super::ipc_handle::IPC_HANDLE_BYTES;
 use crate::sim::{SimError, SimRuntime};
+
+/// A segment exported for another process: the driver's handle and where the segment
+/// starts (a block's offset inside it is its address less `base`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcExport {
+    /// The driver's handle (`CUipcMemHandle`).
+    pub handle: [u8; IPC_HANDLE_BYTES],
+    /// The device address of the segment's start.
+    pub base: u64,
+}
 
 /// A runtime with devices whose memory the device allocator caches.
 pub trait DeviceRuntime: Runtime {
@@ -24,6 +36,54 @@ pub trait DeviceRuntime: Runtime {
 
     /// Free and total bytes of device `device`, as the driver reports them.
     fn device_memory_info(&self, device: usize) -> Result<(usize, usize), Error>;
+
+    /// Exports the segment that holds device address `ptr` of device `device` for another
+    /// process (`cuIpcGetMemHandle` of the segment's start). [`Error::NotSupported`] where
+    /// the runtime has no inter-process memory (the default).
+    fn ipc_export(&self, device: usize, ptr: u64) -> Result<IpcExport, Error> {
+        let _ = (device, ptr);
+        Err(no_ipc(self.name(), "ipc_handle"))
+    }
+
+    /// Opens a segment another process exported, on device `device`; its start here
+    /// (`cuIpcOpenMemHandle`). A handle the driver refuses is [`Error::InvalidIpcHandle`].
+    fn ipc_open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+        let _ = (device, handle);
+        Err(no_ipc(self.name(), "open_ipc"))
+    }
+
+    /// Closes a segment `ipc_open` opened (`cuIpcCloseMemHandle`).
+    fn ipc_close(&self, device: usize, base: u64) -> Result<(), Error> {
+        let _ = (device, base);
+        Err(no_ipc(self.name(), "ipc_close"))
+    }
+
+    /// Lets device `device` access the memory of device `peer` (both exist and differ:
+    /// the caller checked). [`Error::PeerAccessUnsupported`] where there is no path.
+    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error>;
+
+    /// Enqueues a copy of `len` bytes from `src` (device `src_device`) to `dst` (device
+    /// `dst_device`) on `stream`: directly where `p2p` (or on one device), else staged by
+    /// the driver (`cuMemcpyPeerAsync`). The caller checked the ranges and the devices.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_device_async(
+        &self,
+        stream: &Self::Stream,
+        dst: u64,
+        dst_device: usize,
+        src: u64,
+        src_device: usize,
+        len: usize,
+        p2p: bool,
+    ) -> Result<(), Error>;
+}
+
+/// [`Error::NotSupported`] for a runtime without inter-process memory.
+fn no_ipc(runtime: &str, operation: &'static str) -> Error {
+    Error::NotSupported {
+        operation,
+        reason: format!("the {runtime} runtime has no inter-process device memory"),
+    }
 }
 
 fn sim_error(e: SimError) -> Error {
@@ -57,5 +117,29 @@ impl DeviceRuntime for SimRuntime {
                 count,
             }),
         }
+    }
+
+    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {
+        if self.peer_access() {
+            Ok(())
+        } else {
+            Err(Error::PeerAccessUnsupported { device, peer })
+        }
+    }
+
+    fn copy_device_async(
+        &self,
+        stream: &Self::Stream,
+        dst: u64,
+        _dst_device: usize,
+        src: u64,
+        _src_device: usize,
+        len: usize,
+        _p2p: bool,
+    ) -> Result<(), Error> {
+        // Both ways are one copy on the stream's worker (early reuse of either range is
+        // caught when it runs).
+        self.check_stream(stream).map_err(sim_error)?;
+        stream.copy_dtod(src, dst, len).map_err(sim_error)
     }
 }

@@ -77,6 +77,8 @@ pub(crate) struct Shared {
     expandable: bool,
     /// The simulated devices' books.
     devices: Box<[DeviceState]>,
+    /// Whether the devices can access each other's memory (peer access).
+    peer_access: bool,
     /// Never sent on; disconnects when the last `SimRuntime` handle drops, ending hangs.
     lifeline: flume::Receiver<()>,
 }
@@ -211,6 +213,7 @@ pub struct SimRuntimeBuilder {
     no_expandable: bool,
     devices: Option<usize>,
     device_capacity: Option<usize>,
+    no_peer_access: bool,
 }
 
 impl SimRuntimeBuilder {
@@ -252,6 +255,14 @@ impl SimRuntimeBuilder {
         self
     }
 
+    /// Devices that cannot access each other's memory, as GPUs without a peer-to-peer
+    /// path: enabling peer access between two of them fails (copies between them still
+    /// work, staged by the driver).
+    pub fn without_peer_access(mut self) -> Self {
+        self.no_peer_access = true;
+        self
+    }
+
     /// Builds the runtime (starts its ledger thread).
     pub fn build(self) -> SimRuntime {
         let (lifeline_tx, lifeline_rx) = flume::bounded(1);
@@ -280,6 +291,7 @@ impl SimRuntimeBuilder {
                         streams: ArcSwap::from_pointee(Vec::new()),
                     })
                     .collect(),
+                peer_access: !self.no_peer_access,
                 lifeline: lifeline_rx,
             }),
             _lifeline: Arc::new(lifeline_tx),
@@ -371,6 +383,12 @@ impl SimRuntime {
             shared: self.shared.clone(),
             ordinal,
         }))
+    }
+
+    /// Whether the devices can access each other's memory (see
+    /// [`SimRuntimeBuilder::without_peer_access`]).
+    pub fn peer_access(&self) -> bool {
+        self.shared.peer_access
     }
 
     /// Bytes allocated or mapped on device `ordinal` (`None` past the last device).
@@ -491,7 +509,7 @@ impl SimRuntime {
             .ok_or(SimError::ForeignHostMemory { addr, len })
     }
 
-    fn check_stream(&self, stream: &SimStream) -> Result<(), SimError> {
+    pub(crate) fn check_stream(&self, stream: &SimStream) -> Result<(), SimError> {
         if Arc::ptr_eq(stream.shared(), &self.shared) {
             Ok(())
         } else {

@@ -1,0 +1,360 @@
+//! Inter-process device memory: [`DeviceAllocator::ipc_handle`] exports a block,
+//! [`DeviceAllocator::open_ipc`] opens one another process exported, as [`IpcMemory`].
+//!
+//! Owns the registry of opened segments: one thread (the registry actor, started on the
+//! first open) holds, for each segment handle, its address here and how many `IpcMemory`
+//! values use it. The driver can open a handle only once per process, so two handles of
+//! blocks in one segment share one `cuIpcOpenMemHandle`; the segment is closed
+//! (`cuIpcCloseMemHandle`) when the last of them drops. Opens and closes reach the actor in
+//! order through one channel, so a close and a later open of the same segment never race.
+//!
+//! What can be exported: blocks of whole segments (`cuMemAlloc`, the layout of
+//! `expandable_segments:false`). A block of an expandable range (memory mapped with
+//! `cuMemCreate`) is [`Error::NotSupported`], whose reason names the setting to change:
+//! `cuIpcGetMemHandle` does not work on such memory, and pinpool does not export its
+//! shareable (file descriptor) handles. The simulated runtime has no inter-process memory:
+//! every export and open there is [`Error::NotSupported`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use pinpool_actors::{Error, Origin, RuntimeError};
+
+use super::allocator::DeviceAllocator;
+use super::buffer::DeviceBuffer;
+use super::ipc_handle::{IpcHandle, IPC_HANDLE_BYTES};
+use super::runtime::DeviceRuntime;
+
+/// The driver calls the registry makes (a runtime's `ipc_open` / `ipc_close`).
+pub(crate) trait IpcDriver: Send + Sync + 'static {
+    fn open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error>;
+    fn close(&self, device: usize, base: u64) -> Result<(), Error>;
+}
+
+impl<R: DeviceRuntime> IpcDriver for R {
+    fn open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+        self.ipc_open(device, handle)
+    }
+
+    fn close(&self, device: usize, base: u64) -> Result<(), Error> {
+        self.ipc_close(device, base)
+    }
+}
+
+/// A segment: its device and the driver's handle.
+type Key = (usize, [u8; IPC_HANDLE_BYTES]);
+
+enum Msg {
+    /// Open the segment (or count one more user); reply with its address here.
+    Open {
+        key: Key,
+        reply: flume::Sender<Result<u64, Error>>,
+    },
+    /// One user fewer; close the segment when none is left.
+    Close { key: Key },
+}
+
+/// The handle on the registry actor.
+pub(crate) struct IpcRegistry {
+    tx: flume::Sender<Msg>,
+    open: Arc<AtomicUsize>,
+}
+
+impl IpcRegistry {
+    /// Starts the registry's thread; it ends once the registry and every `IpcMemory` are
+    /// gone (then nothing is open any more).
+    pub(crate) fn start(driver: Arc<dyn IpcDriver>) -> Self {
+        let (tx, rx) = flume::unbounded();
+        let open = Arc::new(AtomicUsize::new(0));
+        let count = open.clone();
+        let started = std::thread::Builder::new()
+            .name("pinpool-ipc".into())
+            .spawn(move || run(driver, rx, count));
+        if let Err(e) = started {
+            // The receiver went with the closure: every open reports the failure.
+            tracing::error!(error = %e, "the IPC registry thread did not start");
+        }
+        Self { tx, open }
+    }
+
+    /// Segments open now.
+    pub(crate) fn open_segments(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    /// Opens `handle`'s block (blocks the thread for the driver call).
+    pub(crate) fn open(&self, handle: &IpcHandle) -> Result<IpcMemory, Error> {
+        let key = (handle.device(), *handle.segment_handle());
+        let (reply, answer) = flume::bounded(1);
+        let gone = || {
+            Error::Runtime(RuntimeError::new(
+                "open_ipc",
+                "the IPC registry has stopped",
+            ))
+        };
+        self.tx.send(Msg::Open { key, reply }).map_err(|_| gone())?;
+        let base = answer.recv().map_err(|_| gone())??;
+        Ok(IpcMemory {
+            ptr: base + handle.offset(),
+            len: handle.len() as usize,
+            device: handle.device(),
+            key,
+            tx: self.tx.clone(),
+        })
+    }
+}
+
+/// The registry actor's loop.
+fn run(driver: Arc<dyn IpcDriver>, rx: flume::Receiver<Msg>, count: Arc<AtomicUsize>) {
+    let mut open: HashMap<Key, (u64, usize)> = HashMap::new();
+    for msg in rx.iter() {
+        match msg {
+            Msg::Open { key, reply } => {
+                let base = match open.get_mut(&key) {
+                    Some((base, users)) => {
+                        *users += 1;
+                        Ok(*base)
+                    }
+                    None => driver.open(key.0, &key.1).inspect(|&base| {
+                        open.insert(key, (base, 1));
+                        count.fetch_add(1, Ordering::SeqCst);
+                    }),
+                };
+                let opened = base.is_ok();
+                if reply.send(base).is_err() && opened {
+                    // The caller is gone: no `IpcMemory` was made for this open.
+                    release(&*driver, &mut open, key, &count);
+                }
+            }
+            Msg::Close { key } => release(&*driver, &mut open, key, &count),
+        }
+    }
+}
+
+/// One user of `key` fewer: closes the segment with its last.
+fn release(
+    driver: &dyn IpcDriver,
+    open: &mut HashMap<Key, (u64, usize)>,
+    key: Key,
+    count: &AtomicUsize,
+) {
+    let Some((base, users)) = open.get_mut(&key) else {
+        return;
+    };
+    *users -= 1;
+    if *users > 0 {
+        return;
+    }
+    let base = *base;
+    open.remove(&key);
+    count.fetch_sub(1, Ordering::SeqCst);
+    if let Err(e) = driver.close(key.0, base) {
+        tracing::warn!(device = key.0, base, error = %e, "closing an IPC segment failed");
+    }
+}
+
+/// Device memory of another process, opened in this one ([`DeviceAllocator::open_ipc`]).
+/// Dropping it closes the segment once no other `IpcMemory` of it is left. The exporting
+/// process keeps the memory alive: it must hold its buffer until this process is done.
+pub struct IpcMemory {
+    ptr: u64,
+    len: usize,
+    device: usize,
+    key: Key,
+    tx: flume::Sender<Msg>,
+}
+
+impl IpcMemory {
+    /// The block's device address in this process.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes of the block.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the block has no bytes (never: empty buffers are not exported).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device the memory is on (the ordinal the exporting process used).
+    pub fn device(&self) -> usize {
+        self.device
+    }
+}
+
+impl Drop for IpcMemory {
+    fn drop(&mut self) {
+        // The registry lives while any sender does: this one keeps it.
+        let _ = self.tx.send(Msg::Close { key: self.key });
+    }
+}
+
+impl std::fmt::Debug for IpcMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcMemory")
+            .field("device", &self.device)
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl<R: DeviceRuntime> DeviceAllocator<R> {
+    /// Exports `buf` for another process (PyTorch's `shareIpcHandle`): the driver's handle
+    /// of its segment, its offset in the segment, its length and device. Keep `buf` alive
+    /// (and order your own work on it) while the other process uses the memory.
+    ///
+    /// [`Error::NotSupported`] for an empty buffer, for a block of an expandable range
+    /// (build the allocator with `expandable_segments:false`), and on a runtime without
+    /// inter-process memory (the simulation).
+    pub fn ipc_handle(&self, buf: &DeviceBuffer<R>) -> Result<IpcHandle, Error> {
+        const OP: &str = "ipc_handle";
+        self.engine(buf.device())?;
+        match buf.origin() {
+            None => Err(Error::NotSupported {
+                operation: OP,
+                reason: "an empty buffer holds no memory".into(),
+            }),
+            Some(Origin::DeviceMapped) => Err(Error::NotSupported {
+                operation: OP,
+                reason: "the block lies in an expandable segment (memory mapped with \
+                         cuMemCreate), which cuIpcGetMemHandle cannot export: build the \
+                         allocator with expandable_segments:false"
+                    .into(),
+            }),
+            Some(_) => {
+                let ptr = buf.device_ptr();
+                let export = self.runtime().ipc_export(buf.device(), ptr)?;
+                Ok(IpcHandle::new(
+                    export.handle,
+                    ptr - export.base,
+                    buf.len() as u64,
+                    buf.device(),
+                ))
+            }
+        }
+    }
+
+    /// Opens a block another process exported (PyTorch's `getIpcDevPtr`): blocks of one
+    /// segment share one open of it, closed when the last [`IpcMemory`] drops. Blocks the
+    /// calling thread for the driver call (no tokio runtime needed).
+    ///
+    /// [`Error::NoSuchDevice`] for a device this process does not have,
+    /// [`Error::InvalidIpcHandle`] for a handle the driver refuses (its process has exited,
+    /// or it is this process's own), [`Error::NotSupported`] on the simulation.
+    pub fn open_ipc(&self, handle: &IpcHandle) -> Result<IpcMemory, Error> {
+        self.engine(handle.device())?;
+        let runtime = self.runtime().clone();
+        self.inner()
+            .ipc
+            .get_or_init(|| IpcRegistry::start(runtime))
+            .open(handle)
+    }
+
+    /// [`DeviceAllocator::open_ipc`] from the handle's byte form
+    /// ([`Error::InvalidIpcHandle`] for bytes that are not one).
+    pub fn get_ipc_dev_ptr(&self, handle: &[u8]) -> Result<IpcMemory, Error> {
+        self.open_ipc(&IpcHandle::from_bytes(handle)?)
+    }
+
+    /// Segments of other processes open in this one now.
+    pub fn ipc_open_segments(&self) -> usize {
+        self.inner().ipc.get().map_or(0, IpcRegistry::open_segments)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// A driver that counts its calls and opens each segment at a made-up address.
+    #[derive(Default)]
+    struct Counting {
+        opens: AtomicU64,
+        closes: AtomicU64,
+    }
+
+    impl IpcDriver for Counting {
+        fn open(&self, _device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+            if handle[0] == 0xff {
+                return Err(Error::InvalidIpcHandle {
+                    reason: "refused".into(),
+                });
+            }
+            self.opens.fetch_add(1, Ordering::SeqCst);
+            Ok(0x7000_0000 + ((handle[0] as u64) << 24))
+        }
+
+        fn close(&self, _device: usize, _base: u64) -> Result<(), Error> {
+            self.closes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    fn wait_until(cond: impl Fn() -> bool) {
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !cond() && std::time::Instant::now() < end {
+            std::thread::yield_now();
+        }
+        assert!(cond());
+    }
+
+    #[test]
+    fn blocks_of_one_segment_share_one_open_closed_with_the_last_user() {
+        let driver = Arc::new(Counting::default());
+        let registry = IpcRegistry::start(driver.clone());
+        let a = registry.open(&IpcHandle::new([1; 64], 0, 512, 0)).unwrap();
+        let b = registry
+            .open(&IpcHandle::new([1; 64], 4096, 1024, 0))
+            .unwrap();
+        let other = registry.open(&IpcHandle::new([2; 64], 0, 512, 0)).unwrap();
+        assert_eq!(driver.opens.load(Ordering::SeqCst), 2);
+        assert_eq!(registry.open_segments(), 2);
+        assert_eq!(b.device_ptr(), a.device_ptr() + 4096);
+        assert_eq!((b.len(), b.device()), (1024, 0));
+        drop(a);
+        drop(other);
+        wait_until(|| driver.closes.load(Ordering::SeqCst) == 1);
+        assert_eq!(
+            registry.open_segments(),
+            1,
+            "b still uses the first segment"
+        );
+        drop(b);
+        wait_until(|| driver.closes.load(Ordering::SeqCst) == 2);
+        assert_eq!(registry.open_segments(), 0);
+        // Opened again after its close: a fresh open.
+        let again = registry.open(&IpcHandle::new([1; 64], 0, 512, 0)).unwrap();
+        assert_eq!(driver.opens.load(Ordering::SeqCst), 3);
+        drop(again);
+    }
+
+    #[test]
+    fn the_same_segment_on_another_device_is_another_open() {
+        let driver = Arc::new(Counting::default());
+        let registry = IpcRegistry::start(driver.clone());
+        let a = registry.open(&IpcHandle::new([1; 64], 0, 512, 0)).unwrap();
+        let b = registry.open(&IpcHandle::new([1; 64], 0, 512, 1)).unwrap();
+        assert_eq!(driver.opens.load(Ordering::SeqCst), 2);
+        drop((a, b));
+        wait_until(|| driver.closes.load(Ordering::SeqCst) == 2);
+    }
+
+    #[test]
+    fn a_refused_open_is_a_typed_error_and_leaves_nothing_open() {
+        let driver = Arc::new(Counting::default());
+        let registry = IpcRegistry::start(driver.clone());
+        let err = registry
+            .open(&IpcHandle::new([0xff; 64], 0, 512, 0))
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidIpcHandle { .. }), "{err:?}");
+        assert_eq!(registry.open_segments(), 0);
+        assert_eq!(driver.closes.load(Ordering::SeqCst), 0);
+    }
+}
