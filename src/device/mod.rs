@@ -10,11 +10,13 @@
 //! `PINPOOL_DEVICE_CONF` ([`crate::config::DeviceConfig`]).
 //!
 //! This module holds the public face: `runtime` (what a runtime must offer: its devices and
-//! their memory), `builder`, `allocator`, `buffer`, and `raw` (the raw-pointer calls' table).
+//! their memory), `builder`, `allocator`, `buffer`, `raw` (the raw-pointer calls' table) and
+//! `free_memory` (free-memory callbacks).
 
 mod allocator;
 mod buffer;
 mod builder;
+mod free_memory;
 mod raw;
 mod runtime;
 
