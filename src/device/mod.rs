@@ -10,12 +10,13 @@
 //! `PINPOOL_DEVICE_CONF` ([`crate::config::DeviceConfig`]).
 //!
 //! This module holds the public face: `runtime` (what a runtime must offer: its devices and
-//! their memory), `builder`, `allocator`, `buffer`, `raw` (the raw-pointer calls' table) and
-//! `free_memory` (free-memory callbacks).
+//! their memory), `builder`, `allocator`, `buffer`, `raw` (the raw-pointer calls' table),
+//! `capture` (capture pools for CUDA graphs) and `free_memory` (free-memory callbacks).
 
 mod allocator;
 mod buffer;
 mod builder;
+mod capture;
 mod free_memory;
 mod raw;
 mod runtime;
