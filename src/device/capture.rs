@@ -31,6 +31,33 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// [`DeviceAllocator::end_allocate_to_pool`]. Call it before the stream begins capturing.
     /// Errors: [`Error::NoSuchDevice`], [`Error::DefaultPoolId`], and
     /// [`Error::PoolAlreadyCapturing`] while a capture already allocates to `pool`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use pinpool::{DeviceAllocator, Error};
+    ///
+    /// let pool = DeviceAllocator::builder().build()?;
+    /// let stream = pool.runtime().stream();
+    /// let id = pool.new_pool_id(); // torch.cuda.graph_pool_handle()
+    /// let capturing = stream.id();
+    /// pool.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
+    /// stream.begin_capture()?; // on a GPU: stream.begin_capture(mode)
+    /// let out = pool.alloc(1 << 20, &stream).await?; // from the private pool
+    /// stream.fill_device(out.device_ptr(), out.len(), 7)?; // captured work
+    /// let graph = stream.end_capture()?;
+    /// pool.end_allocate_to_pool(0, id).await?;
+    /// assert_eq!(out.pool(), Some(id));
+    /// drop(out); // kept: every replay writes it
+    /// graph.launch(&stream)?;
+    /// // A second graph may begin_allocate_to_pool(0, id, ..) again and share the pool.
+    /// drop(graph);
+    /// pool.release_pool(0, id).await?; // once the graphs are gone, once per begin
+    /// pool.empty_cache().await?; // gives the pool's memory back to the device
+    /// assert_eq!(pool.release_pool(0, id).await, Err(Error::UnknownPool(id)));
+    /// assert!(matches!(pool.pool_stats(0, id), Err(Error::UnknownPool(_)))); // stats per pool, per device
+    /// # Ok(()) }
+    /// ```
     pub async fn begin_allocate_to_pool(
         &self,
         device: usize,

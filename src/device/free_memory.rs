@@ -17,6 +17,23 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// while the allocator holds anything, at most once per request, after the callbacks
     /// attached before it. A panic in it is caught and counted
     /// ([`DeviceAllocator::free_memory_callback_panics`]) and counts as freeing nothing.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use pinpool::{DeviceAllocator, DeviceBuffer};
+    ///
+    /// let pool = DeviceAllocator::builder().max_bytes(8 << 20).build()?;
+    /// let stream = pool.runtime().stream();
+    /// // Buffers kept around in case they are needed again, given up when memory runs out.
+    /// let (spare, spares) = flume::unbounded::<DeviceBuffer>();
+    /// pool.attach_free_memory_callback(move || spares.drain().count() > 0);
+    /// spare.send(pool.alloc(8 << 20, &stream).await?).unwrap();
+    /// let buf = pool.try_alloc(4 << 20, &stream).await?; // room made by the callback
+    /// assert_eq!(pool.free_memory_callback_calls(), 1);
+    /// assert_eq!(pool.free_memory_callback_panics(), 0);
+    /// # Ok(()) }
+    /// ```
     pub fn attach_free_memory_callback(&self, f: impl Fn() -> bool + Send + Sync + 'static) {
         let f: pinpool_actors::FreeMemoryCallback = Arc::new(f);
         for e in self.engines() {
