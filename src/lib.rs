@@ -46,6 +46,7 @@ pub use device::{
     IPC_HANDLE_BYTES,
 };
 pub use history::ReportError;
+pub use pinpool_actors::FreeMemoryCallback;
 pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
     DeviceFit, DeviceStats, DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory,

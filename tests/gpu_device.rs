@@ -12,9 +12,10 @@ use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{result, sys, CudaSlice, CudaStream};
-use pinpool::cuda::{cuda_available, CudaRuntime};
-use pinpool::{DeviceAllocator, DeviceBuffer, Error, OomReport, Runtime};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream};
+use pinpool::cuda::{cuda_available, stream_id, CudaRuntime};
+use pinpool::{DeviceAllocator, DeviceBuffer, Error, OomReport, PoolId, Runtime};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -418,4 +419,191 @@ async fn a_new_stream_never_inherits_the_blocks_of_a_dropped_stream_whose_work_s
     );
     b.synchronize().unwrap();
     println!("gpu device_dropped_stream new_stream_id=distinct block=distinct");
+}
+
+/// Sets `n` bytes at device address `ptr` to `byte`, on `stream` (captured while it captures).
+fn memset(stream: &Arc<CudaStream>, ptr: u64, byte: u8, n: usize) {
+    stream.context().bind_to_thread().unwrap();
+    // SAFETY: the caller passes `n` bytes of live device memory at `ptr`; the stream is alive.
+    unsafe { result::memset_d8_async(ptr, byte, n, stream.cu_stream()) }.unwrap();
+}
+
+/// The `n` bytes at device address `ptr`, read on `stream` once its earlier work has run.
+fn read_back(stream: &Arc<CudaStream>, ptr: u64, n: usize) -> Vec<u8> {
+    let mut host = vec![0u8; n];
+    stream.context().bind_to_thread().unwrap();
+    // SAFETY: `n` bytes of live device memory at `ptr`; `host` outlives the copy, which
+    // the synchronisation below waits for.
+    unsafe { result::memcpy_dtoh_async(&mut host, ptr, stream.cu_stream()) }.unwrap();
+    stream.synchronize().unwrap();
+    host
+}
+
+/// Routes `stream`'s requests on device 0 to `id`, and begins a thread-local capture on it
+/// (ended on the same thread: a `#[tokio::test]` body runs on the test's thread).
+async fn begin_capture(pool: &DeviceAllocator<CudaRuntime>, stream: &Arc<CudaStream>, id: PoolId) {
+    let wanted = stream_id(stream);
+    pool.begin_allocate_to_pool(0, id, move |s| stream_id(s) == wanted)
+        .await
+        .unwrap();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+}
+
+async fn end_capture(
+    pool: &DeviceAllocator<CudaRuntime>,
+    stream: &Arc<CudaStream>,
+    id: PoolId,
+) -> CudaGraph {
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("the capture was invalidated");
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    graph
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_cuda_graphs_sharing_a_device_pool_replay_the_right_bytes() {
+    let test = "two_cuda_graphs_sharing_a_device_pool_replay_the_right_bytes";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let (s, other) = two_streams(&rt);
+    let kernels = Kernels::load(&s);
+    let id = pool.new_pool_id();
+
+    // Graph 1 writes A.
+    begin_capture(&pool, &s, id).await;
+    let a = pool.alloc(MIB, &s).await.unwrap();
+    assert_eq!(a.pool(), Some(id));
+    assert!(a.allocated_during_capture());
+    memset(&s, a.device_ptr(), 0x5a, MIB);
+    let g1 = end_capture(&pool, &s, id).await;
+
+    // Graph 2, sharing the pool, copies A into B with a kernel; a scratch buffer it writes
+    // and frees during capture is never handed out again.
+    begin_capture(&pool, &s, id).await;
+    let b = pool.alloc(MIB, &s).await.unwrap();
+    assert_eq!(b.pool(), Some(id));
+    assert_ne!(b.device_ptr(), a.device_ptr());
+    let scratch = pool.alloc(MIB, &s).await.unwrap();
+    let scratch_ptr = scratch.device_ptr();
+    memset(&s, scratch_ptr, 0x33, MIB);
+    drop(scratch);
+    let after = pool.alloc(MIB, &s).await.unwrap();
+    assert_ne!(
+        after.device_ptr(),
+        scratch_ptr,
+        "a block captured work writes was handed out again"
+    );
+    drop(after);
+    kernels.copy(&s, b.device_ptr(), a.device_ptr(), MIB as u64);
+    let g2 = end_capture(&pool, &s, id).await;
+    let (pa, pb) = (a.device_ptr(), b.device_ptr());
+    drop((a, b)); // the graphs go on using them: kept while the pool lives
+    let kept: usize = pool
+        .inventory(0)
+        .await
+        .unwrap()
+        .iter()
+        .map(|i| i.kept_blocks)
+        .sum();
+    assert_eq!(kept, 4, "A, B, the scratch block and the one after it");
+    let reserved = pool.pool_stats(0, id).unwrap().reserved_bytes.all.current;
+    assert!(reserved >= 4 * MIB as i64);
+
+    let clear = |p: u64, len: usize| {
+        [pa, pb, scratch_ptr]
+            .iter()
+            .all(|&k| k + MIB as u64 <= p || p + len as u64 <= k)
+    };
+    for round in 0..3 {
+        // Allocations outside the pool, on both streams, never get the pool's blocks, even
+        // after the caches were emptied.
+        pool.empty_cache().await.unwrap();
+        let mut churn = Vec::new();
+        for t in [&s, &other] {
+            for size in [MIB, 2 * MIB, 64 * MIB] {
+                let x = pool.alloc(size, t).await.unwrap();
+                assert!(clear(x.device_ptr(), size), "round {round}: {x:?}");
+                memset(t, x.device_ptr(), 0xee, size);
+                churn.push((x, t));
+            }
+        }
+        other.synchronize().unwrap();
+        memset(&s, pb, 0, MIB);
+        g1.launch().unwrap();
+        g2.launch().unwrap();
+        assert!(
+            read_back(&s, pb, MIB).iter().all(|&v| v == 0x5a),
+            "replay {round}: B does not hold A's bytes"
+        );
+        assert!(read_back(&s, pa, MIB).iter().all(|&v| v == 0x5a));
+        for (x, t) in &churn {
+            assert!(
+                read_back(t, x.device_ptr(), x.len())
+                    .iter()
+                    .all(|&v| v == 0xee),
+                "replay {round} wrote outside its pool"
+            );
+        }
+    }
+
+    // Both graphs gone and both uses released: empty_cache gives the pool back.
+    drop((g1, g2));
+    s.synchronize().unwrap();
+    pool.release_pool(0, id).await.unwrap();
+    pool.empty_cache().await.unwrap();
+    assert_eq!(pool.pools(0).unwrap(), vec![id], "one use is left");
+    pool.release_pool(0, id).await.unwrap();
+    let report = pool.empty_cache().await.unwrap();
+    assert!(report.freed_bytes >= 4 * MIB, "{report:?}");
+    assert!(pool.pools(0).unwrap().is_empty());
+    assert_eq!(pool.pool_stats(0, id).unwrap_err(), Error::UnknownPool(id));
+    println!(
+        "gpu device_capture_pools graphs=2 replays=3 kept_blocks={kept} pool_reserved_mib={} bytes=right",
+        reserved >> 20
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_memory_callback_lets_a_request_the_gpu_has_no_room_for_succeed() {
+    let test = "a_free_memory_callback_lets_a_request_the_gpu_has_no_room_for_succeed";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let (a, b) = two_streams(&rt);
+    let (held_tx, held_rx) = flume::unbounded::<DeviceBuffer<CudaRuntime>>();
+    let (calls_tx, calls) = flume::unbounded::<()>();
+    pool.attach_free_memory_callback(move || {
+        let _ = calls_tx.send(());
+        held_rx.drain().count() > 0
+    });
+
+    // Everything but 4 GiB taken outside the allocator, 3 GiB of that by a held buffer.
+    let (free, _) = pool.memory_info(0).unwrap();
+    let hog: CudaSlice<u8> = b.alloc_zeros::<u8>(free - 4 * GIB).unwrap();
+    let held = pool.alloc(3 * GIB, &a).await.unwrap();
+
+    // Nothing to drop yet: a typed out-of-memory error, after one call.
+    let err = pool.alloc(3 * GIB, &b).await.unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
+    assert_eq!(calls.drain().count(), 1);
+
+    // The callback drops the held buffer: the same request succeeds.
+    held_tx.send(held).unwrap();
+    let big = pool
+        .alloc(3 * GIB, &b)
+        .await
+        .expect("room made by the callback");
+    assert_eq!(big.len(), 3 * GIB);
+    assert_eq!(calls.drain().count(), 1);
+    assert!(held_tx.is_empty());
+    assert_eq!(pool.free_memory_callback_panics(), 0);
+    println!(
+        "gpu device_free_memory_callback calls={} first=OutOfMemory second=served",
+        pool.free_memory_callback_calls()
+    );
+    drop(big);
+    drop(hog);
 }

@@ -1,8 +1,9 @@
 //! The memory limit's books: one budget of reserved bytes shared by every pool of an
 //! allocator, and the registry of those pools.
 //!
-//! Owns the cap, the bytes reserved, how many requests wait for room, and the registry of the
-//! allocator's pools (as [`Member`]s, so that this module knows nothing of pools). A pool
+//! Owns the cap, the bytes reserved, how many requests wait for room, the registry of the
+//! allocator's pools (as [`Member`]s, so that this module knows nothing of pools), and the
+//! allocator's free-memory callbacks (run by `miss` before it gives up). A pool
 //! reserves a block's bytes here, atomically, before it asks for fresh memory, and gives them
 //! back when the memory goes back (invariant 2: the budget's reserved bytes are the pools'
 //! reserved bytes). While any request waits for room anywhere, every member's pressure flag
@@ -17,6 +18,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
+use crate::free_memory::FreeMemoryCallbacks;
 use crate::loom::{fence, AtomicUsize};
 
 /// What `empty_cache` did to one pool.
@@ -69,6 +71,8 @@ pub(crate) struct Budget {
     /// The most bytes reserved at once since the last `reset_peak` (exact: every pool
     /// reserves here before it takes memory, off the cached path).
     peak: AtomicUsize,
+    /// What a request runs when no cached block fits and there is no room (see `miss`).
+    pub(crate) free_memory: FreeMemoryCallbacks,
 }
 
 impl Budget {
@@ -87,6 +91,7 @@ impl Budget {
             policy,
             pools: ArcSwap::from_pointee(Vec::new()),
             peak: AtomicUsize::new(0),
+            free_memory: FreeMemoryCallbacks::default(),
         }
     }
 

@@ -22,7 +22,7 @@
 //!    call may block this thread), `shard`, `spawn`, `keepalive`, `policy`, `carve`,
 //!    `counters`, `device_stats`, `stats`, `meta`, `trace`, `snapshot`.
 //! 2. Observation: `observe` (the observer task), `history` (the history actor and the
-//!    recorder the hot paths call).
+//!    recorder the hot paths call), `free_memory` (the user's free-memory callbacks).
 //! 3. Lock-free holders of blocks: `ready` (the cached path), `parked` (freed blocks waiting
 //!    on events in the freeing thread's shard).
 //! 4. Shared books: `budget` (the memory limit), `mailbox` (every actor message), `home` (the
@@ -58,6 +58,7 @@ mod snapshot;
 // 2. Observation.
 mod observe;
 mod history;
+mod free_memory;
 // 3. Lock-free holders of blocks.
 mod ready;
 mod parked;
@@ -82,6 +83,7 @@ pub use counters::{DurationStat, Stat};
 pub use device_stats::{DeviceStats, StatArray};
 pub use engine::{Engine, EngineBuilder};
 pub use error::Error;
+pub use free_memory::FreeMemoryCallback;
 pub use lease::Lease;
 pub use mailbox::Inventory;
 pub use memory::{HostMemory, MemoryKind, MemorySource, Origin, PinMethod, Region};

@@ -2,7 +2,9 @@
 //!
 //! It asks the pool actor (one round trip); on "need room" — fresh memory would pass the cap,
 //! or the memory source is out of memory — the requesting task (never an actor, so no actor
-//! ever waits on another) empties the cache of every pool and asks again. If it still does not
+//! ever waits on another) first runs the free-memory callbacks, if any are attached, on a
+//! blocking thread, and asks again if one of them freed something (once per request); then it
+//! empties the cache of every pool and asks again. If it still does not
 //! fit, the pool queues it, first come first served (see the pool actor's `waiters`), and the
 //! request waits for its reply, up to its timeout. Cancel-safe: a dropped request tells its
 //! pool to forget it, and a block sent to it meanwhile goes back.
@@ -127,6 +129,30 @@ fn make_room_blocking<R: Runtime>(pool: &Pool<R>) {
     }
 }
 
+/// Runs the free-memory callbacks, from a task: on a blocking thread of the tokio runtime
+/// (inline where there is none: the future is then not polled by a tokio executor). Whether
+/// one of them freed something.
+async fn free_memory<R: Runtime>(pool: &Pool<R>) -> bool {
+    let budget = pool.budget.clone();
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => handle
+            .spawn_blocking(move || budget.free_memory.run())
+            .await
+            .unwrap_or(false),
+        Err(_) => budget.free_memory.run(),
+    }
+}
+
+/// Whether a request that was refused for want of room should run the free-memory callbacks
+/// now: once per request, and only where some are attached.
+fn callbacks_due<R: Runtime>(pool: &Pool<R>, ran: &mut bool) -> bool {
+    if *ran || pool.budget.free_memory.is_empty() {
+        return false;
+    }
+    *ran = true;
+    true
+}
+
 /// A miss, from a task: ask the pool; on "need room" empty every cache and ask again, this
 /// time queueing when it still does not fit (unless `wait` says not to).
 pub(crate) async fn miss_async<R: Runtime>(
@@ -145,6 +171,7 @@ pub(crate) async fn miss_async<R: Runtime>(
             emptied: false,
             shard: pool.ready.my_shard(),
         };
+        let mut callbacks_ran = false;
         loop {
             let rx = send_miss(pool, class, ask)?;
             let mut pending = Pending { pool, armed: true };
@@ -154,6 +181,10 @@ pub(crate) async fn miss_async<R: Runtime>(
                 Ok(block) => return Ok(block),
                 Err(Refused::Failed(e)) => return Err(e),
                 Err(Refused::NeedRoom) if !ask.emptied => {
+                    if callbacks_due(pool, &mut callbacks_ran) && free_memory(pool).await {
+                        // Something was freed: it may be cached now, or room made.
+                        continue;
+                    }
                     make_room(pool).await;
                     ask.emptied = true;
                 }
@@ -186,6 +217,7 @@ pub(crate) fn miss_blocking<R: Runtime>(
         emptied: false,
         shard: pool.ready.my_shard(),
     };
+    let mut callbacks_ran = false;
     loop {
         let rx = send_miss(pool, class, ask)?;
         let mut pending = Pending { pool, armed: true };
@@ -209,6 +241,10 @@ pub(crate) fn miss_blocking<R: Runtime>(
             Ok(block) => return Ok(block),
             Err(Refused::Failed(e)) => return Err(e),
             Err(Refused::NeedRoom) if !ask.emptied => {
+                // A blocking miss runs on a thread that may block: the callbacks run here.
+                if callbacks_due(pool, &mut callbacks_ran) && pool.budget.free_memory.run() {
+                    continue;
+                }
                 make_room_blocking(pool);
                 ask.emptied = true;
             }

@@ -125,6 +125,11 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         self.inner.devices.len()
     }
 
+    /// Every device's engine, by ordinal.
+    pub(super) fn engines(&self) -> &[Engine<R>] {
+        &self.inner.devices
+    }
+
     /// The engine of device `device` (for tools that need its lower-level calls).
     pub fn engine(&self, device: usize) -> Result<&Engine<R>, Error> {
         self.inner.devices.get(device).ok_or(Error::NoSuchDevice {

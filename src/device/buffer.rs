@@ -32,7 +32,12 @@ pub struct DeviceBuffer<R: Runtime = SimRuntime> {
 }
 
 impl<R: Runtime> DeviceBuffer<R> {
-    pub(crate) fn new(lease: Lease<R>, stream: R::Stream, device: usize) -> Self {
+    pub(crate) fn new(mut lease: Lease<R>, stream: R::Stream, device: usize) -> Self {
+        if lease.pool().is_some_and(|p| !p.is_default()) {
+            // A capture pool is owned by no stream: its free waits for this stream's work,
+            // and a buffer its stream's captured work used is kept for the graph's replays.
+            lease.record_stream(&stream);
+        }
         Self {
             lease,
             stream,
@@ -98,12 +103,14 @@ impl<R: Runtime> DeviceBuffer<R> {
     /// Marks the buffer as used by work enqueued on `stream` (PyTorch's `recordStream`).
     /// When the buffer is dropped, an event is recorded on that stream, and the memory is
     /// handed out again only once the event has completed. Recording the buffer's own
-    /// stream changes nothing: its work is ordered anyway.
+    /// stream changes nothing: its work is ordered anyway (a buffer of a capture pool has
+    /// its own stream recorded from the start).
     pub fn record_stream(&mut self, stream: &R::Stream) {
         self.lease.record_stream(stream);
     }
 
-    /// The streams recorded so far (the buffer's own stream is never among them).
+    /// The streams recorded so far (the buffer's own stream is among them only in a capture
+    /// pool, which no stream owns).
     pub fn recorded_streams(&self) -> Vec<StreamId> {
         self.lease.recorded_streams()
     }

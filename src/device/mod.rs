@@ -11,12 +11,15 @@
 //!
 //! This module holds the public face: `runtime` (what a runtime must offer: its devices and
 //! their memory), `builder`, `allocator`, `buffer`, `raw` (the raw-pointer calls' table),
+//! `capture` (capture pools for CUDA graphs), `free_memory` (free-memory callbacks),
 //! `ipc_handle` and `ipc` (blocks shared with other processes), and `peer` (peer access
 //! and copies between devices).
 
 mod allocator;
 mod buffer;
 mod builder;
+mod capture;
+mod free_memory;
 mod ipc;
 mod ipc_handle;
 mod peer;

@@ -76,6 +76,16 @@ impl<R: Runtime> Engine<R> {
         })
     }
 
+    /// Device statistics of capture pool `id` (`None` for a pool that does not exist or is
+    /// gone, and for an engine built without device statistics).
+    pub fn pool_device_stats(&self, id: PoolId) -> Option<DeviceStats> {
+        let table = self.inner.table.load();
+        let (_, pool) = table.pools.iter().find(|(p, _)| *p == id)?;
+        let mut s = pool.stats.read_device()?;
+        s.limit_bytes = self.max_bytes().map(|l| l as i64);
+        Some(s)
+    }
+
     /// Ids of the capture pools alive.
     pub fn pools(&self) -> Vec<PoolId> {
         self.inner

@@ -7,11 +7,13 @@
 //! trip to the pool actor (see [`crate::miss`]).
 //!
 //! The rest of the handle's calls live beside it: `build` (the builder, which starts the
-//! actors), `capture` (capture pools, through the router), `inspect` (stats, inventories,
-//! snapshots) and `history` (history and observers).
+//! actors), `capture` (capture pools, through the router), `free_memory` (the free-memory
+//! callbacks), `inspect` (stats, inventories, snapshots) and `history` (history and
+//! observers).
 
 mod build;
 mod capture;
+mod free_memory;
 mod history;
 mod inspect;
 
