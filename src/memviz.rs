@@ -70,6 +70,24 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// A snapshot of every device and each device's recorded history (`device_traces[d]`)
     /// in the pickle layout of `torch.cuda.memory._snapshot()` (see
     /// [`MemorySnapshot::to_pickle`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::ReportError> {
+    /// use pinpool::{DeviceAllocator, HistoryContext};
+    ///
+    /// let pool = DeviceAllocator::builder().build()?;
+    /// pool.record_history(true, 100_000, HistoryContext::Alloc)?; // device_traces, with frames
+    /// let stream = pool.runtime().stream();
+    /// let buf = pool.alloc(1 << 20, &stream).await?;
+    /// let bytes = pool.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
+    /// assert_eq!(&bytes[..2], &[0x80, 2]);
+    /// let file = std::env::temp_dir().join("pinpool-device-doc.pickle");
+    /// pool.dump_snapshot(&file).await?; // open it in pytorch.org/memory_viz
+    /// # std::fs::remove_file(&file).ok();
+    /// # drop(buf);
+    /// # Ok(()) }
+    /// ```
     pub async fn pickle_snapshot(&self) -> Result<Vec<u8>, Error> {
         let snap: MemorySnapshot = self.snapshot().await?;
         let mut histories: Vec<History> = Vec::with_capacity(self.device_count());

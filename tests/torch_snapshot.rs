@@ -352,6 +352,36 @@ async fn blocks_tile_their_segment_so_readers_can_compute_each_address() {
     );
 }
 
+#[test]
+fn a_stream_id_with_the_top_bit_set_is_written_as_an_int64_never_a_longer_int() {
+    // CUDA default streams get ids with the top bit set; PyTorch writes handles as int64,
+    // and the visualizer's reader turns ints over 8 bytes into BigInts.
+    let id = (1u64 << 63) | (0x5555 << 2) | 1;
+    let hand = MemorySnapshot {
+        segments: vec![SegmentInfo {
+            address: 0x10000,
+            total_size: 0x1000,
+            pool: 0,
+            pin_method: "device".into(),
+            blocks: vec![],
+            device: Some(0),
+            stream: Some(id),
+        }],
+        config: ConfigInfo {
+            policy: "x".into(),
+            max_bytes: None,
+            alloc_timeout_ms: None,
+            shards: 1,
+            runtime: "sim".into(),
+        },
+        reserved_bytes: 0x1000,
+    };
+    let bytes = hand.to_pickle(&[]);
+    let snap = read(&bytes).unwrap();
+    assert_eq!(segments(&snap)[0].get("stream").int(), id as i64 as i128);
+    assert!(!bytes.windows(2).any(|w| w == [0x8a, 9]), "a 9-byte LONG1");
+}
+
 #[tokio::test]
 async fn an_out_of_memory_entry_gives_the_request_and_the_drivers_free_bytes() {
     let sim = SimRuntime::new();

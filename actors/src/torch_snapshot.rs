@@ -35,7 +35,8 @@ impl MemorySnapshot {
     /// How pinpool's states map to PyTorch's: a block in use is `'active_allocated'`; a block
     /// freed and waiting on the events of its streams, or kept for graph replays, is
     /// `'active_pending_free'`; a cached block or free range is `'inactive'`. A segment's
-    /// `stream` is the stream that owns its pool (0 outside stream-ordered pools), its
+    /// `stream` is the stream that owns its pool (0 outside stream-ordered pools; an id is
+    /// written as an int64 of its bits, as PyTorch writes a stream's handle), its
     /// `segment_pool_id` is `(0, pool)` (`(0, 0)` for the default and stream pools), and it
     /// is expandable when it is a run of granules mapped into a reserved range.
     ///
@@ -141,6 +142,11 @@ fn state_of(b: &BlockInfo) -> &'static str {
     }
 }
 
+/// A stream id as PyTorch writes a stream's handle: an int64 (the id's bits), 0 for none.
+fn stream(id: Option<u64>) -> Value {
+    Value::from(id.unwrap_or(0) as i64)
+}
+
 fn pool_id(pool: u64) -> Value {
     Value::Tuple(vec![0u64.into(), pool.into()])
 }
@@ -199,7 +205,7 @@ fn segment(s: &SegmentInfo) -> Value {
         ("allocated_size", allocated.into()),
         ("active_size", active.into()),
         ("requested_size", requested.into()),
-        ("stream", s.stream.unwrap_or(0).into()),
+        ("stream", stream(s.stream)),
         (
             "segment_type",
             if s.total_size <= SMALL_SEGMENT {
@@ -253,7 +259,7 @@ fn trace(entries: &[TraceEntry], device: usize, annotations: &mut Vec<Value>) ->
             ("action", e.action.as_str().into()),
             (addr_key, e.addr.into()),
             ("size", size.into()),
-            ("stream", e.owner.map_or(0, |s| s.0).into()),
+            ("stream", stream(e.owner.map(|s| s.0))),
             ("compile_context", "".into()),
             ("user_metadata", "".into()),
             ("frames", frames(e)),
