@@ -149,7 +149,7 @@ async fn the_history_becomes_the_device_trace_in_order_with_requested_sizes() {
         assert_eq!(alloc_or_free.get("addr").int(), addr);
         assert_eq!(alloc_or_free.get("size").int(), 3000, "requested bytes");
         assert_eq!(alloc_or_free.get("stream").int(), 0);
-        assert_eq!(alloc_or_free.get("compile_context").str(), "");
+        assert_eq!(alloc_or_free.get("compile_context").str(), "N/A");
         assert_eq!(alloc_or_free.get("user_metadata").str(), "");
     }
     let times: Vec<i128> = e.iter().map(|x| x.get("time_us").int()).collect();

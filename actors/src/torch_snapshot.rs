@@ -5,7 +5,8 @@
 //! Owns the mapping from pinpool's snapshot and trace entries to PyTorch's keys; the bytes
 //! are written by [`crate::pickle`].
 //!
-//! The layout (PyTorch 2.x, `torch/csrc/cuda/memory_snapshot.cpp`): a dict of
+//! The layout (PyTorch 2.x, `torch/csrc/cuda/memory_snapshot.cpp`; the keys of every dict
+//! match those of `torch.cuda.memory._snapshot()` in torch 2.11): a dict of
 //!
 //! - `segments`: one dict per segment — `device`, `address`, `total_size`, `allocated_size`
 //!   (bytes of blocks in use), `active_size` (in use or freed and not yet reusable),
@@ -16,7 +17,9 @@
 //!   tile the segment in address order (readers compute each block's address from the sizes
 //!   before it), so a stretch no block covers is listed as an inactive block;
 //! - `device_traces`: one list per device of trace entries — `action`, `addr` (`device_free`
-//!   for `'oom'`), `size`, `stream`, `compile_context`, `user_metadata`, `frames`, `time_us`;
+//!   for `'oom'`), `size`, `stream`, `compile_context` (`'N/A'`, as PyTorch writes it
+//!   outside compiled regions), `user_metadata`, `frames`, `time_us` (here: microseconds
+//!   since the allocator started);
 //! - `allocator_settings`: a dict of settings;
 //! - `external_annotations`: dicts with `name`, `device` and `time_us`.
 
@@ -260,7 +263,7 @@ fn trace(entries: &[TraceEntry], device: usize, annotations: &mut Vec<Value>) ->
             (addr_key, e.addr.into()),
             ("size", size.into()),
             ("stream", stream(e.owner.map(|s| s.0))),
-            ("compile_context", "".into()),
+            ("compile_context", "N/A".into()),
             ("user_metadata", "".into()),
             ("frames", frames(e)),
             ("time_us", e.time_us.into()),
