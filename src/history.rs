@@ -11,7 +11,7 @@ use pinpool_actors::{Error, History, HistoryContext, OomReport, Runtime, TraceEn
 
 use crate::allocator::PinnedAllocator;
 
-/// Why the history page could not be written.
+/// Why the history page or a snapshot file could not be written.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReportError {
@@ -21,6 +21,14 @@ pub enum ReportError {
     /// The file could not be written.
     #[error("writing the history page failed: {0}")]
     Io(#[from] std::io::Error),
+    /// The snapshot file could not be written (`dump_snapshot`).
+    #[error("writing the snapshot to {} failed: {source}", path.display())]
+    SnapshotFile {
+        /// The file asked for.
+        path: std::path::PathBuf,
+        /// Why it failed.
+        source: std::io::Error,
+    },
 }
 
 impl<R: Runtime> PinnedAllocator<R> {

@@ -34,6 +34,7 @@ pub mod config;
 pub mod cuda;
 pub mod device;
 mod history;
+mod memviz;
 pub mod plan;
 pub mod report;
 pub mod sim;

@@ -257,7 +257,7 @@ async fn history_records_device_allocations_and_annotations() {
     let h = pool.history(0).await.unwrap();
     let actions: Vec<_> = h.entries.iter().map(|e| e.action).collect();
     assert!(actions.contains(&TraceAction::UserDefined));
-    assert!(actions.contains(&TraceAction::SegmentAlloc));
+    assert!(actions.contains(&TraceAction::SegmentMap));
     assert!(actions.contains(&TraceAction::Alloc));
     assert!(actions.contains(&TraceAction::FreeCompleted));
     let page = pool.history_html(0).await.unwrap();

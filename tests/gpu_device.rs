@@ -15,7 +15,10 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream};
 use pinpool::cuda::{cuda_available, stream_id, CudaRuntime};
-use pinpool::{DeviceAllocator, DeviceBuffer, Error, OomReport, PoolId, Runtime};
+use pinpool::{DeviceAllocator, DeviceBuffer, Error, HistoryContext, OomReport, PoolId, Runtime};
+
+#[path = "common/pickle.rs"]
+mod pickle_reader;
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -606,4 +609,120 @@ async fn a_free_memory_callback_lets_a_request_the_gpu_has_no_room_for_succeed()
     );
     drop(big);
     drop(hog);
+}
+
+/// Loads a dumped snapshot in Python and checks it: argv[1] the file, argv[2] the address of
+/// the block in use (3 MiB requested), argv[3] the address of the block pending free. With
+/// torch importable, `torch.cuda._memory_viz` renders it too.
+const PY_SNAPSHOT_CHECK: &str = r#"
+import pickle, sys
+with open(sys.argv[1], 'rb') as f:
+    s = pickle.load(f)
+in_use, pending = int(sys.argv[2]), int(sys.argv[3])
+states = {}
+for seg in s['segments']:
+    addr = seg['address']
+    for b in seg['blocks']:
+        assert b['address'] == addr
+        addr += b['size']
+        states[b['address']] = (b['state'], b['requested_size'], seg['device'])
+    assert addr == seg['address'] + seg['total_size']
+assert states[in_use] == ('active_allocated', 3 << 20, 0), states[in_use]
+assert states[pending][0] == 'active_pending_free', states[pending]
+acts = [e['action'] for e in s['device_traces'][0]]
+assert 'alloc' in acts and 'free_requested' in acts and acts[-1] == 'snapshot', acts
+try:
+    from torch.cuda import _memory_viz as mv
+except Exception as e:
+    print('ok python; torch not importable:', e)
+    sys.exit(0)
+assert 'segments: ' in mv.segsum(s)
+assert 'Device 0' in mv.trace(s)
+assert 'Allocator State History' in mv.segment_plot(s)
+assert 'Active Memory Timeline' in mv.trace_plot(s)
+print('ok python and torch')
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dumped_device_snapshot_loads_as_pytorchs_pickle_with_block_states_and_the_trace() {
+    let test = "a_dumped_device_snapshot_loads_as_pytorchs_pickle";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let (a, b) = two_streams(&rt);
+    let kernels = Kernels::load(&a);
+    pool.record_history(true, 10_000, HistoryContext::Alloc)
+        .unwrap();
+    let keep = pool.alloc(3 * MIB, &a).await.unwrap();
+    drop(pool.alloc(5000, &a).await.unwrap()); // cached
+                                               // A block another stream's queued work still uses: pending free until B is done.
+    let mut pending = pool.alloc(2 * MIB, &a).await.unwrap();
+    let pending_ptr = pending.device_ptr();
+    kernels.spin(&b, 2000);
+    pending.record_stream(&b);
+    drop(pending);
+
+    let file = std::env::temp_dir().join(format!("pinpool-gpu-{}.pickle", std::process::id()));
+    pool.dump_snapshot(&file).await.unwrap();
+    let bytes = std::fs::read(&file).unwrap();
+    let snap = pickle_reader::read(&bytes).expect("a pickle the visualizer reads");
+    let state_at = |ptr: u64| {
+        for seg in snap.get("segments").items() {
+            let mut at = seg.get("address").int();
+            for blk in seg.get("blocks").items() {
+                assert_eq!(blk.get("address").int(), at, "blocks tile the segment");
+                if at == ptr as i128 {
+                    return (
+                        blk.get("state").str().to_owned(),
+                        blk.get("requested_size").int(),
+                        seg.get("stream").int(),
+                    );
+                }
+                at += blk.get("size").int();
+            }
+        }
+        panic!("no block at {ptr:#x}");
+    };
+    let a_stream = pinpool::cuda::stream_id(&a).0 as i64 as i128;
+    assert_eq!(
+        state_at(keep.device_ptr()),
+        ("active_allocated".to_owned(), 3 * MIB as i128, a_stream)
+    );
+    assert_eq!(state_at(pending_ptr).0, "active_pending_free");
+    let trace = &snap.get("device_traces").items()[0];
+    let alloc = trace
+        .items()
+        .iter()
+        .find(|e| {
+            e.get("action").str() == "alloc" && e.get("addr").int() == keep.device_ptr() as i128
+        })
+        .expect("the allocation is in device 0's trace");
+    assert_eq!(alloc.get("size").int(), 3 * MIB as i128);
+    assert_eq!(alloc.get("stream").int(), a_stream);
+
+    match std::process::Command::new("python3")
+        .arg("-c")
+        .arg(PY_SNAPSHOT_CHECK)
+        .arg(&file)
+        .arg(keep.device_ptr().to_string())
+        .arg(pending_ptr.to_string())
+        .output()
+    {
+        Ok(out) => {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "python: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            println!(
+                "gpu device_snapshot_pickle bytes={} {}",
+                bytes.len(),
+                stdout.trim()
+            );
+        }
+        Err(e) => println!("{test}: python part skipped: python3 not found ({e})"),
+    }
+    b.synchronize().unwrap();
+    std::fs::remove_file(&file).unwrap();
+    drop(keep);
 }

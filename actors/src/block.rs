@@ -277,9 +277,12 @@ impl<R: Runtime> Block<R> {
     /// active; it is ready to be handed out again.
     pub(crate) fn leave_waiting(&mut self) {
         debug_assert!(self.events.get_mut().is_empty());
-        self.pool
-            .history
-            .on_free_completed(self.pool.id, self.memory.addr(), self.size);
+        self.pool.history.on_free_completed(
+            self.pool.id,
+            self.pool.owner,
+            self.memory.addr(),
+            self.size,
+        );
         let stats = &self.pool.stats;
         stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
         stats

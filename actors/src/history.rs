@@ -193,16 +193,31 @@ impl Recorder {
 impl Recorder {
     /// Hook (lease made, cached path included): records an `Alloc`.
     #[inline(always)]
-    pub(crate) fn on_alloc(&self, pool: PoolId, addr: usize, size: usize, requested: usize) {
+    pub(crate) fn on_alloc(
+        &self,
+        pool: PoolId,
+        owner: Option<StreamId>,
+        addr: usize,
+        size: usize,
+        requested: usize,
+    ) {
         if self.is_on() {
-            self.record_alloc(pool, addr, size, requested);
+            self.record_alloc(pool, owner, addr, size, requested);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn record_alloc(&self, pool: PoolId, addr: usize, size: usize, requested: usize) {
+    fn record_alloc(
+        &self,
+        pool: PoolId,
+        owner: Option<StreamId>,
+        addr: usize,
+        size: usize,
+        requested: usize,
+    ) {
         let mut e = TraceEntry::new(TraceAction::Alloc, self.now_us(), pool);
+        e.owner = owner;
         e.addr = addr;
         e.size = size;
         e.requested = requested;
@@ -219,13 +234,14 @@ impl Recorder {
     pub(crate) fn on_free(
         &self,
         pool: PoolId,
+        owner: Option<StreamId>,
         addr: usize,
         size: usize,
         requested: usize,
         stream: impl FnOnce() -> Option<StreamId>,
     ) {
         if self.is_on() {
-            self.record_free(pool, addr, size, requested, stream());
+            self.record_free(pool, owner, addr, size, requested, stream());
         }
     }
 
@@ -234,6 +250,7 @@ impl Recorder {
     fn record_free(
         &self,
         pool: PoolId,
+        owner: Option<StreamId>,
         addr: usize,
         size: usize,
         requested: usize,
@@ -241,6 +258,7 @@ impl Recorder {
     ) {
         let t = self.now_us();
         let mut e = TraceEntry::new(TraceAction::FreeRequested, t, pool);
+        e.owner = owner;
         e.addr = addr;
         e.size = size;
         e.requested = requested;
@@ -251,6 +269,7 @@ impl Recorder {
         self.send(e);
         if stream.is_none() {
             let mut d = TraceEntry::new(TraceAction::FreeCompleted, t, pool);
+            d.owner = owner;
             d.addr = addr;
             d.size = size;
             self.send(d);
@@ -259,9 +278,16 @@ impl Recorder {
 
     /// Hook (the events of a freed block completed): records a `FreeCompleted`.
     #[inline]
-    pub(crate) fn on_free_completed(&self, pool: PoolId, addr: usize, size: usize) {
+    pub(crate) fn on_free_completed(
+        &self,
+        pool: PoolId,
+        owner: Option<StreamId>,
+        addr: usize,
+        size: usize,
+    ) {
         if self.is_on() {
             let mut e = TraceEntry::new(TraceAction::FreeCompleted, self.now_us(), pool);
+            e.owner = owner;
             e.addr = addr;
             e.size = size;
             self.send(e);
@@ -269,19 +295,31 @@ impl Recorder {
     }
 
     /// Hook (fresh memory taken): records a `SegmentAlloc`.
-    pub(crate) fn on_segment_alloc(&self, pool: PoolId, region: &Region) {
-        self.segment(pool, region, TraceAction::SegmentAlloc);
+    pub(crate) fn on_segment_alloc(&self, pool: PoolId, owner: Option<StreamId>, region: &Region) {
+        self.segment(pool, owner, region, TraceAction::SegmentAlloc);
     }
 
     /// Hook (memory given back to its source): records a `SegmentFree`.
-    pub(crate) fn on_segment_free(&self, pool: PoolId, region: &Region) {
+    pub(crate) fn on_segment_free(&self, pool: PoolId, owner: Option<StreamId>, region: &Region) {
         tracing::debug!(pool = %pool, bytes = region.size, "memory given back");
-        self.segment(pool, region, TraceAction::SegmentFree);
+        self.segment(pool, owner, region, TraceAction::SegmentFree);
     }
 
-    fn segment(&self, pool: PoolId, region: &Region, action: TraceAction) {
+    /// Hook (granules of a reserved range mapped): records a `SegmentMap`.
+    pub(crate) fn on_segment_map(&self, pool: PoolId, owner: Option<StreamId>, part: &Region) {
+        self.segment(pool, owner, part, TraceAction::SegmentMap);
+    }
+
+    /// Hook (granules of a reserved range unmapped): records a `SegmentUnmap`.
+    pub(crate) fn on_segment_unmap(&self, pool: PoolId, owner: Option<StreamId>, part: &Region) {
+        tracing::debug!(pool = %pool, bytes = part.size, "memory unmapped");
+        self.segment(pool, owner, part, TraceAction::SegmentUnmap);
+    }
+
+    fn segment(&self, pool: PoolId, owner: Option<StreamId>, region: &Region, action: TraceAction) {
         if self.is_on() {
             let mut e = TraceEntry::new(action, self.now_us(), pool);
+            e.owner = owner;
             e.addr = region.addr();
             e.size = region.size;
             self.send(e);
@@ -322,6 +360,7 @@ impl Recorder {
             if self.is_on() {
                 let mut e = TraceEntry::new(TraceAction::Oom, time_us, pool);
                 e.size = requested;
+                e.addr = driver_free.unwrap_or(0);
                 e.name = Some(Arc::from(err.to_string()));
                 self.send(e);
             }

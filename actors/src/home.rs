@@ -153,7 +153,7 @@ impl<R: Runtime, B> Home<R, B> {
         self.stats.host_free_time.record(t0.elapsed());
         match res {
             Ok(()) => {
-                self.history.on_segment_free(self.id, &memory);
+                self.history.on_segment_free(self.id, self.owner, &memory);
                 self.stats.segment(memory.size, false);
                 self.stats.allocations.decrease(1);
                 self.stats.allocated_bytes.decrease(memory.size as i64);
@@ -183,7 +183,7 @@ impl<R: Runtime, B> Home<R, B> {
         self.stats.host_alloc_time.record(t0.elapsed());
         if res.is_ok() {
             self.history
-                .on_segment_alloc(self.id, &range.part(offset, len));
+                .on_segment_map(self.id, self.owner, &range.part(offset, len));
             self.stats.allocated_bytes.increase(len as i64);
             self.stats.segment(len, true);
         }
@@ -205,7 +205,7 @@ impl<R: Runtime, B> Home<R, B> {
         match &res {
             Ok(()) => {
                 self.history
-                    .on_segment_free(self.id, &range.part(offset, len));
+                    .on_segment_unmap(self.id, self.owner, &range.part(offset, len));
                 self.stats.allocated_bytes.decrease(len as i64);
                 self.stats.segment(len, false);
                 self.budget.release(len);

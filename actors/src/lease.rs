@@ -34,7 +34,7 @@ impl<R: Runtime> Lease<R> {
     ) -> Self {
         let pool = &block.pool;
         pool.history
-            .on_alloc(pool.id, block.memory.addr(), block.size, len);
+            .on_alloc(pool.id, pool.owner, block.memory.addr(), block.size, len);
         block.shard = block.pool.stats.lend(block.size, len);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
@@ -126,11 +126,14 @@ impl<R: Runtime> Lease<R> {
 impl<R: Runtime> Drop for Lease<R> {
     fn drop(&mut self) {
         if let Some(b) = self.block.take() {
-            b.pool
-                .history
-                .on_free(b.pool.id, b.memory.addr(), b.size, self.len, || {
-                    b.streams.first().map(|(s, _)| *s)
-                });
+            b.pool.history.on_free(
+                b.pool.id,
+                b.pool.owner,
+                b.memory.addr(),
+                b.size,
+                self.len,
+                || b.streams.first().map(|(s, _)| *s),
+            );
             b.pool.stats.freed(b.shard, b.size, self.len);
             b.release();
         }

@@ -20,7 +20,8 @@
 //!
 //! 1. Vocabulary: `runtime`, `memory`, `pool_id`, `error`, `blocking` (whether a blocking
 //!    call may block this thread), `shard`, `spawn`, `keepalive`, `policy`, `carve`,
-//!    `counters`, `device_stats`, `stats`, `meta`, `trace`, `snapshot`.
+//!    `counters`, `device_stats`, `stats`, `meta`, `trace`, `snapshot`, `pickle` (a pickle
+//!    writer), `torch_snapshot` (snapshots in PyTorch's pickle layout).
 //! 2. Observation: `observe` (the observer task), `history` (the history actor and the
 //!    recorder the hot paths call), `free_memory` (the user's free-memory callbacks).
 //! 3. Lock-free holders of blocks: `ready` (the cached path), `parked` (freed blocks waiting
@@ -55,6 +56,8 @@ mod stats;
 mod meta;
 mod trace;
 mod snapshot;
+mod pickle;
+mod torch_snapshot;
 // 2. Observation.
 mod observe;
 mod history;

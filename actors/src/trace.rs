@@ -25,6 +25,10 @@ pub enum TraceAction {
     SegmentAlloc,
     /// Pinned memory was given back to the runtime.
     SegmentFree,
+    /// Granules of a reserved (expandable) range were mapped: the segment grew.
+    SegmentMap,
+    /// Granules of a reserved (expandable) range were unmapped: the segment shrank.
+    SegmentUnmap,
     /// A snapshot of the allocator was taken (ties snapshots to the trace).
     Snapshot,
     /// A request failed for want of memory (`size` is the request).
@@ -46,6 +50,8 @@ impl TraceAction {
             TraceAction::FreeCompleted => "free_completed",
             TraceAction::SegmentAlloc => "segment_alloc",
             TraceAction::SegmentFree => "segment_free",
+            TraceAction::SegmentMap => "segment_map",
+            TraceAction::SegmentUnmap => "segment_unmap",
             TraceAction::Snapshot => "snapshot",
             TraceAction::Oom => "oom",
             TraceAction::UserDefined => "user_defined",
@@ -93,7 +99,8 @@ pub struct TraceEntry {
     pub time_us: u64,
     /// The pool it happened in.
     pub pool: PoolId,
-    /// Address of the block or segment (0 for entries without one).
+    /// Address of the block or segment (0 for entries without one); for `Oom`, the bytes
+    /// the memory source's driver still had free (0 where it cannot tell).
     pub addr: usize,
     /// Bytes of the block or segment; for `Oom`, the bytes requested.
     pub size: usize,
@@ -101,6 +108,9 @@ pub struct TraceEntry {
     pub requested: usize,
     /// The first stream recorded on a freed buffer (`FreeRequested`, `FreeCompleted`).
     pub stream: Option<StreamId>,
+    /// The stream that owns the pool, in a stream-ordered pool (device memory): the stream
+    /// the block or segment belongs to.
+    pub owner: Option<StreamId>,
     /// The annotation (`UserDefined`) or the error (`Oom`).
     pub name: Option<Arc<str>>,
     /// The call site, when [`HistoryContext`] asked for it.
@@ -117,6 +127,7 @@ impl TraceEntry {
             size: 0,
             requested: 0,
             stream: None,
+            owner: None,
             name: None,
             context: None,
         }

@@ -6,9 +6,10 @@
 //! of the largest allocations with their call sites. The page loads nothing: no network, no
 //! external assets; it opens in any browser.
 //!
-//! The curves are rebuilt from the entries: `SegmentAlloc`/`SegmentFree` move reserved bytes,
-//! `Alloc`/`FreeRequested` move bytes in use, `FreeRequested`/`FreeCompleted` move bytes
-//! waiting on events (blocks kept for graph replays stay in "waiting"). When the history
+//! The curves are rebuilt from the entries: `SegmentAlloc`/`SegmentFree` and
+//! `SegmentMap`/`SegmentUnmap` move reserved bytes, `Alloc`/`FreeRequested` move bytes in
+//! use, `FreeRequested`/`FreeCompleted` move bytes waiting on events (blocks kept for graph
+//! replays stay in "waiting"). When the history
 //! began after memory was already held, or the ring dropped its oldest entries, a curve is
 //! raised so that it never goes below zero; the page says so.
 
@@ -61,6 +62,8 @@ pub fn series(history: &History) -> Vec<PoolSeries> {
                 | TraceAction::FreeCompleted
                 | TraceAction::SegmentAlloc
                 | TraceAction::SegmentFree
+                | TraceAction::SegmentMap
+                | TraceAction::SegmentUnmap
         );
         if moves {
             by_pool.entry(e.pool).or_default().push(e);
@@ -76,8 +79,8 @@ pub fn series(history: &History) -> Vec<PoolSeries> {
             for e in entries {
                 let size = e.size as i64;
                 match e.action {
-                    TraceAction::SegmentAlloc => r += size,
-                    TraceAction::SegmentFree => r -= size,
+                    TraceAction::SegmentAlloc | TraceAction::SegmentMap => r += size,
+                    TraceAction::SegmentFree | TraceAction::SegmentUnmap => r -= size,
                     TraceAction::Alloc => u += size,
                     TraceAction::FreeRequested => {
                         u -= size;

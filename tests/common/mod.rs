@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod pickle;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

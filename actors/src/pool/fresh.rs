@@ -86,7 +86,9 @@ impl<R: Runtime> PoolActor<R> {
         stats.host_alloc_time.record(t0.elapsed());
         match &res {
             Ok(m) => {
-                self.shared.history.on_segment_alloc(self.shared.id, m);
+                self.shared
+                    .history
+                    .on_segment_alloc(self.shared.id, self.shared.owner, m);
                 stats.segment(m.size, true);
                 stats.allocations.increase(1);
                 stats.allocated_bytes.increase(m.size as i64);

@@ -1,0 +1,108 @@
+//! Snapshots for PyTorch's memory tools on the public face.
+//!
+//! Owns `pickle_snapshot` and `dump_snapshot` of [`PinnedAllocator`] and [`DeviceAllocator`]:
+//! a snapshot and the recorded history in the pickle layout of
+//! `torch.cuda.memory._snapshot()` (see [`MemorySnapshot::to_pickle`]), as bytes or written
+//! to a file as `torch.cuda.memory._dump_snapshot` does. Like PyTorch's snapshot, taking one
+//! records a `Snapshot` entry in the history while history is on.
+
+use std::path::Path;
+
+use pinpool_actors::{Error, History, MemorySnapshot, Runtime};
+
+use crate::allocator::PinnedAllocator;
+use crate::device::{DeviceAllocator, DeviceRuntime};
+use crate::history::ReportError;
+
+/// Writes `bytes` to `path` on a blocking thread.
+async fn write_file(path: &Path, bytes: Vec<u8>) -> Result<(), ReportError> {
+    let target = path.to_path_buf();
+    let res = tokio::task::spawn_blocking(move || std::fs::write(target, bytes))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+    res.map_err(|source| ReportError::SnapshotFile {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+impl<R: Runtime> PinnedAllocator<R> {
+    /// A snapshot and the recorded history in the pickle layout of
+    /// `torch.cuda.memory._snapshot()`; pinned host memory reads as device 0 (see
+    /// [`MemorySnapshot::to_pickle`] for how the fields map).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// pool.record_history(true, 1000, pinpool::HistoryContext::None)?;
+    /// let buf = pool.alloc(4096).await?;
+    /// let bytes = pool.pickle_snapshot().await?;
+    /// assert_eq!(&bytes[..2], &[0x80, 2]); // a pickle, protocol 2
+    /// # drop(buf);
+    /// # Ok(()) }
+    /// ```
+    pub async fn pickle_snapshot(&self) -> Result<Vec<u8>, Error> {
+        let snap = self.snapshot().await?;
+        self.engine().record_snapshot_taken();
+        let history = self.history().await?;
+        Ok(snap.to_pickle(&[history]))
+    }
+
+    /// Writes [`PinnedAllocator::pickle_snapshot`] to `path`, like
+    /// `torch.cuda.memory._dump_snapshot`: the file opens in `pytorch.org/memory_viz`.
+    /// [`ReportError::SnapshotFile`] when the file cannot be written.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::ReportError> {
+    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// pool.dump_snapshot("pinned.pickle").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn dump_snapshot(&self, path: impl AsRef<Path>) -> Result<(), ReportError> {
+        let bytes = self.pickle_snapshot().await?;
+        write_file(path.as_ref(), bytes).await
+    }
+}
+
+impl<R: DeviceRuntime> DeviceAllocator<R> {
+    /// A snapshot of every device and each device's recorded history (`device_traces[d]`)
+    /// in the pickle layout of `torch.cuda.memory._snapshot()` (see
+    /// [`MemorySnapshot::to_pickle`]).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::ReportError> {
+    /// use pinpool::{DeviceAllocator, HistoryContext};
+    ///
+    /// let pool = DeviceAllocator::builder().build()?;
+    /// pool.record_history(true, 100_000, HistoryContext::Alloc)?; // device_traces, with frames
+    /// let stream = pool.runtime().stream();
+    /// let buf = pool.alloc(1 << 20, &stream).await?;
+    /// let bytes = pool.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
+    /// assert_eq!(&bytes[..2], &[0x80, 2]);
+    /// let file = std::env::temp_dir().join("pinpool-device-doc.pickle");
+    /// pool.dump_snapshot(&file).await?; // open it in pytorch.org/memory_viz
+    /// # std::fs::remove_file(&file).ok();
+    /// # drop(buf);
+    /// # Ok(()) }
+    /// ```
+    pub async fn pickle_snapshot(&self) -> Result<Vec<u8>, Error> {
+        let snap: MemorySnapshot = self.snapshot().await?;
+        let mut histories: Vec<History> = Vec::with_capacity(self.device_count());
+        for d in 0..self.device_count() {
+            self.engine(d)?.record_snapshot_taken();
+            histories.push(self.history(d).await?);
+        }
+        Ok(snap.to_pickle(&histories))
+    }
+
+    /// Writes [`DeviceAllocator::pickle_snapshot`] to `path`, like
+    /// `torch.cuda.memory._dump_snapshot`. [`ReportError::SnapshotFile`] when the file
+    /// cannot be written.
+    pub async fn dump_snapshot(&self, path: impl AsRef<Path>) -> Result<(), ReportError> {
+        let bytes = self.pickle_snapshot().await?;
+        write_file(path.as_ref(), bytes).await
+    }
+}
