@@ -31,6 +31,9 @@ const STREAMS: usize = 2;
 /// How long a request that the model says must be served may take to be.
 const SERVE_WITHIN: Duration = Duration::from_secs(5);
 
+/// A request under way: the task awaiting `alloc`.
+type Request = JoinHandle<Result<PinnedBuffer<SimRuntime>, Error>>;
+
 #[derive(Debug, Clone)]
 enum Op {
     Alloc { size: usize },
@@ -69,7 +72,7 @@ struct Harness {
     /// until the stream is released.
     queued: Vec<Vec<(usize, usize)>>,
     /// Requests not served yet, in arrival order.
-    waiting: VecDeque<(usize, JoinHandle<Result<PinnedBuffer<SimRuntime>, Error>>)>,
+    waiting: VecDeque<(usize, Request)>,
 }
 
 impl Harness {
