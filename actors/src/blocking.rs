@@ -71,6 +71,18 @@ pub fn may_block(call: &'static str, use_instead: &'static str) -> Result<Blocki
     }
 }
 
+/// How a call that blocks on the driver or on a plain thread (never on a tokio task, so it
+/// cannot deadlock) should block this thread: inside [`tokio::task::block_in_place`] on a
+/// multi-thread runtime's thread, so that the worker's other tasks move on, plainly
+/// anywhere else (on a current-thread runtime it stalls that runtime's tasks for the call's
+/// duration, as any slow synchronous call does).
+pub fn may_stall() -> Blocking {
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::CurrentThread) | Err(_) => Blocking::Plain,
+        Ok(_) => Blocking::InPlace,
+    }
+}
+
 /// Runs `f` with this thread marked as one that no runtime executes tasks on (the
 /// observer's blocking threads, where callbacks may call the blocking API).
 pub(crate) fn off_runtime<T>(f: impl FnOnce() -> T) -> T {

@@ -175,6 +175,18 @@ pub enum Error {
         /// Bytes of the destination.
         dst_len: usize,
     },
+    /// A copy of more bytes than its source or its destination holds.
+    #[error(
+        "cannot copy {requested} bytes: the source holds {src_len} and the destination {dst_len}"
+    )]
+    CopyOutOfRange {
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes of the source.
+        src_len: usize,
+        /// Bytes of the destination.
+        dst_len: usize,
+    },
 }
 
 fn limit_text(limit: Option<usize>) -> String {

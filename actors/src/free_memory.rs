@@ -9,9 +9,15 @@
 //! and hold nothing of the allocator's while they run; a callback that panics counts as
 //! having freed nothing, and the panic is counted.
 //!
+//! Each refused request runs the list once, so requests refused at the same moment on
+//! several threads run the callbacks concurrently (they are `Sync`: guard what they share).
+//! A request made from inside a callback (on its thread) does not run them again: nested
+//! runs would recurse, and the outer run is still freeing.
+//!
 //! The registry is an `ArcSwap` of an immutable list: attaching is rare, and running loads
 //! the list once.
 
+use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -58,6 +64,20 @@ impl FreeMemoryCallbacks {
     /// Runs every callback once, in the order they were attached; whether any of them freed
     /// something. Call it only where blocking is allowed (user code runs here).
     pub(crate) fn run(&self) -> bool {
+        thread_local! {
+            /// Set while this thread runs the callbacks.
+            static RUNNING: Cell<bool> = const { Cell::new(false) };
+        }
+        struct Running;
+        impl Drop for Running {
+            fn drop(&mut self) {
+                RUNNING.with(|r| r.set(false));
+            }
+        }
+        if RUNNING.with(|r| r.replace(true)) {
+            return false; // a request from inside a callback
+        }
+        let _running = Running;
         let list = self.list.load_full();
         let mut freed = false;
         for (i, f) in list.iter().enumerate() {
@@ -127,6 +147,21 @@ mod tests {
         assert!(!reg.run(), "a panic frees nothing");
         assert_eq!(ran.load(Ordering::SeqCst), 1);
         assert_eq!(reg.panics(), 1);
+        assert_eq!(reg.calls(), 2);
+    }
+
+    #[test]
+    fn a_request_from_inside_a_callback_does_not_run_the_callbacks_again() {
+        let reg = Arc::new(FreeMemoryCallbacks::default());
+        let nested = Arc::downgrade(&reg);
+        reg.attach(Arc::new(move || {
+            let again = nested.upgrade().map(|r| r.run());
+            assert_eq!(again, Some(false), "a nested run frees nothing");
+            true
+        }));
+        assert!(reg.run());
+        assert_eq!(reg.calls(), 1, "the nested run called nothing");
+        assert!(reg.run(), "the next request runs them again");
         assert_eq!(reg.calls(), 2);
     }
 }

@@ -238,11 +238,15 @@ impl DeviceRuntime for CudaRuntime {
         ipc::export(&self.device_context(device)?, ptr)
     }
 
-    fn ipc_open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+    fn ipc_open(
+        &self,
+        device: usize,
+        handle: &[u8; IPC_HANDLE_BYTES],
+    ) -> Result<(u64, usize), Error> {
         ipc::open(&self.device_context(device)?, handle)
     }
 
-    fn ipc_close(&self, device: usize, base: u64) -> Result<(), Error> {
+    unsafe fn ipc_close(&self, device: usize, base: u64) -> Result<(), Error> {
         ipc::close(&self.device_context(device)?, base)
     }
 
@@ -250,7 +254,7 @@ impl DeviceRuntime for CudaRuntime {
         ipc::enable_peer(&self.device_context(device)?, &self.device_context(peer)?)
     }
 
-    fn copy_device_async(
+    unsafe fn copy_device_async(
         &self,
         stream: &Self::Stream,
         dst: u64,
@@ -264,8 +268,8 @@ impl DeviceRuntime for CudaRuntime {
             self.device_context(dst_device)?,
             self.device_context(src_device)?,
         );
-        // SAFETY: the allocator checked that both ranges lie in live buffers, and recorded
-        // the stream on both, so neither is reused before the copy has run.
+        // SAFETY: this function's contract: both ranges lie in device memory that stays
+        // allocated and unused by unordered work until the copy has run.
         unsafe {
             ipc::copy(
                 stream,

@@ -72,7 +72,10 @@ pub(crate) fn export(ctx: &Arc<CudaContext>, ptr: u64) -> Result<IpcExport, Erro
 }
 
 /// Opens an exported segment on the device of `ctx`; its start in this process.
-pub(crate) fn open(ctx: &Arc<CudaContext>, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+pub(crate) fn open(
+    ctx: &Arc<CudaContext>,
+    handle: &[u8; IPC_HANDLE_BYTES],
+) -> Result<(u64, usize), Error> {
     enter(ctx)?;
     let mut raw = sys::CUipcMemHandle {
         reserved: [0; IPC_HANDLE_BYTES],
@@ -86,7 +89,19 @@ pub(crate) fn open(ctx: &Arc<CudaContext>, handle: &[u8; IPC_HANDLE_BYTES]) -> R
     // SAFETY: `ptr` is a valid out-location; the handle is passed by value, and the driver
     // checks it (a bad one is an error, not undefined behaviour).
     match unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, raw, flags) }.result() {
-        Ok(()) => Ok(ptr),
+        Ok(()) => {
+            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: valid out-locations; `ptr` is the start of the segment just opened.
+            let range = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+            match range.result() {
+                Ok(()) => Ok((ptr, size)),
+                Err(e) => {
+                    // SAFETY: opened just above, used by nothing yet, closed once here.
+                    let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+                    Err(driver("cuMemGetAddressRange", e))
+                }
+            }
+        }
         Err(e @ DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
             Err(driver("cuIpcOpenMemHandle", e))
         }

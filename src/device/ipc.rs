@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use pinpool_actors::blocking::may_stall;
 use pinpool_actors::{Error, Origin, RuntimeError};
 
 use super::allocator::DeviceAllocator;
@@ -28,17 +29,20 @@ use super::runtime::DeviceRuntime;
 
 /// The driver calls the registry makes (a runtime's `ipc_open` / `ipc_close`).
 pub(crate) trait IpcDriver: Send + Sync + 'static {
-    fn open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error>;
+    /// Opens a segment: its address here and its size.
+    fn open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<(u64, usize), Error>;
+    /// Closes a segment `open` opened, once nothing uses it.
     fn close(&self, device: usize, base: u64) -> Result<(), Error>;
 }
 
 impl<R: DeviceRuntime> IpcDriver for R {
-    fn open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+    fn open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<(u64, usize), Error> {
         self.ipc_open(device, handle)
     }
 
     fn close(&self, device: usize, base: u64) -> Result<(), Error> {
-        self.ipc_close(device, base)
+        // SAFETY: the registry closes a segment it opened, once, after its last user.
+        unsafe { self.ipc_close(device, base) }
     }
 }
 
@@ -46,10 +50,10 @@ impl<R: DeviceRuntime> IpcDriver for R {
 type Key = (usize, [u8; IPC_HANDLE_BYTES]);
 
 enum Msg {
-    /// Open the segment (or count one more user); reply with its address here.
+    /// Open the segment (or count one more user); reply with its address here and size.
     Open {
         key: Key,
-        reply: flume::Sender<Result<u64, Error>>,
+        reply: flume::Sender<Result<(u64, usize), Error>>,
     },
     /// One user fewer; close the segment when none is left.
     Close { key: Key },
@@ -64,18 +68,20 @@ pub(crate) struct IpcRegistry {
 impl IpcRegistry {
     /// Starts the registry's thread; it ends once the registry and every `IpcMemory` are
     /// gone (then nothing is open any more).
-    pub(crate) fn start(driver: Arc<dyn IpcDriver>) -> Self {
+    pub(crate) fn start(driver: Arc<dyn IpcDriver>) -> Result<Self, Error> {
         let (tx, rx) = flume::unbounded();
         let open = Arc::new(AtomicUsize::new(0));
         let count = open.clone();
-        let started = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("pinpool-ipc".into())
-            .spawn(move || run(driver, rx, count));
-        if let Err(e) = started {
-            // The receiver went with the closure: every open reports the failure.
-            tracing::error!(error = %e, "the IPC registry thread did not start");
-        }
-        Self { tx, open }
+            .spawn(move || run(driver, rx, count))
+            .map_err(|e| {
+                Error::Runtime(RuntimeError::new(
+                    "open_ipc",
+                    format!("the IPC registry thread did not start: {e}"),
+                ))
+            })?;
+        Ok(Self { tx, open })
     }
 
     /// Segments open now.
@@ -94,9 +100,27 @@ impl IpcRegistry {
             ))
         };
         self.tx.send(Msg::Open { key, reply }).map_err(|_| gone())?;
-        let base = answer.recv().map_err(|_| gone())??;
+        let (base, size) = answer.recv().map_err(|_| gone())??;
+        // The block must lie inside the segment: the handle's offset and length are the
+        // sender's word only.
+        let inside = handle
+            .offset()
+            .checked_add(handle.len())
+            .filter(|&end| end <= size as u64)
+            .and_then(|_| base.checked_add(handle.offset()));
+        let Some(ptr) = inside else {
+            let _ = self.tx.send(Msg::Close { key });
+            return Err(Error::InvalidIpcHandle {
+                reason: format!(
+                    "a block of {} bytes at offset {} does not lie inside its segment of {size} \
+                     bytes",
+                    handle.len(),
+                    handle.offset()
+                ),
+            });
+        };
         Ok(IpcMemory {
-            ptr: base + handle.offset(),
+            ptr,
             len: handle.len() as usize,
             device: handle.device(),
             key,
@@ -107,17 +131,18 @@ impl IpcRegistry {
 
 /// The registry actor's loop.
 fn run(driver: Arc<dyn IpcDriver>, rx: flume::Receiver<Msg>, count: Arc<AtomicUsize>) {
-    let mut open: HashMap<Key, (u64, usize)> = HashMap::new();
+    // Each open segment: its address here, its size, and its users.
+    let mut open: HashMap<Key, (u64, usize, usize)> = HashMap::new();
     for msg in rx.iter() {
         match msg {
             Msg::Open { key, reply } => {
                 let base = match open.get_mut(&key) {
-                    Some((base, users)) => {
+                    Some((base, size, users)) => {
                         *users += 1;
-                        Ok(*base)
+                        Ok((*base, *size))
                     }
-                    None => driver.open(key.0, &key.1).inspect(|&base| {
-                        open.insert(key, (base, 1));
+                    None => driver.open(key.0, &key.1).inspect(|&(base, size)| {
+                        open.insert(key, (base, size, 1));
                         count.fetch_add(1, Ordering::SeqCst);
                     }),
                 };
@@ -135,11 +160,11 @@ fn run(driver: Arc<dyn IpcDriver>, rx: flume::Receiver<Msg>, count: Arc<AtomicUs
 /// One user of `key` fewer: closes the segment with its last.
 fn release(
     driver: &dyn IpcDriver,
-    open: &mut HashMap<Key, (u64, usize)>,
+    open: &mut HashMap<Key, (u64, usize, usize)>,
     key: Key,
     count: &AtomicUsize,
 ) {
-    let Some((base, users)) = open.get_mut(&key) else {
+    let Some((base, _, users)) = open.get_mut(&key) else {
         return;
     };
     *users -= 1;
@@ -229,7 +254,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             }),
             Some(_) => {
                 let ptr = buf.device_ptr();
-                let export = self.runtime().ipc_export(buf.device(), ptr)?;
+                let export = may_stall().run(|| self.runtime().ipc_export(buf.device(), ptr))?;
                 Ok(IpcHandle::new(
                     export.handle,
                     ptr - export.base,
@@ -242,18 +267,27 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
 
     /// Opens a block another process exported (PyTorch's `getIpcDevPtr`): blocks of one
     /// segment share one open of it, closed when the last [`IpcMemory`] drops. Blocks the
-    /// calling thread for the driver call (no tokio runtime needed).
+    /// calling thread for the driver call (no tokio runtime needed; on a multi-thread
+    /// runtime's worker, inside `block_in_place`). [`Error::InvalidIpcHandle`] also for a
+    /// handle whose block does not lie inside the segment it names.
     ///
     /// [`Error::NoSuchDevice`] for a device this process does not have,
     /// [`Error::InvalidIpcHandle`] for a handle the driver refuses (its process has exited,
     /// or it is this process's own), [`Error::NotSupported`] on the simulation.
     pub fn open_ipc(&self, handle: &IpcHandle) -> Result<IpcMemory, Error> {
         self.engine(handle.device())?;
-        let runtime = self.runtime().clone();
-        self.inner()
-            .ipc
-            .get_or_init(|| IpcRegistry::start(runtime))
-            .open(handle)
+        let registry = match self.inner().ipc.get() {
+            Some(r) => r,
+            None => {
+                // Kept only once its thread runs; two first opens at once start two, and the
+                // one not kept ends with its sender.
+                let started = IpcRegistry::start(self.runtime().clone())?;
+                let _ = self.inner().ipc.set(started);
+                self.inner().ipc.get().ok_or(Error::Shutdown)?
+            }
+        };
+        // Waits for the registry's thread and the driver, never for a tokio task.
+        may_stall().run(|| registry.open(handle))
     }
 
     /// [`DeviceAllocator::open_ipc`] from the handle's byte form
@@ -273,6 +307,9 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicU64;
 
+    /// The size of every segment the counting driver opens.
+    const SEGMENT: usize = 2 << 20;
+
     /// A driver that counts its calls and opens each segment at a made-up address.
     #[derive(Default)]
     struct Counting {
@@ -281,14 +318,18 @@ mod tests {
     }
 
     impl IpcDriver for Counting {
-        fn open(&self, _device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+        fn open(
+            &self,
+            _device: usize,
+            handle: &[u8; IPC_HANDLE_BYTES],
+        ) -> Result<(u64, usize), Error> {
             if handle[0] == 0xff {
                 return Err(Error::InvalidIpcHandle {
                     reason: "refused".into(),
                 });
             }
             self.opens.fetch_add(1, Ordering::SeqCst);
-            Ok(0x7000_0000 + ((handle[0] as u64) << 24))
+            Ok((0x7000_0000 + ((handle[0] as u64) << 24), SEGMENT))
         }
 
         fn close(&self, _device: usize, _base: u64) -> Result<(), Error> {
@@ -308,7 +349,7 @@ mod tests {
     #[test]
     fn blocks_of_one_segment_share_one_open_closed_with_the_last_user() {
         let driver = Arc::new(Counting::default());
-        let registry = IpcRegistry::start(driver.clone());
+        let registry = IpcRegistry::start(driver.clone()).unwrap();
         let a = registry.open(&IpcHandle::new([1; 64], 0, 512, 0)).unwrap();
         let b = registry
             .open(&IpcHandle::new([1; 64], 4096, 1024, 0))
@@ -338,7 +379,7 @@ mod tests {
     #[test]
     fn the_same_segment_on_another_device_is_another_open() {
         let driver = Arc::new(Counting::default());
-        let registry = IpcRegistry::start(driver.clone());
+        let registry = IpcRegistry::start(driver.clone()).unwrap();
         let a = registry.open(&IpcHandle::new([1; 64], 0, 512, 0)).unwrap();
         let b = registry.open(&IpcHandle::new([1; 64], 0, 512, 1)).unwrap();
         assert_eq!(driver.opens.load(Ordering::SeqCst), 2);
@@ -349,12 +390,38 @@ mod tests {
     #[test]
     fn a_refused_open_is_a_typed_error_and_leaves_nothing_open() {
         let driver = Arc::new(Counting::default());
-        let registry = IpcRegistry::start(driver.clone());
+        let registry = IpcRegistry::start(driver.clone()).unwrap();
         let err = registry
             .open(&IpcHandle::new([0xff; 64], 0, 512, 0))
             .unwrap_err();
         assert!(matches!(err, Error::InvalidIpcHandle { .. }), "{err:?}");
         assert_eq!(registry.open_segments(), 0);
         assert_eq!(driver.closes.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_handle_whose_block_passes_its_segment_is_refused_and_closes_what_it_opened() {
+        let driver = Arc::new(Counting::default());
+        let registry = IpcRegistry::start(driver.clone()).unwrap();
+        let seg = SEGMENT as u64;
+        for (offset, len) in [(seg - 512, 1024), (seg, 1), (u64::MAX - 1, 1)] {
+            let err = registry
+                .open(&IpcHandle::new([3; 64], offset, len, 0))
+                .unwrap_err();
+            assert!(matches!(err, Error::InvalidIpcHandle { .. }), "{err:?}");
+        }
+        wait_until(|| registry.open_segments() == 0);
+        assert_eq!(
+            driver.opens.load(Ordering::SeqCst),
+            driver.closes.load(Ordering::SeqCst)
+        );
+        let last = registry
+            .open(&IpcHandle::new([3; 64], seg - 512, 512, 0))
+            .unwrap();
+        assert_eq!(
+            last.len(),
+            512,
+            "a block that ends at the segment's end is fine"
+        );
     }
 }

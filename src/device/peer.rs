@@ -10,6 +10,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use pinpool_actors::blocking::may_stall;
 use pinpool_actors::Error;
 
 use super::allocator::DeviceAllocator;
@@ -61,7 +62,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         if self.inner().peers.enabled(device, peer) {
             return Ok(());
         }
-        self.runtime().enable_peer_access(device, peer)?;
+        // The driver call takes its locks for milliseconds: off the worker where it can be.
+        may_stall().run(|| self.runtime().enable_peer_access(device, peer))?;
         self.inner().peers.enable(device, peer);
         Ok(())
     }
@@ -79,7 +81,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// `stream` on both buffers first, so that dropping either right after the call is
     /// safe: its block is handed out again only once the copy has run. Returns at once.
     ///
-    /// Typed errors, with nothing enqueued or recorded: [`Error::LengthMismatch`] when `n`
+    /// Typed errors, with nothing enqueued or recorded: [`Error::CopyOutOfRange`] when `n`
     /// passes either buffer, [`Error::StreamOnOtherDevice`] for a stream on neither
     /// device, [`Error::PeerAccessNotEnabled`] for `p2p` without peer access,
     /// [`Error::ForeignBuffer`] for a buffer of another allocator.
@@ -123,13 +125,12 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         stream: &R::Stream,
         p2p: bool,
     ) -> Result<(), Error> {
-        for len in [src.len(), dst.len()] {
-            if n > len {
-                return Err(Error::LengthMismatch {
-                    src_len: n,
-                    dst_len: len,
-                });
-            }
+        if n > src.len() || n > dst.len() {
+            return Err(Error::CopyOutOfRange {
+                requested: n,
+                src_len: src.len(),
+                dst_len: dst.len(),
+            });
         }
         let (dst_device, src_device) = (dst.device(), src.device());
         let on = self.runtime().stream_device(stream);
@@ -159,15 +160,20 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         }
         dst_engine.record_stream(dst.lease_mut(), stream)?;
         src_engine.record_stream(src.lease_mut(), stream)?;
-        self.runtime().copy_device_async(
-            stream,
-            dst.device_ptr(),
-            dst_device,
-            src.device_ptr(),
-            src_device,
-            n,
-            p2p,
-        )
+        // SAFETY: both ranges lie in live buffers of this allocator (`n` is at most either
+        // length), and the stream is recorded on both, so neither block is handed out again
+        // before the copy has run.
+        unsafe {
+            self.runtime().copy_device_async(
+                stream,
+                dst.device_ptr(),
+                dst_device,
+                src.device_ptr(),
+                src_device,
+                n,
+                p2p,
+            )
+        }
     }
 }
 

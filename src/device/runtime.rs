@@ -45,28 +45,49 @@ pub trait DeviceRuntime: Runtime {
         Err(no_ipc(self.name(), "ipc_handle"))
     }
 
-    /// Opens a segment another process exported, on device `device`; its start here
-    /// (`cuIpcOpenMemHandle`). A handle the driver refuses is [`Error::InvalidIpcHandle`].
-    fn ipc_open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, Error> {
+    /// Opens a segment another process exported, on device `device`: its start here and its
+    /// size (`cuIpcOpenMemHandle`). A handle the driver refuses is
+    /// [`Error::InvalidIpcHandle`].
+    fn ipc_open(
+        &self,
+        device: usize,
+        handle: &[u8; IPC_HANDLE_BYTES],
+    ) -> Result<(u64, usize), Error> {
         let _ = (device, handle);
         Err(no_ipc(self.name(), "open_ipc"))
     }
 
     /// Closes a segment `ipc_open` opened (`cuIpcCloseMemHandle`).
-    fn ipc_close(&self, device: usize, base: u64) -> Result<(), Error> {
+    ///
+    /// # Safety
+    ///
+    /// `base` was returned by this runtime's `ipc_open` for `device`, is not closed yet, and
+    /// nothing uses the memory any more (the allocator's registry of opened segments calls
+    /// this once the last `IpcMemory` of the segment is gone).
+    unsafe fn ipc_close(&self, device: usize, base: u64) -> Result<(), Error> {
         let _ = (device, base);
         Err(no_ipc(self.name(), "ipc_close"))
     }
 
     /// Lets device `device` access the memory of device `peer` (both exist and differ:
-    /// the caller checked). [`Error::PeerAccessUnsupported`] where there is no path.
-    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error>;
+    /// the caller checked). [`Error::PeerAccessUnsupported`] where there is no path (the
+    /// default).
+    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {
+        Err(Error::PeerAccessUnsupported { device, peer })
+    }
 
     /// Enqueues a copy of `len` bytes from `src` (device `src_device`) to `dst` (device
     /// `dst_device`) on `stream`: directly where `p2p` (or on one device), else staged by
-    /// the driver (`cuMemcpyPeerAsync`). The caller checked the ranges and the devices.
+    /// the driver (`cuMemcpyPeerAsync`). [`Error::NotSupported`] by default.
+    ///
+    /// # Safety
+    ///
+    /// `src..src + len` and `dst..dst + len` lie in device memory of `src_device` and
+    /// `dst_device` that stays allocated, and is not used by other work unordered with
+    /// `stream`, until the copy has run (`DeviceAllocator::memcpy_async` checks the ranges
+    /// against its buffers and records `stream` on both before calling this).
     #[allow(clippy::too_many_arguments)]
-    fn copy_device_async(
+    unsafe fn copy_device_async(
         &self,
         stream: &Self::Stream,
         dst: u64,
@@ -75,7 +96,13 @@ pub trait DeviceRuntime: Runtime {
         src_device: usize,
         len: usize,
         p2p: bool,
-    ) -> Result<(), Error>;
+    ) -> Result<(), Error> {
+        let _ = (stream, dst, dst_device, src, src_device, len, p2p);
+        Err(Error::NotSupported {
+            operation: "memcpy_async",
+            reason: format!("the {} runtime has no device copies", self.name()),
+        })
+    }
 }
 
 /// [`Error::NotSupported`] for a runtime without inter-process memory.
@@ -127,7 +154,7 @@ impl DeviceRuntime for SimRuntime {
         }
     }
 
-    fn copy_device_async(
+    unsafe fn copy_device_async(
         &self,
         stream: &Self::Stream,
         dst: u64,
