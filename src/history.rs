@@ -153,6 +153,48 @@ impl<R: Runtime> PinnedAllocator<R> {
         self.engine().attach_oom_observer(f)
     }
 
+    /// Attaches a free-memory callback (PyTorch's `FreeMemoryCallback`): `f` frees what it
+    /// can (drops buffers it holds, say) and returns whether it freed anything. It runs when
+    /// a request finds no cached block that fits and no room under the cap or in the
+    /// runtime, before the allocator empties its caches and gives up with
+    /// [`Error::OutOfMemory`](crate::Error) (or, for `alloc`, waits); when it returns `true`
+    /// the request is tried again first. It runs on the requesting thread or a blocking
+    /// thread, never in an actor or while the allocator holds anything, once per refused
+    /// request (so concurrently when several are refused at once), after the callbacks
+    /// attached before it; a request made from inside a callback does not run them again. A
+    /// panic in it is caught, counted ([`PinnedAllocator::free_memory_callback_panics`]), and
+    /// counts as freeing nothing.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use pinpool::{PinnedAllocator, PinnedBuffer};
+    ///
+    /// let pool = PinnedAllocator::builder().max_bytes(8 << 20).build()?;
+    /// // Staging buffers kept around in case they are needed again, given up when memory
+    /// // runs out.
+    /// let (spare, spares) = flume::unbounded::<PinnedBuffer>();
+    /// pool.attach_free_memory_callback(move || spares.drain().count() > 0);
+    /// spare.send(pool.alloc(8 << 20).await?).unwrap();
+    /// let buf = pool.try_alloc(4 << 20).await?; // room made by the callback
+    /// assert_eq!(pool.free_memory_callback_calls(), 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn attach_free_memory_callback(&self, f: impl Fn() -> bool + Send + Sync + 'static) {
+        self.engine()
+            .attach_free_memory_callback(std::sync::Arc::new(f))
+    }
+
+    /// How many times free-memory callbacks were called.
+    pub fn free_memory_callback_calls(&self) -> u64 {
+        self.engine().free_memory_callback_calls()
+    }
+
+    /// How many free-memory callback calls panicked.
+    pub fn free_memory_callback_panics(&self) -> u64 {
+        self.engine().free_memory_callback_panics()
+    }
+
     /// The history as a self-contained HTML page: reserved, in-use and waiting bytes over
     /// time per pool, and the largest allocations (see [`crate::report`]).
     ///

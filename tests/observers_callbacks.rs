@@ -170,3 +170,46 @@ async fn a_panicking_callback_is_contained_and_stays_attached() {
     })
     .await;
 }
+
+/// Free-memory callbacks on pinned memory: a callback that frees makes room for a request
+/// the cap would refuse; one that frees nothing leaves the typed error, called once for it;
+/// with room to spare no callback is called.
+#[tokio::test]
+async fn a_free_memory_callback_makes_room_for_pinned_memory_and_one_that_frees_nothing_does_not() {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .max_bytes(8 << 20)
+        .build()
+        .unwrap();
+    let small = pool.try_alloc(4096).await.unwrap();
+    assert_eq!(
+        pool.free_memory_callback_calls(),
+        0,
+        "room to spare: not called"
+    );
+    drop(small);
+
+    let (spare, spares) = flume::unbounded();
+    pool.attach_free_memory_callback(move || spares.drain().count() > 0);
+    // The cached 4 KiB block leaves no room for 8 MiB: the callback runs (nothing to give
+    // up yet), then the caches are emptied.
+    spare.send(pool.alloc(8 << 20).await.unwrap()).unwrap();
+    assert_eq!(pool.free_memory_callback_calls(), 1);
+    let buf = pool.try_alloc(4 << 20).await.unwrap();
+    assert_eq!(
+        pool.free_memory_callback_calls(),
+        2,
+        "it gave up the spare buffer"
+    );
+
+    // Nothing left to give up: the request fails as it would without callbacks.
+    let held = pool.try_alloc(4 << 20).await.unwrap();
+    let err = pool.try_alloc(4 << 20).await.unwrap_err();
+    assert!(
+        matches!(err, Error::OutOfMemory { limit: Some(_), .. }),
+        "{err:?}"
+    );
+    assert_eq!(pool.free_memory_callback_calls(), 3);
+    assert_eq!(pool.free_memory_callback_panics(), 0);
+    drop((buf, held));
+}

@@ -14,8 +14,9 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// fits and the device (or the cap) has no room for fresh memory, before the allocator
     /// empties its caches and gives up with [`Error::OutOfMemory`](crate::Error); when it
     /// returns `true`, the request is tried again first. It runs on a blocking thread, never
-    /// while the allocator holds anything, at most once per request, after the callbacks
-    /// attached before it. A panic in it is caught and counted
+    /// while the allocator holds anything, once per refused request (so concurrently when
+    /// several are refused at once), after the callbacks attached before it; a request made
+    /// from inside a callback does not run them again. A panic in it is caught and counted
     /// ([`DeviceAllocator::free_memory_callback_panics`]) and counts as freeing nothing.
     ///
     /// ```
