@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use super::Engine;
 use crate::error::Error;
 use crate::lease::Lease;
-use crate::mailbox::PoolMsg;
+use crate::mailbox::{PollerMsg, PoolMsg};
 use crate::memory::MemoryKind;
 use crate::pool_id::PoolId;
 use crate::runtime::Runtime;
@@ -33,14 +33,26 @@ pub type RestoreFailed<R> = (Error, Vec<Lease<R>>);
 
 impl<R: Runtime> Engine<R> {
     /// The segments and blocks of capture pool `pool` (PyTorch's `getCheckpointState`).
-    /// Errors: [`Error::DefaultPoolId`], [`Error::UnknownPool`]. Exact at a quiescent point
-    /// (a block between two owners shows as allocated).
+    /// Errors: [`Error::DefaultPoolId`], [`Error::UnknownPool`]. Blocks freed and waiting on
+    /// events are free; exact at a quiescent point (a block between two owners shows as
+    /// allocated).
     pub async fn checkpoint_state(&self, pool: PoolId) -> Result<PoolCheckpoint, Error> {
         if pool.is_default() {
             return Err(Error::DefaultPoolId);
         }
-        if !self.pools().contains(&pool) {
-            return Err(Error::UnknownPool(pool));
+        let shared = {
+            let table = self.inner.table.load();
+            let found = table.pools.iter().find(|(p, _)| *p == pool);
+            found
+                .map(|(_, p)| p.clone())
+                .ok_or(Error::UnknownPool(pool))?
+        };
+        // Freed blocks parked by their freeing threads would show as allocated: hand them to
+        // the poller, and let it look at them, before the snapshot.
+        shared.parked.unpark_all();
+        let (tx, rx) = flume::bounded(1);
+        if shared.poller.send(PollerMsg::Flush { reply: tx }).is_ok() {
+            let _ = rx.recv_async().await;
         }
         let snap = self.snapshot().await?;
         let segments = snap
