@@ -43,16 +43,16 @@ pub mod trace;
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
 pub use device::{
-    DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport, IpcHandle, IpcMemory,
-    IPC_HANDLE_BYTES,
+    CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport,
+    IpcHandle, IpcMemory, IPC_HANDLE_BYTES,
 };
 pub use history::ReportError;
 pub use pinpool_actors::FreeMemoryCallback;
 pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
     DeviceFit, DeviceStats, DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory,
-    MemoryKind, MemorySnapshot, MemorySource, Origin, PinMethod, PoolId, PowerOfTwo, Region,
-    Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StatArray, StreamFilter,
-    StreamId, TieredPowerOfTwo, Wait,
+    MemoryKind, MemorySnapshot, MemorySource, Origin, PinMethod, PoolCheckpoint, PoolId,
+    PowerOfTwo, Region, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StatArray,
+    StreamFilter, StreamId, TieredPowerOfTwo, Wait,
 };
 pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

@@ -167,6 +167,36 @@ pub enum Error {
         /// The source's device.
         src_device: usize,
     },
+    /// `set_checkpoint_pool_state` would have to free blocks that the allocator does not own
+    /// (buffers a user still holds): nothing was changed. Drop those buffers first (or
+    /// allocate them with the raw-pointer calls, whose blocks a restore may free).
+    #[error("capture pool {pool} cannot be restored: blocks at {ptrs:x?} are allocated now, free in the checkpoint, and owned by a buffer the allocator cannot free")]
+    CheckpointConflict {
+        /// The pool.
+        pool: PoolId,
+        /// Addresses of the blocks in the way.
+        ptrs: Vec<u64>,
+    },
+    /// `set_checkpoint_pool_state` cannot bring back a block of the checkpoint: the memory
+    /// at its address was given back to the device since (a separate segment freed by
+    /// `empty_cache`), and only an expandable range can map memory at the same address
+    /// again. Nothing was changed.
+    #[error("capture pool {pool} cannot be restored: the memory at {address:#x} ({size} bytes) is no longer the pool's")]
+    CheckpointUnavailable {
+        /// The pool.
+        pool: PoolId,
+        /// Address of the checkpoint's block.
+        address: u64,
+        /// Bytes of the block.
+        size: usize,
+    },
+    /// A checkpoint that cannot be this pool's state: taken on another device, or with
+    /// blocks that overlap or are not aligned. Nothing was changed.
+    #[error("invalid checkpoint: {reason}")]
+    InvalidCheckpoint {
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A copy whose destination is shorter than its source.
     #[error("cannot copy {src_len} bytes into a destination of {dst_len} bytes")]
     LengthMismatch {

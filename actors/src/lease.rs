@@ -46,6 +46,22 @@ impl<R: Runtime> Lease<R> {
         }
     }
 
+    /// Takes the block out, with the bytes requested, without freeing it (a restore frees
+    /// it in its pool actor, or hands it back through [`Self::from_parts`]).
+    pub(crate) fn into_parts(mut self) -> Option<(Box<Block<R>>, usize)> {
+        let len = self.len;
+        self.block.take().map(|b| (b, len))
+    }
+
+    /// A lease over a block taken out by [`Self::into_parts`], as it was.
+    pub(crate) fn from_parts(block: Box<Block<R>>, len: usize, engine: u64) -> Self {
+        Lease {
+            block: Some(block),
+            len,
+            engine,
+        }
+    }
+
     pub(crate) fn empty(engine: u64) -> Self {
         Lease {
             block: None,

@@ -84,7 +84,7 @@ mod engine;
 pub use budget::EmptyReport;
 pub use counters::{DurationStat, Stat};
 pub use device_stats::{DeviceStats, StatArray};
-pub use engine::{Engine, EngineBuilder};
+pub use engine::{Engine, EngineBuilder, RestoreFailed, Restored};
 pub use error::Error;
 pub use free_memory::FreeMemoryCallback;
 pub use lease::Lease;
@@ -98,7 +98,8 @@ pub use pool_id::PoolId;
 pub use router::StreamFilter;
 pub use runtime::{Runtime, RuntimeError, StreamId};
 pub use snapshot::{
-    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, SegmentInfo,
+    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, PoolCheckpoint,
+    SegmentInfo,
 };
 pub use stats::HostStats;
 pub use trace::{

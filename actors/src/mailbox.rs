@@ -45,6 +45,10 @@ pub(crate) enum Refused {
 /// A pool's answer to a miss.
 pub(crate) type MissReply<B> = Result<Box<B>, Refused>;
 
+/// A pool's answer to a restore: the blocks lent at the wanted ranges, or the error and
+/// the blocks to free, untouched.
+pub(crate) type RestoreReply<B> = Result<Vec<Box<B>>, (Error, Vec<(Box<B>, usize)>)>;
+
 /// Messages a pool actor answers.
 pub(crate) enum PoolMsg<B> {
     /// No ready block of `class`: find one or get fresh memory (or queue the request when
@@ -67,6 +71,16 @@ pub(crate) enum PoolMsg<B> {
     Inventory { reply: Reply<Inventory> },
     /// List the pool's segments and its cached and kept blocks (for snapshots).
     Describe { reply: Reply<PoolView> },
+    /// Bring the pool back to a checkpoint (see `pool::restore`): take back `free` (blocks
+    /// of leases the caller gave up, with their requested bytes) and lend exactly the
+    /// ranges `want` (address, bytes) again, for work on stream `target`. On an error
+    /// nothing is changed and `free` comes back.
+    Restore {
+        want: Vec<(usize, usize)>,
+        free: Vec<(Box<B>, usize)>,
+        target: StreamId,
+        reply: Reply<RestoreReply<B>>,
+    },
     /// Look at the queued requests again: room was made, or one was cancelled.
     Wake,
     /// The pool's owner is gone: give everything back as it comes home, then stop.

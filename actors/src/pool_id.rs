@@ -5,7 +5,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Names a pool. `PoolId::DEFAULT` (0) is the default pool; any other id names a private
 /// capture pool, as PyTorch's `MempoolId_t` does. Fresh ids come from [`PoolId::fresh`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(transparent)]
 pub struct PoolId(pub u64);
 
 static NEXT: AtomicU64 = AtomicU64::new(1);

@@ -130,6 +130,35 @@ impl MemorySnapshot {
     }
 }
 
+/// A capture pool's state at one moment (PyTorch's `getCheckpointState`): its segments,
+/// each with its blocks, a block allocated when it was lent to a user then
+/// ([`BlockStatus::InUse`]). `set_checkpoint_pool_state` brings the pool back to it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolCheckpoint {
+    /// The pool.
+    pub pool: PoolId,
+    /// The device the pool's memory is on (`None`: pinned host memory).
+    pub device: Option<usize>,
+    /// The pool's segments, in address order (those of an expandable range: its mapped
+    /// runs).
+    pub segments: Vec<SegmentInfo>,
+}
+
+impl PoolCheckpoint {
+    /// The blocks allocated at the checkpoint, as (address, bytes), in address order.
+    pub fn allocated(&self) -> Vec<(usize, usize)> {
+        let mut v: Vec<(usize, usize)> = self
+            .segments
+            .iter()
+            .flat_map(|s| s.blocks.iter())
+            .filter(|b| b.state == BlockStatus::InUse)
+            .map(|b| (b.address, b.size))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+}
+
 /// What the cache holds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CacheInfo {

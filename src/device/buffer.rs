@@ -45,6 +45,11 @@ impl<R: Runtime> DeviceBuffer<R> {
         }
     }
 
+    /// The lease, the stream and the device (for a restore, which may free the lease).
+    pub(crate) fn into_parts(self) -> (Lease<R>, R::Stream, usize) {
+        (self.lease, self.stream, self.device)
+    }
+
     pub(crate) fn lease_mut(&mut self) -> &mut Lease<R> {
         &mut self.lease
     }

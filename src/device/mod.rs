@@ -11,7 +11,8 @@
 //!
 //! This module holds the public face: `runtime` (what a runtime must offer: its devices and
 //! their memory), `builder`, `allocator`, `buffer`, `raw` (the raw-pointer calls' table),
-//! `capture` (capture pools for CUDA graphs), `free_memory` (free-memory callbacks),
+//! `capture` (capture pools for CUDA graphs), `checkpoint` (checkpoints
+//! of capture pools), `free_memory` (free-memory callbacks),
 //! `ipc_handle` and `ipc` (blocks shared with other processes), and `peer` (peer access
 //! and copies between devices).
 
@@ -19,6 +20,7 @@ mod allocator;
 mod buffer;
 mod builder;
 mod capture;
+mod checkpoint;
 mod free_memory;
 mod ipc;
 mod ipc_handle;
@@ -29,6 +31,7 @@ mod runtime;
 pub use allocator::DeviceAllocator;
 pub use buffer::DeviceBuffer;
 pub use builder::DeviceBuilder;
+pub use checkpoint::CheckpointDelta;
 pub use ipc::IpcMemory;
 pub use ipc_handle::{IpcHandle, IPC_HANDLE_BYTES};
 pub use runtime::{DeviceRuntime, IpcExport};

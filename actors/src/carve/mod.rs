@@ -390,6 +390,11 @@ impl<T> Carver<T> {
             .map(|s| (&s.payload, s.free.iter().map(|(&o, &l)| (o, l)).collect()))
     }
 
+    /// Every segment with its payload.
+    pub(crate) fn segments_with(&self) -> impl Iterator<Item = (SegId, &T)> {
+        self.segments.iter().map(|(&id, s)| (id, &s.payload))
+    }
+
     /// Free ranges of segments that lend a piece, as (offset, length).
     pub(crate) fn open_ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         self.open.iter().map(|&(len, _, offset)| (offset, len))

@@ -7,17 +7,20 @@
 //! trip to the pool actor (see [`crate::miss`]).
 //!
 //! The rest of the handle's calls live beside it: `build` (the builder, which starts the
-//! actors), `capture` (capture pools, through the router), `free_memory` (the free-memory
+//! actors), `capture` (capture pools, through the router), `checkpoint` (checkpoints of capture
+//! pools), `free_memory` (the free-memory
 //! callbacks), `inspect` (stats, inventories, snapshots) and `history` (history and
 //! observers).
 
 mod build;
 mod capture;
+mod checkpoint;
 mod free_memory;
 mod history;
 mod inspect;
 
 pub use build::EngineBuilder;
+pub use checkpoint::{RestoreFailed, Restored};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -160,6 +160,28 @@ impl<R: Runtime> Arena<R> {
         Some(p)
     }
 
+    /// The runs of unmapped granules that `[offset, offset + len)` spans, each cut out of
+    /// the free ranges as a piece (no lent piece touches an unmapped granule, so each run is
+    /// free), with its granules: mapped by `map_for`, they stay held by the piece.
+    pub(super) fn take_unmapped(&mut self, offset: usize, len: usize) -> Vec<(Piece, Vec<usize>)> {
+        let unmapped: Vec<usize> = span(self.granule, offset, len)
+            .filter(|i| !self.granules.contains_key(i))
+            .collect();
+        let mut out = Vec::new();
+        for (o, l) in self.runs(&unmapped) {
+            if let Some(p) = self.carver.take_exact(self.seg, o, l) {
+                out.push((p, (o / self.granule..(o + l) / self.granule).collect()));
+            }
+        }
+        out
+    }
+
+    /// Whether `[addr, addr + len)` lies in the reserved range.
+    pub(super) fn holds(&self, addr: usize, len: usize) -> bool {
+        let base = self.segment.memory.addr();
+        addr >= base && addr - base + len <= self.segment.size()
+    }
+
     /// Holds the mapped granules a piece touches.
     fn touch(&mut self, piece: Piece) {
         self.clock += 1;

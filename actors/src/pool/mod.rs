@@ -20,6 +20,7 @@ mod arena;
 mod books;
 mod cache;
 mod fresh;
+mod restore;
 mod segments;
 mod waiters;
 
@@ -85,6 +86,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         segments: BTreeMap::new(),
         carved: segments::Segments::for_layout(spec.layout),
         refused: Vec::new(),
+        deferred: VecDeque::new(),
     };
     let pool = if spec.id.is_default() {
         "default".to_string()
@@ -119,6 +121,8 @@ pub(crate) struct PoolActor<R: Runtime> {
     /// Carved segments whose free the runtime refused: never reused, tried again with the
     /// kept blocks (counted as kept).
     refused: Vec<Arc<Seg<R>>>,
+    /// Messages that came while a restore waited, answered next, in order.
+    deferred: VecDeque<PoolMsg<Block<R>>>,
 }
 
 impl<R: Runtime> Drop for PoolActor<R> {
@@ -189,6 +193,10 @@ impl<R: Runtime> PoolActor<R> {
     async fn run(mut self) {
         let mut sweep = CLOSING_SWEEP;
         loop {
+            if let Some(msg) = self.deferred.pop_front() {
+                self.handle(msg).await;
+                continue;
+            }
             if self.closing {
                 if self.shared.stats.allocations.read().current <= 0 {
                     break;
@@ -263,6 +271,15 @@ impl<R: Runtime> PoolActor<R> {
             }
             PoolMsg::Describe { reply } => {
                 let _ = reply.send(self.describe());
+            }
+            PoolMsg::Restore {
+                want,
+                free,
+                target,
+                reply,
+            } => {
+                let res = Box::pin(self.restore(want, free, target)).await;
+                let _ = reply.send(res);
             }
             PoolMsg::Wake => {
                 self.shared.woke();

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use super::arena::Arena;
 use super::PoolActor;
 use crate::block::{Block, Seg};
-use crate::carve::{Carver, Piece};
+use crate::carve::{Carver, Piece, SegId};
 use crate::error::Error;
 use crate::mailbox::{PieceView, SegmentView};
 use crate::memory::Region;
@@ -153,6 +153,52 @@ impl<R: Runtime> Segments<R> {
         out
     }
 
+    /// Addresses of the lent pieces (in blocks, ready queues, waiting or kept) that overlap
+    /// `[addr, addr + len)`.
+    pub(super) fn lent_overlapping(&self, addr: usize, len: usize) -> Vec<usize> {
+        let end = addr.saturating_add(len);
+        self.lent
+            .range(..end)
+            .rev()
+            .take_while(|(&a, &(size, _))| a + size > addr)
+            .map(|(&a, _)| a)
+            .collect()
+    }
+
+    /// Where `[addr, addr + len)` lies: `Some(true)` in the arena's reserved range,
+    /// `Some(false)` in one separate segment, `None` outside the pool's memory.
+    pub(super) fn locate(&self, addr: usize, len: usize) -> Option<bool> {
+        if self.arena.as_ref().is_some_and(|a| a.holds(addr, len)) {
+            return Some(true);
+        }
+        self.segment_holding(addr, len).map(|_| false)
+    }
+
+    /// The separate segment holding `[addr, addr + len)`.
+    fn segment_holding(&self, addr: usize, len: usize) -> Option<(SegId, Arc<Seg<R>>)> {
+        self.carver.segments_with().find_map(|(id, seg)| {
+            let base = seg.memory.addr();
+            (addr >= base && addr - base + len <= seg.memory.size).then(|| (id, seg.clone()))
+        })
+    }
+
+    /// Cuts exactly `[addr, addr + len)` out of the free ranges (the arena's mapped memory or
+    /// a separate segment), if it is wholly free there.
+    pub(super) fn take_at(&mut self, addr: usize, len: usize) -> Option<(Piece, Arc<Seg<R>>)> {
+        if let Some(a) = self.arena.as_mut().filter(|a| a.holds(addr, len)) {
+            let offset = addr - a.segment.memory.addr();
+            let piece = a.take_exact(Piece {
+                seg: a.seg(),
+                offset,
+                len,
+            })?;
+            return Some((piece, a.segment.clone()));
+        }
+        let (id, seg) = self.segment_holding(addr, len)?;
+        let piece = self.carver.take_exact(id, addr - seg.memory.addr(), len)?;
+        Some((piece, seg))
+    }
+
     /// Bytes of a fresh segment for a block of `size` bytes, with `room` bytes left under
     /// the reserve cap.
     fn segment_size(&self, size: usize, room: usize) -> usize {
@@ -240,7 +286,7 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// The block for a piece cut out of `seg` (a separate segment or the arena).
-    fn block_for(
+    pub(super) fn block_for(
         &mut self,
         class: SizeClass,
         piece: Piece,
@@ -378,7 +424,7 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Moves every block of the ready queues into the free ranges (looking only at the slots
     /// of classes the pool has cut blocks for).
-    fn absorb_ready(&mut self) {
+    pub(super) fn absorb_ready(&mut self) {
         self.note_splits();
         let lines = self
             .carved
