@@ -184,6 +184,35 @@ async fn readme_capture_pools_on_device_memory() -> Result {
     Ok(())
 }
 
+/// "Checkpoints of a capture pool": a pool brought back to a checkpoint, its block at its
+/// old address again.
+#[rustfmt::skip]
+#[tokio::test(flavor = "multi_thread")]
+async fn readme_checkpoints_of_a_capture_pool() -> Result {
+    use pinpool::DeviceAllocator;
+
+    let pool = DeviceAllocator::builder().build()?;
+    let stream = pool.runtime().stream();
+    let id = pool.new_pool_id();
+    let s = stream.id();
+    pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
+    let a = pool.raw_alloc_with_stream(1 << 20, &stream)?;  // in the private pool
+    pool.end_allocate_to_pool(0, id).await?;
+    let checkpoint = pool.checkpoint_state(0, id).await?;
+    assert_eq!(checkpoint.allocated(), vec![(a as usize, 1 << 20)]);
+
+    pool.raw_delete(a)?;
+    pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
+    let b = pool.raw_alloc_with_stream(2 << 20, &stream)?;  // maybe where `a` was
+    pool.end_allocate_to_pool(0, id).await?;
+
+    let delta = pool.set_checkpoint_pool_state(0, &checkpoint, &stream).await?;
+    assert_eq!(delta.ptrs_freed, vec![b]);
+    assert_eq!(delta.dataptrs_allocd, vec![a]);              // back at its old address
+    pool.raw_delete(a)?;
+    Ok(())
+}
+
 /// "Snapshots for PyTorch's memory visualizer": the pickle and the file.
 #[rustfmt::skip]
 #[tokio::test(flavor = "multi_thread")]
