@@ -84,6 +84,27 @@ fn best_fit_meets_the_targets_on_traces_it_was_not_tuned_on() {
     }
 }
 
+/// The real request streams in `traces/` (recorded from PyTorch workloads; nothing was tuned
+/// on them): the device layout keeps peak reserved within 10 % of peak live on each, on the
+/// simulated device, as it does on the GPU (BENCHMARKS.md, "Traces not tuned on").
+#[test]
+fn the_device_layout_wastes_at_most_ten_percent_on_the_recorded_traces() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("traces");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".trace.gz"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 4, "the recorded traces are in {dir:?}");
+    for path in files {
+        let trace = Trace::open(&path).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let r = replay::replay_device(&trace, &name, "default").unwrap();
+        assert!(r.reserved_over_peak() <= 1.10, "{name}: {r:?}");
+    }
+}
+
 #[test]
 fn shuffling_frees_keeps_a_trace_valid_and_replayable() {
     let text = synthetic(3, 2, 20);
