@@ -206,8 +206,66 @@ async fn unknown_pools_devices_and_bad_states_are_typed_errors() {
         pool.set_checkpoint_pool_state(0, &twice, &s).await,
         Err(Error::InvalidCheckpoint { .. })
     ));
-    // Nothing changed: the raw block is still live.
+    // A hand-made block whose end wraps around the address space.
+    let mut wraps = checkpoint.clone();
+    let mut block = wraps.segments[0].blocks[0].clone();
+    block.address += 4 * MIB;
+    block.size = usize::MAX - 4 * MIB + 513; // aligned, and the end passes 2^64
+    wraps.segments[0].blocks.push(block);
+    assert!(matches!(
+        pool.set_checkpoint_pool_state(0, &wraps, &s).await,
+        Err(Error::InvalidCheckpoint { .. })
+    ));
+    // Nothing changed: the raw block is still live, and the pool still serves.
     pool.raw_delete(a).unwrap();
+    pool.raw_delete(pool.raw_alloc_with_stream(MIB, &s).unwrap())
+        .unwrap();
+}
+
+/// A restore whose caller stops waiting (its future dropped while the restore waits for a
+/// held stream's work on a block to free) still finishes once the work is done, and what it
+/// would have lent is freed: the books balance and nothing was reused early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_whose_caller_stopped_waiting_leaves_the_books_balanced() {
+    let (pool, sim) = device_pool();
+    let (s, other) = (sim.stream(), sim.stream());
+    let id = pool.new_pool_id();
+    route(&pool, &s, id).await;
+    let a = pool.raw_alloc_with_stream(MIB, &s).unwrap();
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    let checkpoint = pool.checkpoint_state(0, id).await.unwrap();
+    pool.raw_delete(a).unwrap();
+    route(&pool, &s, id).await;
+    let b = pool.raw_alloc_with_stream(2 * MIB, &s).unwrap();
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    // Work on another stream reads `b` and is held back.
+    let hold = other.hold();
+    let scratch = pool.raw_alloc_with_stream(4096, &other).unwrap();
+    other.copy_dtod(b, scratch, 4096).unwrap();
+    pool.raw_record_stream(b, &other).unwrap();
+
+    let gave_up = tokio::time::timeout(
+        std::time::Duration::from_millis(50),
+        pool.set_checkpoint_pool_state(0, &checkpoint, &s),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the restore waits for the held stream");
+    // `b` left the raw table with the restore.
+    assert!(pool.raw_delete(b).is_err());
+    drop(hold);
+    other.synchronize().unwrap();
+    s.synchronize().unwrap();
+    common::eventually("the restore's blocks back", || {
+        pool.stats(0).unwrap().active_bytes.all.current == 4096
+    })
+    .await;
+    let st = pool.stats(0).unwrap();
+    assert_eq!(
+        st.allocation.all.current, 1,
+        "only the scratch block: {st:?}"
+    );
+    pool.raw_delete(scratch).unwrap();
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

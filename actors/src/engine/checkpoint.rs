@@ -74,7 +74,9 @@ impl<R: Runtime> Engine<R> {
     /// `setCheckpointPoolState`; see the module's header for what changes). `take(address)`
     /// hands over the lease of a block allocated now that the restore may free, if the
     /// caller owns one there; the blocks lent again are for work on `stream` (their frees
-    /// wait for its work). The freed blocks' work on other streams is waited for first.
+    /// wait for its work). The freed blocks' queued work, on every stream that used them, is
+    /// waited for first. If this future is dropped before it completes, the leases taken are
+    /// freed as if dropped, and nothing is lent.
     ///
     /// Errors, each changing nothing and handing back the leases taken:
     /// [`Error::DefaultPoolId`], [`Error::UnknownPool`], [`Error::PoolCapturing`] while a
@@ -101,7 +103,14 @@ impl<R: Runtime> Engine<R> {
         let mut conflicts = Vec::new();
         for &(addr, size) in now.difference(&then) {
             match take(addr) {
-                Some(l) if l.capacity() == size && l.pool() == Some(pool) => free.push(l),
+                Some(l)
+                    if l.as_ptr() as usize == addr
+                        && l.capacity() == size
+                        && l.pool() == Some(pool)
+                        && l.allocator_id() == self.inner.id =>
+                {
+                    free.push(l)
+                }
                 Some(l) => {
                     free.push(l);
                     conflicts.push(addr as u64);
@@ -190,7 +199,10 @@ impl<R: Runtime> Engine<R> {
             if addr < end {
                 return invalid(format!("block at {addr:#x} overlaps the one before"));
             }
-            end = addr.saturating_add(size);
+            end = match addr.checked_add(size) {
+                Some(end) => end,
+                None => return invalid(format!("block at {addr:#x} of {size} bytes wraps")),
+            };
         }
         Ok(())
     }

@@ -179,7 +179,8 @@ impl<R: Runtime> Arena<R> {
     /// Whether `[addr, addr + len)` lies in the reserved range.
     pub(super) fn holds(&self, addr: usize, len: usize) -> bool {
         let base = self.segment.memory.addr();
-        addr >= base && addr - base + len <= self.segment.size()
+        let size = self.segment.size();
+        addr >= base && len <= size && addr - base <= size - len
     }
 
     /// Holds the mapped granules a piece touches.

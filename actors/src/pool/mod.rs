@@ -33,6 +33,7 @@ use flume::{Receiver, Sender};
 
 use crate::block::{Block, BlockState, Pool, Seg};
 use crate::budget::Budget;
+use crate::error::Error;
 use crate::history::Recorder;
 use crate::home::{Home, HomeParts, DIVERT_CLOSING};
 use crate::mailbox::{PollerMsg, PoolMsg, SegmentView};
@@ -139,12 +140,27 @@ impl<R: Runtime> Drop for PoolActor<R> {
             .fetch_or(DIVERT_CLOSING, Ordering::SeqCst);
         // Blocks already in the mailbox would keep the pool (and the mailbox) alive forever.
         let mut homeless = self.shared.ready.drain();
-        for msg in self.shared.mailbox.close(&self.rx) {
+        let deferred: Vec<_> = self.deferred.drain(..).collect();
+        for msg in deferred
+            .into_iter()
+            .chain(self.shared.mailbox.close(&self.rx))
+        {
             match msg {
                 PoolMsg::Home(b) | PoolMsg::Keep(b) => match b.state {
                     BlockState::Kept | BlockState::Waiting => self.kept.push(b),
                     _ => homeless.push(b),
                 },
+                // A restore's blocks to free: their streams' work may still use them, and
+                // no event can be waited for any more.
+                PoolMsg::Restore { free, .. } => {
+                    for (b, _) in free {
+                        if b.streams.is_empty() {
+                            homeless.push(b);
+                        } else {
+                            self.kept.push(b);
+                        }
+                    }
+                }
                 _ => {} // replies dropped: their callers get `Error::Shutdown`
             }
         }
@@ -278,8 +294,21 @@ impl<R: Runtime> PoolActor<R> {
                 target,
                 reply,
             } => {
+                if reply.is_disconnected() || self.closing {
+                    // Nobody waits for it (or the pool is going): the caller's blocks are
+                    // freed as their leases would be (events on the streams that used them).
+                    restore::free_as_leases(free);
+                    let _ = reply.send(Err((Error::Shutdown, Vec::new())));
+                    return;
+                }
                 let res = Box::pin(self.restore(want, free, target)).await;
-                let _ = reply.send(res);
+                match reply.send(res) {
+                    Ok(()) => {}
+                    // The caller stopped waiting: what it would have got is freed the way its
+                    // leases would have been.
+                    Err(flume::SendError(Ok(lent))) => restore::drop_as_leases(lent),
+                    Err(flume::SendError(Err((_, free)))) => restore::free_as_leases(free),
+                }
             }
             PoolMsg::Wake => {
                 self.shared.woke();

@@ -2,20 +2,29 @@
 //! actor takes back the blocks whose leases the caller gave up, and lends exactly the
 //! checkpoint's ranges again, at their old addresses (graphs replay against them).
 //!
-//! Owns the order that makes the restore safe and all-or-nothing for its caller:
+//! Owns the order that makes the restore safe, and all-or-nothing for its caller unless the
+//! pool changes under it (see 3):
 //! 1. *check* (nothing changes): every wanted range lies in the pool's memory — the arena's
 //!    reserved range, or a separate segment the pool still holds (a segment given back by
 //!    `empty_cache` cannot come back at the same address: `Error::CheckpointUnavailable`);
-//! 2. *settle* (only the cache moves): events are recorded on the streams other than the
-//!    target stream that used the blocks to free, and the actor waits for them; ready blocks
-//!    are drained into the free ranges and completed events noticed, until no piece over a
-//!    wanted range is anything but kept or about to be freed (blocks kept for replays are
-//!    taken back: the caller restores the pool to a state its graphs were recorded
-//!    against); then the unmapped granules of wanted arena ranges are mapped, held by
-//!    placeholder pieces so that nothing unmaps them again;
-//! 3. *commit* (no await, nothing left to fail): the placeholders, the kept pieces over
-//!    wanted ranges and the freed blocks go back into the free ranges, and each wanted
-//!    range is cut out as a block.
+//! 2. *settle* (only the cache moves): events are recorded on every stream that used the
+//!    blocks to free (the target stream too: memory freed outside the wanted ranges may go
+//!    to any stream's request next), and the actor waits for them; ready blocks are drained
+//!    into the free ranges and completed events noticed, until no piece over a wanted range
+//!    is anything but kept for graph replays or about to be freed (blocks kept for replays
+//!    are taken back: the caller restores the pool to a state its graphs were recorded
+//!    against; blocks kept because their events were lost or could not be recorded are
+//!    never taken back, and block the restore); then the unmapped granules of wanted arena
+//!    ranges are mapped, held by placeholder pieces so that nothing unmaps them again;
+//! 3. *commit* (no await): the placeholders, the kept pieces over wanted ranges and the
+//!    freed blocks go back into the free ranges, and each wanted range is cut out as a
+//!    block. Cutting fails only if the pool changed during the settle in a way the settle
+//!    does not hold off (mapping under a memory limit unmapped an idle granule of another
+//!    wanted range); the error then says that the blocks to free were freed.
+//!
+//! A restore whose caller stopped waiting, or that reaches a closing pool, frees the blocks
+//! it was given the way their leases would have been freed (events on the streams that used
+//! them) and lends nothing.
 //!
 //! Messages that arrive while the actor settles are answered after the restore, in order;
 //! blocks coming home meanwhile are taken at once (the restore may be waiting for them).
@@ -28,6 +37,7 @@ use super::PoolActor;
 use crate::block::Block;
 use crate::carve::Piece;
 use crate::error::Error;
+use crate::lease::Lease;
 use crate::mailbox::PoolMsg;
 use crate::policy::SizeClass;
 use crate::runtime::{Runtime, RuntimeError, StreamId};
@@ -90,11 +100,9 @@ impl<R: Runtime> PoolActor<R> {
     ) -> Result<Vec<Piece>, Error> {
         let rt = self.shared.runtime.clone();
         let mut events = Vec::new();
+        let _ = target; // its queued work is waited for like any other stream's
         for (b, _) in free {
-            for (id, s) in &b.streams {
-                if *id == target {
-                    continue; // stream order: the target's later work runs after it
-                }
+            for (_, s) in &b.streams {
                 let recorded = rt.is_capturing(s).and_then(|capturing| {
                     if capturing {
                         Err(RuntimeError::new(
@@ -127,7 +135,7 @@ impl<R: Runtime> PoolActor<R> {
                 }
             }
             events = pending;
-            let kept: HashSet<usize> = self.kept.iter().map(|b| b.memory.addr()).collect();
+            let kept = self.replay_kept();
             let blocked = self.carved.as_ref().is_some_and(|segs| {
                 want.iter().any(|&(a, s)| {
                     segs.lent_overlapping(a, s)
@@ -183,6 +191,16 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
+    /// Addresses of the blocks kept for graph replays (allocated during capture): a restore
+    /// may take those back; blocks kept for safety (events lost or not recorded) it may not.
+    fn replay_kept(&self) -> HashSet<usize> {
+        self.kept
+            .iter()
+            .filter(|b| b.during_capture)
+            .map(|b| b.memory.addr())
+            .collect()
+    }
+
     /// Gives placeholder pieces of the arena back.
     fn release_pieces(&mut self, pieces: Vec<Piece>) {
         if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
@@ -213,7 +231,7 @@ impl<R: Runtime> PoolActor<R> {
             .unwrap_or_default();
         let (back, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.kept)
             .into_iter()
-            .partition(|b| over.contains(&b.memory.addr()));
+            .partition(|b| b.during_capture && over.contains(&b.memory.addr()));
         self.kept = kept;
         let shared = self.shared.clone();
         let stats = &shared.stats;
@@ -259,11 +277,30 @@ impl<R: Runtime> PoolActor<R> {
                     self.kept.extend(rest);
                     return Err(Error::Runtime(RuntimeError::new(
                         "set_checkpoint_pool_state",
-                        format!("the range at {addr:#x} ({size} bytes) could not be cut"),
+                        format!(
+                            "the range at {addr:#x} ({size} bytes) could not be cut (the pool \
+                             changed during the restore); the blocks to free were freed"
+                        ),
                     )));
                 }
             }
         }
         Ok(out)
+    }
+}
+
+/// Frees blocks taken out of a caller's leases the way dropping those leases would have:
+/// events on the streams that used them, then back to the pool.
+pub(super) fn free_as_leases<R: Runtime>(free: Freed<R>) {
+    for (b, len) in free {
+        drop(Lease::from_parts(b, len, 0));
+    }
+}
+
+/// Blocks a restore lent that nobody took: lent and freed at once, so that the books balance.
+pub(super) fn drop_as_leases<R: Runtime>(lent: Vec<Box<Block<R>>>) {
+    for b in lent {
+        let size = b.size;
+        drop(Lease::new(b, size, false, 0));
     }
 }

@@ -178,7 +178,8 @@ impl<R: Runtime> Segments<R> {
     fn segment_holding(&self, addr: usize, len: usize) -> Option<(SegId, Arc<Seg<R>>)> {
         self.carver.segments_with().find_map(|(id, seg)| {
             let base = seg.memory.addr();
-            (addr >= base && addr - base + len <= seg.memory.size).then(|| (id, seg.clone()))
+            let size = seg.memory.size;
+            (addr >= base && len <= size && addr - base <= size - len).then(|| (id, seg.clone()))
         })
     }
 
