@@ -2,11 +2,14 @@
 //!
 //! ```text
 //! ipc_peer open HANDLE_HEX EXPECT_SEED WRITE_SEED
-//!     opens the exported block, checks that it holds pattern(EXPECT_SEED), writes
-//!     pattern(WRITE_SEED) over it, and exits 0 (2 when the bytes differ, 1 on an error)
-//! ipc_peer export SEED
-//!     allocates 1 MiB, fills it with pattern(SEED), prints its handle in hex and exits
-//!     (its memory goes with it: the handle is then one of a process that is gone)
+//!     opens the exported block (of either kind: a block of a cuMemAlloc segment, or of an
+//!     expandable range, whose file descriptors are taken from the exporting process),
+//!     checks that it holds pattern(EXPECT_SEED), writes pattern(WRITE_SEED) over it, and
+//!     exits 0 (2 when the bytes differ, 1 on an error)
+//! ipc_peer export SEED [expandable]
+//!     allocates 1 MiB (of a cuMemAlloc segment, or with `expandable` of the default
+//!     layout's expandable range), fills it with pattern(SEED), prints its handle in hex and
+//!     exits (its memory goes with it: the handle is then one of a process that is gone)
 //! ```
 //!
 //! Build it with `cargo build --release --features cuda --example ipc_peer`.
@@ -30,14 +33,12 @@ fn seed(arg: Option<&String>) -> Result<u8, String> {
         .map_err(|e| format!("bad seed: {e}"))
 }
 
-fn allocator() -> Result<DeviceAllocator<pinpool::cuda::CudaRuntime>, Error> {
-    // Only blocks of whole cuMemAlloc segments can be exported.
-    let config: DeviceConfig =
-        "expandable_segments:false"
-            .parse()
-            .map_err(|e| Error::InvalidConfig {
-                message: format!("{e}"),
-            })?;
+/// An allocator of whole cuMemAlloc segments, or with `expandable` of expandable ranges.
+fn allocator(expandable: bool) -> Result<DeviceAllocator<pinpool::cuda::CudaRuntime>, Error> {
+    let setting = format!("expandable_segments:{expandable}");
+    let config: DeviceConfig = setting.parse().map_err(|e| Error::InvalidConfig {
+        message: format!("{e}"),
+    })?;
     DeviceAllocator::builder().cuda()?.config(&config).build()
 }
 
@@ -49,7 +50,8 @@ async fn open(args: &[String]) -> Result<bool, String> {
         .parse()
         .map_err(|e| format!("{e}"))?;
     let (expect, write) = (seed(args.get(1))?, seed(args.get(2))?);
-    let pool = allocator().map_err(|e| e.to_string())?;
+    // Either layout opens either kind of handle.
+    let pool = allocator(false).map_err(|e| e.to_string())?;
     let block = pool.open_ipc(&handle).map_err(|e| e.to_string())?;
     let ctx = CudaContext::new(block.device()).map_err(|e| format!("{e:?}"))?;
     ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
@@ -75,7 +77,12 @@ async fn open(args: &[String]) -> Result<bool, String> {
 #[tokio::main(flavor = "current_thread")]
 async fn export(args: &[String]) -> Result<bool, String> {
     let fill = seed(args.first())?;
-    let pool = allocator().map_err(|e| e.to_string())?;
+    let expandable = match args.get(1).map(String::as_str) {
+        None => false,
+        Some("expandable") => true,
+        Some(other) => return Err(format!("unknown layout {other:?}")),
+    };
+    let pool = allocator(expandable).map_err(|e| e.to_string())?;
     let stream = pool
         .runtime()
         .context()
@@ -103,7 +110,9 @@ fn main() -> ExitCode {
         Some("open") => open(&args[1..]),
         Some("export") => export(&args[1..]),
         _ => Err(
-            "usage: ipc_peer open HANDLE_HEX EXPECT_SEED WRITE_SEED | ipc_peer export SEED".into(),
+            "usage: ipc_peer open HANDLE_HEX EXPECT_SEED WRITE_SEED | ipc_peer export SEED \
+             [expandable]"
+                .into(),
         ),
     };
     match done {

@@ -44,7 +44,7 @@ pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
 pub use device::{
     CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport,
-    IpcHandle, IpcMemory, IPC_HANDLE_BYTES,
+    IpcHandle, IpcMappedExport, IpcMemory, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES,
 };
 pub use history::ReportError;
 pub use pinpool_actors::FreeMemoryCallback;

@@ -230,12 +230,12 @@ async fn opening_this_processs_own_handle_or_garbage_is_a_typed_error() {
     ));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_block_of_an_expandable_segment_is_refused_with_the_setting_to_change() {
-    let test = "a_block_of_an_expandable_segment_is_refused_with_the_setting_to_change";
+/// A device allocator of the default layout (an expandable range per stream), or `None`
+/// (after saying so) where there is no GPU or the device cannot map memory.
+fn expandable(test: &str) -> Option<DeviceAllocator<CudaRuntime>> {
     if !cuda_available() {
         println!("{test}: skipped: no CUDA driver/GPU");
-        return;
+        return None;
     }
     let config: DeviceConfig = "expandable_segments:true".parse().unwrap();
     let pool = DeviceAllocator::builder()
@@ -244,24 +244,99 @@ async fn a_block_of_an_expandable_segment_is_refused_with_the_setting_to_change(
         .config(&config)
         .build()
         .unwrap();
-    if pool
-        .runtime()
-        .device_memory(0)
-        .unwrap()
-        .granularity()
-        .is_none()
-    {
+    let granule = pool.runtime().device_memory(0).unwrap().granularity();
+    if granule.is_none() {
         println!("{test}: skipped: the device cannot map memory (no expandable segments)");
-        return;
+        return None;
     }
+    Some(pool)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_of_an_expandable_segment_is_refused_with_the_setting_to_change() {
+    let test = "a_block_of_an_expandable_segment_is_refused_with_the_setting_to_change";
+    let Some(pool) = expandable(test) else { return };
     let stream = pool.runtime().context().new_stream().unwrap();
     let buf = pool.alloc(MIB, &stream).await.unwrap();
     match pool.ipc_handle(&buf) {
+        Ok(handle) => {
+            // The export this test covers is the fallback of drivers without it.
+            assert!(!handle.mapped_handles().is_empty());
+            println!(
+                "{test}: skipped: the driver exports expandable memory as file descriptors \
+                 (a_block_of_the_default_layout_is_read_and_written_by_another_process)"
+            );
+        }
         Err(Error::NotSupported { reason, .. }) => {
             assert!(reason.contains("expandable_segments:false"), "{reason}")
         }
-        other => panic!("{other:?}"),
+        Err(other) => panic!("{other:?}"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_of_the_default_layout_is_read_and_written_by_another_process() {
+    let test = "a_block_of_the_default_layout_is_read_and_written_by_another_process";
+    let Some(pool) = expandable(test) else { return };
+    let Some(binary) = peer_binary(test) else {
+        return;
+    };
+    let stream = pool.runtime().context().new_stream().unwrap();
+    // Two blocks of one range: the second starts past the range's first byte.
+    let first = pool.alloc(64 * 1024, &stream).await.unwrap();
+    let buf = pool.alloc(3 * MIB, &stream).await.unwrap();
+    write(&stream, buf.device_ptr(), &pattern(buf.len(), 3));
+    let handle = match pool.ipc_handle(&buf) {
+        Ok(h) => h,
+        Err(Error::NotSupported { reason, .. }) => {
+            println!("{test}: skipped: the driver cannot export file descriptors: {reason}");
+            return;
+        }
+        Err(other) => panic!("{other:?}"),
+    };
+    println!("{test}: {handle:?}");
+    assert_eq!(handle.segment_handle(), None);
+    assert!(!handle.mapped_handles().is_empty());
+    assert_eq!((handle.len(), handle.device()), (3 * MIB as u64, 0));
+    assert_eq!(
+        pool.ipc_handle(&buf).unwrap(),
+        handle,
+        "a second export of a buffer gives the same handle (the same descriptors)"
+    );
+    // Through the hex form, in another process.
+    run_peer(&binary, &handle, 3, 4);
+    assert_eq!(
+        read(&stream, buf.device_ptr(), buf.len()),
+        pattern(buf.len(), 4),
+        "the other process's writes"
+    );
+    drop(first);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_default_layout_handle_whose_process_has_exited_is_a_typed_error() {
+    let test = "a_default_layout_handle_whose_process_has_exited_is_a_typed_error";
+    let Some(pool) = expandable(test) else { return };
+    let Some(binary) = peer_binary(test) else {
+        return;
+    };
+    let out = Command::new(&binary)
+        .args(["export", "6", "expandable"])
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("expandable_segments:false"), "{stderr}");
+        println!("{test}: skipped: the driver cannot export file descriptors: {stderr}");
+        return;
+    }
+    let hex = String::from_utf8_lossy(&out.stdout);
+    let handle: pinpool::IpcHandle = hex.trim().parse().unwrap();
+    assert_eq!(handle.segment_handle(), None);
+    let err = pool.open_ipc(&handle).unwrap_err();
+    println!("{test}: {err}");
+    assert!(matches!(err, Error::InvalidIpcHandle { .. }), "{err:?}");
+    assert_eq!(pool.ipc_open_segments(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -134,8 +134,8 @@ mod peers_and_ipc {
         pool.memcpy_async(&mut dst, &mut src, 1 << 20, &s1, true)?; // p2p; false: staged
         drop(src); // safe at once: s1 is recorded on both, reuse waits for the copy
 
-        // IPC: export a block for another process (blocks of cuMemAlloc segments, i.e.
-        // expandable_segments:false), open it there; the simulation says Error::NotSupported.
+        // IPC: export a block for another process (a segment's handle, or the file descriptors
+        // of an expandable range's memory), open it there; the simulation says NotSupported.
         let handle: Result<IpcHandle, Error> = pool.ipc_handle(&dst);
         assert!(matches!(handle, Err(Error::NotSupported { .. })));
         let sent = IpcHandle::new([0; 64], 4096, 1 << 20, 0).to_hex(); // across the process boundary

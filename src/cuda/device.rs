@@ -14,6 +14,7 @@
 //! the cached path).
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -27,6 +28,8 @@ use super::runtime::{device_count, stream_id, CudaRuntime};
 use super::vmm::{self, Location};
 use crate::config::{DeviceConfig, DEVICE_ENV_VAR};
 use crate::device::{DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport, IPC_HANDLE_BYTES};
+#[cfg(target_os = "linux")]
+use crate::device::{IpcHandle, IpcMappedExport};
 use crate::{Error, MemoryKind, MemorySource, Origin, Region, RuntimeError};
 
 /// The memory of one CUDA device, as the device allocator's memory source.
@@ -46,6 +49,9 @@ pub struct CudaDeviceMemory {
     /// The granule of the device's mapped memory, where the driver has the virtual memory
     /// calls.
     granule: Option<usize>,
+    /// Whether mapped memory is created exportable as a POSIX file descriptor (for
+    /// `ipc_handle`): probed once here, cleared if `cuMemCreate` refuses it.
+    shareable: AtomicBool,
 }
 
 impl std::fmt::Debug for CudaDeviceMemory {
@@ -53,6 +59,7 @@ impl std::fmt::Debug for CudaDeviceMemory {
         f.debug_struct("CudaDeviceMemory")
             .field("device", &self.ctx.ordinal())
             .field("granule", &self.granule)
+            .field("shareable", &self.shareable.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -62,7 +69,12 @@ impl CudaDeviceMemory {
     pub fn new(ctx: Arc<CudaContext>) -> Self {
         let location = Location::Device(ctx.ordinal() as std::ffi::c_int);
         let granule = bind(&ctx).ok().and_then(|()| vmm::granularity(location));
-        Self { ctx, granule }
+        let shareable = granule.is_some() && vmm::fd_handles_supported(ctx.cu_device());
+        Self {
+            ctx,
+            granule,
+            shareable: AtomicBool::new(shareable),
+        }
     }
 
     /// The device's ordinal.
@@ -166,7 +178,16 @@ impl MemorySource for CudaDeviceMemory {
         let _relaxed = self.enter()?;
         // SAFETY: the engine maps only whole, unmapped granules of a range reserved here
         // (checked for shape above); the whole run is one mapping.
-        unsafe { vmm::map(range, offset, size, size, self.location()) }
+        unsafe {
+            vmm::map(
+                range,
+                offset,
+                size,
+                size,
+                self.location(),
+                Some(&self.shareable),
+            )
+        }
     }
 
     fn unmaps_granules(&self) -> bool {
@@ -248,6 +269,32 @@ impl DeviceRuntime for CudaRuntime {
 
     unsafe fn ipc_close(&self, device: usize, base: u64) -> Result<(), Error> {
         ipc::close(&self.device_context(device)?, base)
+    }
+
+    #[cfg(target_os = "linux")]
+    fn ipc_export_mapped(
+        &self,
+        device: usize,
+        ptr: u64,
+        len: usize,
+    ) -> Result<IpcMappedExport, Error> {
+        ipc::export_mapped(&self.device_context(device)?, ptr, len)
+    }
+
+    #[cfg(target_os = "linux")]
+    fn ipc_open_mapped(&self, device: usize, handle: &IpcHandle) -> Result<(u64, usize), Error> {
+        ipc::open_mapped(&self.device_context(device)?, handle)
+    }
+
+    #[cfg(target_os = "linux")]
+    unsafe fn ipc_close_mapped(
+        &self,
+        device: usize,
+        base: u64,
+        handle: &IpcHandle,
+    ) -> Result<(), Error> {
+        // SAFETY: this function's contract: `base` is an open of `handle` nothing uses.
+        unsafe { ipc::close_mapped(&self.device_context(device)?, base, handle) }
     }
 
     fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {

@@ -305,7 +305,16 @@ impl CudaRuntime {
         let device = self.ctx.ordinal() as std::ffi::c_int;
         // SAFETY: the engine maps only whole, unmapped granules of a range it reserved here
         // (checked for shape above).
-        unsafe { vmm::map(range, offset, size, granule, vmm::Location::Host { device }) }
+        unsafe {
+            vmm::map(
+                range,
+                offset,
+                size,
+                granule,
+                vmm::Location::Host { device },
+                None,
+            )
+        }
     }
 
     /// Unmaps granules of a reserved range and gives their memory back.

@@ -5,7 +5,10 @@
 //! the device, and for host memory by the host too). Host memory is mapped one handle per
 //! granule, so that a granule can be unmapped on its own; device memory one handle per map
 //! call (fast: one call for a whole run), unmapped whole. At unmap a handle is found again
-//! with `cuMemRetainAllocationHandle`, so nothing is kept here.
+//! with `cuMemRetainAllocationHandle`, so nothing is kept here. Device memory is created
+//! exportable as a POSIX file descriptor where the device supports it (probed once per
+//! memory source, and given up after the first `cuMemCreate` that refuses it): the handle
+//! type costs nothing until a block is exported (`super::ipc`).
 //!
 //! Owns no state. Keeps invariant 7: a failure at any step gives back what the earlier
 //! steps of the same call took. The caller binds a context and relaxes the capture mode
@@ -13,6 +16,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys;
 
@@ -40,14 +44,21 @@ impl Location {
     }
 }
 
-fn prop(location: Location) -> sys::CUmemAllocationProp {
+/// The allocation properties of memory at `location`, with a POSIX file descriptor as a
+/// shareable handle type where `fd` (so that `cuMemExportToShareableHandle` works on it).
+fn prop(location: Location, fd: bool) -> sys::CUmemAllocationProp {
+    let requested = if fd {
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    } else {
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+    };
     let (type_, id) = match location {
         Location::Host { .. } => (sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0),
         Location::Device(d) => (sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, d),
     };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: requested,
         location: sys::CUmemLocation { type_, id },
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -66,7 +77,7 @@ fn check(op: &'static str, r: sys::CUresult) -> Result<(), RuntimeError> {
 /// The granule for memory at `location`, or `None` when the driver cannot create it (for
 /// host memory: older than 12.2, or no such support on this system).
 pub(crate) fn granularity(location: Location) -> Option<usize> {
-    let prop = prop(location);
+    let prop = prop(location, false);
     let mut granule = 0usize;
     // SAFETY: both pointers are valid for the call; the driver writes only `granule`.
     let r = unsafe {
@@ -119,9 +130,59 @@ pub(crate) fn reserve(
     Ok(HostMemory { ptr, size, method })
 }
 
+/// Whether device `device` can export memory as POSIX file descriptors
+/// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`); false where the
+/// driver does not say.
+pub(crate) fn fd_handles_supported(device: sys::CUdevice) -> bool {
+    if !cfg!(target_os = "linux") {
+        return false;
+    }
+    let mut supported: c_int = 0;
+    let attribute =
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+    // SAFETY: `supported` is valid for the write; the driver checks `device`.
+    let r = unsafe { sys::cuDeviceGetAttribute(&mut supported, attribute, device) };
+    r == sys::CUresult::CUDA_SUCCESS && supported != 0
+}
+
+/// Creates `size` bytes of memory at `location`: shareable as a file descriptor while
+/// `shareable` says the driver allows it. Where a creation with the handle type fails and
+/// one without succeeds, `shareable` is cleared, so the next call asks plainly at once.
+fn create(
+    size: usize,
+    location: Location,
+    shareable: Option<&AtomicBool>,
+) -> Result<sys::CUmemGenericAllocationHandle, RuntimeError> {
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    let fd = shareable.is_some_and(|f| f.load(Ordering::Relaxed));
+    if fd {
+        let with_fd = prop(location, true);
+        // SAFETY: `h` and `with_fd` are valid for the call.
+        if unsafe { sys::cuMemCreate(&mut h, size, &with_fd, 0) } == sys::CUresult::CUDA_SUCCESS {
+            return Ok(h);
+        }
+    }
+    let plain = prop(location, false);
+    // SAFETY: `h` and `plain` are valid for the call.
+    check("cuMemCreate", unsafe {
+        sys::cuMemCreate(&mut h, size, &plain, 0)
+    })?;
+    if let Some(flag) = shareable.filter(|_| fd) {
+        // Refused with the handle type, created without it: not a shortage of memory.
+        flag.store(false, Ordering::Relaxed);
+        tracing::debug!(
+            "cuMemCreate refused a file-descriptor handle type: this device's expandable \
+             memory is created without it from now on (and cannot be exported)"
+        );
+    }
+    Ok(h)
+}
+
 /// Maps memory at `location` at `[offset, offset + size)` of `range`, readable and writable
 /// by the accessing device (and, for host memory, by the host): one handle per `unit` (the
-/// granule, or `size` for one handle for the whole span).
+/// granule, or `size` for one handle for the whole span). With `shareable` (device memory)
+/// each handle is created exportable as a file descriptor while the flag is set (see
+/// [`create`]).
 ///
 /// # Safety
 /// `range` came from [`reserve`]; the granules of the span lie inside it, are whole, and
@@ -132,18 +193,14 @@ pub(crate) unsafe fn map(
     size: usize,
     unit: usize,
     location: Location,
+    shareable: Option<&AtomicBool>,
 ) -> Result<(), RuntimeError> {
     let base = range.ptr.as_ptr() as usize as sys::CUdeviceptr + offset as sys::CUdeviceptr;
-    let prop = prop(location);
     let mut done = 0usize;
     let res = (|| {
         while done < size {
             let at = base + done as sys::CUdeviceptr;
-            let mut h: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: `h` and `prop` are valid for the call.
-            check("cuMemCreate", unsafe {
-                sys::cuMemCreate(&mut h, unit, &prop, 0)
-            })?;
+            let h = create(unit, location, shareable)?;
             // SAFETY: `at` is unmapped space of the reserved range (caller's promise).
             if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(at, unit, 0, h, 0) }) {
                 // SAFETY: `h` was created above and is mapped nowhere.
@@ -234,6 +291,16 @@ pub(crate) unsafe fn unmap(
         }
     }
     first_error.map_or(Ok(()), Err)
+}
+
+/// The handle of the memory mapped at `at`, retained (release it with `cuMemRelease`), or
+/// `None` where nothing is mapped there.
+pub(crate) fn retain(at: sys::CUdeviceptr) -> Option<sys::CUmemGenericAllocationHandle> {
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: `h` is valid for the write; the driver only looks the address up (an address
+    // with nothing mapped is an error, not undefined behaviour).
+    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, at as usize as *mut c_void) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(h)
 }
 
 /// Gives back a reserved range.

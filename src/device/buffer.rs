@@ -5,10 +5,13 @@
 //! other stream used is reusable by it at once) and the other streams recorded on it, whose
 //! work must finish before the memory is handed out again (invariant 1).
 
+use std::any::Any;
 use std::fmt;
+use std::sync::OnceLock;
 
 use pinpool_actors::{Error, Lease, Origin, PoolId, Runtime, StreamId};
 
+use super::ipc_handle::IpcHandle;
 use crate::sim::SimRuntime;
 
 /// Device memory, returned to its allocator when dropped.
@@ -29,6 +32,15 @@ pub struct DeviceBuffer<R: Runtime = SimRuntime> {
     lease: Lease<R>,
     stream: R::Stream,
     device: usize,
+    /// Set by the first `ipc_handle` of a block of an expandable range: the handle, and
+    /// the file descriptors it names, kept open while the buffer lives.
+    exported: OnceLock<Box<Exported>>,
+}
+
+/// An export of a buffer's block of an expandable range.
+struct Exported {
+    handle: IpcHandle,
+    _keep_open: Box<dyn Any + Send + Sync>,
 }
 
 impl<R: Runtime> DeviceBuffer<R> {
@@ -42,6 +54,32 @@ impl<R: Runtime> DeviceBuffer<R> {
             lease,
             stream,
             device,
+            exported: OnceLock::new(),
+        }
+    }
+
+    /// The handle of an earlier export of this buffer's block of an expandable range.
+    pub(crate) fn exported_handle(&self) -> Option<&IpcHandle> {
+        self.exported.get().map(|e| &e.handle)
+    }
+
+    /// Keeps `keep_open` (the file descriptors `handle` names) while the buffer lives; the
+    /// handle to give out: `handle`, or that of an export made meanwhile on another thread
+    /// (then `keep_open` is dropped here, and with it this export's descriptors).
+    pub(crate) fn keep_export(
+        &self,
+        handle: IpcHandle,
+        keep_open: Box<dyn Any + Send + Sync>,
+    ) -> IpcHandle {
+        let ours = handle.clone();
+        let exported = Box::new(Exported {
+            handle,
+            _keep_open: keep_open,
+        });
+        match self.exported.set(exported) {
+            Ok(()) => ours,
+            // Set by the other export (a `OnceLock` once set stays set).
+            Err(_dropped) => self.exported.get().map_or(ours, |e| e.handle.clone()),
         }
     }
 

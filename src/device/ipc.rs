@@ -9,14 +9,23 @@
 //! order through one channel, so a close and a later open of the same segment never race.
 //!
 //! What can be exported: blocks of whole segments (`cuMemAlloc`, the layout of
-//! `expandable_segments:false`). A block of an expandable range (memory mapped with
-//! `cuMemCreate`) is [`Error::NotSupported`], whose reason names the setting to change:
-//! `cuIpcGetMemHandle` does not work on such memory, and pinpool does not export its
-//! shareable (file descriptor) handles. The simulated runtime has no inter-process memory:
-//! every export and open there is [`Error::NotSupported`].
+//! `expandable_segments:false`) by the driver's segment handle, and blocks of an expandable
+//! range (the default layout, memory created with `cuMemCreate`) by the memory handles they
+//! touch, each exported as a POSIX file descriptor (PyTorch's `ExpandableSegment::share`):
+//! the handle carries this process's id and the descriptor numbers, and the importer
+//! duplicates them with `pidfd_open` + `pidfd_getfd` (Linux 5.6 or later, and ptrace-like
+//! access to the exporter, which the same user normally has), imports them, and maps them
+//! into a fresh address range (closed, unmapped and given back with the last `IpcMemory` of
+//! that export). The descriptors stay open in the exporting process for as long as the
+//! exported buffer lives (a second export of the buffer gives the same handle); the memory
+//! itself must stay the exporter's until the importer is done, as for segments. Where the
+//! driver cannot create exportable memory (no file-descriptor handle type), a block of an
+//! expandable range is [`Error::NotSupported`], whose reason names the setting to change.
+//! The simulated runtime has no inter-process memory: every export and open there is
+//! [`Error::NotSupported`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pinpool_actors::blocking::may_stall;
@@ -24,35 +33,55 @@ use pinpool_actors::{Error, Origin, RuntimeError};
 
 use super::allocator::DeviceAllocator;
 use super::buffer::DeviceBuffer;
-use super::ipc_handle::{IpcHandle, IPC_HANDLE_BYTES};
+use super::ipc_handle::{IpcHandle, Source};
 use super::runtime::DeviceRuntime;
 
-/// The driver calls the registry makes (a runtime's `ipc_open` / `ipc_close`).
+/// The driver calls the registry makes (a runtime's `ipc_open` / `ipc_close`, or
+/// `ipc_open_mapped` / `ipc_close_mapped` for a block of an expandable range).
 pub(crate) trait IpcDriver: Send + Sync + 'static {
-    /// Opens a segment: its address here and its size.
-    fn open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<(u64, usize), Error>;
-    /// Closes a segment `open` opened, once nothing uses it.
-    fn close(&self, device: usize, base: u64) -> Result<(), Error>;
+    /// Opens what `handle` names: its address here and its size.
+    fn open(&self, handle: &IpcHandle) -> Result<(u64, usize), Error>;
+    /// Closes what `open` opened for `handle` at `base`, once nothing uses it.
+    fn close(&self, handle: &IpcHandle, base: u64) -> Result<(), Error>;
 }
 
 impl<R: DeviceRuntime> IpcDriver for R {
-    fn open(&self, device: usize, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<(u64, usize), Error> {
-        self.ipc_open(device, handle)
+    fn open(&self, handle: &IpcHandle) -> Result<(u64, usize), Error> {
+        match handle.segment_handle() {
+            Some(segment) => self.ipc_open(handle.device(), segment),
+            None => self.ipc_open_mapped(handle.device(), handle),
+        }
     }
 
-    fn close(&self, device: usize, base: u64) -> Result<(), Error> {
-        // SAFETY: the registry closes a segment it opened, once, after its last user.
-        unsafe { self.ipc_close(device, base) }
+    fn close(&self, handle: &IpcHandle, base: u64) -> Result<(), Error> {
+        // SAFETY: the registry closes what it opened, once, after its last user, with the
+        // handle it opened it with.
+        unsafe {
+            match handle.segment_handle() {
+                Some(_) => self.ipc_close(handle.device(), base),
+                None => self.ipc_close_mapped(handle.device(), base, handle),
+            }
+        }
     }
 }
 
-/// A segment: its device and the driver's handle.
-type Key = (usize, [u8; IPC_HANDLE_BYTES]);
+/// What one open serves: a device and a segment, or a device and one export's memory
+/// handles.
+type Key = (usize, Source);
+
+/// An open: its address here, its size, its users, and the handle it was opened with.
+struct Opened {
+    base: u64,
+    size: usize,
+    users: usize,
+    handle: IpcHandle,
+}
 
 enum Msg {
     /// Open the segment (or count one more user); reply with its address here and size.
     Open {
         key: Key,
+        handle: IpcHandle,
         reply: flume::Sender<Result<(u64, usize), Error>>,
     },
     /// One user fewer; close the segment when none is left.
@@ -91,7 +120,7 @@ impl IpcRegistry {
 
     /// Opens `handle`'s block (blocks the thread for the driver call).
     pub(crate) fn open(&self, handle: &IpcHandle) -> Result<IpcMemory, Error> {
-        let key = (handle.device(), *handle.segment_handle());
+        let key = (handle.device(), handle.source());
         let (reply, answer) = flume::bounded(1);
         let gone = || {
             Error::Runtime(RuntimeError::new(
@@ -99,7 +128,12 @@ impl IpcRegistry {
                 "the IPC registry has stopped",
             ))
         };
-        self.tx.send(Msg::Open { key, reply }).map_err(|_| gone())?;
+        let open = Msg::Open {
+            key,
+            handle: handle.clone(),
+            reply,
+        };
+        self.tx.send(open).map_err(|_| gone())?;
         let (base, size) = answer.recv().map_err(|_| gone())??;
         // The block must lie inside the segment: the handle's offset and length are the
         // sender's word only.
@@ -131,18 +165,26 @@ impl IpcRegistry {
 
 /// The registry actor's loop.
 fn run(driver: Arc<dyn IpcDriver>, rx: flume::Receiver<Msg>, count: Arc<AtomicUsize>) {
-    // Each open segment: its address here, its size, and its users.
-    let mut open: HashMap<Key, (u64, usize, usize)> = HashMap::new();
+    let mut open: HashMap<Key, Opened> = HashMap::new();
     for msg in rx.iter() {
         match msg {
-            Msg::Open { key, reply } => {
+            Msg::Open { key, handle, reply } => {
                 let base = match open.get_mut(&key) {
-                    Some((base, size, users)) => {
-                        *users += 1;
-                        Ok((*base, *size))
+                    Some(o) => {
+                        o.users += 1;
+                        Ok((o.base, o.size))
                     }
-                    None => driver.open(key.0, &key.1).inspect(|&(base, size)| {
-                        open.insert(key, (base, size, 1));
+                    None => driver.open(&handle).inspect(|&(base, size)| {
+                        let users = 1;
+                        open.insert(
+                            key,
+                            Opened {
+                                base,
+                                size,
+                                users,
+                                handle,
+                            },
+                        );
                         count.fetch_add(1, Ordering::SeqCst);
                     }),
                 };
@@ -158,26 +200,26 @@ fn run(driver: Arc<dyn IpcDriver>, rx: flume::Receiver<Msg>, count: Arc<AtomicUs
 }
 
 /// One user of `key` fewer: closes the segment with its last.
-fn release(
-    driver: &dyn IpcDriver,
-    open: &mut HashMap<Key, (u64, usize, usize)>,
-    key: Key,
-    count: &AtomicUsize,
-) {
-    let Some((base, _, users)) = open.get_mut(&key) else {
+fn release(driver: &dyn IpcDriver, open: &mut HashMap<Key, Opened>, key: Key, count: &AtomicUsize) {
+    let Some(o) = open.get_mut(&key) else {
         return;
     };
-    *users -= 1;
-    if *users > 0 {
+    o.users -= 1;
+    if o.users > 0 {
         return;
     }
-    let base = *base;
-    open.remove(&key);
+    let Some(o) = open.remove(&key) else {
+        return;
+    };
     count.fetch_sub(1, Ordering::SeqCst);
-    if let Err(e) = driver.close(key.0, base) {
-        tracing::warn!(device = key.0, base, error = %e, "closing an IPC segment failed");
+    if let Err(e) = driver.close(&o.handle, o.base) {
+        tracing::warn!(device = key.0, base = o.base, error = %e, "closing IPC memory failed");
     }
 }
+
+/// Ids of exports of blocks of expandable ranges in this process: with the pid, what tells
+/// an importer that two handles name the same file descriptors.
+static NEXT_EXPORT: AtomicU64 = AtomicU64::new(1);
 
 /// Device memory of another process, opened in this one ([`DeviceAllocator::open_ipc`]).
 /// Dropping it closes the segment once no other `IpcMemory` of it is left. The exporting
@@ -231,12 +273,17 @@ impl std::fmt::Debug for IpcMemory {
 
 impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// Exports `buf` for another process (PyTorch's `shareIpcHandle`): the driver's handle
-    /// of its segment, its offset in the segment, its length and device. Keep `buf` alive
-    /// (and order your own work on it) while the other process uses the memory.
+    /// of its segment, its offset in the segment, its length and device; or, for a block of
+    /// an expandable range (the default layout), the file descriptors of its memory
+    /// handles in this process, kept open while `buf` lives (exporting it again gives the
+    /// same handle). Keep `buf` alive (and order your own work on it) while the other
+    /// process uses the memory; for a block of an expandable range, also until the other
+    /// process has opened it.
     ///
     /// [`Error::NotSupported`] for an empty buffer, for a block of an expandable range
-    /// (build the allocator with `expandable_segments:false`), and on a runtime without
-    /// inter-process memory (the simulation).
+    /// where the driver cannot export memory as file descriptors (build the allocator with
+    /// `expandable_segments:false`), and on a runtime without inter-process memory (the
+    /// simulation).
     pub fn ipc_handle(&self, buf: &DeviceBuffer<R>) -> Result<IpcHandle, Error> {
         const OP: &str = "ipc_handle";
         self.engine(buf.device())?;
@@ -245,13 +292,23 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
                 operation: OP,
                 reason: "an empty buffer holds no memory".into(),
             }),
-            Some(Origin::DeviceMapped) => Err(Error::NotSupported {
-                operation: OP,
-                reason: "the block lies in an expandable segment (memory mapped with \
-                         cuMemCreate), which cuIpcGetMemHandle cannot export: build the \
-                         allocator with expandable_segments:false"
-                    .into(),
-            }),
+            Some(Origin::DeviceMapped) => {
+                if let Some(done) = buf.exported_handle() {
+                    return Ok(done.clone());
+                }
+                let (ptr, len, device) = (buf.device_ptr(), buf.len(), buf.device());
+                let export =
+                    may_stall().run(|| self.runtime().ipc_export_mapped(device, ptr, len))?;
+                let handle = IpcHandle::new_mapped(
+                    NEXT_EXPORT.fetch_add(1, Ordering::Relaxed),
+                    export.granule,
+                    export.handles,
+                    export.offset,
+                    len as u64,
+                    device,
+                )?;
+                Ok(buf.keep_export(handle, export.keep_open))
+            }
             Some(_) => {
                 let ptr = buf.device_ptr();
                 let export = may_stall().run(|| self.runtime().ipc_export(buf.device(), ptr))?;
@@ -273,7 +330,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     ///
     /// [`Error::NoSuchDevice`] for a device this process does not have,
     /// [`Error::InvalidIpcHandle`] for a handle the driver refuses (its process has exited,
-    /// or it is this process's own), [`Error::NotSupported`] on the simulation.
+    /// or it is this process's own segment) and, for a block of an expandable range, where
+    /// the exporting process has exited, dropped the buffer, or denies access to its file
+    /// descriptors; [`Error::NotSupported`] on the simulation, and on a kernel without
+    /// `pidfd_getfd`. A failed open leaves nothing open.
     pub fn open_ipc(&self, handle: &IpcHandle) -> Result<IpcMemory, Error> {
         self.engine(handle.device())?;
         let registry = match self.inner().ipc.get() {
@@ -318,11 +378,11 @@ mod tests {
     }
 
     impl IpcDriver for Counting {
-        fn open(
-            &self,
-            _device: usize,
-            handle: &[u8; IPC_HANDLE_BYTES],
-        ) -> Result<(u64, usize), Error> {
+        fn open(&self, handle: &IpcHandle) -> Result<(u64, usize), Error> {
+            let Some(handle) = handle.segment_handle() else {
+                self.opens.fetch_add(1, Ordering::SeqCst);
+                return Ok((0x9000_0000, 8 << 20));
+            };
             if handle[0] == 0xff {
                 return Err(Error::InvalidIpcHandle {
                     reason: "refused".into(),
@@ -332,7 +392,7 @@ mod tests {
             Ok((0x7000_0000 + ((handle[0] as u64) << 24), SEGMENT))
         }
 
-        fn close(&self, _device: usize, _base: u64) -> Result<(), Error> {
+        fn close(&self, _handle: &IpcHandle, _base: u64) -> Result<(), Error> {
             self.closes.fetch_add(1, Ordering::SeqCst);
             Ok(())
         }
@@ -374,6 +434,33 @@ mod tests {
         let again = registry.open(&IpcHandle::new([1; 64], 0, 512, 0)).unwrap();
         assert_eq!(driver.opens.load(Ordering::SeqCst), 3);
         drop(again);
+    }
+
+    #[test]
+    fn handles_of_one_export_of_mapped_memory_share_one_open() {
+        use crate::device::MappedHandle;
+        let driver = Arc::new(Counting::default());
+        let registry = IpcRegistry::start(driver.clone()).unwrap();
+        let g = 2u64 << 20;
+        let fds = vec![
+            MappedHandle { fd: 5, size: g },
+            MappedHandle { fd: 6, size: 3 * g },
+        ];
+        let h = IpcHandle::new_mapped(7, g, fds.clone(), 4096, g, 0).unwrap();
+        let a = registry.open(&h).unwrap();
+        let b = registry.open(&h.clone()).unwrap();
+        assert_eq!(a.device_ptr(), 0x9000_0000 + 4096);
+        assert_eq!(b.device_ptr(), a.device_ptr());
+        let other = IpcHandle::new_mapped(8, g, fds, 0, g, 0).unwrap();
+        let c = registry.open(&other).unwrap();
+        assert_eq!(
+            driver.opens.load(Ordering::SeqCst),
+            2,
+            "one open per export"
+        );
+        drop((a, b, c));
+        wait_until(|| driver.closes.load(Ordering::SeqCst) == 2);
+        assert_eq!(registry.open_segments(), 0);
     }
 
     #[test]

@@ -33,5 +33,5 @@ pub use buffer::DeviceBuffer;
 pub use builder::DeviceBuilder;
 pub use checkpoint::CheckpointDelta;
 pub use ipc::IpcMemory;
-pub use ipc_handle::{IpcHandle, IPC_HANDLE_BYTES};
-pub use runtime::{DeviceRuntime, IpcExport};
+pub use ipc_handle::{IpcHandle, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES};
+pub use runtime::{DeviceRuntime, IpcExport, IpcMappedExport};

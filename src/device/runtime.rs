@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use pinpool_actors::{Error, MemorySource, Runtime};
 
-use super::ipc_handle::IPC_HANDLE_BYTES;
+use super::ipc_handle::{IpcHandle, MappedHandle, IPC_HANDLE_BYTES};
 use crate::sim::{SimError, SimRuntime};
 
 /// A segment exported for another process: the driver's handle and where the segment
@@ -20,6 +20,31 @@ pub struct IpcExport {
     pub handle: [u8; IPC_HANDLE_BYTES],
     /// The device address of the segment's start.
     pub base: u64,
+}
+
+/// A block of an expandable range exported for another process: the file descriptors of
+/// the memory handles it touches (kept open here by `keep_open`), and where it starts.
+pub struct IpcMappedExport {
+    /// The granule the handles' sizes are multiples of (the importer's address alignment).
+    pub granule: u64,
+    /// Each handle the block touches, in address order: its file descriptor in this process
+    /// and its bytes. Together they are contiguous.
+    pub handles: Vec<MappedHandle>,
+    /// Where the block starts inside the first handle's memory.
+    pub offset: u64,
+    /// What keeps the file descriptors open: dropped once another process cannot need them
+    /// any more (the allocator keeps it with the exported buffer).
+    pub keep_open: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for IpcMappedExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcMappedExport")
+            .field("granule", &self.granule)
+            .field("handles", &self.handles)
+            .field("offset", &self.offset)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A runtime with devices whose memory the device allocator caches.
@@ -66,6 +91,53 @@ pub trait DeviceRuntime: Runtime {
     /// this once the last `IpcMemory` of the segment is gone).
     unsafe fn ipc_close(&self, device: usize, base: u64) -> Result<(), Error> {
         let _ = (device, base);
+        Err(no_ipc(self.name(), "ipc_close"))
+    }
+
+    /// Exports the block of `len` bytes at `ptr`, in an expandable range of device `device`,
+    /// for another process: the file descriptors of the memory handles it touches
+    /// (`cuMemExportToShareableHandle`). [`Error::NotSupported`] where the runtime cannot
+    /// (the default; on CUDA, memory created without a file-descriptor handle type).
+    fn ipc_export_mapped(
+        &self,
+        device: usize,
+        ptr: u64,
+        len: usize,
+    ) -> Result<IpcMappedExport, Error> {
+        let _ = (device, ptr, len);
+        Err(Error::NotSupported {
+            operation: "ipc_handle",
+            reason: format!(
+                "the {} runtime cannot export a block of an expandable segment: build the \
+                 allocator with expandable_segments:false",
+                self.name()
+            ),
+        })
+    }
+
+    /// Opens, on device `device`, the memory handles of a block `ipc_export_mapped`
+    /// exported in another process (`handle` is of that kind): maps them, in order, into a
+    /// fresh address range; its start here and its size. A handle whose process has exited
+    /// or denies access is [`Error::InvalidIpcHandle`].
+    fn ipc_open_mapped(&self, device: usize, handle: &IpcHandle) -> Result<(u64, usize), Error> {
+        let _ = (device, handle);
+        Err(no_ipc(self.name(), "open_ipc"))
+    }
+
+    /// Unmaps and gives back what `ipc_open_mapped` opened for `handle` at `base`.
+    ///
+    /// # Safety
+    ///
+    /// `base` was returned by this runtime's `ipc_open_mapped` for `device` and `handle`,
+    /// is not closed yet, and nothing uses the memory any more (the registry of opened
+    /// memory calls this once the last `IpcMemory` of it is gone).
+    unsafe fn ipc_close_mapped(
+        &self,
+        device: usize,
+        base: u64,
+        handle: &IpcHandle,
+    ) -> Result<(), Error> {
+        let _ = (device, base, handle);
         Err(no_ipc(self.name(), "ipc_close"))
     }
 
