@@ -309,11 +309,27 @@ async fn a_graphs_output_comes_back_at_its_address_and_its_replays_read_the_righ
         "O is back where graph 1 writes it"
     );
 
+    // Another allocation of the pool now, written outside any graph: it must not be O.
+    route(&pool, &s, id).await;
+    let bystander = pool.raw_alloc_with_stream(MIB, &s).unwrap();
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    assert_ne!(bystander, out, "O is lent again, to nobody else");
+    s.fill_device(bystander, MIB, 0x55).unwrap();
+
     sim.host_write(host.ptr.as_ptr(), &vec![0; MIB]).unwrap();
     g1.launch(&s).unwrap();
     s.synchronize().unwrap();
     let read = sim.host_read(host.ptr.as_ptr(), MIB).unwrap();
     assert!(all_bytes_are(&read, 0x77), "the replay read other bytes");
+    let seen = sim.host_alloc(MIB).unwrap();
+    s.copy_dtoh(bystander, seen.ptr.as_ptr(), MIB).unwrap();
+    s.synchronize().unwrap();
+    assert!(
+        all_bytes_are(&sim.host_read(seen.ptr.as_ptr(), MIB).unwrap(), 0x55),
+        "the replay wrote over another allocation"
+    );
+    pool.raw_delete(bystander).unwrap();
+    sim.host_free(seen).unwrap();
     // And what the replay wrote is in O.
     let check = sim.host_alloc(MIB).unwrap();
     s.copy_dtoh(out, check.ptr.as_ptr(), MIB).unwrap();
