@@ -344,3 +344,45 @@ async fn a_graphs_output_comes_back_at_its_address_and_its_replays_read_the_righ
     sim.host_free(host).unwrap();
     sim.host_free(check).unwrap();
 }
+
+/// The restore gives up after its settle timeout (10 s) while a held stream still reads a
+/// block to free, and its caller has stopped waiting long before: the block is freed the way
+/// its lease would have been, so it is handed out again only after that stream's work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_restore_nobody_waits_for_frees_its_blocks_only_after_their_work() {
+    let (pool, sim) = device_pool();
+    let (s, other) = (sim.stream(), sim.stream());
+    let id = pool.new_pool_id();
+    route(&pool, &s, id).await;
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    let empty = pool.checkpoint_state(0, id).await.unwrap();
+    route(&pool, &s, id).await;
+    let b = pool.raw_alloc_with_stream(2 * MIB, &s).unwrap();
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    let hold = other.hold();
+    let scratch = pool.raw_alloc_with_stream(4096, &other).unwrap();
+    other.copy_dtod(b, scratch, 4096).unwrap();
+    pool.raw_record_stream(b, &other).unwrap();
+
+    let gave_up = tokio::time::timeout(
+        std::time::Duration::from_millis(50),
+        pool.set_checkpoint_pool_state(0, &empty, &s),
+    )
+    .await;
+    assert!(gave_up.is_err());
+    // Past the restore's own timeout: it failed, with nobody to hand `b` back to.
+    tokio::time::sleep(std::time::Duration::from_millis(10_500)).await;
+    route(&pool, &s, id).await;
+    let next = pool.raw_alloc_with_stream(2 * MIB, &s).unwrap();
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    assert_ne!(next, b, "handed out while the held stream may still read it");
+    drop(hold);
+    other.synchronize().unwrap();
+    pool.raw_delete(next).unwrap();
+    pool.raw_delete(scratch).unwrap();
+    common::eventually("every block back", || {
+        pool.stats(0).unwrap().active_bytes.all.current == 0
+    })
+    .await;
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
