@@ -375,7 +375,10 @@ async fn a_timed_out_restore_nobody_waits_for_frees_its_blocks_only_after_their_
     route(&pool, &s, id).await;
     let next = pool.raw_alloc_with_stream(2 * MIB, &s).unwrap();
     pool.end_allocate_to_pool(0, id).await.unwrap();
-    assert_ne!(next, b, "handed out while the held stream may still read it");
+    assert_ne!(
+        next, b,
+        "handed out while the held stream may still read it"
+    );
     drop(hold);
     other.synchronize().unwrap();
     pool.raw_delete(next).unwrap();
