@@ -9,8 +9,8 @@ mod common;
 use std::sync::Arc;
 
 use common::all_bytes_are;
-use pinpool::sim::{SimRuntime, SimStream};
-use pinpool::{DeviceAllocator, DeviceBuilder, Error, PoolId};
+use pinpool::sim::{HoldGuard, SimRuntime, SimStream};
+use pinpool::{DeviceAllocator, DeviceBuilder, Error, PoolCheckpoint, PoolId};
 
 const MIB: usize = 1 << 20;
 
@@ -25,6 +25,47 @@ async fn route(pool: &DeviceAllocator<SimRuntime>, s: &SimStream, id: PoolId) {
     pool.begin_allocate_to_pool(0, id, move |t| t.id() == wanted)
         .await
         .unwrap();
+}
+
+/// A raw allocation of `size` bytes in capture pool `id`, routed from `s` for this one call.
+async fn raw_in_pool(
+    pool: &DeviceAllocator<SimRuntime>,
+    s: &SimStream,
+    id: PoolId,
+    size: usize,
+) -> u64 {
+    route(pool, s, id).await;
+    let ptr = pool.raw_alloc_with_stream(size, s).unwrap();
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    ptr
+}
+
+/// Enqueues on `other`, held back, a copy that reads `ptr`, and records `other` on it;
+/// the copy's destination (a raw block of `other`'s own pool) and the hold come back.
+fn read_on_held_stream(
+    pool: &DeviceAllocator<SimRuntime>,
+    other: &SimStream,
+    ptr: u64,
+) -> (HoldGuard, u64) {
+    let hold = other.hold();
+    let scratch = pool.raw_alloc_with_stream(4096, other).unwrap();
+    other.copy_dtod(ptr, scratch, 4096).unwrap();
+    pool.raw_record_stream(ptr, other).unwrap();
+    (hold, scratch)
+}
+
+/// Starts restoring `state` and stops waiting for it after 50 ms (it is still under way).
+async fn give_up_restoring(
+    pool: &DeviceAllocator<SimRuntime>,
+    state: &PoolCheckpoint,
+    s: &SimStream,
+) {
+    let gave_up = tokio::time::timeout(
+        std::time::Duration::from_millis(50),
+        pool.set_checkpoint_pool_state(0, state, s),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the restore waits for the held stream");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -230,26 +271,13 @@ async fn a_restore_whose_caller_stopped_waiting_leaves_the_books_balanced() {
     let (pool, sim) = device_pool();
     let (s, other) = (sim.stream(), sim.stream());
     let id = pool.new_pool_id();
-    route(&pool, &s, id).await;
-    let a = pool.raw_alloc_with_stream(MIB, &s).unwrap();
-    pool.end_allocate_to_pool(0, id).await.unwrap();
+    let a = raw_in_pool(&pool, &s, id, MIB).await;
     let checkpoint = pool.checkpoint_state(0, id).await.unwrap();
     pool.raw_delete(a).unwrap();
-    route(&pool, &s, id).await;
-    let b = pool.raw_alloc_with_stream(2 * MIB, &s).unwrap();
-    pool.end_allocate_to_pool(0, id).await.unwrap();
+    let b = raw_in_pool(&pool, &s, id, 2 * MIB).await;
     // Work on another stream reads `b` and is held back.
-    let hold = other.hold();
-    let scratch = pool.raw_alloc_with_stream(4096, &other).unwrap();
-    other.copy_dtod(b, scratch, 4096).unwrap();
-    pool.raw_record_stream(b, &other).unwrap();
-
-    let gave_up = tokio::time::timeout(
-        std::time::Duration::from_millis(50),
-        pool.set_checkpoint_pool_state(0, &checkpoint, &s),
-    )
-    .await;
-    assert!(gave_up.is_err(), "the restore waits for the held stream");
+    let (hold, scratch) = read_on_held_stream(&pool, &other, b);
+    give_up_restoring(&pool, &checkpoint, &s).await;
     // `b` left the raw table with the restore.
     assert!(pool.raw_delete(b).is_err());
     drop(hold);
@@ -356,25 +384,12 @@ async fn a_timed_out_restore_nobody_waits_for_frees_its_blocks_only_after_their_
     route(&pool, &s, id).await;
     pool.end_allocate_to_pool(0, id).await.unwrap();
     let empty = pool.checkpoint_state(0, id).await.unwrap();
-    route(&pool, &s, id).await;
-    let b = pool.raw_alloc_with_stream(2 * MIB, &s).unwrap();
-    pool.end_allocate_to_pool(0, id).await.unwrap();
-    let hold = other.hold();
-    let scratch = pool.raw_alloc_with_stream(4096, &other).unwrap();
-    other.copy_dtod(b, scratch, 4096).unwrap();
-    pool.raw_record_stream(b, &other).unwrap();
-
-    let gave_up = tokio::time::timeout(
-        std::time::Duration::from_millis(50),
-        pool.set_checkpoint_pool_state(0, &empty, &s),
-    )
-    .await;
-    assert!(gave_up.is_err());
+    let b = raw_in_pool(&pool, &s, id, 2 * MIB).await;
+    let (hold, scratch) = read_on_held_stream(&pool, &other, b);
+    give_up_restoring(&pool, &empty, &s).await;
     // Past the restore's own timeout: it failed, with nobody to hand `b` back to.
     tokio::time::sleep(std::time::Duration::from_millis(10_500)).await;
-    route(&pool, &s, id).await;
-    let next = pool.raw_alloc_with_stream(2 * MIB, &s).unwrap();
-    pool.end_allocate_to_pool(0, id).await.unwrap();
+    let next = raw_in_pool(&pool, &s, id, 2 * MIB).await;
     assert_ne!(
         next, b,
         "handed out while the held stream may still read it"

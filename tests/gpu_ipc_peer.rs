@@ -9,16 +9,19 @@
 //!  cargo test --release --features cuda --test gpu_ipc_peer -- --test-threads=1 --nocapture`.
 #![cfg(feature = "cuda")]
 
-use std::ffi::{c_void, CString};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use cudarc::driver::{result, CudaContext, CudaStream};
 use pinpool::config::DeviceConfig;
 use pinpool::cuda::{cuda_available, device_count, CudaRuntime};
 use pinpool::{DeviceAllocator, DeviceBuffer, DeviceRuntime, Error, PinnedAllocator};
+
+#[path = "common/kernels.rs"]
+mod kernels;
+use kernels::Kernels;
 
 const MIB: usize = 1 << 20;
 
@@ -83,41 +86,10 @@ fn read(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Vec<u8> {
     out
 }
 
-/// A kernel that keeps a stream busy (PTX, so no compiler is needed at run time).
-const SPIN: &str = r#"
-.version 7.0
-.target sm_70
-.address_size 64
-
-.visible .entry spin(.param .u64 ns)
-{
-    .reg .pred %p;
-    .reg .u64 %t<4>;
-    ld.param.u64 %t0, [ns];
-    mov.u64 %t1, %globaltimer;
-LOOP:
-    mov.u64 %t2, %globaltimer;
-    sub.u64 %t3, %t2, %t1;
-    setp.lt.u64 %p, %t3, %t0;
-    @%p bra LOOP;
-    ret;
-}
-"#;
-
-/// Keeps `stream` busy for `ms` milliseconds of GPU time (the kernel is loaded into the
+/// Keeps `stream` busy for `ms` milliseconds of GPU time (the kernels are loaded into the
 /// stream's context on each call: tests are short).
 fn spin(stream: &Arc<CudaStream>, ms: u64) {
-    stream.context().bind_to_thread().unwrap();
-    let ptx = CString::new(SPIN).unwrap();
-    // SAFETY: `ptx` is NUL-terminated PTX; `spin` takes one u64; the stream is alive.
-    unsafe {
-        let module = result::module::load_data(ptx.as_ptr() as *const c_void).unwrap();
-        let f: sys::CUfunction =
-            result::module::get_function(module, CString::new("spin").unwrap()).unwrap();
-        let mut ns = ms * 1_000_000;
-        let mut params = [&mut ns as *mut u64 as *mut c_void];
-        result::launch_kernel(f, (1, 1, 1), (1, 1, 1), 0, stream.cu_stream(), &mut params).unwrap();
-    }
+    Kernels::load(stream).spin(stream, ms);
 }
 
 /// Runs `ipc_peer open` on `handle`, expecting `expect` and writing `write`.

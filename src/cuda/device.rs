@@ -29,7 +29,7 @@ use super::vmm::{self, Location};
 use crate::config::{DeviceConfig, DEVICE_ENV_VAR};
 use crate::device::{DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport, IPC_HANDLE_BYTES};
 #[cfg(target_os = "linux")]
-use crate::device::{IpcHandle, IpcMappedExport};
+use crate::device::{DeviceCopy, IpcHandle, IpcMappedExport};
 use crate::{Error, MemoryKind, MemorySource, Origin, Region, RuntimeError};
 
 /// The memory of one CUDA device, as the device allocator's memory source.
@@ -304,26 +304,21 @@ impl DeviceRuntime for CudaRuntime {
     unsafe fn copy_device_async(
         &self,
         stream: &Self::Stream,
-        dst: u64,
-        dst_device: usize,
-        src: u64,
-        src_device: usize,
-        len: usize,
-        p2p: bool,
+        copy: DeviceCopy,
     ) -> Result<(), Error> {
         let (dst_ctx, src_ctx) = (
-            self.device_context(dst_device)?,
-            self.device_context(src_device)?,
+            self.device_context(copy.dst_device)?,
+            self.device_context(copy.src_device)?,
         );
         // SAFETY: this function's contract: both ranges lie in device memory that stays
         // allocated and unused by unordered work until the copy has run.
         unsafe {
             ipc::copy(
                 stream,
-                (dst, &dst_ctx),
-                (src, &src_ctx),
-                len,
-                p2p || dst_device == src_device,
+                (copy.dst, &dst_ctx),
+                (copy.src, &src_ctx),
+                copy.len,
+                copy.p2p || copy.dst_device == copy.src_device,
             )
         }
     }

@@ -15,7 +15,7 @@ use pinpool_actors::Error;
 
 use super::allocator::DeviceAllocator;
 use super::buffer::DeviceBuffer;
-use super::runtime::DeviceRuntime;
+use super::runtime::{DeviceCopy, DeviceRuntime};
 
 /// Which ordered pairs of devices have peer access.
 pub(crate) struct PeerTable {
@@ -166,12 +166,14 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         unsafe {
             self.runtime().copy_device_async(
                 stream,
-                dst.device_ptr(),
-                dst_device,
-                src.device_ptr(),
-                src_device,
-                n,
-                p2p,
+                DeviceCopy {
+                    dst: dst.device_ptr(),
+                    dst_device,
+                    src: src.device_ptr(),
+                    src_device,
+                    len: n,
+                    p2p,
+                },
             )
         }
     }

@@ -148,33 +148,43 @@ pub trait DeviceRuntime: Runtime {
         Err(Error::PeerAccessUnsupported { device, peer })
     }
 
-    /// Enqueues a copy of `len` bytes from `src` (device `src_device`) to `dst` (device
-    /// `dst_device`) on `stream`: directly where `p2p` (or on one device), else staged by
-    /// the driver (`cuMemcpyPeerAsync`). [`Error::NotSupported`] by default.
+    /// Enqueues `copy` on `stream`: directly where `copy.p2p` (or on one device), else
+    /// staged by the driver (`cuMemcpyPeerAsync`). [`Error::NotSupported`] by default.
     ///
     /// # Safety
     ///
-    /// `src..src + len` and `dst..dst + len` lie in device memory of `src_device` and
-    /// `dst_device` that stays allocated, and is not used by other work unordered with
-    /// `stream`, until the copy has run (`DeviceAllocator::memcpy_async` checks the ranges
-    /// against its buffers and records `stream` on both before calling this).
-    #[allow(clippy::too_many_arguments)]
+    /// The copy's source and destination ranges lie in device memory of their devices that
+    /// stays allocated, and is not used by other work unordered with `stream`, until the
+    /// copy has run (`DeviceAllocator::memcpy_async` checks the ranges against its buffers
+    /// and records `stream` on both before calling this).
     unsafe fn copy_device_async(
         &self,
         stream: &Self::Stream,
-        dst: u64,
-        dst_device: usize,
-        src: u64,
-        src_device: usize,
-        len: usize,
-        p2p: bool,
+        copy: DeviceCopy,
     ) -> Result<(), Error> {
-        let _ = (stream, dst, dst_device, src, src_device, len, p2p);
+        let _ = (stream, copy);
         Err(Error::NotSupported {
             operation: "memcpy_async",
             reason: format!("the {} runtime has no device copies", self.name()),
         })
     }
+}
+
+/// A copy between device ranges, on one device or two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceCopy {
+    /// Destination address, on `dst_device`.
+    pub dst: u64,
+    /// The destination's device.
+    pub dst_device: usize,
+    /// Source address, on `src_device`.
+    pub src: u64,
+    /// The source's device.
+    pub src_device: usize,
+    /// Bytes to copy.
+    pub len: usize,
+    /// Copy directly between the devices (peer access enabled), not staged by the driver.
+    pub p2p: bool,
 }
 
 /// [`Error::NotSupported`] for a runtime without inter-process memory.
@@ -229,16 +239,13 @@ impl DeviceRuntime for SimRuntime {
     unsafe fn copy_device_async(
         &self,
         stream: &Self::Stream,
-        dst: u64,
-        _dst_device: usize,
-        src: u64,
-        _src_device: usize,
-        len: usize,
-        _p2p: bool,
+        copy: DeviceCopy,
     ) -> Result<(), Error> {
         // Both ways are one copy on the stream's worker (early reuse of either range is
         // caught when it runs).
         self.check_stream(stream).map_err(sim_error)?;
-        stream.copy_dtod(src, dst, len).map_err(sim_error)
+        stream
+            .copy_dtod(copy.src, copy.dst, copy.len)
+            .map_err(sim_error)
     }
 }

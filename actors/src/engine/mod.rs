@@ -7,10 +7,9 @@
 //! trip to the pool actor (see [`crate::miss`]).
 //!
 //! The rest of the handle's calls live beside it: `build` (the builder, which starts the
-//! actors), `capture` (capture pools, through the router), `checkpoint` (checkpoints of capture
-//! pools), `free_memory` (the free-memory
-//! callbacks), `inspect` (stats, inventories, snapshots) and `history` (history and
-//! observers).
+//! actors), `capture` (capture pools, through the router), `checkpoint` (checkpoints of
+//! capture pools), `free_memory` (the free-memory callbacks), `inspect` (stats, inventories,
+//! snapshots) and `history` (history and observers).
 
 mod build;
 mod capture;
