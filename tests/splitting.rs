@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::current_thread;
 use pinpool::sim::SimRuntime;
-use pinpool::{BestFit, Builder, DeviceAllocator, DeviceBuilder};
+use pinpool::{BestFit, BlockStatus, Builder, DeviceAllocator, DeviceBuilder};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -153,6 +153,122 @@ fn a_pinned_request_under_bestfit_splits_a_larger_ready_block_without_the_pool_a
         head.0
     );
     rt.block_on(async {
+        pool.empty_cache().await.unwrap();
+        assert_eq!(sim.live_bytes(), 0, "all memory went back");
+    });
+}
+
+#[test]
+fn a_pinned_request_under_bestfit_merges_the_threads_freed_neighbours_without_the_pool_actor() {
+    let rt = current_thread();
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
+        .handle(rt.handle().clone())
+        .build()
+        .unwrap();
+    // Four 512 KiB blocks side by side fill the first 2 MiB granule: no free mapped memory
+    // is left for the actor to hand over.
+    let blocks = rt.block_on(async {
+        let mut v = Vec::new();
+        for _ in 0..4 {
+            v.push(pool.alloc(512 * KIB).await.unwrap());
+        }
+        v
+    });
+    let addrs: Vec<usize> = blocks.iter().map(|b| b.as_ptr() as usize).collect();
+    for w in addrs.windows(2) {
+        assert_eq!(w[1], w[0] + 512 * KIB, "side by side: {addrs:x?}");
+    }
+    let mut blocks = blocks.into_iter();
+    let (a, b, c, d) = (
+        blocks.next().unwrap(),
+        blocks.next().unwrap(),
+        blocks.next().unwrap(),
+        blocks.next().unwrap(),
+    );
+    let p = pool.clone();
+    let (merged, again) = without_actors(move || {
+        // Freed on this thread: two ready 512 KiB blocks in its shard, neither large enough
+        // for 1 MiB on its own.
+        drop((b, c));
+        let merged = p.alloc_blocking(MIB).unwrap();
+        let at = merged.as_ptr() as usize;
+        // The merged block is an ordinary ready block once freed: the same size again is
+        // the cached path.
+        drop(merged);
+        let again = p.alloc_blocking(MIB).unwrap();
+        (at, again)
+    })
+    .expect("served from the merged neighbours without the pool actor");
+    assert_eq!(merged, addrs[1], "the two freed blocks, merged in place");
+    assert_eq!(again.as_ptr() as usize, addrs[1]);
+    // The actor booked the merge: every piece coalesces and all memory goes back.
+    rt.block_on(async {
+        drop((a, d, again));
+        pool.empty_cache().await.unwrap();
+        assert_eq!(sim.live_bytes(), 0, "all memory went back");
+        assert_eq!(pool.stats().allocated_bytes.current, 0);
+    });
+}
+
+#[test]
+fn merged_neighbours_keep_the_books_of_the_pieces_still_lent() {
+    let rt = current_thread();
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
+        .handle(rt.handle().clone())
+        .build()
+        .unwrap();
+    // Six 256 KiB blocks and one 512 KiB block fill one 2 MiB granule.
+    let mut held = rt.block_on(async {
+        let mut v = Vec::new();
+        for _ in 0..6 {
+            v.push(pool.alloc(256 * KIB).await.unwrap());
+        }
+        v.push(pool.alloc(512 * KIB).await.unwrap());
+        v
+    });
+    let last = held.pop().unwrap();
+    let p = pool.clone();
+    let kept = without_actors(move || {
+        // Free the 2nd to 5th: the thread merges them (1 MiB) for a 768 KiB request, and the
+        // rest of the merged block goes back to its ready queues.
+        let mut it = held.into_iter();
+        let first = it.next().unwrap();
+        let sixth = it.next_back().unwrap();
+        drop(it);
+        let r = p.alloc_blocking(768 * KIB).unwrap();
+        (first, sixth, r)
+    })
+    .expect("served without the pool actor");
+    let (first, sixth, r) = kept;
+    let base = first.as_ptr() as usize;
+    assert_eq!(r.as_ptr() as usize, base + 256 * KIB);
+    assert_eq!(sixth.as_ptr() as usize, base + 5 * 256 * KIB);
+    assert_eq!(last.as_ptr() as usize, base + 3 * MIB / 2);
+    rt.block_on(async {
+        // The snapshot, made from the actor's books, shows the pieces as they are: the
+        // merged block cut for the request, its rest cached, the others lent.
+        let snap = pool.snapshot().await.unwrap();
+        let pieces: Vec<(usize, usize, BlockStatus)> = snap
+            .blocks()
+            .map(|(_, b)| (b.address, b.size, b.state))
+            .filter(|&(a, _, _)| (base..base + 2 * MIB).contains(&a))
+            .collect();
+        assert_eq!(
+            pieces,
+            vec![
+                (base, 256 * KIB, BlockStatus::InUse),
+                (base + 256 * KIB, 768 * KIB, BlockStatus::InUse),
+                (base + MIB, 256 * KIB, BlockStatus::Cached),
+                (base + 5 * 256 * KIB, 256 * KIB, BlockStatus::InUse),
+                (base + 3 * MIB / 2, 512 * KIB, BlockStatus::InUse),
+            ],
+            "{pieces:x?}"
+        );
+        drop((first, sixth, r, last));
         pool.empty_cache().await.unwrap();
         assert_eq!(sim.live_bytes(), 0, "all memory went back");
     });

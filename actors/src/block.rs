@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::home::Home;
 use crate::keepalive;
-use crate::mailbox::{PollerMsg, PoolMsg, Split};
+use crate::mailbox::{Merge, Note, PollerMsg, PoolMsg, Split};
 use crate::memory::Region;
 use crate::meta::BlockMeta;
 use crate::parked::Parkable;
@@ -129,7 +129,7 @@ impl<R: Runtime> Block<R> {
         };
         let mut tail = self.pool.new_block(rest, rest_class, seg.clone());
         tail.state = BlockState::Cached;
-        self.pool.note_split(Split {
+        self.pool.note(Note::Split(Split {
             addr: self.memory.addr(),
             first: keep,
             first_class: class,
@@ -138,12 +138,61 @@ impl<R: Runtime> Block<R> {
             seg: seg.id,
             in_arena: seg.is_arena(),
             rest_meta: tail.meta.clone(),
-        });
+        }));
         self.memory.size = keep;
         self.size = keep;
         self.class = class;
         self.recalled = false;
         Some(tail)
+    }
+
+    /// Whether the block was cut out of its pool's expandable range.
+    pub(crate) fn in_arena(&self) -> bool {
+        self.segment.as_ref().is_some_and(|s| s.is_arena())
+    }
+
+    /// Whether `next` begins where this block ends, in the same segment (two ready pieces
+    /// that [`Self::absorb_next`] can merge).
+    pub(crate) fn adjoins(&self, next: &Block<R>) -> bool {
+        match (&self.segment, &next.segment) {
+            (Some(a), Some(b)) => {
+                Arc::ptr_eq(a, b)
+                    && self.memory.addr().checked_add(self.size) == Some(next.memory.addr())
+            }
+            _ => false,
+        }
+    }
+
+    /// Merges the ready block `next`, which [`Self::adjoins`] this one, into it: this block
+    /// holds both ranges, filed under `class`, and `next`'s record is recycled. The inverse
+    /// of [`Self::split_off`]; the pool actor is told before the merged block can come back
+    /// (see [`Merge`]). Hands `next` back unchanged when the two do not adjoin.
+    pub(crate) fn absorb_next(
+        &mut self,
+        mut next: Box<Block<R>>,
+        class: usize,
+    ) -> Result<(), Box<Block<R>>> {
+        if !self.adjoins(&next) {
+            return Err(next);
+        }
+        let Some(seg) = next.segment.take() else {
+            return Err(next);
+        };
+        self.pool.note(Note::Merge(Merge {
+            addr: self.memory.addr(),
+            len: self.size + next.size,
+            class,
+            next: next.memory.addr(),
+            seg: seg.id,
+            in_arena: seg.is_arena(),
+        }));
+        self.size += next.size;
+        self.memory.size = self.size;
+        self.class = class;
+        self.recalled = false;
+        next.freed = true;
+        self.pool.recycle(next);
+        Ok(())
     }
 
     /// The free of a buffer: back to the ready queue when no stream used the block; parked

@@ -20,7 +20,7 @@ use flume::{Receiver, Sender};
 use crate::budget::{Budget, EmptyReport, Member};
 use crate::error::Error;
 use crate::history::Recorder;
-use crate::mailbox::{Mailbox, PollerMsg, PoolMsg, Split};
+use crate::mailbox::{Mailbox, Note, PollerMsg, PoolMsg};
 use crate::memory::{MemorySource, Region};
 use crate::parked::Parked;
 use crate::policy::{BlockLayout, SizePolicy};
@@ -75,8 +75,13 @@ pub(crate) struct Home<R: Runtime, B> {
     /// A thread that finds no ready block of its class may split a ready block of a larger
     /// class up to this many bytes (0: never; layouts that do not carve).
     pub(crate) split_up_to: usize,
+    /// Threads merge their ready blocks that lie side by side (pieces of an expandable
+    /// range: see `Engine::coalesce_mine`).
+    pub(crate) thread_merges: bool,
     /// Splits made by threads, for the actor to note in its books (see [`Split`]).
-    splits: (Sender<Split>, Receiver<Split>),
+    splits: (Sender<Note>, Receiver<Note>),
+    /// Notes sent so far (every `NOTE_BATCH`-th also sends the actor `PoolMsg::Books`).
+    notes_sent: AtomicUsize,
     /// Block records the actor took back into its free ranges, for the next blocks cut or
     /// split to reuse instead of allocating (see `Pool::recycle`). Emptied when the actor
     /// stops (each holds its pool).
@@ -133,9 +138,11 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             },
             split_up_to: match parts.layout {
                 BlockLayout::Whole => 0,
-                BlockLayout::Carved(c) => c.small_limit.min(c.max_split),
+                BlockLayout::Carved(c) => c.thread_limit.min(c.max_split),
             },
+            thread_merges: matches!(parts.layout, BlockLayout::Carved(c) if c.expandable),
             splits: flume::unbounded(),
+            notes_sent: AtomicUsize::new(0),
             shells: flume::bounded(SHELLS),
             policy: parts.policy,
         });
@@ -143,6 +150,9 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
         (home, rx)
     }
 }
+
+/// How many notes of splits and merges threads send before they ask the actor to book them.
+const NOTE_BATCH: usize = 64;
 
 impl<R: Runtime, B> Home<R, B> {
     /// Gives a region from `alloc` back to the memory source on this thread and keeps the
@@ -224,15 +234,20 @@ impl<R: Runtime, B> Home<R, B> {
         })
     }
 
-    /// Tells the actor that a thread split a ready block (before either part can come back).
-    pub(crate) fn note_split(&self, split: Split) {
+    /// Tells the actor that a thread split or merged ready blocks (before any part can come
+    /// back).
+    pub(crate) fn note(&self, note: Note) {
         // The receiver lives beside the sender: the send cannot fail.
-        let _ = self.splits.0.send(split);
+        let _ = self.splits.0.send(note);
+        if self.notes_sent.fetch_add(1, Ordering::Relaxed) % NOTE_BATCH == NOTE_BATCH - 1 {
+            let _ = self.mailbox.send(PoolMsg::Books);
+        }
     }
 
-    /// The splits made since the last look (for the actor's books).
-    pub(crate) fn splits(&self) -> flume::TryIter<'_, Split> {
-        self.splits.1.try_iter()
+    /// The splits and merges made since the last look (for the actor's books).
+    pub(crate) fn splits(&self) -> flume::Drain<'_, Note> {
+        // One look at the channel takes them all (a sender is not held up note by note).
+        self.splits.1.drain()
     }
 
     /// The addresses of segments given back since the last look (for the actor's registry).

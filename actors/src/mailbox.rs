@@ -83,6 +83,9 @@ pub(crate) enum PoolMsg<B> {
     },
     /// Look at the queued requests again: room was made, or one was cancelled.
     Wake,
+    /// Book the splits and merges threads noted (sent every `NOTE_BATCH` notes, so that the
+    /// books keep up and a miss finds few notes to book before it is served).
+    Books,
     /// The pool's owner is gone: give everything back as it comes home, then stop.
     Close,
 }
@@ -101,6 +104,25 @@ pub(crate) struct Split {
     pub(crate) seg: SegId,
     pub(crate) in_arena: bool,
     pub(crate) rest_meta: Arc<BlockMeta>,
+}
+
+/// Two ready blocks that lie side by side in one segment, merged into one by a thread that
+/// held both (see `Block::absorb_next`): the first, at `addr`, now holds `len` bytes; the
+/// second, which began at `next`, is gone. The inverse of a [`Split`]; sent before the
+/// merged block can come back.
+pub(crate) struct Merge {
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+    pub(crate) class: usize,
+    pub(crate) next: usize,
+    pub(crate) seg: SegId,
+    pub(crate) in_arena: bool,
+}
+
+/// A change a thread made to the pieces a segment lends, for the actor's books.
+pub(crate) enum Note {
+    Split(Split),
+    Merge(Merge),
 }
 
 /// A pool actor's mailbox, as its senders reach it: once the actor's task is gone (dropped

@@ -114,6 +114,10 @@ pub struct Carving {
     /// bytes are mapped by one call (fast: one piece of memory) and shorter runs granule by
     /// granule (each granule can go back on its own).
     pub map_whole_from: usize,
+    /// Threads split ready blocks up to this size for their requests without the pool actor
+    /// (the pool's split limit), and in an expandable range merge ready blocks that lie
+    /// side by side up to it (see `Engine::coalesce_mine`).
+    pub thread_limit: usize,
 }
 
 impl Carving {
@@ -145,6 +149,11 @@ impl Carving {
         split_any || seg <= self.small_segment || seg / self.split_ratio.max(1) <= size
     }
 }
+
+/// How large a ready block [`BestFit`]'s threads split and merge on their own (in the
+/// expandable range): a request up to this size whose class is empty is served from the
+/// thread's cached blocks, merged where they lie side by side, without the pool actor.
+const BEST_FIT_THREAD_LIMIT: usize = 4 << 20;
 
 /// The largest request [`BestFit`] accepts: 1 TiB.
 const BEST_FIT_MAX_LOG2: u32 = 40;
@@ -224,6 +233,7 @@ impl Default for BestFit {
                 gc_threshold_permille: None,
                 pack_granules: false,
                 map_whole_from: usize::MAX,
+                thread_limit: BEST_FIT_THREAD_LIMIT,
             },
         }
     }
@@ -254,6 +264,9 @@ impl BestFit {
     /// expandable host memory (default: one expandable range, see [`Carving::expandable`]).
     pub fn separate_segments(mut self) -> Self {
         self.carving.expandable = false;
+        // A segment goes back only once every piece of it is back: threads split only small
+        // blocks of separate segments.
+        self.carving.thread_limit = self.carving.small_limit;
         self
     }
 
@@ -359,6 +372,7 @@ impl Default for DeviceFit {
                 gc_threshold_permille: None,
                 pack_granules: true,
                 map_whole_from: 256 << 20,
+                thread_limit: 1 << 20,
             },
             divisions: 0,
         }

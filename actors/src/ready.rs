@@ -315,6 +315,16 @@ impl<B: Slotted> ReadyQueues<B> {
         out
     }
 
+    /// Takes every ready block out of this thread's shard: its slots and its queues.
+    pub(crate) fn drain_mine(&self, out: &mut Vec<Box<B>>) {
+        let me = self.my_shard();
+        let base = me * self.lines_per_shard;
+        for line in &self.slots[base..base + self.lines_per_shard] {
+            out.extend(line.iter().filter_map(take_slot));
+        }
+        self.shards[me].drain_into(out);
+    }
+
     /// The slot line that holds the slots of `class` in each shard.
     pub(crate) const fn line_of(class: usize) -> usize {
         class / SLOTS_PER_LINE

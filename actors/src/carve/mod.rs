@@ -294,6 +294,19 @@ impl<T> Carver<T> {
         }
     }
 
+    /// Two lent pieces of `seg` were merged into one by whoever held both: one piece fewer
+    /// is lent. `false` for an unknown segment or one that lends fewer than two pieces.
+    pub(crate) fn merge_lent(&mut self, seg: SegId) -> bool {
+        match self.segments.get_mut(&seg) {
+            Some(s) if s.lent > 1 => {
+                s.lent -= 1;
+                self.lent_pieces -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Takes back a lent piece and merges it with free neighbours. Returns whether its
     /// segment is now wholly free.
     pub(crate) fn release(&mut self, piece: Piece) -> Result<bool, CarveError> {

@@ -200,6 +200,7 @@ impl<R: Runtime> Engine<R> {
             .take_mine(class)
             .or_else(|| ready.steal(ready.my_shard(), class))
             .or_else(|| Self::split_ready(pool, class))
+            .or_else(|| Self::coalesce_mine(pool, class))
             .or_else(|| pool.parked.steal(class));
         match found {
             Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),
@@ -221,12 +222,18 @@ impl<R: Runtime> Engine<R> {
             return None;
         }
         let upto = policy.class_served_by(pool.split_up_to)?;
-        let mut block = pool
+        let block = pool
             .ready
             .take_from_below(class)
             .or_else(|| pool.ready.take_larger(class.index, upto))?;
+        Some(Self::cut_for(pool, block, class))
+    }
+
+    /// A ready block cut for a request of `class`: the request keeps its first `class.size`
+    /// bytes, the rest goes back to the ready queues as a block of its own.
+    fn cut_for(pool: &Pool<R>, mut block: Box<Block<R>>, class: SizeClass) -> Box<Block<R>> {
         let rest = block.size - class.size;
-        match policy.class_served_by(rest) {
+        match pool.policy.class_served_by(rest) {
             Some(rest_class) => {
                 if let Some(tail) = block.split_off(class.size, class.index, rest_class) {
                     pool.ready.put(tail);
@@ -235,7 +242,53 @@ impl<R: Runtime> Engine<R> {
             // Too small a rest to serve any request: the request takes it along.
             None => block.class = class.index,
         }
-        Some(block)
+        block
+    }
+
+    /// The ready blocks of this thread's shard merged where they lie side by side in the
+    /// pool's expandable range (pieces of separate segments are left to the actor, which
+    /// must see a segment's pieces come back to give it back): a thread that splits its blocks for requests of every size and frees the
+    /// parts one by one fragments its shard until a large request fits none of them, and
+    /// would then wait for the pool actor to take every cached block back and coalesce.
+    /// Merging here (each merge noted for the actor, see `Block::absorb_next`) serves most
+    /// of those requests on the thread. Merged blocks stay within the pool's split limit;
+    /// the smallest that holds the request is split for it, the rest go back.
+    #[cold]
+    fn coalesce_mine(pool: &Arc<Pool<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
+        let limit = pool.split_up_to;
+        if !pool.thread_merges || class.size >= limit {
+            return None;
+        }
+        let policy = &*pool.policy;
+        let mut blocks = Vec::new();
+        pool.ready.drain_mine(&mut blocks);
+        blocks.sort_unstable_by_key(|b| b.memory.addr());
+        let mut merged: Vec<Box<Block<R>>> = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            let next = match merged.last_mut() {
+                Some(last)
+                    if last.size + b.size <= limit && last.in_arena() && last.adjoins(&b) =>
+                {
+                    match policy.class_served_by(last.size + b.size) {
+                        Some(c) => last.absorb_next(b, c).err(),
+                        None => Some(b),
+                    }
+                }
+                _ => Some(b),
+            };
+            merged.extend(next);
+        }
+        let best = merged
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.size >= class.size)
+            .min_by_key(|(_, b)| b.size)
+            .map(|(i, _)| i);
+        let found = best.map(|i| merged.swap_remove(i));
+        for b in merged {
+            pool.ready.put(b);
+        }
+        Some(Self::cut_for(pool, found?, class))
     }
 
     /// Allocates `size` bytes for work on `stream` (`None`: the default pool), waiting for

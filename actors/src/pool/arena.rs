@@ -230,6 +230,21 @@ impl<R: Runtime> Arena<R> {
         true
     }
 
+    /// Two lent pieces that met at `at` (an offset in the range) were merged by whoever held
+    /// both: one piece fewer is lent, and the granule the seam falls inside, if any, is
+    /// touched once less (the inverse of [`Self::split`]).
+    pub(super) fn merge(&mut self, at: usize) -> bool {
+        if !self.carver.merge_lent(self.seg) {
+            return false;
+        }
+        if at % self.granule != 0 {
+            if let Some(gr) = self.granules.get_mut(&(at / self.granule)) {
+                gr.refs = gr.refs.saturating_sub(1);
+            }
+        }
+        true
+    }
+
     /// Takes a lent piece back (or one whose granules could not be mapped): its granules
     /// are let go and its range coalesces with free neighbours.
     pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::carve::CarveError> {

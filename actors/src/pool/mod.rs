@@ -310,6 +310,8 @@ impl<R: Runtime> PoolActor<R> {
                     Err(flume::SendError(Err((_, free)))) => restore::free_as_leases(free),
                 }
             }
+            // `handle` booked the notes before dispatching.
+            PoolMsg::Books => {}
             PoolMsg::Wake => {
                 self.shared.woke();
                 self.serve_waiters().await;

@@ -34,7 +34,7 @@ use super::PoolActor;
 use crate::block::{Block, Seg};
 use crate::carve::{Carver, Piece, SegId};
 use crate::error::Error;
-use crate::mailbox::{PieceView, SegmentView};
+use crate::mailbox::{Merge, Note, PieceView, SegmentView};
 use crate::memory::Region;
 use crate::meta::BlockMeta;
 use crate::policy::{BlockLayout, Carving, SizeClass};
@@ -85,7 +85,15 @@ impl<R: Runtime> Segments<R> {
         }
     }
 
-    /// (free ranges, free bytes, lent pieces), for the books.
+    /// Marks the slot line of `class` as one that may hold this pool's blocks.
+    fn mark_line(&mut self, class: usize) {
+        let line = ReadyQueues::<Block<R>>::line_of(class);
+        if self.slot_lines.len() <= line / 64 {
+            self.slot_lines.resize(line / 64 + 1, 0);
+        }
+        self.slot_lines[line / 64] |= 1 << (line % 64);
+    }
+
     /// Free ranges, counted cheaply: the carver's, and the arena's but its unmapped tail
     /// (free ranges that reach into unmapped space count as one each).
     pub(super) fn free_ranges(&self) -> usize {
@@ -302,11 +310,7 @@ impl<R: Runtime> PoolActor<R> {
             size: piece.len,
             method: seg.memory.method,
         };
-        let line = ReadyQueues::<Block<R>>::line_of(class.index);
-        if segs.slot_lines.len() <= line / 64 {
-            segs.slot_lines.resize(line / 64 + 1, 0);
-        }
-        segs.slot_lines[line / 64] |= 1 << (line % 64);
+        segs.mark_line(class.index);
         let block = self.shared.new_block(memory, class.index, seg);
         segs.lent
             .insert(ptr.as_ptr() as usize, (piece.len, block.meta.clone()));
@@ -321,13 +325,16 @@ impl<R: Runtime> PoolActor<R> {
         let Some(segs) = self.carved.as_mut() else {
             return;
         };
-        for s in self.shared.splits() {
-            for class in [s.first_class, s.rest_class] {
-                let line = ReadyQueues::<Block<R>>::line_of(class);
-                if segs.slot_lines.len() <= line / 64 {
-                    segs.slot_lines.resize(line / 64 + 1, 0);
+        for note in self.shared.splits() {
+            let s = match note {
+                Note::Split(s) => s,
+                Note::Merge(m) => {
+                    Self::note_merge(segs, m);
+                    continue;
                 }
-                segs.slot_lines[line / 64] |= 1 << (line % 64);
+            };
+            for class in [s.first_class, s.rest_class] {
+                segs.mark_line(class);
             }
             if let Some(entry) = segs.lent.get_mut(&s.addr) {
                 entry.0 = s.first;
@@ -344,6 +351,28 @@ impl<R: Runtime> PoolActor<R> {
             if !noted {
                 tracing::error!(addr = s.addr, "split of a block the pool does not lend");
             }
+        }
+    }
+
+    /// Books a merge of two lent pieces (see `Block::absorb_next`): one piece fewer, the
+    /// first holds both ranges.
+    fn note_merge(segs: &mut Segments<R>, m: Merge) {
+        segs.mark_line(m.class);
+        let known = segs.lent.contains_key(&m.addr) && segs.lent.remove(&m.next).is_some();
+        if let Some(entry) = segs.lent.get_mut(&m.addr) {
+            entry.0 = m.len;
+        }
+        let noted = known
+            && match (m.in_arena, segs.arena.as_mut()) {
+                (true, Some(a)) => {
+                    let base = a.segment.memory.addr();
+                    a.merge(m.next - base)
+                }
+                (true, None) => false,
+                (false, _) => segs.carver.merge_lent(m.seg),
+            };
+        if !noted {
+            tracing::error!(addr = m.addr, "merge of blocks the pool does not lend");
         }
     }
 

@@ -58,13 +58,14 @@ impl<R: Runtime> PoolActor<R> {
             }
             Err(e) => Err(Refused::Failed(e)),
         };
-        match reply.send(result) {
-            Err(flume::SendError(Ok(block))) => {
-                // The request was cancelled: the block is ready for someone else.
-                self.take_back(block).await;
-            }
-            Ok(()) => self.refill(ask.shard),
-            Err(_) => {}
+        if result.is_ok() {
+            // Before the reply: the requester's next requests find the ranges there, however
+            // soon they come (the same requests then take the same memory every time).
+            self.refill(ask.shard);
+        }
+        if let Err(flume::SendError(Ok(block))) = reply.send(result) {
+            // The request was cancelled: the block is ready for someone else.
+            self.take_back(block).await;
         }
     }
 
