@@ -158,8 +158,8 @@ const BEST_FIT_THREAD_LIMIT: usize = 4 << 20;
 /// Blocks larger than this take [`BestFit`] separate segments, even with an expandable
 /// range: fresh, such a block is one `register` call of huge pages instead of its granules
 /// mapped one by one (1 GiB fresh on an H100 host: 53 ms instead of 313 ms), for a little
-/// more waste on streams of such blocks (gpt2's replay, with its 785 MiB blocks: 1.016 ->
-/// 1.080; at 256 MiB the CNN stream's 400 MiB blocks would go from 1.039 to 1.229).
+/// more waste on streams of such blocks (gpt2's replay, with its 785 MiB blocks, about 6 %
+/// more; at 256 MiB the CNN stream's 400 MiB blocks would go from 1.039 to 1.229).
 const BEST_FIT_ARENA_MAX_BLOCK: usize = 512 << 20;
 
 /// The largest request [`BestFit`] accepts: 1 TiB.
@@ -183,7 +183,7 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// ranges coalesce across granules, so a larger request is served in place once its
 /// neighbours come back. A granule that no block touches (blocks in ready queues, waiting
 /// on events or kept for graph replays touch theirs) is unmapped, least recently used
-/// first, before mapping would cross the reserve cap of 1.2 times the peak of live bytes,
+/// first, before mapping would cross the reserve cap of 1.15 times the peak of live bytes,
 /// when the cache is emptied, and under a memory limit when a request needs room. Under a
 /// limit of fewer than eight granules, on runtimes without the capability, and for requests
 /// the range cannot hold, blocks come from separate segments instead. Under a memory limit
@@ -205,7 +205,12 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 ///
 /// Either way, freed small blocks stay on the cached path, and so do large ones that fill
 /// their segment; other pieces go back into their segment or range at once, so that they
-/// coalesce. A miss whose class last gave back a range that is still wholly free (and
+/// coalesce. A request whose class is empty is served on its thread where it can be: a
+/// larger ready block of the thread's is split for it, or (in the expandable range) the
+/// thread's ready blocks that lie side by side are merged, up to 4 MiB, and the smallest
+/// that holds it is split; only then does it ask the pool actor. Blocks larger than 512 MiB
+/// take separate segments even in the expandable range (fresh, one allocation instead of
+/// many granules). A miss whose class last gave back a range that is still wholly free (and
 /// mapped) takes that range again without draining the ready queues, and that block then
 /// stays on the cached path: a thread looping over one size stops asking the pool actor
 /// after its second request.
@@ -231,7 +236,7 @@ impl Default for BestFit {
                 large_round: 4096,
                 max_cached_size: usize::MAX,
                 split_ratio: 3,
-                reserve_cap_permille: Some(1200),
+                reserve_cap_permille: Some(1150),
                 fill_permille: 500,
                 expandable: true,
                 arena_reserve: 64 << 30,
@@ -254,7 +259,7 @@ impl BestFit {
         self
     }
 
-    /// The reserve cap as a multiple of the peak of live bytes (default 1.2; at least 1).
+    /// The reserve cap as a multiple of the peak of live bytes (default 1.15; at least 1).
     pub fn reserve_cap(mut self, times_peak_live: f64) -> Self {
         let permille = (times_peak_live.max(1.0) * 1000.0).min(u32::MAX as f64);
         self.carving.reserve_cap_permille = Some(permille as u32);
@@ -405,7 +410,7 @@ impl DeviceFit {
         self
     }
 
-    /// The reserve cap as a multiple of the peak of live bytes (default 1.2; at least 1):
+    /// The reserve cap as a multiple of the peak of live bytes (default 1.0; at least 1):
     /// before fresh memory would take reserved bytes above it, free memory goes back.
     pub fn reserve_cap(mut self, times_peak_live: f64) -> Self {
         let permille = (times_peak_live.max(1.0) * 1000.0).min(u32::MAX as f64);
