@@ -10,7 +10,7 @@
 //!
 //! Options: `--runtime cuda|sim` (default: cuda when built with the `cuda` feature),
 //! `--quick` (fewer iterations, for smoke runs), `--policy NAME` (the size
-//! policy of every pool it builds; default: the allocator's default, tiered).
+//! policy of every pool it builds; default: the allocator's default, bestfit).
 //!
 //! What each metric measures (as the anchor does):
 //! - `pair_ns size=S`: one thread, allocate a cached size and free it, 2 000 000 times.

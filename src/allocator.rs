@@ -169,7 +169,7 @@ impl<R: Runtime> Builder<R> {
         Builder::new(runtime)
     }
 
-    /// The size policy (default: powers of two, as PyTorch).
+    /// The size policy (default: [`crate::BestFit`]).
     pub fn policy(self, policy: Arc<dyn SizePolicy>) -> Self {
         self.map(|i| i.policy(policy))
     }
@@ -395,7 +395,9 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// drop(pool.alloc(4096).await?);
     /// drop(pool.alloc(100).await?);
     /// let info = pool.cache_info().await?;
-    /// assert_eq!((info.largest_block, info.total_cached), (4096, 4096 + 128));
+    /// // The first request mapped one 2 MiB granule of pinned memory: all of it is cached now.
+    /// assert_eq!(info.total_cached, 2 << 20);
+    /// assert!(info.largest_block >= 4096 && info.largest_block <= info.total_cached);
     /// # Ok(()) }
     /// ```
     pub async fn cache_info(&self) -> Result<CacheInfo, Error> {
@@ -412,7 +414,9 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// let buf = pool.alloc(4096).await?;
     /// let inside = buf.as_ptr().wrapping_add(100);
     /// let base = pool.base_allocation(inside).await?.unwrap();
-    /// assert_eq!((base.base, base.size), (buf.as_ptr() as usize, 4096));
+    /// // The mapped run of pinned memory the block was cut from.
+    /// assert!(base.base <= buf.as_ptr() as usize);
+    /// assert!(buf.as_ptr() as usize + 4096 <= base.base + base.size);
     /// assert_eq!(pool.base_allocation(&0u8 as *const u8).await?, None);
     /// # Ok(()) }
     /// ```

@@ -49,7 +49,8 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// pool.record_history(true, 1000, HistoryContext::None)?;
     /// drop(pool.alloc(4096).await?);
     /// let actions: Vec<TraceAction> = pool.history().await?.entries.iter().map(|e| e.action).collect();
-    /// assert_eq!(actions, [TraceAction::SegmentAlloc, TraceAction::Alloc,
+    /// // Fresh memory: the granule the block needs is mapped, then the block is cut from it.
+    /// assert_eq!(actions, [TraceAction::SegmentMap, TraceAction::Alloc,
     ///                      TraceAction::FreeRequested, TraceAction::FreeCompleted]);
     /// # Ok(()) }
     /// ```

@@ -224,7 +224,9 @@ fn a_request_waiting_on_a_runtime_that_shuts_down_gets_an_error_not_a_hang() {
     let sim = SimRuntime::new();
     sim.set_host_alloc_latency(Duration::from_millis(300));
     let rt = tokio::runtime::Runtime::new().unwrap();
+    // Whole blocks: the fresh block is one host allocation, which the latency slows down.
     let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(TieredPowerOfTwo::default()))
         .handle(rt.handle().clone())
         .build()
         .unwrap();

@@ -223,3 +223,27 @@ async fn a_runtime_without_expandable_memory_gets_separate_segments() {
     drop(b);
     assert_books_balance(&pool, &sim, 0).await;
 }
+
+#[tokio::test]
+async fn near_the_pinned_memory_limit_a_block_smaller_than_a_granule_gets_a_segment_of_its_own() {
+    // 1 MiB of pinned memory in all: no 2 MiB granule can be mapped.
+    let sim = SimRuntime::builder().memory_limit(1 << 20).build();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
+        .build()
+        .unwrap();
+    let a = pool.alloc(256 << 10).await.unwrap();
+    assert_eq!(
+        sim.live_bytes(),
+        256 << 10,
+        "a segment of the block's own size"
+    );
+    let b = pool.alloc(512 << 10).await.unwrap();
+    assert_eq!(sim.live_bytes(), 768 << 10);
+    // What does not fit the pinned memory left is a typed error, with nothing lost.
+    let err = pool.alloc(512 << 10).await.unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
+    drop((a, b));
+    pool.empty_cache().await.unwrap();
+    assert_eq!(sim.live_bytes(), 0);
+}

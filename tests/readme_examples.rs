@@ -261,7 +261,7 @@ async fn readme_history_records_trace_entries() -> Result {
     let buf = pool.alloc(1 << 20).await?;
     drop(buf);
     let history = pool.history().await?; // history_blocking() from plain threads
-    assert!(history.entries.iter().any(|e| e.action == TraceAction::SegmentAlloc));
+    assert!(history.entries.iter().any(|e| e.action == TraceAction::SegmentMap)); // fresh granules
     Ok(())
 }
 

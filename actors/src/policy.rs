@@ -172,7 +172,7 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 
 /// Fine size classes (multiples of 512 bytes up to 8 KiB, then 16 classes per doubling, so a
 /// class rounds up by at most 6.25%) whose blocks are cut out of one expandable range of
-/// pinned memory, or out of shared segments. Not the default yet: see the limit below.
+/// pinned memory, or out of shared segments. The default policy.
 ///
 /// Where the runtime offers expandable host memory (`Runtime::host_granularity`: the CUDA
 /// virtual memory calls with host locations, CUDA 12.2 and later, or the simulation), the

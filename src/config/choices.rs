@@ -24,13 +24,13 @@ pub enum PinStrategy {
 pub enum SizePolicyChoice {
     /// Powers of two up to 512 MiB, sixteenths of a power of two above
     /// ([`crate::TieredPowerOfTwo`]).
-    #[default]
     Tiered,
     /// Round up to a power of two, one free list per power of two, as PyTorch
     /// ([`crate::PowerOfTwo`]).
     Pow2,
     /// Fine size classes carved out of one expandable range where the runtime can map
     /// pinned memory granule by granule, else out of shared segments ([`crate::BestFit`]).
+    #[default]
     BestFit,
     /// [`crate::BestFit`] with separate shared segments only
     /// ([`crate::BestFit::separate_segments`]), for comparison.

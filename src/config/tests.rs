@@ -198,10 +198,10 @@ fn strategy_maps_to_the_runtime_pin_method() {
 
 #[test]
 fn size_policy_parses_pow2_and_bestfit_and_round_trips() {
-    assert_eq!(Config::default().size_policy, SizePolicyChoice::Tiered);
-    let c = Config::parse("size_policy: bestfit").unwrap();
-    assert_eq!(c.size_policy, SizePolicyChoice::BestFit);
-    assert_eq!(c.size_policy.policy().name(), "bestfit");
+    assert_eq!(Config::default().size_policy, SizePolicyChoice::BestFit);
+    let c = Config::parse("size_policy: tiered").unwrap();
+    assert_eq!(c.size_policy, SizePolicyChoice::Tiered);
+    assert_eq!(c.size_policy.policy().name(), "tiered");
     assert_eq!(Config::parse(&c.to_string()).unwrap(), c);
     assert_eq!(
         Config::parse("size_policy:pow2")

@@ -11,7 +11,7 @@ use super::{Engine, EngineInner};
 use crate::budget::Budget;
 use crate::error::Error;
 use crate::memory::MemorySource;
-use crate::policy::{SizePolicy, TieredPowerOfTwo};
+use crate::policy::{BestFit, SizePolicy};
 use crate::poller::start_poller;
 use crate::pool::{start_pool, PoolSpec};
 use crate::pool_id::PoolId;
@@ -36,12 +36,12 @@ pub struct EngineBuilder<R: Runtime> {
 
 impl<R: Runtime> EngineBuilder<R> {
     /// An engine that orders reuse with `runtime`'s events and takes its memory from
-    /// `memory`, with the tiered power-of-two size policy.
+    /// `memory`, with the best-fit size policy ([`BestFit`]).
     pub fn new(runtime: Arc<R>, memory: Arc<dyn MemorySource>) -> Self {
         Self {
             runtime,
             memory,
-            policy: Arc::new(TieredPowerOfTwo::default()),
+            policy: Arc::new(BestFit::default()),
             handle: None,
             shards: None,
             max_bytes: None,
@@ -66,7 +66,7 @@ impl<R: Runtime> EngineBuilder<R> {
         self
     }
 
-    /// The size policy (default: [`TieredPowerOfTwo`]).
+    /// The size policy (default: [`BestFit`]).
     pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
         self.policy = policy;
         self

@@ -517,8 +517,13 @@ impl<R: Runtime> PoolActor<R> {
             .as_ref()
             .is_some_and(|s| class.size <= s.carving.arena_max_block);
         if arena_fits && self.has_arena().await {
-            if let Some(res) = self.miss_arena(class).await {
-                return res;
+            match self.miss_arena(class).await {
+                // The driver has no granule left for a block smaller than one: a segment
+                // of the block's own size may still fit (near the pinned-memory limit).
+                Some(Err(Error::OutOfMemory { limit: None, .. }))
+                    if class.size < self.granule_size() => {}
+                Some(res) => return res,
+                None => {}
             }
         }
         self.absorb_ready();
@@ -616,6 +621,14 @@ impl<R: Runtime> PoolActor<R> {
         Some(self.block_for(class, piece, seg).ok_or_else(|| {
             Error::Runtime(RuntimeError::new("carve", "arena piece outside its range"))
         }))
+    }
+
+    /// Bytes of a granule of the pool's expandable range (0 without one).
+    fn granule_size(&self) -> usize {
+        self.carved
+            .as_ref()
+            .and_then(|s| s.arena.as_ref())
+            .map_or(0, |a| a.granule())
     }
 
     fn add_segment(&mut self, memory: Region) {
