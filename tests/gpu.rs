@@ -148,12 +148,24 @@ async fn the_same_block_is_reused_once_its_copy_has_completed() {
             tokio::time::sleep(Duration::from_micros(200)).await;
         }
     }
+    // The memory of the first round serves every round: the freed block itself, or under
+    // the default policy also the rest of the granule it was cut from, which the pool
+    // handed the requesting thread.
+    let distinct: std::collections::HashSet<_> = ptrs.iter().collect();
     assert!(
-        ptrs.iter().all(|&p| p == ptrs[0]),
-        "one block serves every round"
+        distinct.len() <= 2,
+        "{} blocks served 50 rounds",
+        distinct.len()
     );
-    assert_eq!(pool.stats().num_host_alloc, 1);
-    println!("gpu reuse_after_copy rounds=50 host_allocs=1");
+    assert_eq!(
+        pool.stats().num_host_alloc,
+        1,
+        "no fresh memory after the first round"
+    );
+    println!(
+        "gpu reuse_after_copy rounds=50 host_allocs=1 blocks={}",
+        distinct.len()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
