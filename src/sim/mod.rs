@@ -281,7 +281,10 @@ impl SimRuntimeBuilder {
                 random_delay_seed: AtomicU64::new(0),
                 random_delay_max_ns: AtomicU64::new(0),
                 memory_limit: AtomicUsize::new(usize::MAX),
-                expandable: !self.no_expandable && cfg!(unix),
+                // Under miri a reserved range is materialised and tracked byte by byte: the
+                // default policy's 64 GiB range could not be, so pools there use separate
+                // segments.
+                expandable: !self.no_expandable && cfg!(unix) && !cfg!(miri),
                 devices: (0..self.devices.unwrap_or(1))
                     .map(|_| DeviceState {
                         capacity: self.device_capacity.unwrap_or(DEFAULT_DEVICE_CAPACITY),
