@@ -485,11 +485,16 @@ impl<R: Runtime> Pool<R> {
     }
 
     /// Keeps the record of a block taken back into its segment's free ranges (its memory
-    /// no longer its own: `freed`, no segment) for [`Self::new_block`], unless its snapshot
-    /// record is still shared or enough are kept.
+    /// no longer its own: `freed`, no segment) for [`Self::new_block`], unless enough are
+    /// kept.
     pub(crate) fn recycle(&self, mut block: Box<Block<R>>) {
-        if !block.freed || block.segment.is_some() || Arc::strong_count(&block.meta) != 1 {
+        if !block.freed || block.segment.is_some() {
             return;
+        }
+        if Arc::strong_count(&block.meta) != 1 {
+            // Its record is still read (the actor's books, a snapshot): the shell gets a new
+            // one, and the record stays with its readers.
+            block.meta = Arc::default();
         }
         block.streams.clear();
         block.events.get_mut().clear();
