@@ -480,6 +480,12 @@ impl<R: Runtime> Pool<R> {
         b.freed = false;
         b.segment = Some(segment);
         b.recalled = false;
+        if Arc::strong_count(&b.meta) != 1 {
+            // Its record is still read (the actor's books had not let go of it when the record
+            // was recycled, or a snapshot holds it): a new one, the old one stays with its
+            // readers.
+            b.meta = Arc::default();
+        }
         b.meta.lent(0);
         b
     }
@@ -490,11 +496,6 @@ impl<R: Runtime> Pool<R> {
     pub(crate) fn recycle(&self, mut block: Box<Block<R>>) {
         if !block.freed || block.segment.is_some() {
             return;
-        }
-        if Arc::strong_count(&block.meta) != 1 {
-            // Its record is still read (the actor's books, a snapshot): the shell gets a new
-            // one, and the record stays with its readers.
-            block.meta = Arc::default();
         }
         block.streams.clear();
         block.events.get_mut().clear();
