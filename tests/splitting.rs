@@ -269,3 +269,24 @@ fn merged_neighbours_keep_the_books_of_the_pieces_still_lent() {
         assert_eq!(sim.live_bytes(), 0, "all memory went back");
     });
 }
+
+#[test]
+fn a_thread_never_cuts_a_small_request_out_of_a_large_cached_block() {
+    let rt = current_thread();
+    let (pool, _sim) = best_fit_pool(&rt);
+    rt.block_on(async {
+        // 600 MiB: a segment of its own, which it fills, so freed it stays cached on this
+        // thread.
+        let big = pool.alloc(600 * MIB).await.unwrap();
+        let range = big.as_ptr() as usize..big.as_ptr() as usize + 600 * MIB;
+        drop(big);
+        let small = pool.alloc(4 * KIB).await.unwrap();
+        assert!(
+            !range.contains(&(small.as_ptr() as usize)),
+            "a 4 KiB request was cut out of the cached 600 MiB block"
+        );
+        // The large block is still whole: the same size again gets it back.
+        let again = pool.alloc(600 * MIB).await.unwrap();
+        assert_eq!(again.as_ptr() as usize, range.start);
+    });
+}

@@ -247,12 +247,14 @@ impl<R: Runtime> Engine<R> {
 
     /// The ready blocks of this thread's shard merged where they lie side by side in the
     /// pool's expandable range (pieces of separate segments are left to the actor, which
-    /// must see a segment's pieces come back to give it back): a thread that splits its blocks for requests of every size and frees the
-    /// parts one by one fragments its shard until a large request fits none of them, and
-    /// would then wait for the pool actor to take every cached block back and coalesce.
-    /// Merging here (each merge noted for the actor, see `Block::absorb_next`) serves most
-    /// of those requests on the thread. Merged blocks stay within the pool's split limit;
-    /// the smallest that holds the request is split for it, the rest go back.
+    /// must see a segment's pieces come back to give it back). A thread that splits its
+    /// blocks for requests of every size and frees the parts one by one fragments its shard
+    /// until a large request fits none of them, and would then wait for the pool actor to
+    /// take every cached block back and coalesce. Merging here (each merge noted for the
+    /// actor, see `Block::absorb_next`) serves most of those requests on the thread. Merged
+    /// blocks stay within the pool's split limit; the smallest block within it that holds
+    /// the request is split for it (never a larger cached block, as in `split_ready`), the
+    /// rest go back.
     #[cold]
     fn coalesce_mine(pool: &Arc<Pool<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
         let limit = pool.split_up_to;
@@ -281,7 +283,7 @@ impl<R: Runtime> Engine<R> {
         let best = merged
             .iter()
             .enumerate()
-            .filter(|(_, b)| b.size >= class.size)
+            .filter(|(_, b)| b.size >= class.size && b.size <= limit)
             .min_by_key(|(_, b)| b.size)
             .map(|(i, _)| i);
         let found = best.map(|i| merged.swap_remove(i));
