@@ -78,8 +78,8 @@ pub(crate) struct Home<R: Runtime, B> {
     /// Threads merge their ready blocks that lie side by side (pieces of an expandable
     /// range: see `Engine::coalesce_mine`).
     pub(crate) thread_merges: bool,
-    /// Splits made by threads, for the actor to note in its books (see [`Split`]).
-    splits: (Sender<Note>, Receiver<Note>),
+    /// Splits and merges made by threads, for the actor to book (see [`Note`]).
+    notes: (Sender<Note>, Receiver<Note>),
     /// Notes sent so far (every `NOTE_BATCH`-th also sends the actor `PoolMsg::Books`).
     notes_sent: AtomicUsize,
     /// Block records the actor took back into its free ranges, for the next blocks cut or
@@ -141,7 +141,7 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
                 BlockLayout::Carved(c) => c.thread_limit.min(c.max_split),
             },
             thread_merges: matches!(parts.layout, BlockLayout::Carved(c) if c.expandable),
-            splits: flume::unbounded(),
+            notes: flume::unbounded(),
             notes_sent: AtomicUsize::new(0),
             shells: flume::bounded(SHELLS),
             policy: parts.policy,
@@ -238,16 +238,16 @@ impl<R: Runtime, B> Home<R, B> {
     /// back).
     pub(crate) fn note(&self, note: Note) {
         // The receiver lives beside the sender: the send cannot fail.
-        let _ = self.splits.0.send(note);
+        let _ = self.notes.0.send(note);
         if self.notes_sent.fetch_add(1, Ordering::Relaxed) % NOTE_BATCH == NOTE_BATCH - 1 {
             let _ = self.mailbox.send(PoolMsg::Books);
         }
     }
 
     /// The splits and merges made since the last look (for the actor's books).
-    pub(crate) fn splits(&self) -> flume::Drain<'_, Note> {
+    pub(crate) fn notes(&self) -> flume::Drain<'_, Note> {
         // One look at the channel takes them all (a sender is not held up note by note).
-        self.splits.1.drain()
+        self.notes.1.drain()
     }
 
     /// The addresses of segments given back since the last look (for the actor's registry).

@@ -257,7 +257,7 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     async fn handle(&mut self, msg: PoolMsg<Block<R>>) {
-        self.note_splits();
+        self.book_notes();
         self.dispatch(msg).await;
         if let Some(c) = &self.carved {
             self.shared.stats.set_free_ranges(c.free_ranges());

@@ -101,6 +101,7 @@ impl<R: Runtime> Segments<R> {
         self.carver.free_ranges() + arena
     }
 
+    /// (free ranges, free bytes, lent pieces), for the books.
     pub(super) fn census(&self) -> (usize, usize, usize) {
         let c = &self.carver;
         let (r, b, l) = self.arena.as_ref().map_or((0, 0, 0), |a| a.census());
@@ -317,19 +318,20 @@ impl<R: Runtime> PoolActor<R> {
         Some(block)
     }
 
-    /// Notes the ready blocks threads split since the last look (see `Block::split_off`):
-    /// one more piece lent from the segment, the rest's record for snapshots, and the slot
-    /// lines of both parts' classes to drain. Done before any block is taken back: a part
-    /// can only come back after its split was sent.
-    pub(super) fn note_splits(&mut self) {
+    /// Books the ready blocks threads split or merged since the last look (see
+    /// `Block::split_off`, `Block::absorb_next`): one piece more or fewer lent from the
+    /// segment, the records for snapshots, and the slot lines of the parts' classes to
+    /// drain. Done before any block is taken back: a part can only come back after its note
+    /// was sent.
+    pub(super) fn book_notes(&mut self) {
         let Some(segs) = self.carved.as_mut() else {
             return;
         };
-        for note in self.shared.splits() {
+        for note in self.shared.notes() {
             let s = match note {
                 Note::Split(s) => s,
                 Note::Merge(m) => {
-                    Self::note_merge(segs, m);
+                    Self::book_merge(segs, m);
                     continue;
                 }
             };
@@ -356,7 +358,7 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Books a merge of two lent pieces (see `Block::absorb_next`): one piece fewer, the
     /// first holds both ranges.
-    fn note_merge(segs: &mut Segments<R>, m: Merge) {
+    fn book_merge(segs: &mut Segments<R>, m: Merge) {
         segs.mark_line(m.class);
         let known = segs.lent.contains_key(&m.addr) && segs.lent.remove(&m.next).is_some();
         if let Some(entry) = segs.lent.get_mut(&m.addr) {
@@ -416,7 +418,7 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Takes a carved block's range back into the free ranges, merging it with free
     /// neighbours. Returns false for a block that was not carved (left untouched).
-    /// Call `note_splits` first, after the block was received: the splits it is part of
+    /// Call `book_notes` first, after the block was received: the splits it is part of
     /// were sent before it could come back.
     fn absorb(&mut self, block: &mut Box<Block<R>>) -> bool {
         let (Some(segs), Some(seg)) = (self.carved.as_mut(), block.segment.as_ref()) else {
@@ -455,7 +457,7 @@ impl<R: Runtime> PoolActor<R> {
     /// Moves every block of the ready queues into the free ranges (looking only at the slots
     /// of classes the pool has cut blocks for).
     pub(super) fn absorb_ready(&mut self) {
-        self.note_splits();
+        self.book_notes();
         let lines = self
             .carved
             .as_ref()
@@ -463,7 +465,7 @@ impl<R: Runtime> PoolActor<R> {
             .unwrap_or_default();
         let blocks = self.shared.ready.drain_lines(&lines);
         // Splits of the blocks just drained were sent before they were put back.
-        self.note_splits();
+        self.book_notes();
         for mut b in blocks {
             if self.absorb(&mut b) {
                 self.shared.recycle(b);
@@ -475,7 +477,7 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Takes carved blocks back; returns those that were not carved.
     pub(super) fn absorb_all(&mut self, blocks: Vec<Box<Block<R>>>) -> Vec<Box<Block<R>>> {
-        self.note_splits();
+        self.book_notes();
         let mut rest = Vec::new();
         for mut b in blocks {
             if self.absorb(&mut b) {
