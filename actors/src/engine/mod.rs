@@ -252,9 +252,9 @@ impl<R: Runtime> Engine<R> {
     /// until a large request fits none of them, and would then wait for the pool actor to
     /// take every cached block back and coalesce. Merging here (each merge noted for the
     /// actor, see `Block::absorb_next`) serves most of those requests on the thread. Merged
-    /// blocks stay within the pool's split limit; the smallest block within it that holds
-    /// the request is split for it (never a larger cached block, as in `split_ready`), the
-    /// rest go back.
+    /// blocks stay within the pool's split limit; the smallest block of the range, or of
+    /// a segment within the limit, that holds the request is split for it (never a larger
+    /// block with a segment of its own, which the cut would pin), the rest go back.
     #[cold]
     fn coalesce_mine(pool: &Arc<Pool<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
         let limit = pool.split_up_to;
@@ -283,7 +283,7 @@ impl<R: Runtime> Engine<R> {
         let best = merged
             .iter()
             .enumerate()
-            .filter(|(_, b)| b.size >= class.size && b.size <= limit)
+            .filter(|(_, b)| b.size >= class.size && (b.size <= limit || b.in_arena()))
             .min_by_key(|(_, b)| b.size)
             .map(|(i, _)| i);
         let found = best.map(|i| merged.swap_remove(i));
