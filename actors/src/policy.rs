@@ -384,7 +384,7 @@ impl Default for DeviceFit {
                 gc_threshold_permille: None,
                 pack_granules: true,
                 map_whole_from: 256 << 20,
-                thread_limit: 1 << 20,
+                thread_limit: 2 << 20,
             },
             divisions: 0,
         }
