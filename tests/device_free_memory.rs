@@ -9,7 +9,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::on_plain_thread;
+use common::{capped_device_pool, on_plain_thread};
 use pinpool::sim::SimRuntime;
 use pinpool::{DeviceAllocator, DeviceBuffer, DeviceBuilder, Error};
 
@@ -118,11 +118,7 @@ async fn a_callback_that_frees_nothing_leaves_the_typed_out_of_memory_error_and_
 
 #[tokio::test]
 async fn under_a_cap_a_callback_that_frees_makes_room_without_waiting() {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .max_bytes(8 * MIB)
-        .build()
-        .unwrap();
+    let (pool, sim) = capped_device_pool(8 * MIB);
     let s = sim.stream();
     let (held, calls) = attach_dropper(&pool);
     held.send(pool.alloc(8 * MIB, &s).await.unwrap()).unwrap();

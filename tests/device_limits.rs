@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::eventually;
+use common::{capped_device_pool, eventually};
 use pinpool::sim::SimRuntime;
 use pinpool::{DeviceBuilder, Error, MemoryKind, OomReport};
 
@@ -15,11 +15,7 @@ const MIB: usize = 1 << 20;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alloc_waits_at_the_cap_until_a_buffer_comes_back() {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .max_bytes(8 * MIB)
-        .build()
-        .unwrap();
+    let (pool, sim) = capped_device_pool(8 * MIB);
     let s = sim.stream();
     let held = pool.alloc(6 * MIB, &s).await.unwrap();
     let waiter = {
@@ -42,11 +38,7 @@ async fn alloc_waits_at_the_cap_until_a_buffer_comes_back() {
 
 #[tokio::test]
 async fn a_timeout_gives_up_and_changes_nothing() {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .max_bytes(4 * MIB)
-        .build()
-        .unwrap();
+    let (pool, sim) = capped_device_pool(4 * MIB);
     let s = sim.stream();
     let held = pool.alloc(4 * MIB, &s).await.unwrap();
     let err = pool

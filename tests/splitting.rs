@@ -15,9 +15,9 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::current_thread;
+use common::{best_fit_pool_on, current_thread};
 use pinpool::sim::SimRuntime;
-use pinpool::{BestFit, BlockStatus, Builder, DeviceAllocator, DeviceBuilder, PinnedAllocator};
+use pinpool::{BlockStatus, DeviceAllocator, DeviceBuilder};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -35,17 +35,6 @@ fn without_actors<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 fn device_pool(rt: &tokio::runtime::Runtime) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
     let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .handle(rt.handle().clone())
-        .build()
-        .unwrap();
-    (pool, sim)
-}
-
-/// A pinned allocator under `bestfit` whose actors run on `rt`.
-fn best_fit_pool(rt: &tokio::runtime::Runtime) -> (PinnedAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = Builder::new(Arc::new(sim.clone()))
-        .policy(Arc::new(BestFit::default()))
         .handle(rt.handle().clone())
         .build()
         .unwrap();
@@ -135,7 +124,7 @@ fn after_a_miss_the_thread_gets_the_free_mapped_ranges_and_its_next_requests_nee
 #[test]
 fn a_pinned_request_under_bestfit_splits_a_larger_ready_block_without_the_pool_actor() {
     let rt = current_thread();
-    let (pool, sim) = best_fit_pool(&rt);
+    let (pool, sim) = best_fit_pool_on(&rt);
     let big = rt.block_on(async {
         let b = pool.alloc(512 * KIB).await.unwrap();
         b.as_ptr() as usize
@@ -167,7 +156,7 @@ fn a_pinned_request_under_bestfit_splits_a_larger_ready_block_without_the_pool_a
 #[test]
 fn a_pinned_request_under_bestfit_merges_the_threads_freed_neighbours_without_the_pool_actor() {
     let rt = current_thread();
-    let (pool, sim) = best_fit_pool(&rt);
+    let (pool, sim) = best_fit_pool_on(&rt);
     // Four 512 KiB blocks side by side fill the first 2 MiB granule: no free mapped memory
     // is left for the actor to hand over.
     let blocks = rt.block_on(async {
@@ -216,7 +205,7 @@ fn a_pinned_request_under_bestfit_merges_the_threads_freed_neighbours_without_th
 #[test]
 fn merged_neighbours_keep_the_books_of_the_pieces_still_lent() {
     let rt = current_thread();
-    let (pool, sim) = best_fit_pool(&rt);
+    let (pool, sim) = best_fit_pool_on(&rt);
     // Six 256 KiB blocks and one 512 KiB block fill one 2 MiB granule.
     let mut held = rt.block_on(async {
         let mut v = Vec::new();
@@ -273,7 +262,7 @@ fn merged_neighbours_keep_the_books_of_the_pieces_still_lent() {
 #[test]
 fn a_thread_never_cuts_a_small_request_out_of_a_large_cached_block() {
     let rt = current_thread();
-    let (pool, _sim) = best_fit_pool(&rt);
+    let (pool, _sim) = best_fit_pool_on(&rt);
     rt.block_on(async {
         // 600 MiB: a segment of its own, which it fills, so freed it stays cached on this
         // thread.

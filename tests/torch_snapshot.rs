@@ -321,13 +321,7 @@ async fn blocks_tile_their_segment_so_readers_can_compute_each_address() {
             device: None,
             stream: None,
         }],
-        config: ConfigInfo {
-            policy: "x".into(),
-            max_bytes: None,
-            alloc_timeout_ms: None,
-            shards: 1,
-            runtime: "sim".into(),
-        },
+        config: hand_made_config(),
         reserved_bytes: 0x3000,
     };
     let snap = read(&hand.to_pickle(&[])).unwrap();
@@ -367,13 +361,7 @@ fn a_stream_id_with_the_top_bit_set_is_written_as_an_int64_never_a_longer_int() 
             device: Some(0),
             stream: Some(id),
         }],
-        config: ConfigInfo {
-            policy: "x".into(),
-            max_bytes: None,
-            alloc_timeout_ms: None,
-            shards: 1,
-            runtime: "sim".into(),
-        },
+        config: hand_made_config(),
         reserved_bytes: 0x1000,
     };
     let bytes = hand.to_pickle(&[]);
@@ -567,5 +555,16 @@ async fn torch_memory_viz_renders_the_dumped_snapshot() {
     std::fs::remove_file(&file).unwrap();
     if let Some(out) = out {
         assert!(out.starts_with("ok "), "{out}");
+    }
+}
+
+/// The configuration of the hand-made snapshots above.
+fn hand_made_config() -> ConfigInfo {
+    ConfigInfo {
+        policy: "x".into(),
+        max_bytes: None,
+        alloc_timeout_ms: None,
+        shards: 1,
+        runtime: "sim".into(),
     }
 }

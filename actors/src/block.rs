@@ -164,17 +164,15 @@ impl<R: Runtime> Block<R> {
     }
 
     /// Merges the ready block `next`, which [`Self::adjoins`] this one, into it: this block
-    /// holds both ranges, filed under `class`, and `next`'s record is recycled. The inverse
-    /// of [`Self::split_off`]; the pool actor is told before the merged block can come back
-    /// (see [`Merge`]). Hands `next` back unchanged when the two do not adjoin.
-    pub(crate) fn absorb_next(
-        &mut self,
-        mut next: Box<Block<R>>,
-        class: usize,
-    ) -> Result<(), Box<Block<R>>> {
-        if !self.adjoins(&next) {
-            return Err(next);
-        }
+    /// holds both ranges, filed under the largest class they serve, and `next`'s record is
+    /// recycled. The inverse of [`Self::split_off`]; the pool actor is told before the
+    /// merged block can come back (see [`Merge`]). Hands `next` back unchanged when the two
+    /// do not adjoin.
+    pub(crate) fn absorb_next(&mut self, mut next: Box<Block<R>>) -> Result<(), Box<Block<R>>> {
+        let class = match self.pool.policy.class_served_by(self.size + next.size) {
+            Some(c) if self.adjoins(&next) => c,
+            _ => return Err(next),
+        };
         let Some(seg) = next.segment.take() else {
             return Err(next);
         };

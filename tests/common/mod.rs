@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pinpool::sim::SimRuntime;
-use pinpool::{BestFit, Builder, PinnedAllocator, TieredPowerOfTwo};
+use pinpool::{
+    BestFit, Builder, DeviceAllocator, DeviceBuilder, PinnedAllocator, TieredPowerOfTwo,
+};
 
 /// An allocator on a fresh simulated runtime (call inside a tokio runtime), with the
 /// `tiered` size policy (named, not left to the default): one host allocation per block, so
@@ -22,10 +24,8 @@ pub fn sim_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     (pool, sim)
 }
 
-/// An allocator on a fresh simulated runtime with the `bestfit` size policy.
 /// An allocator under `BestFit` that cuts blocks out of separate host allocations
 /// (segments), not out of an expandable range.
-#[allow(dead_code)]
 pub fn segments_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
@@ -35,10 +35,33 @@ pub fn segments_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     (pool, sim)
 }
 
+/// An allocator on a fresh simulated runtime with the `bestfit` size policy.
 pub fn best_fit_pool() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
         .policy(Arc::new(BestFit::default()))
+        .build()
+        .expect("allocator builds inside a runtime");
+    (pool, sim)
+}
+
+/// [`best_fit_pool`] whose actors run on `rt` (callable outside any runtime).
+pub fn best_fit_pool_on(rt: &tokio::runtime::Runtime) -> (PinnedAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default()))
+        .handle(rt.handle().clone())
+        .build()
+        .expect("allocator builds");
+    (pool, sim)
+}
+
+/// A device allocator on a fresh simulated runtime, capped at `max_bytes` per device (call
+/// inside a tokio runtime).
+pub fn capped_device_pool(max_bytes: usize) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .max_bytes(max_bytes)
         .build()
         .expect("allocator builds inside a runtime");
     (pool, sim)

@@ -261,24 +261,18 @@ impl<R: Runtime> Engine<R> {
         if !pool.thread_merges || class.size >= limit {
             return None;
         }
-        let policy = &*pool.policy;
         let mut blocks = Vec::new();
         pool.ready.drain_mine(&mut blocks);
         blocks.sort_unstable_by_key(|b| b.memory.addr());
         let mut merged: Vec<Box<Block<R>>> = Vec::with_capacity(blocks.len());
         for b in blocks {
-            let next = match merged.last_mut() {
-                Some(last)
-                    if last.size + b.size <= limit && last.in_arena() && last.adjoins(&b) =>
-                {
-                    match policy.class_served_by(last.size + b.size) {
-                        Some(c) => last.absorb_next(b, c).err(),
-                        None => Some(b),
-                    }
+            let unmerged = match merged.last_mut() {
+                Some(last) if last.in_arena() && last.size + b.size <= limit => {
+                    last.absorb_next(b).err()
                 }
                 _ => Some(b),
             };
-            merged.extend(next);
+            merged.extend(unmerged);
         }
         let best = merged
             .iter()

@@ -34,7 +34,7 @@ use super::PoolActor;
 use crate::block::{Block, Seg};
 use crate::carve::{Carver, Piece, SegId};
 use crate::error::Error;
-use crate::mailbox::{Merge, Note, PieceView, SegmentView};
+use crate::mailbox::{Merge, Note, PieceView, SegmentView, Split};
 use crate::memory::Region;
 use crate::meta::BlockMeta;
 use crate::policy::{BlockLayout, Carving, SizeClass};
@@ -92,6 +92,51 @@ impl<R: Runtime> Segments<R> {
             self.slot_lines.resize(line / 64 + 1, 0);
         }
         self.slot_lines[line / 64] |= 1 << (line % 64);
+    }
+
+    /// Books a thread's split of a lent piece (see `Block::split_off`): one piece more, the
+    /// rest's record for snapshots.
+    fn book_split(&mut self, s: Split) {
+        for class in [s.first_class, s.rest_class] {
+            self.mark_line(class);
+        }
+        if let Some(entry) = self.lent.get_mut(&s.addr) {
+            entry.0 = s.first;
+        }
+        self.lent.insert(s.addr + s.first, (s.rest, s.rest_meta));
+        let noted = match (s.in_arena, self.arena.as_mut()) {
+            (true, Some(a)) => {
+                let base = a.segment.memory.addr();
+                a.split(s.addr + s.first - base)
+            }
+            (true, None) => false,
+            (false, _) => self.carver.split_lent(s.seg),
+        };
+        if !noted {
+            tracing::error!(addr = s.addr, "split of a block the pool does not lend");
+        }
+    }
+
+    /// Books a merge of two lent pieces (see `Block::absorb_next`): one piece fewer, the
+    /// first holds both ranges.
+    fn book_merge(&mut self, m: Merge) {
+        self.mark_line(m.class);
+        let known = self.lent.contains_key(&m.addr) && self.lent.remove(&m.next).is_some();
+        if let Some(entry) = self.lent.get_mut(&m.addr) {
+            entry.0 = m.len;
+        }
+        let noted = known
+            && match (m.in_arena, self.arena.as_mut()) {
+                (true, Some(a)) => {
+                    let base = a.segment.memory.addr();
+                    a.merge(m.next - base)
+                }
+                (true, None) => false,
+                (false, _) => self.carver.merge_lent(m.seg),
+            };
+        if !noted {
+            tracing::error!(addr = m.addr, "merge of blocks the pool does not lend");
+        }
     }
 
     /// Free ranges, counted cheaply: the carver's, and the arena's but its unmapped tail
@@ -328,53 +373,10 @@ impl<R: Runtime> PoolActor<R> {
             return;
         };
         for note in self.shared.notes() {
-            let s = match note {
-                Note::Split(s) => s,
-                Note::Merge(m) => {
-                    Self::book_merge(segs, m);
-                    continue;
-                }
-            };
-            for class in [s.first_class, s.rest_class] {
-                segs.mark_line(class);
+            match note {
+                Note::Split(s) => segs.book_split(s),
+                Note::Merge(m) => segs.book_merge(m),
             }
-            if let Some(entry) = segs.lent.get_mut(&s.addr) {
-                entry.0 = s.first;
-            }
-            segs.lent.insert(s.addr + s.first, (s.rest, s.rest_meta));
-            let noted = match (s.in_arena, segs.arena.as_mut()) {
-                (true, Some(a)) => {
-                    let base = a.segment.memory.addr();
-                    a.split(s.addr + s.first - base)
-                }
-                (true, None) => false,
-                (false, _) => segs.carver.split_lent(s.seg),
-            };
-            if !noted {
-                tracing::error!(addr = s.addr, "split of a block the pool does not lend");
-            }
-        }
-    }
-
-    /// Books a merge of two lent pieces (see `Block::absorb_next`): one piece fewer, the
-    /// first holds both ranges.
-    fn book_merge(segs: &mut Segments<R>, m: Merge) {
-        segs.mark_line(m.class);
-        let known = segs.lent.contains_key(&m.addr) && segs.lent.remove(&m.next).is_some();
-        if let Some(entry) = segs.lent.get_mut(&m.addr) {
-            entry.0 = m.len;
-        }
-        let noted = known
-            && match (m.in_arena, segs.arena.as_mut()) {
-                (true, Some(a)) => {
-                    let base = a.segment.memory.addr();
-                    a.merge(m.next - base)
-                }
-                (true, None) => false,
-                (false, _) => segs.carver.merge_lent(m.seg),
-            };
-        if !noted {
-            tracing::error!(addr = m.addr, "merge of blocks the pool does not lend");
         }
     }
 
