@@ -487,6 +487,65 @@ async fn a_copy_into_a_shorter_destination_is_a_typed_error_and_enqueues_nothing
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_granules_moved_over_the_reserve_cap_are_pinned_memory_that_copies_both_ways() {
+    let test = "idle_granules_moved_over_the_reserve_cap";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let Some(g) = rt.host_granularity() else {
+        println!("{test}: skipped: no expandable host memory on this driver");
+        return;
+    };
+    if pool.engine().policy().name() != "bestfit" {
+        println!("{test}: skipped: the default policy does not carve an expandable range");
+        return;
+    }
+    let half = g / 2;
+    let mut blocks = Vec::new();
+    for _ in 0..16 {
+        blocks.push(Some(pool.alloc(half).await.unwrap()));
+    }
+    // Keep one block in granules 0, 2, 5 and 7, each with its own bytes; the other four
+    // granules are touched by no block.
+    for (i, b) in blocks.iter_mut().enumerate() {
+        if [0, 5, 10, 15].contains(&i) {
+            b.as_mut().unwrap().copy_from_slice(&pattern(half, i as u8));
+        } else {
+            drop(b.take());
+        }
+    }
+    let before = pool.stats();
+    // Three granules past the last: over the cap (1.15 times the 8 granules of peak live),
+    // so idle granules move there.
+    let mut big = pool.alloc(3 * g).await.unwrap();
+    let after = pool.stats();
+    let moved = after.num_host_remaps - before.num_host_remaps;
+    assert!(moved >= 2, "{moved} granules moved");
+    assert!(after.num_host_alloc - before.num_host_alloc <= 1);
+    assert!(after.allocated_bytes.current <= before.allocated_bytes.current + g as i64);
+
+    let stream = rt.context().new_stream().unwrap();
+    let mut dev = stream.alloc_zeros::<u8>(3 * g).unwrap();
+    let expected = pattern(3 * g, 99);
+    big.copy_from_slice(&expected);
+    big.record_stream(&stream);
+    stream.memcpy_htod(&big, &mut dev).unwrap();
+    big.fill(0);
+    stream.memcpy_dtoh(&dev, &mut big[..]).unwrap();
+    stream.synchronize().unwrap();
+    assert!(
+        big[..] == expected[..],
+        "the moved memory lost bytes on the way"
+    );
+    for (i, b) in blocks.iter().enumerate() {
+        if let Some(b) = b {
+            assert!(b[..] == pattern(half, i as u8)[..], "block {i} changed");
+        }
+    }
+    println!("gpu moved_granules={moved} copies=intact");
+    drop((big, blocks));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_gpu_the_builder_gives_a_typed_error_and_best_available_falls_back_to_sim() {
     // Runs everywhere: no device has this ordinal.
     match PinnedAllocator::builder().cuda(1_000_000) {

@@ -131,6 +131,62 @@ async fn under_a_memory_limit_idle_granules_are_room_for_a_request_larger_than_a
 }
 
 #[tokio::test]
+async fn over_the_reserve_cap_idle_granules_move_where_a_request_needs_them_instead_of_pinning_anew(
+) {
+    let (pool, sim) = best_fit_pool();
+    let mut blocks = Vec::new();
+    for _ in 0..16 {
+        blocks.push(Some(pool.alloc(MIB).await.unwrap()));
+    }
+    // Peak live 16 MiB, so at most 18.4 MiB reserved (`BestFit`'s cap: 1.15 times). Keep
+    // the blocks in granules 0, 2, 5 and 7, each with its own bytes; granules 1, 3, 4 and 6
+    // are touched by no block.
+    for (i, b) in blocks.iter_mut().enumerate() {
+        if [0, 5, 10, 15].contains(&i) {
+            let p = b.as_ref().unwrap().as_ptr() as *mut u8;
+            sim.host_write(p, &[i as u8; 64]).unwrap();
+        } else {
+            drop(b.take());
+        }
+    }
+    let (maps, before) = (sim.total_host_allocs(), pool.stats());
+    assert_eq!(before.allocated_bytes.current, 8 * GRANULE as i64);
+    // No free range holds 6 MiB: three granules past the last one are needed, which would
+    // take 22 MiB. Idle granules move there (at least two, to stay under the cap); any
+    // other is mapped fresh.
+    let big = pool.alloc(6 * MIB).await.unwrap();
+    let moved = sim.total_host_remaps();
+    assert!(moved >= 2, "{moved} granules moved");
+    assert_eq!(
+        sim.total_host_allocs() - maps + moved,
+        3,
+        "each moved or fresh"
+    );
+    let after = pool.stats();
+    assert_eq!(after.num_host_remaps as u64, moved);
+    let fresh_calls = (after.num_host_alloc - before.num_host_alloc) as u64;
+    assert_eq!(
+        fresh_calls,
+        u64::from(moved < 3),
+        "one map call for the rest"
+    );
+    assert!(
+        after.allocated_bytes.current <= 9 * GRANULE as i64,
+        "under the cap"
+    );
+    sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
+        .unwrap();
+    for (i, b) in blocks.iter().enumerate() {
+        if let Some(b) = b {
+            assert_eq!(sim.host_read(b.as_ptr(), 64).unwrap(), [i as u8; 64]);
+        }
+    }
+    assert_books_balance(&pool, &sim, 5).await;
+    drop((big, blocks));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
 async fn a_snapshot_lists_each_mapped_run_as_a_segment_tiled_by_its_pieces() {
     let (pool, sim) = best_fit_pool();
     let x = pool.alloc(MIB).await.unwrap();

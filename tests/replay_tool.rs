@@ -105,6 +105,30 @@ fn the_device_layout_wastes_at_most_ten_percent_on_the_recorded_traces() {
     }
 }
 
+/// The same recorded streams through pinned host memory: the default policy keeps peak
+/// reserved within 20 % of peak live and needs fresh memory for no more requests than
+/// PyTorch's powers of two (idle granules move where a request needs them, rather than going
+/// back while fresh memory is pinned).
+#[test]
+fn the_host_default_is_frugal_and_needs_no_more_fresh_memory_than_powers_of_two() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("traces");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".trace.gz"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 4, "the recorded traces are in {dir:?}");
+    for path in files {
+        let trace = Trace::open(&path).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let fit = replay::replay_trace(&trace, &name, "default").unwrap();
+        let pow2 = replay::replay_trace(&trace, &name, "pow2").unwrap();
+        assert!(fit.reserved_over_peak() <= 1.20, "{name}: {fit:?}");
+        assert!(fit.fresh <= pow2.fresh, "{name}: {fit:?} vs {pow2:?}");
+    }
+}
+
 #[test]
 fn shuffling_frees_keeps_a_trace_valid_and_replayable() {
     let text = synthetic(3, 2, 20);

@@ -200,6 +200,31 @@ impl<R: Runtime, B> Home<R, B> {
         res
     }
 
+    /// Moves the memory of the `granule` bytes mapped at `from` in a reserved `range` to `to`
+    /// on this thread (see `MemorySource::remap`), and keeps the books: reserved bytes and
+    /// the budget stay as they are (no memory is taken or given back); the history shows the
+    /// granule unmapped at `from` and mapped at `to`.
+    pub(crate) fn move_now(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        granule: usize,
+    ) -> Result<(), RuntimeError> {
+        let res = self.memory.remap(range, from, to);
+        match &res {
+            Ok(()) => {
+                self.history
+                    .on_segment_unmap(self.id, self.owner, &range.part(from, granule));
+                self.history
+                    .on_segment_map(self.id, self.owner, &range.part(to, granule));
+                self.stats.remaps.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(error = %e, "moving a granule failed"),
+        }
+        res
+    }
+
     /// Unmaps `[offset, offset + len)` of a reserved `range` on this thread and keeps the
     /// books (stats, history, the budget). The caller strikes the granules and counts map
     /// calls.

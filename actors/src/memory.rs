@@ -162,6 +162,25 @@ pub trait MemorySource: Send + Sync + 'static {
         Err(unsupported("unmap"))
     }
 
+    /// Whether [`MemorySource::remap`] moves a mapped granule to another place of its range
+    /// without giving its memory back (false, the default: it is not offered).
+    fn remaps(&self) -> bool {
+        false
+    }
+
+    /// Moves the memory of the granule mapped at `from` in a reserved `range` to the
+    /// granule at `to`, unmapped now (both offsets multiples of the granule): afterwards
+    /// `from` is unmapped and `to` mapped, with the same memory behind it and its contents
+    /// undefined. No memory is taken or given back, so it costs a fraction of an unmap
+    /// and a map (pinned host memory is not pinned again). All or nothing: on failure
+    /// `from` stays mapped and `to` unmapped. Offered where [`MemorySource::remaps`] says
+    /// so, by sources that unmap granule by granule ([`MemorySource::unmaps_granules`]);
+    /// nothing may use the granule at `from` any more. May block for milliseconds.
+    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
+        let _ = (range, from, to);
+        Err(unsupported("remap"))
+    }
+
     /// Bytes the source could still give, as its driver reports them (`None`: it cannot
     /// tell; pinned host memory). Out-of-memory reports carry it.
     fn free_bytes(&self) -> Option<usize> {

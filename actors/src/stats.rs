@@ -30,6 +30,9 @@ pub struct HostStats {
     pub num_host_alloc: i64,
     /// Calls that gave pinned memory back.
     pub num_host_free: i64,
+    /// Granules of pinned memory moved to another place of the expandable range instead of
+    /// being given back and taken again (pinpool's own count; not in `num_host_alloc`).
+    pub num_host_remaps: i64,
     /// Time spent taking fresh pinned memory.
     pub host_alloc_time: DurationStat,
     /// Time spent giving pinned memory back.
@@ -59,6 +62,7 @@ impl HostStats {
         self.active_bytes.add(&o.active_bytes);
         self.num_host_alloc += o.num_host_alloc;
         self.num_host_free += o.num_host_free;
+        self.num_host_remaps += o.num_host_remaps;
         self.host_alloc_time.merge(&o.host_alloc_time);
         self.host_free_time.merge(&o.host_free_time);
         self.waiting_blocks += o.waiting_blocks;
@@ -103,6 +107,7 @@ impl HostStats {
         for (k, v) in [
             ("num_host_alloc", self.num_host_alloc),
             ("num_host_free", self.num_host_free),
+            ("num_host_remaps", self.num_host_remaps),
             ("waiting_blocks", self.waiting_blocks),
             ("waiting_bytes", self.waiting_bytes),
             ("kept_blocks", self.kept_blocks),
@@ -139,6 +144,8 @@ pub(crate) struct PoolStats {
     pub(crate) kept_bytes: AtomicI64,
     pub(crate) num_alloc_retries: AtomicI64,
     pub(crate) num_ooms: AtomicI64,
+    /// Granules moved within the expandable range (see `MemorySource::remap`).
+    pub(crate) remaps: AtomicI64,
     active: Box<[CachePadded<ActiveShard>]>,
     mask: usize,
     /// Device statistics, for pools built with them (`None`: host statistics only).
@@ -160,6 +167,7 @@ impl PoolStats {
             kept_bytes: AtomicI64::new(0),
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
+            remaps: AtomicI64::new(0),
             active: (0..shards).map(|_| CachePadded::default()).collect(),
             mask: shards - 1,
             detail: device.map(|max_split| Detail::new(shards, max_split)),
@@ -256,6 +264,7 @@ impl PoolStats {
             active_bytes,
             num_host_alloc: allocations.allocated,
             num_host_free: allocations.freed,
+            num_host_remaps: self.remaps.load(Relaxed),
             host_alloc_time: self.host_alloc_time.read(),
             host_free_time: self.host_free_time.read(),
             waiting_blocks: self.waiting_blocks.load(Relaxed),

@@ -331,6 +331,26 @@ impl CudaRuntime {
         unsafe { vmm::unmap(range, offset, size, granule) }
     }
 
+    /// Moves the pinned memory of the granule mapped at `from` of a reserved range to the
+    /// unmapped granule at `to`, without pinning memory again (see `MemorySource::remap`).
+    pub fn host_remap(
+        &self,
+        range: &HostMemory,
+        from: usize,
+        to: usize,
+    ) -> Result<(), RuntimeError> {
+        let granule = self.vmm_call("cuMemMap")?;
+        for at in [from, to] {
+            vmm::check_whole_granules("cuMemMap", range, at, granule, granule, PinMethod::Mapped)?;
+        }
+        let _relaxed = RelaxedCaptureMode::enter()
+            .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
+        let device = self.ctx.ordinal() as std::ffi::c_int;
+        // SAFETY: both granules are whole granules of a range reserved here (checked above);
+        // the engine moves only a granule it mapped and no block touches, to one unmapped.
+        unsafe { vmm::remap(range, from, to, granule, vmm::Location::Host { device }) }
+    }
+
     /// Gives back a reserved range, none of it mapped.
     pub fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
         self.vmm_range("cuMemAddressFree", &range, 0, 0)?;
@@ -366,6 +386,14 @@ impl MemorySource for CudaRuntime {
 
     fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
         self.host_unmap(range, offset, size)
+    }
+
+    fn remaps(&self) -> bool {
+        self.host_granularity().is_some()
+    }
+
+    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
+        self.host_remap(range, from, to)
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {

@@ -293,6 +293,49 @@ pub(crate) unsafe fn unmap(
     first_error.map_or(Ok(()), Err)
 }
 
+/// Moves the memory of the `granule` bytes mapped at `from` in `range` to `to`: maps the same
+/// handle at `to` (a handle may be mapped at two places), grants access there, then unmaps
+/// `from`. All or nothing: on failure `from` stays mapped and `to` unmapped.
+///
+/// # Safety
+/// `range` came from [`reserve`]; `from` is one granule mapped by [`map`] that nothing uses
+/// any more; `to` is a whole granule of the range, unmapped.
+pub(crate) unsafe fn remap(
+    range: &HostMemory,
+    from: usize,
+    to: usize,
+    granule: usize,
+    location: Location,
+) -> Result<(), RuntimeError> {
+    let base = range.ptr.as_ptr() as usize as sys::CUdeviceptr;
+    let (from, to) = (
+        base + from as sys::CUdeviceptr,
+        base + to as sys::CUdeviceptr,
+    );
+    let h = retain(from).ok_or_else(|| {
+        RuntimeError::new("cuMemRetainAllocationHandle", "no memory is mapped there")
+    })?;
+    let res = (|| {
+        // SAFETY: `to` is unmapped space of the reserved range (caller's promise) and `h`
+        // is a live handle of one granule.
+        check("cuMemMap", unsafe { sys::cuMemMap(to, granule, 0, h, 0) })?;
+        let moved = set_access(to, granule, location).and_then(|()| {
+            // SAFETY: `from` is mapped and unused (caller's promise); its memory stays
+            // mapped at `to`.
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(from, granule) })
+        });
+        if moved.is_err() {
+            // SAFETY: `to` was mapped just above and nothing has used it.
+            unsafe { sys::cuMemUnmap(to, granule) };
+        }
+        moved
+    })();
+    // SAFETY: `h` was retained above; the mapping (at `to`, or still at `from`) holds the
+    // memory.
+    unsafe { sys::cuMemRelease(h) };
+    res
+}
+
 /// The handle of the memory mapped at `at`, retained (release it with `cuMemRelease`), or
 /// `None` where nothing is mapped there.
 pub(crate) fn retain(at: sys::CUdeviceptr) -> Option<sys::CUmemGenericAllocationHandle> {

@@ -135,6 +135,42 @@ pub(super) fn map(
     Ok(())
 }
 
+/// Moves the memory of the granule mapped at `from` of a reserved range to the unmapped
+/// granule at `to`: the live bytes stay as they are, nothing counts as allocated or freed,
+/// and the contents are lost (both granules read zeros until written). All or nothing.
+pub(super) fn remap(
+    sim: &SimRuntime,
+    range: &HostMemory,
+    from: usize,
+    to: usize,
+) -> Result<(), RuntimeError> {
+    const OP: &str = "host_remap";
+    sim.shared.faults.check(FaultPoint::HostAlloc)?;
+    let alloc = reserved(sim, OP, range)?;
+    #[cfg(unix)]
+    let done = alloc.set_mapped(to, GRANULE, true) && {
+        let unmapped = alloc.set_mapped(from, GRANULE, false);
+        if !unmapped {
+            // `from` was not mapped: `to` goes back to unmapped.
+            alloc.set_mapped(to, GRANULE, false);
+        }
+        unmapped
+    };
+    #[cfg(not(unix))]
+    let done = false;
+    if !done {
+        return Err(refused(
+            OP,
+            format!(
+                "granule at offset {from:#x} is not mapped, or the one at {to:#x} is not \
+                 an unmapped granule of the range"
+            ),
+        ));
+    }
+    sim.shared.host_remaps.fetch_add(1, Ordering::SeqCst);
+    Ok(())
+}
+
 /// Gives a reserved range back; refused while any granule is mapped.
 pub(super) fn unreserve(sim: &SimRuntime, range: HostMemory) -> Result<(), RuntimeError> {
     const OP: &str = "host_unreserve";

@@ -66,6 +66,8 @@ pub(crate) struct Shared {
     live_bytes: AtomicUsize,
     total_host_allocs: AtomicU64,
     total_host_frees: AtomicU64,
+    /// Granules moved by `MemorySource::remap`.
+    host_remaps: AtomicU64,
     events_recorded: AtomicU64,
     events_released: AtomicU64,
     violations: AtomicU64,
@@ -274,6 +276,7 @@ impl SimRuntimeBuilder {
                 live_bytes: AtomicUsize::new(0),
                 total_host_allocs: AtomicU64::new(0),
                 total_host_frees: AtomicU64::new(0),
+                host_remaps: AtomicU64::new(0),
                 events_recorded: AtomicU64::new(0),
                 events_released: AtomicU64::new(0),
                 violations: AtomicU64::new(0),
@@ -454,6 +457,11 @@ impl SimRuntime {
     /// Successful `host_free` calls so far.
     pub fn total_host_frees(&self) -> u64 {
         self.shared.total_host_frees.load(Ordering::SeqCst)
+    }
+
+    /// Granules of expandable host memory moved with `MemorySource::remap` so far.
+    pub fn total_host_remaps(&self) -> u64 {
+        self.shared.host_remaps.load(Ordering::SeqCst)
     }
 
     /// Events created by `record_event` so far (captured ones included).
@@ -642,6 +650,17 @@ impl SimRuntime {
         expandable::map(self, range, offset, size, false)
     }
 
+    /// Moves the memory of the granule mapped at `from` of a reserved range to the unmapped
+    /// granule at `to` (see `MemorySource::remap`).
+    pub fn host_remap(
+        &self,
+        range: &HostMemory,
+        from: usize,
+        to: usize,
+    ) -> Result<(), RuntimeError> {
+        expandable::remap(self, range, from, to)
+    }
+
     /// Gives back a reserved range, none of it mapped.
     pub fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
         expandable::unreserve(self, range)
@@ -675,6 +694,14 @@ impl MemorySource for SimRuntime {
 
     fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
         self.host_unmap(range, offset, size)
+    }
+
+    fn remaps(&self) -> bool {
+        self.host_granularity().is_some()
+    }
+
+    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
+        self.host_remap(range, from, to)
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {

@@ -305,3 +305,55 @@ fn mapping_counts_against_the_memory_limit_and_can_be_turned_off() {
     assert_eq!(off.host_granularity(), None);
     assert!(off.host_reserve(8 << 20).is_err());
 }
+
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "reserves 16 MiB, which miri materialises and tracks byte by byte: too slow"
+)]
+fn a_remapped_granule_moves_its_memory_without_allocating_and_misuse_changes_nothing() {
+    use pinpool_actors::MemorySource;
+    let sim = SimRuntime::new();
+    let g = sim.host_granularity().unwrap();
+    assert!(sim.remaps());
+    let range = sim.host_reserve(8 * g).unwrap();
+    sim.host_map(&range, 0, 2 * g).unwrap();
+    let (allocs, frees) = (sim.total_host_allocs(), sim.total_host_frees());
+    let base = range.ptr.as_ptr();
+    // SAFETY: pointer arithmetic inside the reserved range.
+    let (zero, one, five) = unsafe { (base, base.add(g), base.add(5 * g)) };
+    sim.host_write(zero, &[3; 8]).unwrap();
+    sim.remap(&range, 0, 5 * g).unwrap();
+    assert!(
+        sim.host_write(zero, &[1; 8]).is_err(),
+        "the old place is unmapped"
+    );
+    sim.host_write(five, &[4; 8]).unwrap();
+    assert_eq!(sim.host_read(five, 8).unwrap(), [4; 8]);
+    assert_eq!(
+        sim.host_read(one, 8).unwrap(),
+        [0; 8],
+        "its neighbour stays"
+    );
+    assert_eq!(sim.live_bytes(), 2 * g, "no memory taken or given back");
+    assert_eq!(
+        (sim.total_host_allocs(), sim.total_host_frees()),
+        (allocs, frees)
+    );
+    assert_eq!(sim.total_host_remaps(), 1);
+    // Onto a mapped granule, from an unmapped one, or off the granules: refused, and
+    // nothing changes.
+    assert!(sim.remap(&range, g, 5 * g).is_err());
+    assert!(sim.remap(&range, 0, 3 * g).is_err());
+    assert!(sim.remap(&range, g, 3 * g + 4096).is_err());
+    assert!(sim.remap(&range, g, 8 * g).is_err(), "past the range");
+    assert!(sim.host_read(one, 8).is_ok() && sim.host_read(five, 8).is_ok());
+    assert!(sim.host_write(base.wrapping_add(3 * g), &[1; 8]).is_err());
+    assert_eq!(sim.live_bytes(), 2 * g);
+    assert_eq!(sim.total_host_remaps(), 1);
+    sim.host_unmap(&range, g, g).unwrap();
+    sim.host_unmap(&range, 5 * g, g).unwrap();
+    sim.host_unreserve(range).unwrap();
+    assert_eq!((sim.live_allocations(), sim.live_bytes()), (0, 0));
+    assert_eq!(sim.total_host_allocs(), sim.total_host_frees());
+}

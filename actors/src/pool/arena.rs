@@ -284,6 +284,28 @@ impl<R: Runtime> Arena<R> {
         }
     }
 
+    /// Enters the memory of the idle granule `from` moved to granule `to`, which the piece
+    /// just placed needs: `to` joins `from`'s map call (its memory is the same), held by
+    /// that piece. For sources that unmap granule by granule (`!whole`).
+    pub(super) fn moved(&mut self, from: usize, to: usize) {
+        let Some(gr) = self.granules.remove(&from) else {
+            return;
+        };
+        self.granules.insert(
+            to,
+            Granule {
+                refs: 1,
+                used: self.clock,
+                map: gr.map,
+            },
+        );
+        if let Some(m) = self.segment.arena_map() {
+            m.set(from, false);
+            m.set_start(from, false);
+            m.set(to, true);
+        }
+    }
+
     /// Strikes unmapped granules; returns how many map calls have no granule mapped any more.
     pub(super) fn unmapped(&mut self, granules: &[usize]) -> usize {
         let mut ended = 0;
@@ -500,12 +522,32 @@ impl<R: Runtime> PoolActor<R> {
         let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
             return Err(Error::Runtime(RuntimeError::new("host_map", "no arena")));
         };
-        let bytes = need.len() * arena.granule();
+        let granule = arena.granule();
+        let movable = !arena.whole_runs() && self.shared.memory.remaps();
+        let mut need = need;
         let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+        let budget = self.shared.budget.clone();
+        if movable {
+            // Over the cap or the memory limit: idle granules move into the piece's places
+            // instead of going back while fresh memory is taken for it.
+            let bytes = need.len() * granule;
+            let over_cap = cap.map_or(0, |c| (reserved + bytes).saturating_sub(c));
+            let over_limit = budget
+                .limit()
+                .map_or(0, |l| (budget.reserved() + bytes).saturating_sub(l));
+            let over = over_cap.max(over_limit);
+            if over > 0 {
+                self.move_idle(&mut need, over.div_ceil(granule)).await;
+            }
+        }
+        let bytes = need.len() * granule;
         if let Some(over) = cap.and_then(|c| (reserved + bytes).checked_sub(c)) {
             self.unmap_idle(over).await;
         }
-        let budget = self.shared.budget.clone();
+        if need.is_empty() {
+            // Every granule the piece needed was moved there.
+            return Ok(());
+        }
         if !budget.try_reserve(bytes) {
             self.unmap_idle(bytes).await;
             if !budget.try_reserve(bytes) {
@@ -592,6 +634,45 @@ impl<R: Runtime> PoolActor<R> {
                 })
             }
         }
+    }
+
+    /// Moves up to `n` idle granules, least recently used first, into the places of as many
+    /// granules of `need` (see `MemorySource::remap`), and strikes those from `need`.
+    /// Returns how many moved.
+    async fn move_idle(&mut self, need: &mut Vec<usize>, n: usize) -> usize {
+        let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
+            return 0;
+        };
+        let granule = arena.granule();
+        let n = n.min(need.len());
+        let pairs: Vec<(usize, usize)> = arena
+            .idle_granules(n * granule)
+            .into_iter()
+            .zip(need.iter().copied())
+            .collect();
+        if pairs.is_empty() {
+            return 0;
+        }
+        let (segment, shared) = (arena.segment.clone(), self.shared.clone());
+        let job = tokio::task::spawn_blocking(move || {
+            // A failed move changes nothing: that granule is mapped fresh instead.
+            pairs
+                .into_iter()
+                .filter(|&(f, t)| {
+                    shared
+                        .move_now(&segment.memory, f * granule, t * granule, granule)
+                        .is_ok()
+                })
+                .collect::<Vec<_>>()
+        });
+        let moved = job.await.unwrap_or_default();
+        if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
+            for &(f, t) in &moved {
+                a.moved(f, t);
+            }
+        }
+        need.retain(|g| !moved.iter().any(|&(_, t)| t == *g));
+        moved.len()
     }
 
     /// Gives a piece whose granules were never mapped back to the arena.
