@@ -84,11 +84,8 @@ fn best_fit_meets_the_targets_on_traces_it_was_not_tuned_on() {
     }
 }
 
-/// The real request streams in `traces/` (recorded from PyTorch workloads; nothing was tuned
-/// on them): the device layout keeps peak reserved within 10 % of peak live on each, on the
-/// simulated device, as it does on the GPU (BENCHMARKS.md, "Traces not tuned on").
-#[test]
-fn the_device_layout_wastes_at_most_ten_percent_on_the_recorded_traces() {
+/// The request streams recorded in `traces/`, by file name.
+fn recorded_traces() -> Vec<(String, Trace)> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("traces");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
@@ -97,9 +94,21 @@ fn the_device_layout_wastes_at_most_ten_percent_on_the_recorded_traces() {
         .collect();
     files.sort();
     assert!(files.len() >= 4, "the recorded traces are in {dir:?}");
-    for path in files {
-        let trace = Trace::open(&path).unwrap();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    files
+        .into_iter()
+        .map(|path| {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            (name, Trace::open(&path).unwrap())
+        })
+        .collect()
+}
+
+/// The real request streams in `traces/` (recorded from PyTorch workloads; nothing was tuned
+/// on them): the device layout keeps peak reserved within 10 % of peak live on each, on the
+/// simulated device, as it does on the GPU (BENCHMARKS.md, "Traces not tuned on").
+#[test]
+fn the_device_layout_wastes_at_most_ten_percent_on_the_recorded_traces() {
+    for (name, trace) in recorded_traces() {
         let r = replay::replay_device(&trace, &name, "default").unwrap();
         assert!(r.reserved_over_peak() <= 1.10, "{name}: {r:?}");
     }
@@ -111,17 +120,7 @@ fn the_device_layout_wastes_at_most_ten_percent_on_the_recorded_traces() {
 /// back while fresh memory is pinned).
 #[test]
 fn the_host_default_is_frugal_and_needs_no_more_fresh_memory_than_powers_of_two() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("traces");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.to_string_lossy().ends_with(".trace.gz"))
-        .collect();
-    files.sort();
-    assert!(files.len() >= 4, "the recorded traces are in {dir:?}");
-    for path in files {
-        let trace = Trace::open(&path).unwrap();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    for (name, trace) in recorded_traces() {
         let fit = replay::replay_trace(&trace, &name, "default").unwrap();
         let pow2 = replay::replay_trace(&trace, &name, "pow2").unwrap();
         assert!(fit.reserved_over_peak() <= 1.20, "{name}: {fit:?}");
