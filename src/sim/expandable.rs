@@ -137,7 +137,8 @@ pub(super) fn map(
 
 /// Moves the memory of the granule mapped at `from` of a reserved range to the unmapped
 /// granule at `to`: the live bytes stay as they are, nothing counts as allocated or freed,
-/// and the contents are lost (both granules read zeros until written). All or nothing.
+/// and the contents are not carried over (the granule at `to` reads zeros until written).
+/// All or nothing.
 pub(super) fn remap(
     sim: &SimRuntime,
     range: &HostMemory,
