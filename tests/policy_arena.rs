@@ -12,7 +12,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{assert_books_balance, best_fit_pool, eventually};
-use pinpool::sim::SimRuntime;
+use pinpool::sim::{FaultPoint, SimRuntime};
 use pinpool::{BestFit, BlockStatus, Builder, Error};
 
 const KIB: usize = 1 << 10;
@@ -173,6 +173,46 @@ async fn over_the_reserve_cap_idle_granules_move_where_a_request_needs_them_inst
     assert!(
         after.allocated_bytes.current <= 9 * GRANULE as i64,
         "under the cap"
+    );
+    sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
+        .unwrap();
+    for (i, b) in blocks.iter().enumerate() {
+        if let Some(b) = b {
+            assert_eq!(sim.host_read(b.as_ptr(), 64).unwrap(), [i as u8; 64]);
+        }
+    }
+    assert_books_balance(&pool, &sim, 5).await;
+    drop((big, blocks));
+    assert_books_balance(&pool, &sim, 0).await;
+}
+
+#[tokio::test]
+async fn a_move_the_runtime_refuses_changes_nothing_and_fresh_memory_serves_instead() {
+    let (pool, sim) = best_fit_pool();
+    let mut blocks: Vec<_> = Vec::new();
+    for _ in 0..16 {
+        blocks.push(Some(pool.alloc(MIB).await.unwrap()));
+    }
+    for (i, b) in blocks.iter_mut().enumerate() {
+        if [0, 5, 10, 15].contains(&i) {
+            let p = b.as_ref().unwrap().as_ptr() as *mut u8;
+            sim.host_write(p, &[i as u8; 64]).unwrap();
+        } else {
+            drop(b.take());
+        }
+    }
+    let maps = sim.total_host_allocs();
+    // The three moves this request makes (see the test above) fail: the sim's remap checks
+    // the fault point of mapping.
+    sim.faults().fail_next(FaultPoint::HostAlloc, 3);
+    let big = pool.alloc(6 * MIB).await.unwrap();
+    assert_eq!(sim.faults().injected(FaultPoint::HostAlloc), 3);
+    assert_eq!(sim.total_host_remaps(), 0);
+    assert_eq!(pool.stats().num_host_remaps, 0);
+    assert_eq!(
+        sim.total_host_allocs(),
+        maps + 3,
+        "the block's granules, mapped fresh"
     );
     sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
         .unwrap();
