@@ -592,7 +592,7 @@ fn report(
         retried(&counters.pinned_retried),
         retried(&counters.device_retried),
     );
-    let rows: [(&str, String, String); 12] = [
+    let rows: [(&str, String, String); 13] = [
         (
             "buffers allocated",
             host.active_requests.allocated.to_string(),
@@ -612,6 +612,11 @@ fn report(
             "memory given back to the driver (calls)",
             host.num_host_free.to_string(),
             device.num_device_free.to_string(),
+        ),
+        (
+            "granules moved instead (no memory taken)",
+            host.num_host_remaps.to_string(),
+            "-".to_string(),
         ),
         (
             "reserved now / peak",
