@@ -17,7 +17,7 @@
 //!   runtime's tasks (the `block_on` future, or a task it polls); blocking it starves every
 //!   task of the runtime, the allocator's actors among them when they live there. tokio
 //!   gives no way to tell that thread from one of the runtime's `spawn_blocking` threads,
-//!   so those are refused too, except the observer's own threads ([`off_runtime`]): from a
+//!   so those are refused too, except the observer's own threads (`off_runtime`): from a
 //!   `spawn_blocking` closure on a current-thread runtime, use
 //!   `Handle::current().block_on(pool.alloc(n))`.
 //!

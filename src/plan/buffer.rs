@@ -23,7 +23,7 @@ pub(super) enum Inner<R: Runtime> {
     },
 }
 
-/// A buffer lent by an [`ArenaSession`]: a view of the arena at its planned offset, or, for a
+/// A buffer lent by an [`ArenaSession`](super::ArenaSession): a view of the arena at its planned offset, or, for a
 /// request the plan could not serve, an ordinary [`PinnedBuffer`]. Dereferences to bytes.
 pub struct PlanBuffer<R: Runtime> {
     pub(super) inner: Inner<R>,
