@@ -2,8 +2,9 @@
 //! range whose granules are mapped as blocks need them. Pinned down here: the range grows
 //! by the granules a block needs and no more, free neighbours coalesce across granules, a
 //! granule that no block touches goes back while its neighbours still lend, under a memory
-//! limit such granules are room for a request larger than any free range, snapshots list
-//! the mapped runs, and everything (the range included) goes back at shutdown, however
+//! limit such granules are room for a request larger than any free range, over the reserve
+//! cap idle granules move where a request needs them (and a refused move changes nothing),
+//! snapshots list the mapped runs, and everything (the range included) goes back at shutdown, however
 //! the allocator is dropped. A runtime without the capability, or a limit of fewer than
 //! eight granules, gets separate segments instead.
 
@@ -13,7 +14,7 @@ use std::sync::Arc;
 
 use common::{assert_books_balance, best_fit_pool, eventually};
 use pinpool::sim::{FaultPoint, SimRuntime};
-use pinpool::{BestFit, BlockStatus, Builder, Error};
+use pinpool::{BestFit, BlockStatus, Builder, Error, PinnedBuffer};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -224,6 +225,62 @@ async fn a_move_the_runtime_refuses_changes_nothing_and_fresh_memory_serves_inst
     assert_books_balance(&pool, &sim, 5).await;
     drop((big, blocks));
     assert_books_balance(&pool, &sim, 0).await;
+}
+
+/// Random requests of 4 KiB to 6 MiB and frees in random order under a tight reserve cap
+/// (reserved at most the peak of live bytes), so that granules move often: every live
+/// buffer keeps its bytes, the books balance, nothing is used early, and everything goes
+/// back at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_requests_under_a_tight_cap_move_granules_and_every_buffer_keeps_its_bytes() {
+    let mut moved = 0;
+    for seed in [1u64, 7, 42, 1234] {
+        let sim = SimRuntime::new();
+        let pool = Builder::new(Arc::new(sim.clone()))
+            .policy(Arc::new(BestFit::default().reserve_cap(1.0)))
+            .build()
+            .unwrap();
+        let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut live: Vec<(PinnedBuffer<SimRuntime>, u8)> = Vec::new();
+        for step in 0..1500u32 {
+            if live.len() < 32 && (live.is_empty() || next() % 100 < 55) {
+                let size = (4 * KIB) << (next() % 11) as usize;
+                let size = (size + (next() as usize % size)).min(6 * MIB);
+                let mut buf = pool.alloc(size).await.unwrap();
+                let tag = step as u8;
+                buf[..64].fill(tag);
+                let len = buf.len();
+                buf[len - 64..].fill(tag);
+                live.push((buf, tag));
+            } else {
+                let (buf, tag) = live.swap_remove(next() as usize % live.len());
+                let len = buf.len();
+                assert!(buf[..64].iter().chain(&buf[len - 64..]).all(|&b| b == tag));
+            }
+        }
+        for (buf, tag) in &live {
+            let len = buf.len();
+            assert!(buf[..64].iter().chain(&buf[len - 64..]).all(|b| b == tag));
+        }
+        drop(live);
+        assert_books_balance(&pool, &sim, 0).await;
+        assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+        assert_eq!(pool.stats().num_host_remaps as u64, sim.total_host_remaps());
+        moved += sim.total_host_remaps();
+        drop(pool);
+        eventually("all memory given back", || sim.live_bytes() == 0).await;
+        assert_eq!(sim.total_host_allocs(), sim.total_host_frees());
+    }
+    assert!(
+        moved > 0,
+        "no granule moved: the test no longer tests moves"
+    );
 }
 
 #[tokio::test]
