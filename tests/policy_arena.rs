@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use common::{assert_books_balance, best_fit_pool, eventually};
 use pinpool::sim::{FaultPoint, SimRuntime};
-use pinpool::{BestFit, BlockStatus, Builder, Error, PinnedBuffer};
+use pinpool::{BestFit, BlockStatus, Builder, Error, PinnedAllocator, PinnedBuffer};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -131,25 +131,40 @@ async fn under_a_memory_limit_idle_granules_are_room_for_a_request_larger_than_a
     assert_books_balance(&pool, &sim, 0).await;
 }
 
+/// Sixteen 1 MiB blocks, of which those in granules 0, 2, 5 and 7 are kept, each filled at
+/// its start with its own byte; granules 1, 3, 4 and 6 are touched by no block. Peak live is
+/// 16 MiB, so `BestFit`'s cap allows at most 18.4 MiB reserved.
+async fn four_blocks_around_idle_granules(
+    pool: &PinnedAllocator<SimRuntime>,
+    sim: &SimRuntime,
+) -> Vec<(PinnedBuffer<SimRuntime>, u8)> {
+    let mut blocks = Vec::new();
+    for _ in 0..16 {
+        blocks.push(pool.alloc(MIB).await.unwrap());
+    }
+    let mut kept = Vec::new();
+    for (i, b) in blocks.into_iter().enumerate() {
+        if [0, 5, 10, 15].contains(&i) {
+            sim.host_write(b.as_ptr() as *mut u8, &[i as u8; 64])
+                .unwrap();
+            kept.push((b, i as u8));
+        }
+    }
+    kept
+}
+
+/// The kept blocks still hold their bytes.
+fn assert_kept_bytes(sim: &SimRuntime, kept: &[(PinnedBuffer<SimRuntime>, u8)]) {
+    for (b, tag) in kept {
+        assert_eq!(sim.host_read(b.as_ptr(), 64).unwrap(), [*tag; 64]);
+    }
+}
+
 #[tokio::test]
 async fn over_the_reserve_cap_idle_granules_move_where_a_request_needs_them_instead_of_pinning_anew(
 ) {
     let (pool, sim) = best_fit_pool();
-    let mut blocks = Vec::new();
-    for _ in 0..16 {
-        blocks.push(Some(pool.alloc(MIB).await.unwrap()));
-    }
-    // Peak live 16 MiB, so at most 18.4 MiB reserved (`BestFit`'s cap: 1.15 times). Keep
-    // the blocks in granules 0, 2, 5 and 7, each with its own bytes; granules 1, 3, 4 and 6
-    // are touched by no block.
-    for (i, b) in blocks.iter_mut().enumerate() {
-        if [0, 5, 10, 15].contains(&i) {
-            let p = b.as_ref().unwrap().as_ptr() as *mut u8;
-            sim.host_write(p, &[i as u8; 64]).unwrap();
-        } else {
-            drop(b.take());
-        }
-    }
+    let kept = four_blocks_around_idle_granules(&pool, &sim).await;
     let (maps, before) = (sim.total_host_allocs(), pool.stats());
     assert_eq!(before.allocated_bytes.current, 8 * GRANULE as i64);
     // No free range holds 6 MiB: three granules past the last one are needed, which would
@@ -177,31 +192,16 @@ async fn over_the_reserve_cap_idle_granules_move_where_a_request_needs_them_inst
     );
     sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
         .unwrap();
-    for (i, b) in blocks.iter().enumerate() {
-        if let Some(b) = b {
-            assert_eq!(sim.host_read(b.as_ptr(), 64).unwrap(), [i as u8; 64]);
-        }
-    }
+    assert_kept_bytes(&sim, &kept);
     assert_books_balance(&pool, &sim, 5).await;
-    drop((big, blocks));
+    drop((big, kept));
     assert_books_balance(&pool, &sim, 0).await;
 }
 
 #[tokio::test]
 async fn a_move_the_runtime_refuses_changes_nothing_and_fresh_memory_serves_instead() {
     let (pool, sim) = best_fit_pool();
-    let mut blocks: Vec<_> = Vec::new();
-    for _ in 0..16 {
-        blocks.push(Some(pool.alloc(MIB).await.unwrap()));
-    }
-    for (i, b) in blocks.iter_mut().enumerate() {
-        if [0, 5, 10, 15].contains(&i) {
-            let p = b.as_ref().unwrap().as_ptr() as *mut u8;
-            sim.host_write(p, &[i as u8; 64]).unwrap();
-        } else {
-            drop(b.take());
-        }
-    }
+    let kept = four_blocks_around_idle_granules(&pool, &sim).await;
     let maps = sim.total_host_allocs();
     // The three moves this request makes (see the test above) fail: the sim's remap checks
     // the fault point of mapping.
@@ -217,13 +217,9 @@ async fn a_move_the_runtime_refuses_changes_nothing_and_fresh_memory_serves_inst
     );
     sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
         .unwrap();
-    for (i, b) in blocks.iter().enumerate() {
-        if let Some(b) = b {
-            assert_eq!(sim.host_read(b.as_ptr(), 64).unwrap(), [i as u8; 64]);
-        }
-    }
+    assert_kept_bytes(&sim, &kept);
     assert_books_balance(&pool, &sim, 5).await;
-    drop((big, blocks));
+    drop((big, kept));
     assert_books_balance(&pool, &sim, 0).await;
 }
 
