@@ -153,11 +153,22 @@ async fn four_blocks_around_idle_granules(
     kept
 }
 
-/// The kept blocks still hold their bytes.
-fn assert_kept_bytes(sim: &SimRuntime, kept: &[(PinnedBuffer<SimRuntime>, u8)]) {
-    for (b, tag) in kept {
+/// The large block served after [`four_blocks_around_idle_granules`] is writable, the kept
+/// blocks still hold their bytes, the books balance, and everything comes back.
+async fn the_large_block_works_beside_the_kept_ones(
+    pool: &PinnedAllocator<SimRuntime>,
+    sim: &SimRuntime,
+    big: PinnedBuffer<SimRuntime>,
+    kept: Vec<(PinnedBuffer<SimRuntime>, u8)>,
+) {
+    sim.host_write(big.as_ptr() as *mut u8, &vec![1; big.len()])
+        .unwrap();
+    for (b, tag) in &kept {
         assert_eq!(sim.host_read(b.as_ptr(), 64).unwrap(), [*tag; 64]);
     }
+    assert_books_balance(pool, sim, 5).await;
+    drop((big, kept));
+    assert_books_balance(pool, sim, 0).await;
 }
 
 #[tokio::test]
@@ -190,12 +201,7 @@ async fn over_the_reserve_cap_idle_granules_move_where_a_request_needs_them_inst
         after.allocated_bytes.current <= 9 * GRANULE as i64,
         "under the cap"
     );
-    sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
-        .unwrap();
-    assert_kept_bytes(&sim, &kept);
-    assert_books_balance(&pool, &sim, 5).await;
-    drop((big, kept));
-    assert_books_balance(&pool, &sim, 0).await;
+    the_large_block_works_beside_the_kept_ones(&pool, &sim, big, kept).await;
 }
 
 #[tokio::test]
@@ -215,12 +221,7 @@ async fn a_move_the_runtime_refuses_changes_nothing_and_fresh_memory_serves_inst
         maps + 3,
         "the block's granules, mapped fresh"
     );
-    sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
-        .unwrap();
-    assert_kept_bytes(&sim, &kept);
-    assert_books_balance(&pool, &sim, 5).await;
-    drop((big, kept));
-    assert_books_balance(&pool, &sim, 0).await;
+    the_large_block_works_beside_the_kept_ones(&pool, &sim, big, kept).await;
 }
 
 /// Random requests of 4 KiB to 6 MiB and frees in random order under a tight reserve cap
