@@ -67,6 +67,7 @@ mod ready;
 mod parked;
 // 4. Shared books.
 mod budget;
+mod errand;
 mod mailbox;
 mod home;
 mod segment;

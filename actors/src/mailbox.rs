@@ -10,6 +10,7 @@ use flume::{Receiver, SendError, Sender};
 
 use crate::budget::EmptyReport;
 use crate::carve::SegId;
+use crate::errand::Errand;
 use crate::error::Error;
 use crate::memory::{MemoryKind, Region};
 use crate::meta::BlockMeta;
@@ -32,6 +33,9 @@ pub(crate) struct Ask {
     pub(crate) emptied: bool,
     /// The requesting thread's shard of the pool's ready queues.
     pub(crate) shard: usize,
+    /// Whether the requesting thread waits on a plain thread that may block, and runs the
+    /// errands it is sent while it waits (see [`crate::errand`]).
+    pub(crate) lends: bool,
 }
 
 /// Why a pool did not hand out a block.
@@ -45,6 +49,48 @@ pub(crate) enum Refused {
 /// A pool's answer to a miss.
 pub(crate) type MissReply<B> = Result<Box<B>, Refused>;
 
+/// What a requester receives while it waits for a miss: errands to run, then the answer.
+pub(crate) enum Answer<B> {
+    Errand(Errand),
+    Done(MissReply<B>),
+}
+
+/// The pool's end of a miss's reply channel.
+pub(crate) struct MissTx<B>(Sender<Answer<B>>);
+
+impl<B> Clone for MissTx<B> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<B> MissTx<B> {
+    /// A reply channel: the pool's end and the requester's.
+    pub(crate) fn pair() -> (Self, Receiver<Answer<B>>) {
+        // Room for the answer and an errand the requester has not picked up yet.
+        let (tx, rx) = flume::bounded(2);
+        (Self(tx), rx)
+    }
+
+    /// Sends the answer, or hands it back when the requester is gone.
+    pub(crate) fn send(&self, reply: MissReply<B>) -> Result<(), SendError<MissReply<B>>> {
+        match self.0.send(Answer::Done(reply)) {
+            Err(SendError(Answer::Done(r))) => Err(SendError(r)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Hands the requester an errand to run (dropped unrun, it runs on a blocking thread).
+    pub(crate) fn lend(&self, errand: Errand) {
+        let _ = self.0.try_send(Answer::Errand(errand));
+    }
+
+    /// Whether the requester stopped waiting.
+    pub(crate) fn is_disconnected(&self) -> bool {
+        self.0.is_disconnected()
+    }
+}
+
 /// A pool's answer to a restore: the blocks lent at the wanted ranges, or the error and
 /// the blocks to free, untouched.
 pub(crate) type RestoreReply<B> = Result<Vec<Box<B>>, (Error, Vec<(Box<B>, usize)>)>;
@@ -56,7 +102,7 @@ pub(crate) enum PoolMsg<B> {
     Miss {
         class: SizeClass,
         ask: Ask,
-        reply: Reply<MissReply<B>>,
+        reply: MissTx<B>,
     },
     /// A block used by captured work: keep it while the pool lives.
     Keep(Box<B>),

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use crate::block::{Block, Pool};
 use crate::budget::{Budget, EmptyReport};
 use crate::error::Error;
-use crate::mailbox::{Ask, MissReply, PoolMsg, Refused};
+use crate::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
 use crate::policy::SizeClass;
 use crate::runtime::Runtime;
 
@@ -67,8 +67,8 @@ fn send_miss<R: Runtime>(
     pool: &Pool<R>,
     class: SizeClass,
     ask: Ask,
-) -> Result<flume::Receiver<MissReply<Block<R>>>, Error> {
-    let (tx, rx) = flume::bounded(1);
+) -> Result<flume::Receiver<Answer<Block<R>>>, Error> {
+    let (tx, rx) = MissTx::pair();
     pool.mailbox
         .send(PoolMsg::Miss {
             class,
@@ -170,12 +170,14 @@ pub(crate) async fn miss_async<R: Runtime>(
             wait: may_wait,
             emptied: false,
             shard: pool.ready.my_shard(),
+            // A task must not block its executor: the pool runs its calls elsewhere.
+            lends: false,
         };
         let mut callbacks_ran = false;
         loop {
             let rx = send_miss(pool, class, ask)?;
             let mut pending = Pending { pool, armed: true };
-            let reply = rx.recv_async().await;
+            let reply = answer_async(&rx).await;
             pending.armed = false;
             match reply.map_err(|_| Error::Shutdown)? {
                 Ok(block) => return Ok(block),
@@ -216,13 +218,14 @@ pub(crate) fn miss_blocking<R: Runtime>(
         wait: timeout.is_some(),
         emptied: false,
         shard: pool.ready.my_shard(),
+        lends: true,
     };
     let mut callbacks_ran = false;
     loop {
         let rx = send_miss(pool, class, ask)?;
         let mut pending = Pending { pool, armed: true };
         let reply = match deadline {
-            Some(at) => match rx.recv_deadline(at) {
+            Some(at) => match answer_by(&rx, at) {
                 Ok(r) => r,
                 Err(flume::RecvTimeoutError::Timeout) => {
                     // Dropping `rx` hands back a block sent in the meantime; `pending` tells
@@ -256,19 +259,53 @@ pub(crate) fn miss_blocking<R: Runtime>(
 /// How long a blocking miss spins on its reply before it parks the thread.
 const REPLY_SPIN: Duration = Duration::from_micros(30);
 
-/// Waits for a pool actor's reply, polling it for [`REPLY_SPIN`] before parking the thread:
-/// a miss that the actor serves from memory it holds is answered within microseconds, and
-/// parking would add a wake-up about as long as the wait itself.
-fn recv_spinning<T>(rx: &flume::Receiver<T>) -> Result<T, flume::RecvError> {
-    let start = Instant::now();
+/// Waits for a pool actor's answer, polling for it for [`REPLY_SPIN`] before parking the
+/// thread: a miss that the actor serves from memory it holds is answered within
+/// microseconds, and parking would add a wake-up about as long as the wait itself. Errands
+/// the actor sends meanwhile run here (see [`crate::errand`]), and the spin starts again
+/// after each: the answer follows soon after the errand's result.
+fn recv_spinning<B>(rx: &flume::Receiver<Answer<B>>) -> Result<MissReply<B>, flume::RecvError> {
+    let mut start = Instant::now();
     loop {
-        match rx.try_recv() {
-            Ok(v) => return Ok(v),
+        let answer = match rx.try_recv() {
+            Ok(a) => a,
             Err(flume::TryRecvError::Disconnected) => return Err(flume::RecvError::Disconnected),
             Err(flume::TryRecvError::Empty) if start.elapsed() < REPLY_SPIN => {
-                std::hint::spin_loop()
+                std::hint::spin_loop();
+                continue;
             }
-            Err(flume::TryRecvError::Empty) => return rx.recv(),
+            Err(flume::TryRecvError::Empty) => rx.recv()?,
+        };
+        match answer {
+            Answer::Done(reply) => return Ok(reply),
+            Answer::Errand(errand) => {
+                errand.run();
+                start = Instant::now();
+            }
+        }
+    }
+}
+
+/// Waits for a pool actor's answer until `deadline`, running the errands it sends meanwhile.
+fn answer_by<B>(
+    rx: &flume::Receiver<Answer<B>>,
+    deadline: Instant,
+) -> Result<MissReply<B>, flume::RecvTimeoutError> {
+    loop {
+        match rx.recv_deadline(deadline)? {
+            Answer::Done(reply) => return Ok(reply),
+            Answer::Errand(errand) => errand.run(),
+        }
+    }
+}
+
+/// Waits for a pool actor's answer from a task. A task does not lend its thread (see
+/// [`Ask::lends`]); an errand sent all the same runs on a blocking thread once dropped.
+async fn answer_async<B>(rx: &flume::Receiver<Answer<B>>) -> Result<MissReply<B>, flume::RecvError> {
+    loop {
+        match rx.recv_async().await? {
+            Answer::Done(reply) => return Ok(reply),
+            Answer::Errand(errand) => drop(errand),
         }
     }
 }
@@ -287,30 +324,72 @@ fn no_room<R: Runtime>(pool: &Pool<R>, requested: usize) -> Error {
 mod tests {
     use super::*;
 
+    fn done(v: u8) -> Answer<u8> {
+        Answer::Done(Ok(Box::new(v)))
+    }
+
+    fn value(r: Result<MissReply<u8>, flume::RecvError>) -> Result<Option<u8>, flume::RecvError> {
+        r.map(|reply| reply.ok().map(|b| *b))
+    }
+
     #[test]
     fn a_reply_is_received_whether_it_comes_during_the_spin_or_after_it() {
         let (tx, rx) = flume::bounded(1);
-        tx.send(1).unwrap();
-        assert_eq!(recv_spinning(&rx), Ok(1));
+        tx.send(done(1)).unwrap();
+        assert_eq!(value(recv_spinning(&rx)), Ok(Some(1)));
         let late = std::thread::spawn(move || {
             std::thread::sleep(REPLY_SPIN * 20);
-            tx.send(2).unwrap();
+            tx.send(done(2)).unwrap();
         });
-        assert_eq!(recv_spinning(&rx), Ok(2));
+        assert_eq!(value(recv_spinning(&rx)), Ok(Some(2)));
         late.join().unwrap();
     }
 
     #[test]
     fn a_dropped_sender_ends_the_wait_during_the_spin_or_after_it() {
-        let (tx, rx) = flume::bounded::<u8>(1);
+        let (tx, rx) = flume::bounded::<Answer<u8>>(1);
         drop(tx);
-        assert_eq!(recv_spinning(&rx), Err(flume::RecvError::Disconnected));
-        let (tx, rx) = flume::bounded::<u8>(1);
+        assert_eq!(value(recv_spinning(&rx)), Err(flume::RecvError::Disconnected));
+        let (tx, rx) = flume::bounded::<Answer<u8>>(1);
         let late = std::thread::spawn(move || {
             std::thread::sleep(REPLY_SPIN * 20);
             drop(tx);
         });
-        assert_eq!(recv_spinning(&rx), Err(flume::RecvError::Disconnected));
+        assert_eq!(value(recv_spinning(&rx)), Err(flume::RecvError::Disconnected));
         late.join().unwrap();
+    }
+
+    #[test]
+    fn errands_sent_before_the_answer_run_on_the_waiting_thread_whether_it_spins_or_sleeps() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .unwrap();
+        let me = std::thread::current().id();
+        let (ran_tx, ran_rx) = flume::unbounded();
+        let errand = |ran: flume::Sender<std::thread::ThreadId>| {
+            let work = Box::new(move || ran.send(std::thread::current().id()).unwrap());
+            Answer::Errand(crate::errand::Errand::new(work, rt.handle().clone()))
+        };
+        // One errand waiting before the wait starts, one after the spin: both run here.
+        let (tx, rx) = flume::bounded(3);
+        tx.send(errand(ran_tx.clone())).unwrap();
+        let late_errand = errand(ran_tx.clone());
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(REPLY_SPIN * 20);
+            tx.send(late_errand).unwrap();
+            tx.send(done(3)).unwrap();
+        });
+        assert_eq!(value(recv_spinning(&rx)), Ok(Some(3)));
+        late.join().unwrap();
+        assert_eq!(ran_rx.try_iter().collect::<Vec<_>>(), vec![me, me]);
+        // With a deadline too.
+        let (tx, rx) = flume::bounded(2);
+        tx.send(errand(ran_tx)).unwrap();
+        tx.send(done(4)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let got = answer_by(&rx, deadline).map(|r| r.ok().map(|b| *b));
+        assert_eq!(got, Ok(Some(4)));
+        assert_eq!(ran_rx.try_iter().collect::<Vec<_>>(), vec![me]);
     }
 }

@@ -143,6 +143,7 @@ impl MemorySource for SimDeviceMemory {
 
     fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
         const OP: &str = "cuMemAlloc";
+        super::count_memory_call();
         self.shared.faults.check(FaultPoint::DeviceAlloc)?;
         if size == 0 {
             return Err(SimError::ZeroSize { op: OP }.into_runtime(OP));
@@ -234,6 +235,7 @@ impl MemorySource for SimDeviceMemory {
 
     fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
         const OP: &str = "cuMemMap";
+        super::count_memory_call();
         self.shared.faults.check(FaultPoint::DeviceAlloc)?;
         let alloc = self.reserved(OP, range)?;
         self.take(OP, size)?;

@@ -667,12 +667,31 @@ impl SimRuntime {
     }
 }
 
+thread_local! {
+    /// Memory taken on this thread through a simulated memory source (allocations and maps).
+    static MEMORY_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts a call that takes memory (an allocation or a map), on the calling thread.
+pub(crate) fn count_memory_call() {
+    MEMORY_CALLS.with(|c| c.set(c.get() + 1));
+}
+
+impl SimRuntime {
+    /// How many times this thread took memory (an allocation or a map) from a simulated
+    /// memory source, host or device: tells on which threads the pools call their sources.
+    pub fn memory_calls_on_this_thread() -> u64 {
+        MEMORY_CALLS.with(|c| c.get())
+    }
+}
+
 impl MemorySource for SimRuntime {
     fn kind(&self) -> MemoryKind {
         MemoryKind::Pinned
     }
 
     fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
+        count_memory_call();
         self.host_alloc(size)
     }
 
@@ -689,6 +708,7 @@ impl MemorySource for SimRuntime {
     }
 
     fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        count_memory_call();
         self.host_map(range, offset, size)
     }
 

@@ -490,7 +490,7 @@ impl<R: Runtime> PoolActor<R> {
             .min(limit.saturating_add(granule - 1))
             .checked_next_multiple_of(granule)?;
         let source = self.shared.memory.clone();
-        let reserved = tokio::task::spawn_blocking(move || source.reserve(size)).await;
+        let reserved = self.off_executor(move || source.reserve(size)).await;
         let memory = match reserved {
             Ok(Ok(m)) => m,
             Ok(Err(e)) => {
@@ -572,7 +572,7 @@ impl<R: Runtime> PoolActor<R> {
         let units = runs.clone();
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let t0 = Instant::now();
-        let job = tokio::task::spawn_blocking(move || {
+        let job = self.off_executor(move || {
             let mut done = Vec::new();
             for (o, l) in runs {
                 if let Err(e) = shared.map_now(&segment.memory, o, l) {
@@ -654,7 +654,7 @@ impl<R: Runtime> PoolActor<R> {
             return 0;
         }
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
-        let job = tokio::task::spawn_blocking(move || {
+        let job = self.off_executor(move || {
             // A failed move changes nothing: that granule is mapped fresh instead.
             pairs
                 .into_iter()
@@ -700,7 +700,7 @@ impl<R: Runtime> PoolActor<R> {
         }
         let granule = arena.granule();
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
-        let job = tokio::task::spawn_blocking(move || {
+        let job = self.off_executor(move || {
             let mut gone = Vec::new();
             for (o, l) in runs {
                 if shared.unmap_now(&segment.memory, o, l).is_ok() {

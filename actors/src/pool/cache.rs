@@ -94,7 +94,7 @@ impl<R: Runtime> PoolActor<R> {
             return (0, 0);
         }
         let shared = self.shared.clone();
-        let job = tokio::task::spawn_blocking(move || {
+        let job = self.off_executor(move || {
             let mut freed = (0, 0);
             let mut refused = Vec::new();
             for b in blocks {

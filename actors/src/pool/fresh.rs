@@ -70,7 +70,7 @@ impl<R: Runtime> PoolActor<R> {
         // The result comes back over a channel: if nobody is left to take it (the actor was
         // dropped with its tokio runtime mid-call), the blocking thread gives it back itself.
         let (tx, rx) = flume::bounded(1);
-        tokio::task::spawn_blocking(move || {
+        self.hand_off(move || {
             let res = source.alloc(size);
             if let Err(flume::SendError(Ok(memory))) = tx.send(res) {
                 let _ = source.free(memory);

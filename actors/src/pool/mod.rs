@@ -36,7 +36,8 @@ use crate::budget::Budget;
 use crate::error::Error;
 use crate::history::Recorder;
 use crate::home::{Home, HomeParts, DIVERT_CLOSING};
-use crate::mailbox::{PollerMsg, PoolMsg, SegmentView};
+use crate::errand::Errand;
+use crate::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
 use crate::memory::{MemoryKind, MemorySource};
 use crate::policy::{BlockLayout, SizePolicy};
 use crate::pool_id::PoolId;
@@ -88,6 +89,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         carved: segments::Segments::for_layout(spec.layout),
         refused: Vec::new(),
         deferred: VecDeque::new(),
+        lender: None,
     };
     let pool = if spec.id.is_default() {
         "default".to_string()
@@ -124,6 +126,8 @@ pub(crate) struct PoolActor<R: Runtime> {
     refused: Vec<Arc<Seg<R>>>,
     /// Messages that came while a restore waited, answered next, in order.
     deferred: VecDeque<PoolMsg<Block<R>>>,
+    /// The reply channel of the miss being served, when its requester runs errands.
+    lender: Option<MissTx<Block<R>>>,
 }
 
 impl<R: Runtime> Drop for PoolActor<R> {
@@ -206,6 +210,32 @@ const MAX_CLOSING_SWEEP: Duration = Duration::from_secs(1);
 const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 
 impl<R: Runtime> PoolActor<R> {
+    /// Runs `work` (calls into the memory source) off the executor (invariant 6): on the
+    /// thread of the miss being served when that thread lends itself (see
+    /// [`crate::errand`]), on a blocking thread of the runtime otherwise.
+    pub(super) fn hand_off(&self, work: impl FnOnce() + Send + 'static) {
+        match &self.lender {
+            Some(lender) => {
+                let handle = tokio::runtime::Handle::current();
+                lender.lend(Errand::new(Box::new(work), handle));
+            }
+            None => drop(tokio::task::spawn_blocking(work)),
+        }
+    }
+
+    /// [`Self::hand_off`] and await the work's result; `Err` when the work panicked or its
+    /// runtime went down before running it.
+    pub(super) async fn off_executor<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, flume::RecvError> {
+        let (tx, rx) = flume::bounded(1);
+        self.hand_off(move || {
+            let _ = tx.send(work());
+        });
+        rx.recv_async().await
+    }
+
     async fn run(mut self) {
         let mut sweep = CLOSING_SWEEP;
         loop {

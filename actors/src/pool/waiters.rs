@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use super::PoolActor;
 use crate::block::{Block, BlockState};
 use crate::error::Error;
-use crate::mailbox::{Ask, MissReply, Refused, Reply};
+use crate::mailbox::{Ask, MissTx, Refused};
 use crate::policy::SizeClass;
 use crate::runtime::Runtime;
 
@@ -16,7 +16,7 @@ use crate::runtime::Runtime;
 pub(crate) struct Waiter<R: Runtime> {
     class: SizeClass,
     requested: usize,
-    reply: Reply<MissReply<Block<R>>>,
+    reply: MissTx<Block<R>>,
 }
 
 impl<R: Runtime> PoolActor<R> {
@@ -25,7 +25,7 @@ impl<R: Runtime> PoolActor<R> {
         &mut self,
         class: SizeClass,
         ask: Ask,
-        reply: Reply<MissReply<Block<R>>>,
+        reply: MissTx<Block<R>>,
     ) {
         if reply.is_disconnected() {
             // Dropped before the pool got to it.
@@ -42,7 +42,11 @@ impl<R: Runtime> PoolActor<R> {
             }
             return;
         }
-        let result = match self.miss(class).await {
+        // The requester's thread runs the memory source's calls of this miss, if it lends it.
+        self.lender = ask.lends.then(|| reply.clone());
+        let result = self.miss(class).await;
+        self.lender = None;
+        let result = match result {
             Ok(block) => Ok(block),
             Err(Error::OutOfMemory { limit, .. }) => {
                 if !ask.emptied {
@@ -100,7 +104,7 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    fn enqueue(&mut self, class: SizeClass, requested: usize, reply: Reply<MissReply<Block<R>>>) {
+    fn enqueue(&mut self, class: SizeClass, requested: usize, reply: MissTx<Block<R>>) {
         tracing::debug!(pool = %self.shared.id, requested, queued = self.waiters.len() + 1, "request waits for room");
         self.waiters.push_back(Waiter {
             class,
