@@ -669,3 +669,48 @@ async fn a_capture_pool_restored_to_a_checkpoint_gets_its_blocks_back_at_their_a
     s.synchronize().unwrap();
     pool.release_pool(0, id).await.unwrap();
 }
+
+/// A blocking request that needs fresh memory has the driver called on its own thread: the
+/// thread's current context must be what it was, whether none or another.
+#[test]
+fn a_blocking_request_that_maps_fresh_memory_leaves_the_threads_current_context_as_it_was() {
+    let test = "a_blocking_request_that_maps_fresh_memory_leaves_the_threads_current_context";
+    if !cuda_available() {
+        println!("{test}: skipped: no CUDA driver/GPU");
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let pool = DeviceAllocator::builder()
+        .cuda()
+        .expect("cuda_available() but the GPU did not start")
+        .handle(rt.handle().clone())
+        .build()
+        .expect("allocator");
+    let stream = pool.runtime().context().new_stream().unwrap();
+    for size in [4 * MIB, 300 * MIB] {
+        // No context current on this thread.
+        // SAFETY: making no context current is always sound.
+        unsafe { result::ctx::set_current(std::ptr::null_mut()) }.unwrap();
+        let fresh = pool.stats(0).unwrap().num_device_alloc;
+        let ptr = pool.raw_alloc_with_stream(size, &stream).unwrap();
+        assert!(
+            pool.stats(0).unwrap().num_device_alloc > fresh,
+            "{size} bytes: no fresh memory was mapped"
+        );
+        assert_eq!(
+            result::ctx::get_current().unwrap(),
+            None,
+            "{size} bytes: the request left a context bound on the thread"
+        );
+        // The memory is there: bytes set on the stream read back.
+        memset(&stream, ptr, 0x5a, size);
+        assert!(read_back(&stream, ptr, size).iter().all(|&b| b == 0x5a));
+        pool.raw_delete(ptr).unwrap();
+        pool.empty_cache_blocking().unwrap();
+    }
+    println!("{test}: passed");
+}

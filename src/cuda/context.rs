@@ -23,6 +23,44 @@ pub(crate) fn bind(ctx: &CudaContext) -> Result<(), DriverError> {
     Ok(())
 }
 
+/// While alive, remembers the calling thread's current context; dropping it makes that
+/// context current again (or none, if none was). The memory source's calls bind the
+/// context they need, and the pools may run them on a user's thread (a blocking request
+/// that needs fresh memory runs the calls itself), whose current context must not change
+/// under it.
+pub(crate) struct KeepCurrent {
+    previous: Option<sys::CUcontext>,
+    /// The current context is per thread: the guard must be dropped where it was made.
+    _same_thread: PhantomData<*const ()>,
+}
+
+impl KeepCurrent {
+    /// Remembers the calling thread's current context.
+    pub(crate) fn new() -> Self {
+        Self {
+            previous: result::ctx::get_current().ok().flatten(),
+            _same_thread: PhantomData,
+        }
+    }
+}
+
+impl Drop for KeepCurrent {
+    fn drop(&mut self) {
+        let now = result::ctx::get_current().ok().flatten();
+        if now == self.previous {
+            return;
+        }
+        let previous = self.previous.unwrap_or(std::ptr::null_mut());
+        // SAFETY: `previous` was current on this thread when the guard was made, and the
+        // contexts the calls in between bound stay alive while their owners are borrowed;
+        // a context destroyed meanwhile makes the call fail, which is only logged. A null
+        // context unbinds.
+        if let Err(error) = unsafe { result::ctx::set_current(previous) } {
+            tracing::warn!(?error, "could not restore the thread's current context");
+        }
+    }
+}
+
 /// While alive, the calling thread's stream-capture mode is `RELAXED`, so that host
 /// allocation and release calls (which are "unsafe" during capture in the driver's sense)
 /// neither fail nor invalidate a capture underway on another stream. Dropping it restores

@@ -21,7 +21,7 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 
-use super::context::{bind, RelaxedCaptureMode};
+use super::context::{bind, KeepCurrent, RelaxedCaptureMode};
 use super::error::runtime_error;
 use super::ipc;
 use super::runtime::{device_count, stream_id, CudaRuntime};
@@ -128,6 +128,7 @@ impl MemorySource for CudaDeviceMemory {
     }
 
     fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
+        let _keep = KeepCurrent::new();
         if size == 0 {
             return Err(RuntimeError::new("cuMemAlloc", "cannot allocate 0 bytes"));
         }
@@ -146,6 +147,7 @@ impl MemorySource for CudaDeviceMemory {
     }
 
     fn free(&self, region: Region) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         if region.method != Origin::Device {
             return Err(RuntimeError::new(
                 "cuMemFree",
@@ -168,12 +170,14 @@ impl MemorySource for CudaDeviceMemory {
     }
 
     fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
+        let _keep = KeepCurrent::new();
         let granule = self.granule("cuMemAddressReserve")?;
         bind(&self.ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
         vmm::reserve(size, granule, Origin::DeviceMapped)
     }
 
     fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.granules_of("cuMemMap", range, offset, size)?;
         let _relaxed = self.enter()?;
         // SAFETY: the engine maps only whole, unmapped granules of a range reserved here
@@ -195,6 +199,7 @@ impl MemorySource for CudaDeviceMemory {
     }
 
     fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.granules_of("cuMemUnmap", range, offset, size)?;
         let _relaxed = self.enter()?;
         self.synchronize("cuMemUnmap")?;
@@ -209,6 +214,7 @@ impl MemorySource for CudaDeviceMemory {
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.granules_of("cuMemAddressFree", &range, 0, 0)?;
         bind(&self.ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
         // SAFETY: the engine gives back a range it reserved here once nothing is mapped.

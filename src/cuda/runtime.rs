@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::sys::{self, CUresult, CUstreamCaptureStatus};
 use cudarc::driver::{result, CudaContext, CudaStream, DriverError};
 
-use super::context::{bind, RelaxedCaptureMode};
+use super::context::{bind, KeepCurrent, RelaxedCaptureMode};
 use super::error::{runtime_error, CudaInitError};
 use super::events::{EventPools, PooledEvent};
 use super::host::{self, RegisterLayout};
@@ -365,10 +365,12 @@ impl MemorySource for CudaRuntime {
     }
 
     fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.host_alloc(size)
     }
 
     fn free(&self, region: Region) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.host_free(region)
     }
 
@@ -377,14 +379,17 @@ impl MemorySource for CudaRuntime {
     }
 
     fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.host_reserve(size)
     }
 
     fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.host_map(range, offset, size)
     }
 
     fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.host_unmap(range, offset, size)
     }
 
@@ -393,10 +398,12 @@ impl MemorySource for CudaRuntime {
     }
 
     fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.host_remap(range, from, to)
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
         self.host_unreserve(range)
     }
 }
