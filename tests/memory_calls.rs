@@ -64,7 +64,11 @@ fn a_request_from_a_task_never_calls_the_memory_source_on_its_thread() {
     // `block_on` polls the request on this thread: the pool must not call the source here.
     let before = (calls_here(), sim.total_host_allocs());
     let buf = rt.block_on(pool.alloc(6 << 20)).expect("fresh memory");
-    assert_eq!(calls_here(), before.0, "a task's thread blocked on the source");
+    assert_eq!(
+        calls_here(),
+        before.0,
+        "a task's thread blocked on the source"
+    );
     assert!(sim.live_bytes() >= 6 << 20, "no fresh memory was taken");
     drop(buf);
 }

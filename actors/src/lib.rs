@@ -26,7 +26,8 @@
 //!    recorder the hot paths call), `free_memory` (the user's free-memory callbacks).
 //! 3. Lock-free holders of blocks: `ready` (the cached path), `parked` (freed blocks waiting
 //!    on events in the freeing thread's shard).
-//! 4. Shared books: `budget` (the memory limit), `mailbox` (every actor message), `home` (the
+//! 4. Shared books: `budget` (the memory limit), `errand` (a memory-source call handed to the
+//!    thread waiting for a reply), `mailbox` (every actor message), `home` (the
 //!    part of a pool that handles and blocks reach), `segment` (an allocation that blocks
 //!    are cut out of).
 //! 5. Blocks: `block` (a lent piece of memory and where it goes when freed), `lease` (a

@@ -301,7 +301,9 @@ fn answer_by<B>(
 
 /// Waits for a pool actor's answer from a task. A task does not lend its thread (see
 /// [`Ask::lends`]); an errand sent all the same runs on a blocking thread once dropped.
-async fn answer_async<B>(rx: &flume::Receiver<Answer<B>>) -> Result<MissReply<B>, flume::RecvError> {
+async fn answer_async<B>(
+    rx: &flume::Receiver<Answer<B>>,
+) -> Result<MissReply<B>, flume::RecvError> {
     loop {
         match rx.recv_async().await? {
             Answer::Done(reply) => return Ok(reply),
@@ -349,13 +351,19 @@ mod tests {
     fn a_dropped_sender_ends_the_wait_during_the_spin_or_after_it() {
         let (tx, rx) = flume::bounded::<Answer<u8>>(1);
         drop(tx);
-        assert_eq!(value(recv_spinning(&rx)), Err(flume::RecvError::Disconnected));
+        assert_eq!(
+            value(recv_spinning(&rx)),
+            Err(flume::RecvError::Disconnected)
+        );
         let (tx, rx) = flume::bounded::<Answer<u8>>(1);
         let late = std::thread::spawn(move || {
             std::thread::sleep(REPLY_SPIN * 20);
             drop(tx);
         });
-        assert_eq!(value(recv_spinning(&rx)), Err(flume::RecvError::Disconnected));
+        assert_eq!(
+            value(recv_spinning(&rx)),
+            Err(flume::RecvError::Disconnected)
+        );
         late.join().unwrap();
     }
 

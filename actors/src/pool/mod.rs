@@ -33,10 +33,10 @@ use flume::{Receiver, Sender};
 
 use crate::block::{Block, BlockState, Pool, Seg};
 use crate::budget::Budget;
+use crate::errand::Errand;
 use crate::error::Error;
 use crate::history::Recorder;
 use crate::home::{Home, HomeParts, DIVERT_CLOSING};
-use crate::errand::Errand;
 use crate::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
 use crate::memory::{MemoryKind, MemorySource};
 use crate::policy::{BlockLayout, SizePolicy};

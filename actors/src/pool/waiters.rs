@@ -21,12 +21,7 @@ pub(crate) struct Waiter<R: Runtime> {
 
 impl<R: Runtime> PoolActor<R> {
     /// A miss: served from the cache or fresh memory; queued (or refused) when it does not fit.
-    pub(super) async fn on_miss(
-        &mut self,
-        class: SizeClass,
-        ask: Ask,
-        reply: MissTx<Block<R>>,
-    ) {
+    pub(super) async fn on_miss(&mut self, class: SizeClass, ask: Ask, reply: MissTx<Block<R>>) {
         if reply.is_disconnected() {
             // Dropped before the pool got to it.
             return;
