@@ -11,7 +11,10 @@
 //! thread's.
 //!
 //! Nothing is lost when nobody runs it: an errand dropped unrun (the requester gave up
-//! waiting, or never lends its thread) runs on a blocking thread of the runtime it came from.
+//! waiting, or never lends its thread) runs on a blocking thread of the runtime it came from,
+//! and work the runtime refuses to run (it is shutting down: `spawn_blocking` drops the
+//! closure at once) runs where it was dropped ([`spawn_or_run`]). Frees, above all, must run:
+//! a block whose free is dropped goes back to its pool, which would try again for ever.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -45,9 +48,33 @@ impl Errand {
 impl Drop for Errand {
     fn drop(&mut self) {
         if let Some(work) = self.work.take() {
-            // A runtime shutting down drops the work unrun: the actor awaiting its result
-            // goes with the runtime.
-            drop(self.handle.spawn_blocking(work));
+            spawn_or_run(&self.handle, work);
+        }
+    }
+}
+
+/// Runs `work` on a blocking thread of the runtime behind `handle`, or here when that runtime
+/// is shutting down and refuses it.
+pub(crate) fn spawn_or_run(handle: &tokio::runtime::Handle, work: impl FnOnce() + Send + 'static) {
+    let work = MustRun(Some(work));
+    drop(handle.spawn_blocking(move || work.run()));
+}
+
+/// Work that runs when dropped unrun.
+struct MustRun<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> MustRun<F> {
+    fn run(mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
+impl<F: FnOnce()> Drop for MustRun<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
         }
     }
 }
@@ -82,6 +109,21 @@ mod tests {
             .recv_timeout(std::time::Duration::from_secs(10))
             .expect("the dropped errand never ran");
         assert_ne!(ran_on, std::thread::current().id());
+    }
+
+    #[test]
+    fn work_a_shut_down_runtime_refuses_runs_where_it_was_handed_over() {
+        let rt = runtime();
+        let handle = rt.handle().clone();
+        rt.shutdown_background();
+        let (tx, rx) = flume::bounded(1);
+        spawn_or_run(&handle, move || {
+            tx.send(std::thread::current().id()).unwrap()
+        });
+        assert_eq!(
+            rx.recv_timeout(std::time::Duration::from_secs(10)),
+            Ok(std::thread::current().id())
+        );
     }
 
     #[test]

@@ -33,7 +33,7 @@ use flume::{Receiver, Sender};
 
 use crate::block::{Block, BlockState, Pool, Seg};
 use crate::budget::Budget;
-use crate::errand::Errand;
+use crate::errand::{spawn_or_run, Errand};
 use crate::error::Error;
 use crate::history::Recorder;
 use crate::home::{Home, HomeParts, DIVERT_CLOSING};
@@ -208,18 +208,23 @@ const MAX_CLOSING_SWEEP: Duration = Duration::from_secs(1);
 /// How often a pool looks at its waiters and ready queues while requests wait for room
 /// (a free that raced with the raising of the pressure flag lands in a ready queue).
 const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
+/// How long a pool stays awake for the result of a call its requester runs (see
+/// `PoolActor::off_executor`): a map call takes 0.04–0.5 ms.
+const HOT_WAIT: Duration = Duration::from_millis(1);
 
 impl<R: Runtime> PoolActor<R> {
     /// Runs `work` (calls into the memory source) off the executor (invariant 6): on the
     /// thread of the miss being served when that thread lends itself (see
-    /// [`crate::errand`]), on a blocking thread of the runtime otherwise.
+    /// [`crate::errand`]), on a blocking thread of the runtime otherwise — or here, should the
+    /// runtime be shutting down and refuse it (a free dropped unrun would send its blocks
+    /// back to this actor, which would try again for ever).
     pub(super) fn hand_off(&self, work: impl FnOnce() + Send + 'static) {
         match &self.lender {
             Some(lender) => {
                 let handle = tokio::runtime::Handle::current();
                 lender.lend(Errand::new(Box::new(work), handle));
             }
-            None => drop(tokio::task::spawn_blocking(work)),
+            None => spawn_or_run(&tokio::runtime::Handle::current(), work),
         }
     }
 
@@ -230,9 +235,25 @@ impl<R: Runtime> PoolActor<R> {
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, flume::RecvError> {
         let (tx, rx) = flume::bounded(1);
+        let lent = self.lender.is_some();
         self.hand_off(move || {
             let _ = tx.send(work());
         });
+        if lent {
+            // The requester runs the work now and waits for the answer that follows: stay
+            // awake for a short call (yielding, so that the worker's other tasks run), so
+            // that its result needs no wake-up of this worker.
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < HOT_WAIT {
+                match rx.try_recv() {
+                    Ok(v) => return Ok(v),
+                    Err(flume::TryRecvError::Disconnected) => {
+                        return Err(flume::RecvError::Disconnected)
+                    }
+                    Err(flume::TryRecvError::Empty) => tokio::task::yield_now().await,
+                }
+            }
+        }
         rx.recv_async().await
     }
 
