@@ -1,8 +1,8 @@
 //! Where the pools take fresh memory: a request made on a plain thread (`alloc_blocking`,
 //! `raw_alloc_with_stream`) that needs fresh memory has the memory source called on that
 //! thread, which is awake and waiting anyway, instead of on a blocking thread of the runtime;
-//! a request from a task never has its thread block on the memory source. Either way the
-//! memory is the same: the bytes copy through, the books balance, nothing is lost.
+//! a request from a task, or one with a timeout, never has its thread block on the memory
+//! source. Either way the memory is the same: the bytes copy through, nothing is lost.
 
 mod common;
 
@@ -71,6 +71,40 @@ fn a_request_from_a_task_never_calls_the_memory_source_on_its_thread() {
     );
     assert!(sim.live_bytes() >= 6 << 20, "no fresh memory was taken");
     drop(buf);
+}
+
+#[test]
+fn a_blocking_request_with_a_timeout_keeps_its_deadline_while_the_source_is_slow() {
+    let rt = multi_thread(2);
+    let _guard = rt.enter();
+    let (pool, sim) = common::sim_pool();
+    sim.set_host_alloc_latency(std::time::Duration::from_millis(300));
+    let before = calls_here();
+    let t0 = std::time::Instant::now();
+    let res = pool.alloc_blocking_timeout(1 << 20, std::time::Duration::from_millis(20));
+    let took = t0.elapsed();
+    assert!(
+        matches!(res, Err(pinpool::Error::Timeout { .. })),
+        "{:?}",
+        res.map(|b| b.len())
+    );
+    assert!(
+        took < std::time::Duration::from_millis(250),
+        "the request waited for the slow call: {took:?}"
+    );
+    assert_eq!(calls_here(), before, "the request ran the source's call");
+    // The memory the pool took meanwhile is cached, not lost: the next request gets it.
+    sim.set_host_alloc_latency(std::time::Duration::ZERO);
+    common::eventually_blocking("the late allocation came back", || {
+        pool.stats().num_host_alloc == 1
+    });
+    let allocs = sim.total_host_allocs();
+    drop(pool.alloc_blocking(1 << 20).expect("cached"));
+    assert_eq!(
+        sim.total_host_allocs(),
+        allocs,
+        "the late block was not reused"
+    );
 }
 
 #[test]
