@@ -55,6 +55,17 @@ pub(crate) enum Answer<B> {
     Done(MissReply<B>),
 }
 
+impl<B> Answer<B> {
+    /// The answer, or `None` for an errand, which is dropped here and so runs on a blocking
+    /// thread (for requesters that do not lend their thread).
+    pub(crate) fn into_reply(self) -> Option<MissReply<B>> {
+        match self {
+            Answer::Done(reply) => Some(reply),
+            Answer::Errand(_) => None,
+        }
+    }
+}
+
 /// The pool's end of a miss's reply channel.
 pub(crate) struct MissTx<B>(Sender<Answer<B>>);
 

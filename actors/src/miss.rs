@@ -295,9 +295,8 @@ fn answer_by<B>(
     deadline: Instant,
 ) -> Result<MissReply<B>, flume::RecvTimeoutError> {
     loop {
-        match rx.recv_deadline(deadline)? {
-            Answer::Done(reply) => return Ok(reply),
-            Answer::Errand(errand) => drop(errand),
+        if let Some(reply) = rx.recv_deadline(deadline)?.into_reply() {
+            return Ok(reply);
         }
     }
 }
@@ -308,9 +307,8 @@ async fn answer_async<B>(
     rx: &flume::Receiver<Answer<B>>,
 ) -> Result<MissReply<B>, flume::RecvError> {
     loop {
-        match rx.recv_async().await? {
-            Answer::Done(reply) => return Ok(reply),
-            Answer::Errand(errand) => drop(errand),
+        if let Some(reply) = rx.recv_async().await?.into_reply() {
+            return Ok(reply);
         }
     }
 }

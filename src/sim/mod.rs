@@ -464,6 +464,12 @@ impl SimRuntime {
         self.shared.host_remaps.load(Ordering::SeqCst)
     }
 
+    /// How many times this thread took memory (an allocation or a map) from a simulated
+    /// memory source, host or device: tells on which threads the pools call their sources.
+    pub fn memory_calls_on_this_thread() -> u64 {
+        MEMORY_CALLS.with(|c| c.get())
+    }
+
     /// Events created by `record_event` so far (captured ones included).
     pub fn events_recorded(&self) -> u64 {
         self.shared.events_recorded.load(Ordering::SeqCst)
@@ -675,14 +681,6 @@ thread_local! {
 /// Counts a call that takes memory (an allocation or a map), on the calling thread.
 pub(crate) fn count_memory_call() {
     MEMORY_CALLS.with(|c| c.set(c.get() + 1));
-}
-
-impl SimRuntime {
-    /// How many times this thread took memory (an allocation or a map) from a simulated
-    /// memory source, host or device: tells on which threads the pools call their sources.
-    pub fn memory_calls_on_this_thread() -> u64 {
-        MEMORY_CALLS.with(|c| c.get())
-    }
 }
 
 impl MemorySource for SimRuntime {

@@ -217,15 +217,14 @@ impl<R: Runtime> PoolActor<R> {
     /// thread of the miss being served when that thread lends itself (see
     /// [`crate::errand`]), on a blocking thread of the runtime otherwise — or here, should the
     /// runtime be shutting down and refuse it (a free dropped unrun would send its blocks
-    /// back to this actor, which would try again for ever).
-    pub(super) fn hand_off(&self, work: impl FnOnce() + Send + 'static) {
+    /// back to this actor, which would try again for ever). Whether it went to the requester.
+    pub(super) fn hand_off(&self, work: impl FnOnce() + Send + 'static) -> bool {
+        let handle = tokio::runtime::Handle::current();
         match &self.lender {
-            Some(lender) => {
-                let handle = tokio::runtime::Handle::current();
-                lender.lend(Errand::new(Box::new(work), handle));
-            }
-            None => spawn_or_run(&tokio::runtime::Handle::current(), work),
+            Some(lender) => lender.lend(Errand::new(Box::new(work), handle)),
+            None => spawn_or_run(&handle, work),
         }
+        self.lender.is_some()
     }
 
     /// [`Self::hand_off`] and await the work's result; `Err` when the work panicked or its
@@ -235,8 +234,7 @@ impl<R: Runtime> PoolActor<R> {
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, flume::RecvError> {
         let (tx, rx) = flume::bounded(1);
-        let lent = self.lender.is_some();
-        self.hand_off(move || {
+        let lent = self.hand_off(move || {
             let _ = tx.send(work());
         });
         if lent {
