@@ -15,7 +15,7 @@ use crate::home::Home;
 use crate::keepalive;
 use crate::mailbox::{Merge, Note, PollerMsg, PoolMsg, Split};
 use crate::memory::Region;
-use crate::meta::BlockMeta;
+use crate::meta::MetaRef;
 use crate::parked::Parkable;
 use crate::ready::Slotted;
 use crate::runtime::{Runtime, StreamId};
@@ -76,7 +76,7 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) freed: bool,
     pub(crate) pool: Arc<Pool<R>>,
     /// What the holder writes for snapshots (requested bytes, streams).
-    pub(crate) meta: Arc<BlockMeta>,
+    pub(crate) meta: MetaRef,
     /// The segment the block was cut out of (`None`: the block is a host allocation).
     pub(crate) segment: Option<Arc<Seg<R>>>,
     /// Cut again at the range its class last gave back, its class asked for once more
@@ -98,7 +98,7 @@ impl<R: Runtime> Block<R> {
             state: BlockState::InUse,
             freed: false,
             pool,
-            meta: Arc::default(),
+            meta: MetaRef::take(),
             segment: None,
             recalled: false,
         })
@@ -137,7 +137,7 @@ impl<R: Runtime> Block<R> {
             rest_class,
             seg: seg.id,
             in_arena: seg.is_arena(),
-            rest_meta: tail.meta.clone(),
+            rest_meta: tail.meta,
         }));
         self.memory.size = keep;
         self.size = keep;
@@ -388,7 +388,7 @@ impl<R: Runtime> Block<R> {
             state: self.state,
             freed: false,
             pool: self.pool.clone(),
-            meta: self.meta.clone(),
+            meta: std::mem::replace(&mut self.meta, MetaRef::none()),
             segment: self.segment.take(),
             recalled: self.recalled,
         })
@@ -478,12 +478,6 @@ impl<R: Runtime> Pool<R> {
         b.freed = false;
         b.segment = Some(segment);
         b.recalled = false;
-        if Arc::strong_count(&b.meta) != 1 {
-            // Its record is still read (the actor's books had not let go of it when the record
-            // was recycled, or a snapshot holds it): a new one, the old one stays with its
-            // readers.
-            b.meta = Arc::default();
-        }
         b.meta.lent(0);
         b
     }
@@ -566,6 +560,7 @@ impl<R: Runtime> Pool<R> {
 impl<R: Runtime> Drop for Block<R> {
     fn drop(&mut self) {
         if self.freed {
+            std::mem::replace(&mut self.meta, MetaRef::none()).give_back();
             return;
         }
         // Dropped by accident (a cancelled reply, an actor torn down with its runtime):

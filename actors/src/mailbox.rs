@@ -13,7 +13,7 @@ use crate::carve::SegId;
 use crate::errand::Errand;
 use crate::error::Error;
 use crate::memory::{MemoryKind, Region};
-use crate::meta::BlockMeta;
+use crate::meta::MetaRef;
 use crate::parked::Parked;
 use crate::policy::SizeClass;
 use crate::pool_id::PoolId;
@@ -160,7 +160,7 @@ pub(crate) struct Split {
     /// The segment the block was cut from (for a separate segment; the arena is `in_arena`).
     pub(crate) seg: SegId,
     pub(crate) in_arena: bool,
-    pub(crate) rest_meta: Arc<BlockMeta>,
+    pub(crate) rest_meta: MetaRef,
 }
 
 /// Two ready blocks that lie side by side in one segment, merged into one by a thread that
@@ -282,7 +282,7 @@ pub struct Inventory {
 pub(crate) struct SegmentView {
     pub(crate) memory: Region,
     /// The record of the segment's block, when the segment is one whole block.
-    pub(crate) meta: Arc<BlockMeta>,
+    pub(crate) meta: MetaRef,
     /// The segment's pieces in address order, when blocks are carved out of it (filled in by
     /// `describe`; empty for a whole block).
     pub(crate) pieces: Vec<PieceView>,
@@ -300,7 +300,7 @@ pub(crate) struct PieceView {
     pub(crate) addr: usize,
     pub(crate) size: usize,
     /// The block's record; `None` for a free range.
-    pub(crate) meta: Option<Arc<BlockMeta>>,
+    pub(crate) meta: Option<MetaRef>,
 }
 
 /// What a pool holds, by address, at one moment (for snapshots).

@@ -2,8 +2,16 @@
 //! last requested of it, and the streams recorded on it — kept in a small per-block record
 //! of atomics written by that holder (one thread at a time), so that reading it costs the
 //! cached path no shared cache line.
+//!
+//! Records are recycled, never freed ([`MetaRef`]): the pool actor's books keep references
+//! to the records of lent blocks without a reference count that the threads splitting and
+//! merging blocks would share with it. A reader that kept a record after its block went (a
+//! snapshot taken meanwhile) reads a later holder's values, never freed memory.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+use flume::{Receiver, Sender};
 
 use crate::runtime::StreamId;
 
@@ -45,5 +53,86 @@ impl BlockMeta {
     pub(crate) fn streams(&self) -> Vec<u64> {
         let n = self.nstreams.load(Relaxed).min(STREAMS_KEPT);
         self.streams[..n].iter().map(|s| s.load(Relaxed)).collect()
+    }
+}
+
+/// A block's record, held by one block at a time (and referenced by the books and
+/// snapshots): taken from the records given back, or made once and kept for the rest of the
+/// process. Memory held: one record (128 bytes) per block alive at the busiest moment.
+#[derive(Clone, Copy)]
+pub(crate) struct MetaRef(&'static BlockMeta);
+
+/// The record nobody holds (the segment views of mapped runs, a block moved elsewhere).
+static NONE: BlockMeta = BlockMeta {
+    requested: AtomicUsize::new(0),
+    nstreams: AtomicUsize::new(0),
+    streams: [const { AtomicU64::new(0) }; STREAMS_KEPT],
+};
+
+/// Records given back, for the next blocks made.
+fn spare() -> &'static (Sender<MetaRef>, Receiver<MetaRef>) {
+    static SPARE: OnceLock<(Sender<MetaRef>, Receiver<MetaRef>)> = OnceLock::new();
+    SPARE.get_or_init(flume::unbounded)
+}
+
+impl MetaRef {
+    /// A record for a new block, its values cleared.
+    pub(crate) fn take() -> Self {
+        match spare().1.try_recv() {
+            Ok(m) => {
+                m.lent(0);
+                m
+            }
+            Err(_) => MetaRef(Box::leak(Box::default())),
+        }
+    }
+
+    /// The record nobody holds: reads as nothing requested, and is never given back.
+    pub(crate) fn none() -> Self {
+        MetaRef(&NONE)
+    }
+
+    /// Hands the record back for another block (its holder is gone).
+    pub(crate) fn give_back(self) {
+        if !std::ptr::eq(self.0, &NONE) {
+            let _ = spare().0.send(self);
+        }
+    }
+}
+
+impl std::ops::Deref for MetaRef {
+    type Target = BlockMeta;
+    fn deref(&self) -> &BlockMeta {
+        self.0
+    }
+}
+
+impl std::fmt::Debug for MetaRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MetaRef({:p})", self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_given_back_comes_back_cleared_and_the_empty_record_is_never_handed_out() {
+        let m = MetaRef::take();
+        m.lent(4096);
+        m.recorded(StreamId(7));
+        let addr = std::ptr::from_ref::<BlockMeta>(&m);
+        m.give_back();
+        // Taken again on the same thread: the same record, nothing of its last holder left.
+        let again = MetaRef::take();
+        assert!(std::ptr::eq(&*again, addr));
+        assert_eq!(again.requested(), 0);
+        assert!(again.streams().is_empty());
+        // The empty record goes nowhere when given back.
+        MetaRef::none().give_back();
+        let next = MetaRef::take();
+        assert!(!std::ptr::eq(&*next, &NONE));
+        assert!(!std::ptr::eq(&*next, addr));
     }
 }

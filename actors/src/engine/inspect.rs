@@ -209,7 +209,7 @@ impl<R: Runtime> Engine<R> {
             for s in v.segments {
                 let addr = s.memory.ptr.as_ptr() as usize;
                 let blocks = if s.pieces.is_empty() {
-                    vec![block(addr, s.memory.size, Some(&s.meta))]
+                    vec![block(addr, s.memory.size, Some(&*s.meta))]
                 } else {
                     s.pieces
                         .iter()

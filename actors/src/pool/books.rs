@@ -87,7 +87,7 @@ impl<R: Runtime> PoolActor<R> {
                     s.pieces = vec![PieceView {
                         addr,
                         size,
-                        meta: Some(s.meta.clone()),
+                        meta: Some(s.meta),
                     }];
                     kept.push(addr);
                 }

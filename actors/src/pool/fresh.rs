@@ -24,7 +24,7 @@ impl<R: Runtime> PoolActor<R> {
         let block = Block::new(memory, class.index, self.shared.clone());
         self.remember_segment(SegmentView {
             memory,
-            meta: block.meta.clone(),
+            meta: block.meta,
             pieces: Vec::new(),
         });
         Ok(block)

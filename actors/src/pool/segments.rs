@@ -36,7 +36,7 @@ use crate::carve::{Carver, Piece, SegId};
 use crate::error::Error;
 use crate::mailbox::{Merge, Note, PieceView, SegmentView, Split};
 use crate::memory::Region;
-use crate::meta::BlockMeta;
+use crate::meta::MetaRef;
 use crate::policy::{BlockLayout, Carving, SizeClass};
 use crate::ready::ReadyQueues;
 use crate::runtime::{Runtime, RuntimeError};
@@ -52,7 +52,7 @@ pub(super) struct Segments<R: Runtime> {
     peak_live: usize,
     /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
     /// address: their bytes and their blocks' records, for snapshots.
-    lent: BTreeMap<usize, (usize, Arc<BlockMeta>)>,
+    lent: BTreeMap<usize, (usize, MetaRef)>,
     /// The range each class last gave back, by class index, and whether it is in the
     /// arena: a miss of the class takes it again while it is wholly free.
     last_range: HashMap<usize, (Piece, bool)>,
@@ -162,7 +162,7 @@ impl<R: Runtime> Segments<R> {
             .into_iter()
             .map(|((o, l), _)| SegmentView {
                 memory: a.segment.part(o, l),
-                meta: Arc::default(),
+                meta: MetaRef::none(),
                 pieces: Vec::new(),
             })
             .collect()
@@ -197,7 +197,7 @@ impl<R: Runtime> Segments<R> {
                 v.push(PieceView {
                     addr,
                     size: *size,
-                    meta: Some(meta.clone()),
+                    meta: Some(*meta),
                 });
             }
         }
@@ -359,7 +359,7 @@ impl<R: Runtime> PoolActor<R> {
         segs.mark_line(class.index);
         let block = self.shared.new_block(memory, class.index, seg);
         segs.lent
-            .insert(ptr.as_ptr() as usize, (piece.len, block.meta.clone()));
+            .insert(ptr.as_ptr() as usize, (piece.len, block.meta));
         Some(block)
     }
 
@@ -570,7 +570,7 @@ impl<R: Runtime> PoolActor<R> {
         self.add_segment(memory);
         self.remember_segment(SegmentView {
             memory,
-            meta: Arc::default(),
+            meta: MetaRef::none(),
             pieces: Vec::new(),
         });
         self.carve_block(class, true).ok_or_else(|| {
