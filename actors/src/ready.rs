@@ -100,6 +100,10 @@ pub(crate) struct ReadyQueues<B> {
     lines_per_shard: usize,
     shards: Box<[Shard<B>]>,
     mask: usize,
+    /// One bit per shard that has ever held a ready block (set before the block is
+    /// published, never cleared): steals and drains skip the shards of threads that never
+    /// freed into this pool, instead of reading two cache lines of each.
+    stocked: Box<[AtomicU64]>,
 }
 
 fn empty_line<B>() -> SlotLine<B> {
@@ -128,12 +132,39 @@ impl<B: Slotted> ReadyQueues<B> {
             })
             .collect();
         let mask = shards.len() - 1;
+        let stocked = (0..shards.len().div_ceil(64))
+            .map(|_| AtomicU64::new(0))
+            .collect();
         Self {
             slots,
             lines_per_shard,
             shards,
             mask,
+            stocked,
         }
+    }
+
+    /// Shard `shard` holds (or is about to hold) a ready block. A load first: once set, the
+    /// word is only read.
+    #[inline]
+    fn stock(&self, shard: usize) {
+        let (word, bit) = (&self.stocked[shard / 64], 1u64 << (shard % 64));
+        if word.load(Ordering::Relaxed) & bit == 0 {
+            word.fetch_or(bit, Ordering::Release);
+        }
+    }
+
+    /// Whether shard `shard` ever held a ready block.
+    #[inline]
+    fn ever_stocked(&self, shard: usize) -> bool {
+        self.stocked[shard / 64].load(Ordering::Acquire) & (1u64 << (shard % 64)) != 0
+    }
+
+    /// The other shards than `me` that ever held a ready block, from `me + 1` round.
+    fn others(&self, me: usize) -> impl Iterator<Item = usize> + '_ {
+        (1..self.shards.len())
+            .map(move |i| (me + i) & self.mask)
+            .filter(|&s| self.ever_stocked(s))
     }
 
     /// This thread's shard.
@@ -193,20 +224,18 @@ impl<B: Slotted> ReadyQueues<B> {
     #[cold]
     pub(crate) fn steal(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
         let c = class.index;
-        (1..self.shards.len())
-            .map(|i| (me + i) & self.mask)
-            .find_map(|s| {
-                let from_slot = take_slot(self.slot(s, c)).and_then(|b| self.fitting(s, b, class));
-                from_slot.or_else(|| {
-                    let shard = &self.shards[s];
-                    if shard.may_hold(c) {
-                        let b = shard.queues[c].rx.try_recv().ok()?;
-                        self.fitting(s, b, class)
-                    } else {
-                        None
-                    }
-                })
+        self.others(me).find_map(|s| {
+            let from_slot = take_slot(self.slot(s, c)).and_then(|b| self.fitting(s, b, class));
+            from_slot.or_else(|| {
+                let shard = &self.shards[s];
+                if shard.may_hold(c) {
+                    let b = shard.queues[c].rx.try_recv().ok()?;
+                    self.fitting(s, b, class)
+                } else {
+                    None
+                }
             })
+        })
     }
 
     /// A ready block of the class below `class` in this thread's shard that holds
@@ -241,8 +270,7 @@ impl<B: Slotted> ReadyQueues<B> {
                 }
             }
         }
-        let others = || (1..self.shards.len()).map(|i| (me + i) & self.mask);
-        others()
+        self.others(me)
             .find_map(|s| {
                 let shard = &self.shards[s];
                 let mut from = above + 1;
@@ -255,7 +283,8 @@ impl<B: Slotted> ReadyQueues<B> {
                 None
             })
             .or_else(|| {
-                others().find_map(|s| (above + 1..=upto).find_map(|c| take_slot(self.slot(s, c))))
+                self.others(me)
+                    .find_map(|s| (above + 1..=upto).find_map(|c| take_slot(self.slot(s, c))))
             })
     }
 
@@ -286,6 +315,7 @@ impl<B: Slotted> ReadyQueues<B> {
     #[inline]
     fn put_as(&self, me: ThreadSlot, block: Box<B>) {
         let slot = self.slot(me.shard, block.class());
+        self.stock(me.shard);
         if me.owns && slot.load(Ordering::Relaxed).is_null() {
             slot.store(Box::into_raw(block), Ordering::Release);
             return;
@@ -298,6 +328,7 @@ impl<B: Slotted> ReadyQueues<B> {
     pub(crate) fn put_queue(&self, shard: usize, block: Box<B>) {
         let class = block.class();
         // The receiver lives beside the sender, so the send cannot fail.
+        self.stock(shard);
         let shard = &self.shards[shard];
         let _ = shard.queues[class].tx.send(block);
         shard.mark(class);
@@ -306,11 +337,12 @@ impl<B: Slotted> ReadyQueues<B> {
     /// Takes every ready block out of every slot and queue.
     pub(crate) fn drain(&self) -> Vec<Box<B>> {
         let mut out = Vec::new();
-        for line in self.slots.iter() {
-            out.extend(line.iter().filter_map(take_slot));
-        }
-        for shard in self.shards.iter() {
-            shard.drain_into(&mut out);
+        for s in (0..self.shards.len()).filter(|&s| self.ever_stocked(s)) {
+            let base = s * self.lines_per_shard;
+            for line in &self.slots[base..base + self.lines_per_shard] {
+                out.extend(line.iter().filter_map(take_slot));
+            }
+            self.shards[s].drain_into(&mut out);
         }
         out
     }
@@ -336,6 +368,9 @@ impl<B: Slotted> ReadyQueues<B> {
     pub(crate) fn drain_lines(&self, lines: &[u64]) -> Vec<Box<B>> {
         let mut out = Vec::new();
         for (s, shard) in self.shards.iter().enumerate() {
+            if !self.ever_stocked(s) {
+                continue;
+            }
             let base = s * self.lines_per_shard;
             for (w, &word) in lines.iter().enumerate() {
                 let mut bits = word;
@@ -390,6 +425,62 @@ impl<B> Drop for ReadyQueues<B> {
                 drop(take_slot(s));
             }
         }
+    }
+}
+
+#[cfg(all(test, not(pinpool_loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    struct Item(usize, usize);
+
+    impl Slotted for Item {
+        fn class(&self) -> usize {
+            self.0
+        }
+        fn size(&self) -> usize {
+            self.1
+        }
+    }
+
+    fn class(index: usize) -> SizeClass {
+        SizeClass {
+            index,
+            size: 1024 << index,
+        }
+    }
+
+    fn put_on_a_thread_of_its_own(q: &Arc<ReadyQueues<Item>>, items: Vec<Item>) {
+        let q = q.clone();
+        std::thread::spawn(move || {
+            for it in items {
+                q.put(Box::new(it));
+            }
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn blocks_freed_by_threads_that_have_exited_are_found_by_steals_and_drains() {
+        let q = Arc::new(ReadyQueues::new(4, 8));
+        // Nothing held anywhere: nothing found, whichever shard is asked.
+        assert!(q.take(class(1)).is_none());
+        assert!(q.take_larger(0, 3).is_none());
+        assert!(q.drain().is_empty());
+        // One block of class 1 from another thread: this thread's request finds it.
+        put_on_a_thread_of_its_own(&q, vec![Item(1, 2048)]);
+        assert_eq!(q.take(class(1)).map(|b| b.size()), Some(2048));
+        // A larger block from another thread serves a split.
+        put_on_a_thread_of_its_own(&q, vec![Item(3, 8192)]);
+        assert_eq!(q.take_larger(1, 3).map(|b| b.class()), Some(3));
+        // Two of one class (a slot and a queue) and one of another: the drain takes all.
+        put_on_a_thread_of_its_own(&q, vec![Item(2, 4096), Item(2, 4096), Item(0, 1024)]);
+        let mut drained: Vec<usize> = q.drain().iter().map(|b| b.class()).collect();
+        drained.sort_unstable();
+        assert_eq!(drained, vec![0, 2, 2]);
+        assert!(q.drain().is_empty());
     }
 }
 
