@@ -102,8 +102,9 @@ pub(crate) struct ReadyQueues<B> {
     mask: usize,
     /// One bit per shard that has ever held a ready block (set before the block is
     /// published, never cleared): steals and drains skip the shards of threads that never
-    /// freed into this pool, instead of reading two cache lines of each.
-    stocked: Box<[AtomicU64]>,
+    /// freed into this pool, instead of reading two cache lines of each. On lines of their
+    /// own: every put reads them.
+    stocked: Box<[CachePadded<AtomicU64>]>,
 }
 
 fn empty_line<B>() -> SlotLine<B> {
@@ -133,7 +134,7 @@ impl<B: Slotted> ReadyQueues<B> {
             .collect();
         let mask = shards.len() - 1;
         let stocked = (0..shards.len().div_ceil(64))
-            .map(|_| AtomicU64::new(0))
+            .map(|_| CachePadded(AtomicU64::new(0)))
             .collect();
         Self {
             slots,
