@@ -471,7 +471,10 @@ impl<R: Runtime> PinnedAllocator<R> {
         self.engine.record_stream(buf.lease_mut(), stream)
     }
 
-    /// Frees every cached block of the default pool and of released capture pools.
+    /// Frees every cached block of the default pool and of released capture pools. The pools
+    /// also forget what they learned from requests (the peak of live bytes that caps
+    /// reserved memory, the ranges sizes last used): the requests that follow take memory as
+    /// they would from fresh pools.
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
         self.engine.empty_cache().await
     }

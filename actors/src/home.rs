@@ -310,6 +310,7 @@ impl<R: Runtime, B: Send + 'static> Member for Home<R, B> {
         let (tx, rx) = flume::bounded(1);
         let msg = PoolMsg::EmptyCache {
             include_kept: false,
+            forget: false,
             reply: tx,
         };
         self.mailbox.send(msg).is_ok().then_some(rx)

@@ -122,6 +122,10 @@ pub(crate) enum PoolMsg<B> {
     /// Free every cached block (and the kept ones when the pool is released).
     EmptyCache {
         include_kept: bool,
+        /// Asked for by the user (or a released pool): the pool also forgets what it
+        /// learned from requests, and goes on as a fresh pool would. Not when another pool
+        /// needs room (the requests go on as before).
+        forget: bool,
         reply: Reply<EmptyReport>,
     },
     /// Count what the pool holds (for checking invariant 2 at quiescent points).

@@ -268,6 +268,7 @@ impl<R: Runtime> Router<R> {
                 .mailbox
                 .send(PoolMsg::EmptyCache {
                     include_kept: true,
+                    forget: true,
                     reply: tx,
                 })
                 .is_err()

@@ -315,7 +315,9 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     }
 
     /// Frees every cached block of every device (blocks in use or waiting on events are
-    /// untouched).
+    /// untouched). The pools also forget what they learned from requests (the peak of live
+    /// bytes that sizes fresh memory, the ranges sizes last used): the requests that follow
+    /// take memory as they would from fresh pools.
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
         let mut total = EmptyReport::default();
         for e in self.inner.devices.iter() {

@@ -475,7 +475,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Frees every cached block of the default pool and of released capture pools (kept
-    /// blocks of released pools too); blocks in use or waiting on events are untouched.
+    /// blocks of released pools too); blocks in use or waiting on events are untouched. The
+    /// pools forget what their layouts learned from requests (see `PoolMsg::EmptyCache`).
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
         let mut report = EmptyReport::default();
         for rx in self.ask_default_pools_to_empty()? {
@@ -514,6 +515,7 @@ impl<R: Runtime> Engine<R> {
             let (tx, rx) = flume::bounded(1);
             let msg = PoolMsg::EmptyCache {
                 include_kept: false,
+                forget: true,
                 reply: tx,
             };
             if pool.mailbox.send(msg).is_ok() {

@@ -136,7 +136,9 @@ impl<R: Runtime> PoolActor<R> {
         (n + rn, bytes + rbytes)
     }
 
-    pub(super) async fn empty_cache(&mut self, include_kept: bool) -> EmptyReport {
+    /// Frees every cached block (and the kept ones with `include_kept`); with `forget`, the
+    /// pool's layout also forgets what it learned from requests (see `Segments::forget`).
+    pub(super) async fn empty_cache(&mut self, include_kept: bool, forget: bool) -> EmptyReport {
         if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
             self.flush_events().await;
         }
@@ -148,6 +150,12 @@ impl<R: Runtime> PoolActor<R> {
             bytes += kb;
         }
         let reserved_after = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+        if forget {
+            let live = self.shared.stats.active_bytes_now().max(0) as usize;
+            if let Some(s) = self.carved.as_mut() {
+                s.forget(live);
+            }
+        }
         tracing::debug!(
             pool = %self.shared.id,
             freed_blocks = n,

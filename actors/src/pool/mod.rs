@@ -326,9 +326,10 @@ impl<R: Runtime> PoolActor<R> {
             PoolMsg::Home(block) => self.take_back(block).await,
             PoolMsg::EmptyCache {
                 include_kept,
+                forget,
                 reply,
             } => {
-                let report = self.empty_cache(include_kept).await;
+                let report = self.empty_cache(include_kept, forget).await;
                 let _ = reply.send(report);
             }
             PoolMsg::Inventory { reply } => {
@@ -371,7 +372,7 @@ impl<R: Runtime> PoolActor<R> {
                     .divert
                     .fetch_or(DIVERT_CLOSING, Ordering::Release);
                 self.drop_waiters();
-                self.empty_cache(true).await;
+                self.empty_cache(true, true).await;
             }
         }
     }

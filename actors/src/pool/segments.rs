@@ -85,6 +85,17 @@ impl<R: Runtime> Segments<R> {
         }
     }
 
+    /// Forgets what the layout learned from requests, as the cache is emptied at the user's
+    /// word: the peak of live bytes (which sizes fresh segments and caps reserved memory)
+    /// starts again from the bytes live now, and no class goes back to the range it last
+    /// gave back. A stream of requests replayed after that reserves what it did in a fresh
+    /// pool (the decoder serving trace's device replay: 1.091 the first time, 1.119 the
+    /// second without this).
+    pub(super) fn forget(&mut self, live: usize) {
+        self.peak_live = live;
+        self.last_range.clear();
+    }
+
     /// Marks the slot line of `class` as one that may hold this pool's blocks.
     fn mark_line(&mut self, class: usize) {
         let line = ReadyQueues::<Block<R>>::line_of(class);
