@@ -529,6 +529,9 @@ async fn idle_granules_moved_over_the_reserve_cap_are_pinned_memory_that_copies_
     big.copy_from_slice(&expected);
     big.record_stream(&stream);
     stream.memcpy_htod(&big, &mut dev).unwrap();
+    // The copy reads the buffer while the stream runs it (the buffer's stream is recorded,
+    // so the call does not wait): it must be done before the buffer is written again.
+    stream.synchronize().unwrap();
     big.fill(0);
     stream.memcpy_dtoh(&dev, &mut big[..]).unwrap();
     stream.synchronize().unwrap();
