@@ -328,8 +328,8 @@ impl<B: Slotted> ReadyQueues<B> {
     #[cold]
     pub(crate) fn put_queue(&self, shard: usize, block: Box<B>) {
         let class = block.class();
-        // The receiver lives beside the sender, so the send cannot fail.
         self.stock(shard);
+        // The receiver lives beside the sender, so the send cannot fail.
         let shard = &self.shards[shard];
         let _ = shard.queues[class].tx.send(block);
         shard.mark(class);
