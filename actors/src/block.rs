@@ -560,7 +560,7 @@ impl<R: Runtime> Pool<R> {
 impl<R: Runtime> Drop for Block<R> {
     fn drop(&mut self) {
         if self.freed {
-            std::mem::replace(&mut self.meta, MetaRef::none()).give_back();
+            self.meta.give_back();
             return;
         }
         // Dropped by accident (a cancelled reply, an actor torn down with its runtime):

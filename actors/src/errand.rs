@@ -57,19 +57,13 @@ impl Drop for Errand {
 /// is shutting down and refuses it.
 pub(crate) fn spawn_or_run(handle: &tokio::runtime::Handle, work: impl FnOnce() + Send + 'static) {
     let work = MustRun(Some(work));
-    drop(handle.spawn_blocking(move || work.run()));
+    // Run by the blocking thread (the closure drops it), or where the refused closure is
+    // dropped.
+    drop(handle.spawn_blocking(move || drop(work)));
 }
 
-/// Work that runs when dropped unrun.
+/// Work that runs when dropped.
 struct MustRun<F: FnOnce()>(Option<F>);
-
-impl<F: FnOnce()> MustRun<F> {
-    fn run(mut self) {
-        if let Some(f) = self.0.take() {
-            f();
-        }
-    }
-}
 
 impl<F: FnOnce()> Drop for MustRun<F> {
     fn drop(&mut self) {

@@ -339,23 +339,23 @@ impl<B: Slotted> ReadyQueues<B> {
     pub(crate) fn drain(&self) -> Vec<Box<B>> {
         let mut out = Vec::new();
         for s in (0..self.shards.len()).filter(|&s| self.ever_stocked(s)) {
-            let base = s * self.lines_per_shard;
-            for line in &self.slots[base..base + self.lines_per_shard] {
-                out.extend(line.iter().filter_map(take_slot));
-            }
-            self.shards[s].drain_into(&mut out);
+            self.drain_shard(s, &mut out);
         }
         out
     }
 
     /// Takes every ready block out of this thread's shard: its slots and its queues.
     pub(crate) fn drain_mine(&self, out: &mut Vec<Box<B>>) {
-        let me = self.my_shard();
-        let base = me * self.lines_per_shard;
+        self.drain_shard(self.my_shard(), out);
+    }
+
+    /// Takes every ready block out of shard `s`: its slots and its queues.
+    fn drain_shard(&self, s: usize, out: &mut Vec<Box<B>>) {
+        let base = s * self.lines_per_shard;
         for line in &self.slots[base..base + self.lines_per_shard] {
             out.extend(line.iter().filter_map(take_slot));
         }
-        self.shards[me].drain_into(out);
+        self.shards[s].drain_into(out);
     }
 
     /// The slot line that holds the slots of `class` in each shard.

@@ -150,11 +150,8 @@ impl<R: Runtime> PoolActor<R> {
             bytes += kb;
         }
         let reserved_after = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
-        if forget {
-            let live = self.shared.stats.active_bytes_now().max(0) as usize;
-            if let Some(s) = self.carved.as_mut() {
-                s.forget(live);
-            }
+        if let Some(s) = self.carved.as_mut().filter(|_| forget) {
+            s.forget(self.shared.stats.active_bytes_now().max(0) as usize);
         }
         tracing::debug!(
             pool = %self.shared.id,
