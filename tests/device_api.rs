@@ -126,6 +126,29 @@ async fn raw_pointers_are_freed_once_and_unknown_ones_are_refused() {
     ));
 }
 
+// A raw pointer is held as its block alone: what was requested must come back with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_pointers_give_back_the_bytes_they_requested_when_deleted() {
+    let (pool, sim) = device_pool();
+    let s = sim.stream();
+    let p = pool.raw_alloc_with_stream(3000, &s).unwrap();
+    let q = pool.raw_alloc_with_stream(MIB + 1, &s).unwrap();
+    let st = pool.stats(0).unwrap();
+    assert_eq!(st.requested_bytes.all.current, 3000 + MIB as i64 + 1);
+    assert_eq!(st.allocated_bytes.all.current, 3072 + MIB as i64 + 512);
+    // Recording a stream takes the pointer out of the table and puts it back.
+    pool.raw_record_stream(q, &sim.stream()).unwrap();
+    pool.raw_delete(q).unwrap();
+    let st = pool.stats(0).unwrap();
+    assert_eq!(st.requested_bytes.all.current, 3000);
+    assert_eq!(st.allocated_bytes.all.current, 3072);
+    pool.raw_delete(p).unwrap();
+    let st = pool.stats(0).unwrap();
+    assert_eq!(st.requested_bytes.all.current, 0);
+    assert_eq!(st.allocation.all.current, 0);
+    assert_eq!(st.requested_bytes.all.freed, 3000 + MIB as i64 + 1);
+}
+
 #[tokio::test]
 async fn statistics_follow_requests_by_pool_small_and_large() {
     let (pool, sim) = device_pool();

@@ -83,6 +83,10 @@ pub(crate) struct Block<R: Runtime> {
     /// while that range was still free: a large piece stays on the cached path when freed
     /// (see `PoolShared::large_piece`).
     pub(crate) recalled: bool,
+    /// While a [`crate::lease::RawLease`] holds the block: the bytes requested and the
+    /// lending engine's id (a [`crate::lease::Lease`] keeps them itself).
+    pub(crate) raw_len: usize,
+    pub(crate) raw_engine: u64,
 }
 
 impl<R: Runtime> Block<R> {
@@ -101,6 +105,8 @@ impl<R: Runtime> Block<R> {
             meta: MetaRef::take(),
             segment: None,
             recalled: false,
+            raw_len: 0,
+            raw_engine: 0,
         })
     }
 
@@ -391,6 +397,8 @@ impl<R: Runtime> Block<R> {
             meta: std::mem::replace(&mut self.meta, MetaRef::none()),
             segment: self.segment.take(),
             recalled: self.recalled,
+            raw_len: self.raw_len,
+            raw_engine: self.raw_engine,
         })
     }
 }

@@ -122,11 +122,20 @@ impl<R: Runtime> Lease<R> {
     /// before any later use of the block on that stream).
     pub fn record_stream(&mut self, stream: &R::Stream) {
         if let Some(b) = &mut self.block {
-            let id = b.pool.runtime.stream_id(stream);
-            if b.pool.owner != Some(id) && !b.streams.iter().any(|(s, _)| *s == id) {
-                b.meta.recorded(id);
-                b.streams.push((id, stream.clone()));
+            record(b, stream);
+        }
+    }
+
+    /// The lease as one pointer, for tables that hold many (`Err(self)` for an empty
+    /// lease, which holds no block): see [`RawLease`].
+    pub fn into_raw(mut self) -> Result<RawLease<R>, Self> {
+        match self.block.take() {
+            Some(mut b) => {
+                b.raw_len = self.len;
+                b.raw_engine = self.engine;
+                Ok(RawLease(NonNull::from(Box::leak(b))))
             }
+            None => Err(self),
         }
     }
 
@@ -136,6 +145,78 @@ impl<R: Runtime> Lease<R> {
             .as_ref()
             .map(|b| b.streams.iter().map(|(s, _)| *s).collect())
             .unwrap_or_default()
+    }
+}
+
+/// Marks the block as used by work on `stream` (see [`Lease::record_stream`]).
+fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) {
+    let id = b.pool.runtime.stream_id(stream);
+    if b.pool.owner != Some(id) && !b.streams.iter().any(|(s, _)| *s == id) {
+        b.meta.recorded(id);
+        b.streams.push((id, stream.clone()));
+    }
+}
+
+/// A lease held as one pointer to its block, which carries the bytes requested and the
+/// lender's id meanwhile: what the device allocator's table of raw addresses keeps, so that
+/// `raw_alloc_with_stream` allocates nothing beside the block. Dropping it frees the block
+/// as dropping the lease would.
+pub struct RawLease<R: Runtime>(NonNull<Block<R>>);
+
+// SAFETY: as for `Lease`: the raw lease owns its block exclusively.
+unsafe impl<R: Runtime> Send for RawLease<R> {}
+// SAFETY: shared access only reads the address.
+unsafe impl<R: Runtime> Sync for RawLease<R> {}
+
+impl<R: Runtime> RawLease<R> {
+    /// Start of the bytes.
+    pub fn as_ptr(&self) -> *mut u8 {
+        // SAFETY: the raw lease owns the block (see `into_ptr`).
+        unsafe { self.0.as_ref() }.memory.ptr.as_ptr()
+    }
+
+    /// [`Lease::record_stream`].
+    pub fn record_stream(&mut self, stream: &R::Stream) {
+        // SAFETY: as in `as_ptr`, and `&mut self` makes this the only access.
+        record(unsafe { self.0.as_mut() }, stream);
+    }
+
+    /// The lease again, as it was.
+    pub fn into_lease(self) -> Lease<R> {
+        let p = self.into_ptr();
+        // SAFETY: `p` came from `Box::leak` in `Lease::into_raw`, and this raw lease, its
+        // only owner, is gone.
+        let b = unsafe { Box::from_raw(p.cast::<Block<R>>()) };
+        Lease {
+            len: b.raw_len,
+            engine: b.raw_engine,
+            block: Some(b),
+        }
+    }
+
+    /// The pointer, owning the block: give it back to [`RawLease::from_ptr`] exactly once,
+    /// or the block is never freed.
+    pub fn into_ptr(self) -> *mut () {
+        let p = self.0.as_ptr().cast();
+        std::mem::forget(self);
+        p
+    }
+
+    /// The raw lease `into_ptr` gave out.
+    ///
+    /// # Safety
+    ///
+    /// `p` came from [`RawLease::into_ptr`] and is given back once.
+    pub unsafe fn from_ptr(p: *mut ()) -> Self {
+        // SAFETY: by the contract, `p` is a leaked block's non-null address.
+        RawLease(unsafe { NonNull::new_unchecked(p.cast()) })
+    }
+}
+
+impl<R: Runtime> Drop for RawLease<R> {
+    fn drop(&mut self) {
+        let me = RawLease(self.0);
+        drop(me.into_lease());
     }
 }
 

@@ -89,7 +89,7 @@ pub use device_stats::{DeviceStats, StatArray};
 pub use engine::{Engine, EngineBuilder, RestoreFailed, Restored};
 pub use error::Error;
 pub use free_memory::FreeMemoryCallback;
-pub use lease::Lease;
+pub use lease::{Lease, RawLease};
 pub use mailbox::Inventory;
 pub use memory::{HostMemory, MemoryKind, MemorySource, Origin, PinMethod, Region};
 pub use miss::Wait;

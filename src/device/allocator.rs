@@ -14,10 +14,10 @@ use std::time::Duration;
 use pinpool_actors::blocking::may_block;
 use pinpool_actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
-    Inventory, MemorySnapshot, OomReport, PoolId, TraceEntry, Wait,
+    Inventory, MemorySnapshot, OomReport, PoolId, RawLease, TraceEntry, Wait,
 };
 
-use super::buffer::DeviceBuffer;
+use super::buffer::{tie_to_stream, DeviceBuffer};
 use super::builder::DeviceBuilder;
 use super::ipc::IpcRegistry;
 use super::peer::PeerTable;
@@ -31,7 +31,7 @@ pub(crate) struct Inner<R: DeviceRuntime> {
     pub(crate) devices: Box<[Engine<R>]>,
     /// Each device's memory, in bytes: no request larger than that is tried.
     pub(crate) totals: Box<[usize]>,
-    pub(crate) raw: RawTable<DeviceBuffer<R>>,
+    pub(crate) raw: RawTable<RawLease<R>>,
     pub(crate) config: DeviceConfig,
     /// Segments of other processes opened here (started on the first open).
     pub(crate) ipc: OnceLock<IpcRegistry>,
@@ -263,15 +263,17 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         if size == 0 {
             return Ok(0);
         }
-        let buf = self.alloc_blocking_with(
-            size,
-            stream,
-            Wait::Default,
-            ("raw_alloc_with_stream", "alloc(..).await"),
-        )?;
-        let ptr = buf.device_ptr();
-        self.inner.raw.insert(ptr as usize, Box::new(buf));
-        Ok(ptr)
+        let (_, engine) = self.engine_of(stream, size)?;
+        let call = ("raw_alloc_with_stream", "alloc(..).await");
+        let mut lease = engine.alloc_blocking_as(size, Some(stream), Wait::Default, call)?;
+        tie_to_stream(&mut lease, stream);
+        // Only a request of 0 bytes gets an empty lease.
+        let Ok(raw) = lease.into_raw() else {
+            return Ok(0);
+        };
+        let ptr = raw.as_ptr() as usize;
+        self.inner.raw.insert(ptr, raw);
+        Ok(ptr as u64)
     }
 
     /// PyTorch's `raw_delete`: frees what `raw_alloc_with_stream` returned (0 is a no-op).
@@ -282,8 +284,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             return Ok(());
         }
         match self.inner.raw.remove(ptr as usize) {
-            Some(buf) => {
-                drop(buf);
+            Some(raw) => {
+                drop(raw);
                 Ok(())
             }
             None => Err(Error::UnknownPointer { ptr }),
@@ -293,13 +295,13 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// Records `stream` on a raw allocation (PyTorch's `recordStream` for raw pointers):
     /// its reuse waits for the stream's work enqueued before it is deleted.
     pub fn raw_record_stream(&self, ptr: u64, stream: &R::Stream) -> Result<(), Error> {
-        let mut buf = self
+        let mut raw = self
             .inner
             .raw
             .remove(ptr as usize)
             .ok_or(Error::UnknownPointer { ptr })?;
-        buf.record_stream(stream);
-        self.inner.raw.insert(ptr as usize, buf);
+        raw.record_stream(stream);
+        self.inner.raw.insert(ptr as usize, raw);
         Ok(())
     }
 

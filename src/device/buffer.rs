@@ -43,13 +43,19 @@ struct Exported {
     _keep_open: Box<dyn Any + Send + Sync>,
 }
 
+/// What allocating on `stream` promises a lease: a block of a capture pool, which no stream
+/// owns, records the stream, so that its free waits for the stream's work and a block the
+/// stream's captured work used is kept for the graph's replays (a stream's own pool needs
+/// nothing: stream order covers it).
+pub(crate) fn tie_to_stream<R: Runtime>(lease: &mut Lease<R>, stream: &R::Stream) {
+    if lease.pool().is_some_and(|p| !p.is_default()) {
+        lease.record_stream(stream);
+    }
+}
+
 impl<R: Runtime> DeviceBuffer<R> {
     pub(crate) fn new(mut lease: Lease<R>, stream: R::Stream, device: usize) -> Self {
-        if lease.pool().is_some_and(|p| !p.is_default()) {
-            // A capture pool is owned by no stream: its free waits for this stream's work,
-            // and a buffer its stream's captured work used is kept for the graph's replays.
-            lease.record_stream(&stream);
-        }
+        tie_to_stream(&mut lease, &stream);
         Self {
             lease,
             stream,
@@ -81,11 +87,6 @@ impl<R: Runtime> DeviceBuffer<R> {
             // Set by the other export (a `OnceLock` once set stays set).
             Err(_dropped) => self.exported.get().map_or(ours, |e| e.handle.clone()),
         }
-    }
-
-    /// The lease, the stream and the device (for a restore, which may free the lease).
-    pub(crate) fn into_parts(self) -> (Lease<R>, R::Stream, usize) {
-        (self.lease, self.stream, self.device)
     }
 
     pub(crate) fn lease_mut(&mut self) -> &mut Lease<R> {

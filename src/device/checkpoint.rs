@@ -11,10 +11,10 @@
 //! it frees, so that a pool can be restored again and again, and like the data pointers
 //! PyTorch's `CheckpointDelta` hands back.
 
-use pinpool_actors::{Error, PoolCheckpoint, PoolId};
+use pinpool_actors::{Error, PoolCheckpoint, PoolId, RawLease};
 
 use super::allocator::DeviceAllocator;
-use super::buffer::DeviceBuffer;
+use super::buffer::tie_to_stream;
 use super::runtime::DeviceRuntime;
 
 /// What a restore changed (PyTorch's `CheckpointDelta`).
@@ -96,22 +96,21 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     ) -> Result<CheckpointDelta, Error> {
         let engine = self.engine(device)?;
         let raw = &self.inner().raw;
-        let mut taken: Vec<(usize, R::Stream, usize)> = Vec::new();
         let res = engine
             .set_checkpoint_pool_state(state, stream, |addr| {
-                let (lease, s, d) = raw.remove(addr)?.into_parts();
-                taken.push((addr, s, d));
-                Some(lease)
+                raw.remove(addr).map(RawLease::into_lease)
             })
             .await;
         match res {
             Ok(restored) => {
                 let mut allocd = Vec::with_capacity(restored.allocated.len());
-                for lease in restored.allocated {
-                    let buf = DeviceBuffer::new(lease, stream.clone(), device);
-                    let ptr = buf.device_ptr();
-                    raw.insert(ptr as usize, Box::new(buf));
-                    allocd.push(ptr);
+                for mut lease in restored.allocated {
+                    tie_to_stream(&mut lease, stream);
+                    if let Ok(r) = lease.into_raw() {
+                        let ptr = r.as_ptr() as usize;
+                        raw.insert(ptr, r);
+                        allocd.push(ptr as u64);
+                    }
                 }
                 Ok(CheckpointDelta {
                     ptrs_freed: restored.freed.into_iter().map(|p| p as u64).collect(),
@@ -122,9 +121,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
                 // Put back what was taken, as it was.
                 for lease in leases {
                     let addr = lease.as_ptr() as usize;
-                    if let Some(i) = taken.iter().position(|t| t.0 == addr) {
-                        let (_, s, d) = taken.swap_remove(i);
-                        raw.insert(addr, Box::new(DeviceBuffer::new(lease, s, d)));
+                    if let Ok(r) = lease.into_raw() {
+                        raw.insert(addr, r);
                     }
                 }
                 Err(e)

@@ -11,8 +11,40 @@
 //! receiving end (an insert or a removal that finds the list non-empty drains it, looks, and
 //! puts back what it did not take), so no request is ever refused for want of slots.
 
+use std::marker::PhantomData;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+
+use pinpool_actors::{RawLease, Runtime};
+
+/// What the table files: an owner that travels as one non-null pointer.
+pub(crate) trait Filed: Send + Sized {
+    fn into_ptr(self) -> *mut ();
+    /// # Safety
+    ///
+    /// `p` came from [`Filed::into_ptr`] and is given back once.
+    unsafe fn from_ptr(p: *mut ()) -> Self;
+}
+
+impl<T: Send> Filed for Box<T> {
+    fn into_ptr(self) -> *mut () {
+        Box::into_raw(self).cast()
+    }
+    unsafe fn from_ptr(p: *mut ()) -> Self {
+        // SAFETY: by the contract, `p` came from `Box::into_raw`.
+        unsafe { Box::from_raw(p.cast()) }
+    }
+}
+
+impl<R: Runtime> Filed for RawLease<R> {
+    fn into_ptr(self) -> *mut () {
+        RawLease::into_ptr(self)
+    }
+    unsafe fn from_ptr(p: *mut ()) -> Self {
+        // SAFETY: the contracts are the same.
+        unsafe { RawLease::from_ptr(p) }
+    }
+}
 
 /// Slots of the table: 2^16 (about a megabyte).
 const SLOTS: usize = 1 << 16;
@@ -22,21 +54,19 @@ const EMPTY: usize = 0;
 const FREED: usize = 1;
 
 /// Buffers whose probe sequence was full, with their addresses.
-type Overflow<T> = (
-    flume::Sender<(usize, Box<T>)>,
-    flume::Receiver<(usize, Box<T>)>,
-);
+type Overflow<T> = (flume::Sender<(usize, T)>, flume::Receiver<(usize, T)>);
 
-struct Slot<T> {
+struct Slot {
     addr: AtomicUsize,
-    value: AtomicPtr<T>,
+    value: AtomicPtr<()>,
 }
 
 /// Buffers by device address.
-pub(crate) struct RawTable<T> {
-    slots: Box<[Slot<T>]>,
+pub(crate) struct RawTable<T: Filed> {
+    slots: Box<[Slot]>,
     overflow: Overflow<T>,
     overflowed: AtomicUsize,
+    _owns: PhantomData<T>,
 }
 
 fn home(addr: usize) -> usize {
@@ -44,7 +74,7 @@ fn home(addr: usize) -> usize {
     (addr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16) & (SLOTS - 1)
 }
 
-impl<T: Send> RawTable<T> {
+impl<T: Filed> RawTable<T> {
     pub(crate) fn new() -> Self {
         Self {
             slots: (0..SLOTS)
@@ -55,6 +85,7 @@ impl<T: Send> RawTable<T> {
                 .collect(),
             overflow: flume::unbounded(),
             overflowed: AtomicUsize::new(0),
+            _owns: PhantomData,
         }
     }
 
@@ -65,7 +96,7 @@ impl<T: Send> RawTable<T> {
 
     /// Files `value` under `addr` (an address not filed now: the allocator never lends
     /// one address twice at once).
-    pub(crate) fn insert(&self, addr: usize, value: Box<T>) {
+    pub(crate) fn insert(&self, addr: usize, value: T) {
         for i in Self::probe(addr) {
             let slot = &self.slots[i];
             let cur = slot.addr.load(Ordering::Acquire);
@@ -75,7 +106,7 @@ impl<T: Send> RawTable<T> {
                     .compare_exchange(cur, addr, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
             {
-                slot.value.store(Box::into_raw(value), Ordering::Release);
+                slot.value.store(value.into_ptr(), Ordering::Release);
                 return;
             }
         }
@@ -85,7 +116,7 @@ impl<T: Send> RawTable<T> {
     }
 
     /// Takes out what is filed under `addr`, if anything.
-    pub(crate) fn remove(&self, addr: usize) -> Option<Box<T>> {
+    pub(crate) fn remove(&self, addr: usize) -> Option<T> {
         for i in Self::probe(addr) {
             let slot = &self.slots[i];
             let cur = slot.addr.load(Ordering::Acquire);
@@ -100,16 +131,16 @@ impl<T: Send> RawTable<T> {
                     return None;
                 }
                 slot.addr.store(FREED, Ordering::Release);
-                // SAFETY: `p` came from `Box::into_raw` in `insert`, and the swap made this
-                // call its only owner.
-                return Some(unsafe { Box::from_raw(p) });
+                // SAFETY: `p` came from `into_ptr` in `insert`, and the swap made this call
+                // its only owner.
+                return Some(unsafe { T::from_ptr(p) });
             }
         }
         self.remove_overflow(addr)
     }
 
     #[cold]
-    fn remove_overflow(&self, addr: usize) -> Option<Box<T>> {
+    fn remove_overflow(&self, addr: usize) -> Option<T> {
         if self.overflowed.load(Ordering::SeqCst) == 0 {
             return None;
         }
@@ -132,13 +163,13 @@ impl<T: Send> RawTable<T> {
     }
 
     /// Takes out everything filed (for the allocator's teardown).
-    pub(crate) fn drain(&self) -> Vec<Box<T>> {
+    pub(crate) fn drain(&self) -> Vec<T> {
         let mut out = Vec::new();
         for slot in self.slots.iter() {
             let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
             if !p.is_null() {
                 // SAFETY: as in `remove`.
-                out.push(unsafe { Box::from_raw(p) });
+                out.push(unsafe { T::from_ptr(p) });
             }
         }
         out.extend(self.overflow.1.try_iter().map(|(_, v)| v));
@@ -146,13 +177,13 @@ impl<T: Send> RawTable<T> {
     }
 }
 
-impl<T> Drop for RawTable<T> {
+impl<T: Filed> Drop for RawTable<T> {
     fn drop(&mut self) {
         for slot in self.slots.iter() {
             let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
             if !p.is_null() {
                 // SAFETY: as in `remove`; nobody else can reach the table any more.
-                drop(unsafe { Box::from_raw(p) });
+                drop(unsafe { T::from_ptr(p) });
             }
         }
     }
