@@ -39,13 +39,29 @@ pub(crate) enum BlockState {
     Kept,
 }
 
-/// A block's pending events. Reached only through `&mut` (`get_mut`), so sharing a `&Block`
-/// shares no access to them: the block stays `Sync` although events need only be `Send`.
-pub(crate) struct Events<E>(Vec<E>);
+/// A block's pending events, and one completed event kept to be recorded again at its next
+/// free (no trip through the runtime's event pool). Reached only through `&mut` (`get_mut`,
+/// `spare_mut`), so sharing a `&Block` shares no access to them: the block stays `Sync`
+/// although events need only be `Send`.
+pub(crate) struct Events<E> {
+    pending: Vec<E>,
+    spare: Option<E>,
+}
 
 impl<E> Events<E> {
+    fn new() -> Self {
+        Events {
+            pending: Vec::new(),
+            spare: None,
+        }
+    }
+
     pub(crate) fn get_mut(&mut self) -> &mut Vec<E> {
-        &mut self.0
+        &mut self.pending
+    }
+
+    fn spare_mut(&mut self) -> &mut Option<E> {
+        &mut self.spare
     }
 }
 
@@ -98,7 +114,7 @@ impl<R: Runtime> Block<R> {
             shard: 0,
             during_capture: false,
             streams: Vec::new(),
-            events: Events(Vec::new()),
+            events: Events::new(),
             state: BlockState::InUse,
             freed: false,
             pool,
@@ -219,7 +235,8 @@ impl<R: Runtime> Block<R> {
                     if capturing {
                         Ok(None)
                     } else {
-                        rt.record_event(s).map(Some)
+                        let spare = self.events.spare_mut().take();
+                        rt.record_event_reusing(s, spare).map(Some)
                     }
                 }) {
                     Ok(Some(e)) => self.events.get_mut().push(e),
@@ -283,16 +300,20 @@ impl<R: Runtime> Block<R> {
         }
     }
 
-    /// Whether every event recorded for the block has completed; releases those that have.
-    /// A failed query counts as not completed (it is asked again later).
+    /// Whether every event recorded for the block has completed; releases those that have
+    /// (keeping one to record again at the next free). A failed query counts as not
+    /// completed (it is asked again later).
     pub(crate) fn events_completed(&mut self) -> bool {
         let rt = &*self.pool.runtime;
-        let events = self.events.get_mut();
-        while let Some(e) = events.last() {
+        let Events { pending, spare } = &mut self.events;
+        while let Some(e) = pending.last() {
             match rt.query_event(e) {
                 Ok(true) => {
-                    if let Some(e) = events.pop() {
-                        rt.release_event(e);
+                    if let Some(e) = pending.pop() {
+                        match spare {
+                            None => *spare = Some(e),
+                            Some(_) => rt.release_event(e),
+                        }
                     }
                 }
                 Ok(false) => return false,
@@ -390,7 +411,7 @@ impl<R: Runtime> Block<R> {
             shard: self.shard,
             during_capture: self.during_capture,
             streams: std::mem::take(&mut self.streams),
-            events: Events(std::mem::take(self.events.get_mut())),
+            events: std::mem::replace(&mut self.events, Events::new()),
             state: self.state,
             freed: false,
             pool: self.pool.clone(),
@@ -499,6 +520,9 @@ impl<R: Runtime> Pool<R> {
         }
         block.streams.clear();
         block.events.get_mut().clear();
+        if let Some(e) = block.events.spare_mut().take() {
+            self.runtime.release_event(e);
+        }
         let _ = self.shells.0.try_send(block);
     }
 
@@ -569,6 +593,9 @@ impl<R: Runtime> Drop for Block<R> {
     fn drop(&mut self) {
         if self.freed {
             self.meta.give_back();
+            if let Some(e) = self.events.spare_mut().take() {
+                self.pool.runtime.release_event(e);
+            }
             return;
         }
         // Dropped by accident (a cancelled reply, an actor torn down with its runtime):

@@ -78,6 +78,20 @@ pub trait Runtime: Send + Sync + 'static {
     /// Records an event on `stream` that completes once all work enqueued on it so far has.
     fn record_event(&self, stream: &Self::Stream) -> Result<Self::Event, RuntimeError>;
 
+    /// [`Runtime::record_event`], given a completed event of this runtime's that the caller
+    /// no longer needs (`spare`), which the runtime may record again instead of taking
+    /// another. The default hands `spare` back and records a new one.
+    fn record_event_reusing(
+        &self,
+        stream: &Self::Stream,
+        spare: Option<Self::Event>,
+    ) -> Result<Self::Event, RuntimeError> {
+        if let Some(e) = spare {
+            self.release_event(e);
+        }
+        self.record_event(stream)
+    }
+
     /// Whether `event` has completed. Never called for an event recorded during capture.
     fn query_event(&self, event: &Self::Event) -> Result<bool, RuntimeError>;
 

@@ -203,6 +203,24 @@ impl Runtime for AutoRuntime {
         }
     }
 
+    fn record_event_reusing(
+        &self,
+        stream: &AutoStream,
+        spare: Option<AutoEvent>,
+    ) -> Result<AutoEvent, RuntimeError> {
+        match (self, stream, spare) {
+            (AutoRuntime::Cuda(rt), AutoStream::Cuda(s), Some(AutoEvent::Cuda(e))) => {
+                rt.record_event_reusing(s, Some(e)).map(AutoEvent::Cuda)
+            }
+            (_, _, spare) => {
+                if let Some(e) = spare {
+                    self.release_event(e);
+                }
+                self.record_event(stream)
+            }
+        }
+    }
+
     fn query_event(&self, event: &AutoEvent) -> Result<bool, RuntimeError> {
         match (self, event) {
             (AutoRuntime::Cuda(rt), AutoEvent::Cuda(e)) => rt.query_event(e),

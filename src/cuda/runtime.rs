@@ -448,6 +448,28 @@ impl Runtime for CudaRuntime {
         Ok(event)
     }
 
+    fn record_event_reusing(
+        &self,
+        stream: &Self::Stream,
+        spare: Option<Self::Event>,
+    ) -> Result<Self::Event, RuntimeError> {
+        let ctx = stream.context();
+        match spare {
+            // An event can be recorded only on streams of its own context.
+            Some(event) if event.context().cu_ctx() == ctx.cu_ctx() => {
+                bind(ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+                // SAFETY: as in `record_event`; the caller owns the completed event.
+                unsafe { result::event::record(event.cu_event(), stream.cu_stream()) }
+                    .map_err(|e| runtime_error("cuEventRecord", e))?;
+                Ok(event)
+            }
+            other => {
+                drop(other); // back to its context's free list
+                self.record_event(stream)
+            }
+        }
+    }
+
     fn query_event(&self, event: &Self::Event) -> Result<bool, RuntimeError> {
         // SAFETY: `event` is a live event owned by its `PooledEvent`.
         match unsafe { result::event::query(event.cu_event()) } {
