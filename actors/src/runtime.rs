@@ -11,7 +11,9 @@
 //!   so that the event orders after every operation enqueued on the stream so far.
 //! - `query_event` is never called for an event recorded while its stream was capturing.
 //! - Every event obtained from `record_event` is handed back exactly once, through
-//!   `release_event`, so that the runtime can pool events.
+//!   `release_event` or as the `spare` of `record_event_reusing` (which hands back or
+//!   re-records it), so that the runtime can pool events. An event is passed as a spare
+//!   only once it has completed, by the block that owns it.
 
 use std::fmt;
 
