@@ -326,6 +326,14 @@ impl<R: Runtime> Block<R> {
         true
     }
 
+    /// Hands the completed event kept for the next free back to the runtime (the record
+    /// goes to another block, or away).
+    fn release_spare_event(&mut self) {
+        if let Some(e) = self.events.spare_mut().take() {
+            self.pool.runtime.release_event(e);
+        }
+    }
+
     /// Blocks this thread until the block's events complete, then gives the block back. Only
     /// used when the event poller is gone (its tokio runtime was shut down).
     pub(crate) fn wait_here(mut self: Box<Self>) {
@@ -520,9 +528,7 @@ impl<R: Runtime> Pool<R> {
         }
         block.streams.clear();
         block.events.get_mut().clear();
-        if let Some(e) = block.events.spare_mut().take() {
-            self.runtime.release_event(e);
-        }
+        block.release_spare_event();
         let _ = self.shells.0.try_send(block);
     }
 
@@ -593,9 +599,7 @@ impl<R: Runtime> Drop for Block<R> {
     fn drop(&mut self) {
         if self.freed {
             self.meta.give_back();
-            if let Some(e) = self.events.spare_mut().take() {
-                self.pool.runtime.release_event(e);
-            }
+            self.release_spare_event();
             return;
         }
         // Dropped by accident (a cancelled reply, an actor torn down with its runtime):

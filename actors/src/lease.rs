@@ -183,15 +183,10 @@ impl<R: Runtime> RawLease<R> {
 
     /// The lease again, as it was.
     pub fn into_lease(self) -> Lease<R> {
-        let p = self.into_ptr();
-        // SAFETY: `p` came from `Box::leak` in `Lease::into_raw`, and this raw lease, its
-        // only owner, is gone.
-        let b = unsafe { Box::from_raw(p.cast::<Block<R>>()) };
-        Lease {
-            len: b.raw_len,
-            engine: b.raw_engine,
-            block: Some(b),
-        }
+        let block = self.0;
+        std::mem::forget(self);
+        // SAFETY: this raw lease owned the block and is gone without its drop.
+        unsafe { lease_of(block) }
     }
 
     /// The pointer, owning the block: give it back to [`RawLease::from_ptr`] exactly once,
@@ -213,10 +208,25 @@ impl<R: Runtime> RawLease<R> {
     }
 }
 
+/// The lease over a block that `Lease::into_raw` leaked.
+///
+/// # Safety
+///
+/// The caller owns the block and gives up its `RawLease` (no other use of it follows).
+unsafe fn lease_of<R: Runtime>(block: NonNull<Block<R>>) -> Lease<R> {
+    // SAFETY: the block came from `Box::leak` in `Lease::into_raw`, owned by the caller.
+    let b = unsafe { Box::from_raw(block.as_ptr()) };
+    Lease {
+        len: b.raw_len,
+        engine: b.raw_engine,
+        block: Some(b),
+    }
+}
+
 impl<R: Runtime> Drop for RawLease<R> {
     fn drop(&mut self) {
-        let me = RawLease(self.0);
-        drop(me.into_lease());
+        // SAFETY: the raw lease is going; nothing reads `self.0` after this.
+        drop(unsafe { lease_of(self.0) });
     }
 }
 

@@ -316,8 +316,8 @@ impl<B: Slotted> ReadyQueues<B> {
     #[inline]
     fn put_as(&self, me: ThreadSlot, block: Box<B>) {
         let slot = self.slot(me.shard, block.class());
-        self.stock(me.shard);
         if me.owns && slot.load(Ordering::Relaxed).is_null() {
+            self.stock(me.shard);
             slot.store(Box::into_raw(block), Ordering::Release);
             return;
         }
