@@ -56,6 +56,27 @@ async fn allocations_for_a_stream_the_filter_accepts_go_to_the_capture_pool() {
 }
 
 #[tokio::test]
+async fn a_capture_begun_after_a_stream_was_served_routes_its_next_request_to_the_capture() {
+    let (pool, sim) = sim_pool();
+    let s = sim.stream();
+    // Served from the default pool several times: the thread knows the stream's route.
+    for _ in 0..3 {
+        let b = pool.alloc_on(4096, &s).await.unwrap();
+        assert_eq!(b.pool(), Some(PoolId::DEFAULT));
+    }
+    let id = pool.new_pool_id();
+    let wanted = s.id();
+    pool.begin_allocate_to_pool(id, move |t| t.id() == wanted)
+        .await
+        .unwrap();
+    let a = pool.alloc_on(4096, &s).await.unwrap();
+    assert_eq!(a.pool(), Some(id), "the remembered route was not used");
+    pool.end_allocate_to_pool(id).await.unwrap();
+    let b = pool.alloc_on(4096, &s).await.unwrap();
+    assert_eq!(b.pool(), Some(PoolId::DEFAULT), "routing stopped");
+}
+
+#[tokio::test]
 async fn a_block_freed_during_capture_without_use_is_reused() {
     let (pool, sim) = sim_pool();
     let cap = sim.stream();

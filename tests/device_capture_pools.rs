@@ -61,6 +61,28 @@ async fn a_capturing_streams_requests_go_to_the_capture_pool_not_to_its_own_pool
 }
 
 #[tokio::test]
+async fn a_capture_begun_after_a_stream_was_served_from_its_own_pool_routes_its_next_request_to_the_capture(
+) {
+    let (pool, sim) = device_pool();
+    let s = sim.stream();
+    // The stream's pool made, then found again: the thread knows the stream's route, and a
+    // ready block of the size waits in the stream's pool.
+    for _ in 0..3 {
+        drop(pool.alloc(MIB, &s).await.unwrap());
+    }
+    let id = pool.new_pool_id();
+    begin(&pool, 0, &s, id).await;
+    let a = pool.alloc(MIB, &s).await.unwrap();
+    assert_eq!(a.pool(), Some(id), "the remembered route was not used");
+    assert!(a.allocated_during_capture());
+    s.end_capture().unwrap();
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    let b = pool.alloc(MIB, &s).await.unwrap();
+    assert_eq!(b.pool(), Some(PoolId::DEFAULT), "routing stopped");
+    assert!(!b.allocated_during_capture());
+}
+
+#[tokio::test]
 async fn a_buffer_freed_during_capture_is_never_handed_out_again_while_its_pool_lives() {
     let (pool, sim) = device_pool();
     let s = sim.stream();

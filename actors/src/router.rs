@@ -9,9 +9,12 @@
 //! uses are all released is freed by the next `empty_cache`, kept blocks included (its graphs
 //! are gone, so invariant 4 no longer binds). After each change the router publishes an
 //! immutable [`RoutingTable`] through `ArcSwap`: a handle routes with one atomic load, and
-//! when no capture is underway that load is all routing costs.
+//! when no capture is underway that load is all routing costs. Each publication also counts
+//! one more [`Routes::epoch`], so a thread that remembers a route (see the engine's
+//! `route_cache`) checks it with one plain load instead of loading the table.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -62,6 +65,41 @@ impl<R: Runtime> RoutingTable<R> {
     }
 }
 
+/// The published routing table, and how many tables have been published.
+pub(crate) struct Routes<R: Runtime> {
+    table: ArcSwap<RoutingTable<R>>,
+    epoch: AtomicU64,
+}
+
+impl<R: Runtime> Routes<R> {
+    pub(crate) fn new() -> Self {
+        Self {
+            table: ArcSwap::from_pointee(RoutingTable::empty()),
+            epoch: AtomicU64::new(0),
+        }
+    }
+
+    /// The table in force.
+    #[inline]
+    pub(crate) fn load(&self) -> arc_swap::Guard<Arc<RoutingTable<R>>> {
+        self.table.load()
+    }
+
+    /// Tables published so far. Read before [`Self::load`], an unchanged epoch later means
+    /// no table published since was seen by a handle that received a router reply after it
+    /// (the router counts a publication before it replies).
+    #[inline]
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Publishes `table`, then counts it.
+    fn publish(&self, table: RoutingTable<R>) {
+        self.table.store(Arc::new(table));
+        self.epoch.fetch_add(1, Ordering::Release);
+    }
+}
+
 /// Messages the router answers.
 pub(crate) enum RouterMsg<R: Runtime> {
     Begin {
@@ -105,7 +143,7 @@ pub(crate) type PoolFactory<R> = Box<dyn Fn(PoolId, Option<StreamId>) -> PoolSpe
 
 /// Starts the router.
 pub(crate) fn start_router<R: Runtime>(
-    table: Arc<ArcSwap<RoutingTable<R>>>,
+    table: Arc<Routes<R>>,
     rx: Receiver<RouterMsg<R>>,
     factory: PoolFactory<R>,
     handle: &tokio::runtime::Handle,
@@ -122,7 +160,7 @@ pub(crate) fn start_router<R: Runtime>(
 }
 
 struct Router<R: Runtime> {
-    table: Arc<ArcSwap<RoutingTable<R>>>,
+    table: Arc<Routes<R>>,
     rx: Receiver<RouterMsg<R>>,
     factory: PoolFactory<R>,
     captures: Vec<(PoolId, StreamFilter<R>)>,
@@ -316,10 +354,10 @@ impl<R: Runtime> Router<R> {
             .iter()
             .map(|(s, (p, _))| (*s, p.clone()))
             .collect();
-        self.table.store(Arc::new(RoutingTable {
+        self.table.publish(RoutingTable {
             captures,
             pools,
             streams,
-        }));
+        });
     }
 }

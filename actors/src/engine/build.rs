@@ -5,8 +5,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
-
 use super::{Engine, EngineInner};
 use crate::budget::Budget;
 use crate::error::Error;
@@ -15,7 +13,7 @@ use crate::policy::{BestFit, SizePolicy};
 use crate::poller::start_poller;
 use crate::pool::{start_pool, PoolSpec};
 use crate::pool_id::PoolId;
-use crate::router::{start_router, RoutingTable};
+use crate::router::{start_router, Routes};
 use crate::runtime::{Runtime, StreamId};
 use crate::shard::default_shard_count;
 
@@ -154,7 +152,7 @@ impl<R: Runtime> EngineBuilder<R> {
             }
         };
         let default = start_pool(spec(PoolId::DEFAULT, None));
-        let table = Arc::new(ArcSwap::from_pointee(RoutingTable::empty()));
+        let table = Arc::new(Routes::new());
         let (router_tx, router_rx) = flume::unbounded();
         start_router(table.clone(), router_rx, Box::new(spec), &handle);
         tracing::debug!(

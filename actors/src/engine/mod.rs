@@ -3,7 +3,8 @@
 //! source as it comes home.
 //!
 //! The cached path is here and in [`crate::ready`]: size class, route (no table load unless a
-//! stream is given), take a ready block, charge this thread's stats shard. A miss is one round
+//! stream is given, and none for a stream this thread routed since the router last published:
+//! `route_cache`), take a ready block, charge this thread's stats shard. A miss is one round
 //! trip to the pool actor (see [`crate::miss`]).
 //!
 //! The rest of the handle's calls live beside it: `build` (the builder, which starts the
@@ -17,6 +18,7 @@ mod checkpoint;
 mod free_memory;
 mod history;
 mod inspect;
+mod route_cache;
 
 pub use build::EngineBuilder;
 pub use checkpoint::{RestoreFailed, Restored};
@@ -24,7 +26,6 @@ pub use checkpoint::{RestoreFailed, Restored};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use flume::Sender;
 
 use crate::block::{Block, Pool};
@@ -37,7 +38,7 @@ use crate::mailbox::{PollerMsg, PoolMsg, Reply};
 use crate::memory::MemorySource;
 use crate::miss::{miss_async, miss_blocking, Wait};
 use crate::policy::{SizeClass, SizePolicy};
-use crate::router::{RouterMsg, RoutingTable};
+use crate::router::{RouterMsg, Routes};
 use crate::runtime::{Runtime, StreamId};
 
 struct EngineInner<R: Runtime> {
@@ -48,7 +49,7 @@ struct EngineInner<R: Runtime> {
     memory: Arc<dyn MemorySource>,
     policy: Arc<dyn SizePolicy>,
     default: Arc<Pool<R>>,
-    table: Arc<ArcSwap<RoutingTable<R>>>,
+    table: Arc<Routes<R>>,
     router: Sender<RouterMsg<R>>,
     #[allow(dead_code)]
     poller: Sender<PollerMsg<Block<R>>>,
@@ -143,32 +144,37 @@ impl<R: Runtime> Engine<R> {
         let (pool, during_capture) = match stream {
             None => (&inner.default, false),
             Some(s) => {
-                table = inner.table.load();
-                let (capture, capturing) = if table.captures.is_empty() {
-                    (None, false)
-                } else {
-                    let capturing = inner.runtime.is_capturing(s)?;
-                    let pool = table.captures.iter().find(|c| (c.filter)(s));
-                    (pool.map(|c| &c.pool), capturing)
-                };
-                match capture {
-                    Some(pool) => (pool, capturing),
-                    None if inner.stream_ordered => {
-                        let id = inner.runtime.stream_id(s);
-                        match table.stream_pool(id) {
-                            Some(pool) => (pool, capturing),
-                            None => {
-                                return Ok(Step::NewStream {
-                                    stream: id,
-                                    keep: s.clone(),
-                                    class,
-                                    during_capture: capturing,
-                                })
-                            }
-                        }
+                let id = inner.runtime.stream_id(s);
+                let epoch = inner.table.epoch();
+                // SAFETY: `self` is a handle of engine `inner.id`, of runtime `R`.
+                if let Some(known) = unsafe { route_cache::lookup::<R>(inner.id, id, epoch) } {
+                    if let Some(block) = known.pool().ready.take_mine(class) {
+                        return Ok(Step::Ready(Lease::new(block, size, false, inner.id)));
                     }
-                    None => (&inner.default, capturing),
+                    let pool = known.shared();
+                    return Ok(Self::miss_here(&pool, class, size, false, inner.id));
                 }
+                table = inner.table.load();
+                let capturing = !table.captures.is_empty() && inner.runtime.is_capturing(s)?;
+                let pool = match table.captures.iter().find(|c| (c.filter)(s)) {
+                    Some(capture) => &capture.pool,
+                    None if inner.stream_ordered => match table.stream_pool(id) {
+                        Some(pool) => pool,
+                        None => {
+                            return Ok(Step::NewStream {
+                                stream: id,
+                                keep: s.clone(),
+                                class,
+                                during_capture: capturing,
+                            })
+                        }
+                    },
+                    None => &inner.default,
+                };
+                if table.captures.is_empty() {
+                    route_cache::remember(inner.id, id, epoch, pool);
+                }
+                (pool, capturing)
             }
         };
         if let Some(block) = pool.ready.take_mine(class) {
