@@ -86,7 +86,7 @@ impl<B> Shard<B> {
             while bits != 0 {
                 let class = w * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                out.extend(self.queues[class].rx.try_iter());
+                out.extend(self.queues[class].rx.drain());
             }
         }
     }
@@ -217,7 +217,12 @@ impl<B: Slotted> ReadyQueues<B> {
 
     #[cold]
     fn take_queued(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
-        let b = self.shards[me].queues[class.index].rx.try_recv().ok()?;
+        let shard = &self.shards[me];
+        // A queue whose bit is clear held nothing when the bit was read: no lock taken.
+        if !shard.may_hold(class.index) {
+            return None;
+        }
+        let b = shard.queues[class.index].rx.try_recv().ok()?;
         self.fitting(me, b, class)
     }
 

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use crate::block::Pool;
 use crate::runtime::{Runtime, StreamId};
 
-/// Routes remembered per thread (direct-mapped by stream).
+/// Routes remembered per thread (direct-mapped by stream; a power of two).
 const WAYS: usize = 4;
 
 #[derive(Clone, Copy)]
@@ -40,9 +40,11 @@ thread_local! {
     static ROUTES: [Cell<Route>; WAYS] = const { [const { Cell::new(NONE) }; WAYS] };
 }
 
+/// The way of `stream`: the top bits of a multiplicative hash (a stream's id may be a
+/// driver handle, whose low bits are the same for every stream).
 #[inline]
 fn way(stream: StreamId) -> usize {
-    stream.0 as usize % WAYS
+    (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - WAYS.trailing_zeros())) as usize
 }
 
 /// A remembered stream pool, alive while the handle it was looked up through is.
@@ -101,4 +103,18 @@ pub(super) fn remember<R: Runtime>(engine: u64, stream: StreamId, epoch: u64, po
         pool: Arc::as_ptr(pool) as *const (),
     };
     let _ = ROUTES.try_with(|routes| routes[way(stream)].set(route));
+}
+
+#[cfg(all(test, not(pinpool_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streams_whose_ids_are_aligned_handles_spread_over_every_way() {
+        let mut used = [0usize; WAYS];
+        for i in 1..=64u64 {
+            used[way(StreamId(0x7f00_0000_0000 + i * 512))] += 1;
+        }
+        assert!(used.iter().all(|&n| n > 0), "ways used: {used:?}");
+    }
 }
