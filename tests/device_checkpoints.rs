@@ -118,7 +118,9 @@ async fn restoring_gives_back_the_checkpoints_blocks_at_their_addresses_and_free
     let mut expect = vec![a, b];
     expect.sort();
     assert_eq!(allocd, expect, "exactly the checkpoint's addresses");
-    for p in &newer {
+    // A newer block may have been cut where a checkpoint's block was (its stream had run
+    // all its work when it was freed): that address is live again, as the checkpoint's.
+    for p in newer.iter().filter(|p| !expect.contains(p)) {
         assert_eq!(pool.raw_delete(*p), Err(Error::UnknownPointer { ptr: *p }));
     }
     let now = pool.checkpoint_state(0, id).await.unwrap();

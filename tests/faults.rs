@@ -90,9 +90,11 @@ async fn a_failing_event_query_delays_reuse_until_it_answers() {
     let mut a = pool.alloc(512).await.unwrap();
     a.record_stream(&stream);
     let ptr = a.as_ptr();
-    stream.synchronize().unwrap();
     sim.faults().fail_next(FaultPoint::QueryEvent, 3);
+    // Busy at the free: an event is recorded.
+    let hold = stream.hold();
     drop(a);
+    drop(hold);
     stream.synchronize().unwrap();
     eventually("the block comes home once queries answer", || {
         pool.stats().waiting_blocks == 0
@@ -154,7 +156,10 @@ async fn a_panicking_event_poller_degrades_without_hanging_or_losing_blocks() {
     sim.faults().panic_next(FaultPoint::QueryEvent, 1);
     let mut a = pool.alloc(2048).await.unwrap();
     a.record_stream(&stream);
+    // Busy at the free: an event is recorded.
+    let hold = stream.hold();
     drop(a);
+    drop(hold);
     stream.synchronize().unwrap();
     // The first query panics and takes the poller down; the block it held still comes home.
     let run = async {

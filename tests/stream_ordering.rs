@@ -52,6 +52,49 @@ async fn a_buffer_whose_copy_is_still_queued_is_not_handed_out_again() {
 }
 
 #[tokio::test]
+async fn a_block_whose_streams_ran_all_their_work_is_reusable_at_its_free_without_an_event() {
+    let (pool, sim) = sim_pool();
+    let (s1, s2) = (sim.stream(), sim.stream());
+    let dev = DeviceBuffer::new(4096);
+    let mut a = pool.alloc(4096).await.unwrap();
+    a.fill(0xAB);
+    s1.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
+    a.record_stream(&s1);
+    a.record_stream(&s2);
+    s1.synchronize().unwrap(); // the copy has run; s2 never had work
+    let first = a.as_ptr();
+    drop(a);
+    assert_eq!(sim.events_recorded(), 0, "idle streams need no event");
+    assert_eq!(pool.stats().waiting_blocks, 0);
+    let mut b = pool.alloc(4096).await.unwrap();
+    assert_eq!(b.as_ptr(), first, "reusable at once");
+    assert_eq!(dev.to_vec(), vec![0xAB; 4096], "the copy read its bytes");
+
+    // One busy stream of two: an event for it alone, and no reuse before it is done.
+    b.record_stream(&s1);
+    b.record_stream(&s2);
+    let hold = s2.hold();
+    drop(b);
+    assert_eq!(
+        sim.events_recorded(),
+        1,
+        "an event for the busy stream only"
+    );
+    let c = pool.alloc(4096).await.unwrap();
+    assert_ne!(c.as_ptr(), first, "s2 has not run its work");
+    drop(hold);
+    s2.synchronize().unwrap();
+    drop(c);
+    let d = pool.alloc(4096).await.unwrap();
+    let e = pool.alloc(4096).await.unwrap();
+    assert!(
+        d.as_ptr() == first || e.as_ptr() == first,
+        "back once s2 is done"
+    );
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+#[tokio::test]
 async fn reuse_waits_for_every_recorded_stream() {
     let (pool, sim) = sim_pool();
     let (s1, s2) = (sim.stream(), sim.stream());
@@ -96,9 +139,13 @@ async fn completed_events_are_noticed_before_fresh_memory_is_taken() {
     for _ in 0..200 {
         let mut b = pool.alloc(1 << 16).await.unwrap();
         b.record_stream(&stream);
+        // Busy at the free (an event is recorded), idle by the next request.
+        let hold = stream.hold();
         drop(b);
+        drop(hold);
         stream.synchronize().unwrap();
     }
+    assert!(sim.events_recorded() >= 200);
     assert_eq!(sim.total_host_allocs(), 1);
     assert_eq!(pool.stats().allocated_bytes.current, 1 << 16);
 }

@@ -205,7 +205,10 @@ async fn the_freeing_thread_reuses_its_parked_block_once_the_event_completed() {
     for _ in 0..200 {
         let mut b = pool.alloc_blocking(1 << 20).unwrap();
         b.record_stream(&stream);
+        // Busy at the free: the free records an event and parks the block.
+        let hold = stream.hold();
         drop(b);
+        drop(hold);
         stream.synchronize().unwrap();
     }
     assert_eq!(sim.total_host_allocs(), 1, "one block serves every round");

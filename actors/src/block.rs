@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::home::Home;
+use crate::idle_probe;
 use crate::keepalive;
 use crate::mailbox::{Merge, Note, PollerMsg, PoolMsg, Split};
 use crate::memory::Region;
@@ -68,6 +69,16 @@ impl<E> Events<E> {
 // SAFETY: no method gives access to the events through `&Events`; all access needs `&mut`,
 // which is exclusive, so concurrent `&` access from several threads touches nothing.
 unsafe impl<E: Send> Sync for Events<E> {}
+
+/// What a free found of one stream that used the block.
+enum StreamAtFree<E> {
+    /// Capturing: the block is kept (an event would become part of the graph).
+    Capturing,
+    /// Idle: all its work has run.
+    Finished,
+    /// Busy: the event that completes with its work so far.
+    Recorded(E),
+}
 
 // Blocks are made one after another by the pool actor and then written by the threads that
 // hold them: each gets cache lines of its own so that two threads' blocks never share one.
@@ -215,9 +226,10 @@ impl<R: Runtime> Block<R> {
         Ok(())
     }
 
-    /// The free of a buffer: back to the ready queue when no stream used the block; parked
-    /// in the freeing thread's shard with one event per stream otherwise (to be queried inline
-    /// by that thread's next miss, or by the event poller); kept when captured work used it.
+    /// The free of a buffer: back to the ready queue when no stream used the block, or when
+    /// every stream that did has run all its work (see [`idle_probe`]); parked in the freeing
+    /// thread's shard with one event per busy stream otherwise (to be queried inline by that
+    /// thread's next miss, or by the event poller); kept when captured work used it.
     pub(crate) fn release(mut self: Box<Self>) {
         if self.streams.is_empty() {
             self.pool.stats.deactivate(self.shard, self.size);
@@ -233,14 +245,19 @@ impl<R: Runtime> Block<R> {
                 // never be queried: a block used by captured work is kept instead.
                 match rt.is_capturing(s).and_then(|capturing| {
                     if capturing {
-                        Ok(None)
+                        Ok(StreamAtFree::Capturing)
+                    } else if idle_probe::finished(rt, s) {
+                        Ok(StreamAtFree::Finished)
                     } else {
                         let spare = self.events.spare_mut().take();
-                        rt.record_event_reusing(s, spare).map(Some)
+                        rt.record_event_reusing(s, spare)
+                            .map(StreamAtFree::Recorded)
                     }
                 }) {
-                    Ok(Some(e)) => self.events.get_mut().push(e),
-                    Ok(None) => {
+                    Ok(StreamAtFree::Recorded(e)) => self.events.get_mut().push(e),
+                    // Nothing the stream has still to run can touch the block.
+                    Ok(StreamAtFree::Finished) => {}
+                    Ok(StreamAtFree::Capturing) => {
                         keep = true;
                         break;
                     }
@@ -271,6 +288,16 @@ impl<R: Runtime> Block<R> {
             {
                 b.orphaned();
             }
+        } else if self.events.get_mut().is_empty() {
+            // Every stream that used the block had run all its work: reusable at once.
+            self.pool.history.on_free_completed(
+                self.pool.id,
+                self.pool.owner,
+                self.memory.addr(),
+                self.size,
+            );
+            self.pool.stats.deactivate(self.shard, self.size);
+            give_back(self);
         } else {
             let stats = &self.pool.stats;
             stats.waiting_blocks.fetch_add(1, Ordering::Relaxed);

@@ -47,6 +47,7 @@ mod error;
 pub mod blocking;
 mod loom;
 mod shard;
+mod idle_probe;
 mod spawn;
 mod keepalive;
 mod policy;

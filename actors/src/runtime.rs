@@ -9,7 +9,10 @@
 //! Contract (the engine relies on each point):
 //! - `record_event` is called from the thread that frees a buffer (never from an actor),
 //!   so that the event orders after every operation enqueued on the stream so far.
-//! - `query_event` is never called for an event recorded while its stream was capturing.
+//! - `query_event` is never called for an event recorded while its stream was capturing, and
+//!   `stream_idle` never for a capturing stream. `stream_idle` is called from the freeing
+//!   thread too: `true` must mean that everything enqueued on the stream before the call has
+//!   run (a block the stream used is then reused with no event).
 //! - Every event obtained from `record_event` is handed back exactly once, through
 //!   `release_event` or as the `spare` of `record_event_reusing` (which hands back or
 //!   re-records it), so that the runtime can pool events. An event is passed as a spare
@@ -92,6 +95,14 @@ pub trait Runtime: Send + Sync + 'static {
             self.release_event(e);
         }
         self.record_event(stream)
+    }
+
+    /// Whether every piece of work enqueued on `stream` so far has completed (nothing of it
+    /// is pending or running), so that a block the stream used needs no event to be reused.
+    /// Never called for a capturing stream. The default says no: the caller records an event.
+    fn stream_idle(&self, stream: &Self::Stream) -> Result<bool, RuntimeError> {
+        let _ = stream;
+        Ok(false)
     }
 
     /// Whether `event` has completed. Never called for an event recorded during capture.

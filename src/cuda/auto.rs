@@ -221,6 +221,14 @@ impl Runtime for AutoRuntime {
         }
     }
 
+    fn stream_idle(&self, stream: &AutoStream) -> Result<bool, RuntimeError> {
+        match (self, stream) {
+            (AutoRuntime::Cuda(rt), AutoStream::Cuda(s)) => rt.stream_idle(s),
+            (AutoRuntime::Sim { runtime, .. }, AutoStream::Sim(s)) => runtime.stream_idle(s),
+            _ => Err(mismatch("stream_idle")),
+        }
+    }
+
     fn query_event(&self, event: &AutoEvent) -> Result<bool, RuntimeError> {
         match (self, event) {
             (AutoRuntime::Cuda(rt), AutoEvent::Cuda(e)) => rt.query_event(e),

@@ -470,6 +470,16 @@ impl Runtime for CudaRuntime {
         }
     }
 
+    fn stream_idle(&self, stream: &Self::Stream) -> Result<bool, RuntimeError> {
+        bind(stream.context()).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+        // SAFETY: the `Arc<CudaStream>` keeps the stream (and its context) alive for the call.
+        match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            error => Err(runtime_error("cuStreamQuery", DriverError(error))),
+        }
+    }
+
     fn query_event(&self, event: &Self::Event) -> Result<bool, RuntimeError> {
         // SAFETY: `event` is a live event owned by its `PooledEvent`.
         match unsafe { result::event::query(event.cu_event()) } {

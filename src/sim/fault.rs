@@ -25,10 +25,12 @@ pub enum FaultPoint {
     DeviceAlloc,
     /// Device memory: `free` and `unmap` (the memory stays allocated).
     DeviceFree,
+    /// `Runtime::stream_idle` (the freeing thread records an event instead).
+    QueryStream,
 }
 
 /// How many fault points there are.
-const POINTS: usize = 6;
+const POINTS: usize = 7;
 
 impl FaultPoint {
     const ALL: [FaultPoint; POINTS] = [
@@ -38,6 +40,7 @@ impl FaultPoint {
         FaultPoint::QueryEvent,
         FaultPoint::DeviceAlloc,
         FaultPoint::DeviceFree,
+        FaultPoint::QueryStream,
     ];
 
     fn index(self) -> usize {
@@ -48,6 +51,7 @@ impl FaultPoint {
             FaultPoint::QueryEvent => 3,
             FaultPoint::DeviceAlloc => 4,
             FaultPoint::DeviceFree => 5,
+            FaultPoint::QueryStream => 6,
         }
     }
 
@@ -59,6 +63,7 @@ impl FaultPoint {
             FaultPoint::QueryEvent => "query_event",
             FaultPoint::DeviceAlloc => "device_alloc",
             FaultPoint::DeviceFree => "device_free",
+            FaultPoint::QueryStream => "stream_idle",
         }
     }
 }

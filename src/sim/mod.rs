@@ -754,6 +754,13 @@ impl Runtime for SimRuntime {
         Ok(event)
     }
 
+    fn stream_idle(&self, stream: &SimStream) -> Result<bool, RuntimeError> {
+        self.check_stream(stream)
+            .map_err(|e| e.into_runtime("stream_idle"))?;
+        self.shared.faults.check(FaultPoint::QueryStream)?;
+        Ok(stream.is_idle())
+    }
+
     fn query_event(&self, event: &SimEvent) -> Result<bool, RuntimeError> {
         self.shared.faults.check(FaultPoint::QueryEvent)?;
         event.query().map_err(|e| e.into_runtime("query_event"))

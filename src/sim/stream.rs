@@ -16,7 +16,7 @@ use super::device::DeviceBuffer;
 use super::error::SimError;
 use super::event::{EventState, SimEvent};
 use super::graph::{CaptureState, SimGraph};
-use super::worker::{self, HostRange, Op, Work};
+use super::worker::{self, HostRange, Op, Progress, Work};
 use super::{Shared, SimRuntime};
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
@@ -27,6 +27,7 @@ struct StreamInner {
     device: usize,
     shared: Arc<Shared>,
     tx: flume::Sender<Op>,
+    progress: Arc<Progress>,
     capture: Arc<CaptureState>,
 }
 
@@ -97,7 +98,8 @@ impl SimStream {
         let id = StreamId(NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed));
         let shared = Arc::clone(&sim.shared);
         let (tx, rx) = flume::unbounded();
-        let started = worker::spawn(id, Arc::clone(&shared), rx);
+        let progress = Arc::new(Progress::default());
+        let started = worker::spawn(id, Arc::clone(&shared), rx, Arc::clone(&progress));
         if let Some(d) = shared.devices.get(device) {
             d.add_stream(id, tx.downgrade());
         }
@@ -110,6 +112,7 @@ impl SimStream {
                 device,
                 shared,
                 tx,
+                progress,
                 capture: Arc::new(CaptureState::new(id)),
             }),
         };
@@ -136,8 +139,9 @@ impl SimStream {
         let _ = self.submit(|_| Ok(Work::Delay(duration)));
     }
 
-    /// Stops the stream here: later operations and events stay pending until the guard is
-    /// released or dropped. A test control, not a CUDA operation: it is never captured.
+    /// Stops the stream here: later operations and events stay pending, and the stream is
+    /// busy ([`SimStream::is_idle`] says no), until the guard is released or dropped. A test
+    /// control, not a CUDA operation: it is never captured.
     pub fn hold(&self) -> HoldGuard {
         let (release, wait) = flume::bounded(1);
         self.queue(Op::Hold(wait));
@@ -379,6 +383,12 @@ impl SimStream {
         self.inner.capture.is_capturing()
     }
 
+    /// Whether every operation enqueued so far (work, and holds) has run: CUDA's
+    /// `cuStreamQuery`.
+    pub fn is_idle(&self) -> bool {
+        self.inner.progress.idle()
+    }
+
     /// Records an event marker (captured while capturing).
     pub(crate) fn record_event(&self) -> Result<SimEvent, SimError> {
         let id = self.inner.id;
@@ -402,9 +412,11 @@ impl SimStream {
         build: impl FnOnce(Option<(&Arc<CaptureState>, u64)>) -> Result<Work, SimError>,
     ) -> Result<(), SimError> {
         self.inner.capture.submit(build, |work| {
+            let op = Op::Work(work);
+            self.inner.progress.queue(&op);
             self.inner
                 .tx
-                .send(Op::Work(work))
+                .send(op)
                 .map_err(|_| SimError::ThreadGone("pinpool-sim-stream"))
         })
     }
@@ -444,6 +456,7 @@ impl SimStream {
     }
 
     fn queue(&self, op: Op) {
+        self.inner.progress.queue(&op);
         // Only a dead worker could refuse it; a worker does not stop while a sender lives.
         let _ = self.inner.tx.send(op);
     }
@@ -497,6 +510,22 @@ mod tests {
         assert_eq!(sim.host_read(p, 4).unwrap(), [2; 4]);
         assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
         sim.host_free(mem).unwrap();
+    }
+
+    #[test]
+    fn a_stream_is_idle_only_once_everything_queued_on_it_has_run() {
+        let (_sim, stream, _mem) = setup(4);
+        assert!(stream.is_idle(), "nothing queued");
+        let hold = stream.hold();
+        assert!(!stream.is_idle(), "held");
+        stream.delay(std::time::Duration::from_millis(1));
+        drop(hold);
+        stream.synchronize().unwrap();
+        assert!(stream.is_idle(), "everything ran");
+        stream.delay(std::time::Duration::from_millis(200));
+        assert!(!stream.is_idle(), "a kernel still running");
+        stream.synchronize().unwrap();
+        assert!(stream.is_idle());
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! completes only after earlier operations have finished with their memory. The thread
 //! exits when every sender (stream handle) is gone and the queue is drained.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -195,6 +195,30 @@ struct Worker {
     shared: Arc<Shared>,
     jitter: Option<(XorShift, u64)>,
     executed: u64,
+    progress: Arc<Progress>,
+}
+
+/// How far a stream has got: operations that occupy it (work and holds) queued, and run to
+/// the end (dropped). Signals are not counted (the device's synchronize sends them too).
+#[derive(Default)]
+pub(crate) struct Progress {
+    queued: AtomicU64,
+    done: AtomicU64,
+}
+
+impl Progress {
+    /// Counts `op` as queued, if it occupies the stream; before it is sent.
+    pub(crate) fn queue(&self, op: &Op) {
+        if !matches!(op, Op::Signal(_)) {
+            self.queued.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether every operation queued before this call has run (and been dropped).
+    pub(crate) fn idle(&self) -> bool {
+        let queued = self.queued.load(Ordering::SeqCst);
+        self.done.load(Ordering::SeqCst) >= queued
+    }
 }
 
 /// Starts the worker thread for `stream`.
@@ -202,6 +226,7 @@ pub(crate) fn spawn(
     stream: StreamId,
     shared: Arc<Shared>,
     rx: flume::Receiver<Op>,
+    progress: Arc<Progress>,
 ) -> Result<(), SimError> {
     let jitter = shared
         .random_delays()
@@ -211,6 +236,7 @@ pub(crate) fn spawn(
         shared,
         jitter,
         executed: 0,
+        progress,
     };
     std::thread::Builder::new()
         .name(format!("pinpool-sim-stream-{}", stream.0))
@@ -223,6 +249,7 @@ impl Worker {
     fn run(mut self, rx: flume::Receiver<Op>) {
         while let Ok(op) = rx.recv() {
             self.jitter();
+            let occupies = !matches!(op, Op::Signal(_));
             match op {
                 Op::Work(work) => self.execute(&work),
                 Op::Hold(release) => {
@@ -232,6 +259,10 @@ impl Worker {
                 Op::Signal(reply) => {
                     let _ = reply.send(());
                 }
+            }
+            // The operation is dropped by now (its hold on memory released).
+            if occupies {
+                self.progress.done.fetch_add(1, Ordering::SeqCst);
             }
         }
     }
