@@ -255,6 +255,48 @@ fn events_complete_only_after_the_work_recorded_before_them() {
 }
 
 #[test]
+fn a_stream_is_idle_only_once_the_work_enqueued_on_it_has_run() {
+    let Some(rt) = default_gpu("a_stream_is_idle_only_once_the_work_enqueued_on_it_has_run")
+    else {
+        return;
+    };
+    let stream = rt.context().new_stream().unwrap();
+    let unused = rt.context().new_stream().unwrap();
+    assert!(rt.stream_idle(&stream).unwrap(), "a new stream has no work");
+    let device = DeviceBuffer::new(rt.context(), GIB);
+    device.keep_busy(&stream, 200);
+    assert!(
+        !rt.stream_idle(&stream).unwrap(),
+        "idle behind 200 GiB of memsets"
+    );
+    stream.synchronize().unwrap();
+    assert!(rt.stream_idle(&stream).unwrap(), "idle once synchronized");
+    // What a free pays: the ask, against an event's record and query (the event path).
+    let n = 20_000;
+    let time = |f: &dyn Fn()| {
+        let start = Instant::now();
+        for _ in 0..n {
+            f();
+        }
+        start.elapsed().as_nanos() as f64 / n as f64
+    };
+    for round in 0..2 {
+        let worked = time(&|| assert!(rt.stream_idle(&stream).unwrap()));
+        let never = time(&|| assert!(rt.stream_idle(&unused).unwrap()));
+        let event = time(&|| {
+            let e = rt.record_event(&stream).unwrap();
+            let _ = rt.query_event(&e).unwrap();
+            rt.release_event(e);
+        });
+        println!(
+            "cuda stream_idle_ns round={round} after_work={worked:.0} never_used={never:.0} \
+             event_record_query_release={event:.0}"
+        );
+    }
+    drop(device);
+}
+
+#[test]
 fn events_are_recorded_in_the_stream_context_and_ids_differ_across_contexts() {
     let Some(rt) = default_gpu("events_in_the_stream_context") else {
         return;
