@@ -4,10 +4,10 @@
 //! A stream found idle needs no event: nothing it still has to run can touch the block, so
 //! the block is reusable at its free, for one driver call (`cuStreamQuery`) instead of an
 //! event's record at the free and query at the reuse. A stream still busy costs the call
-//! for nothing, so a thread whose asks find streams busy asks ever more rarely (at every
-//! 2nd, 4th, ... up to every 64th free that records streams), and one idle answer makes it
-//! ask at every free again: where streams are busy at frees, at most one query in 64 frees
-//! is wasted. The state is the thread's own (no shared line is written).
+//! for nothing, so a thread whose asks find streams busy asks ever more rarely (it lets 1,
+//! 2, 4, ... up to 64 frees that record streams go by between asks), and one idle answer
+//! makes it ask at every free again: where streams are busy at frees, about one query in 65
+//! frees is wasted. The state is the thread's own (no shared line is written).
 
 use std::cell::Cell;
 

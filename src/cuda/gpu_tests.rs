@@ -256,8 +256,7 @@ fn events_complete_only_after_the_work_recorded_before_them() {
 
 #[test]
 fn a_stream_is_idle_only_once_the_work_enqueued_on_it_has_run() {
-    let Some(rt) = default_gpu("a_stream_is_idle_only_once_the_work_enqueued_on_it_has_run")
-    else {
+    let Some(rt) = default_gpu("a_stream_is_idle_only_once_the_work_enqueued_on_it_has_run") else {
         return;
     };
     let stream = rt.context().new_stream().unwrap();

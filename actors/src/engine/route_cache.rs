@@ -1,7 +1,7 @@
 //! A thread's last stream routes: which pool a stream's requests went to, remembered per
-//! thread so that the cached path of a stream-ordered engine does not load the routing table
-//! (an `ArcSwap` load and its guard's drop are two read-modify-writes of shared lines; the
-//! check here is one plain load of the router's epoch).
+//! thread so that the cached path of a request naming a stream does not load the routing
+//! table (an `ArcSwap` load and its guard's drop are two read-modify-writes of shared lines;
+//! the check here is one plain load of the router's epoch).
 //!
 //! A route is remembered only when no capture was underway (the stream's own pool serves
 //! it, or the default pool where streams have none), under the engine's id, the stream and
