@@ -296,6 +296,50 @@ fn a_stream_is_idle_only_once_the_work_enqueued_on_it_has_run() {
 }
 
 #[test]
+fn asking_an_idle_stream_during_a_global_capture_leaves_the_capture_valid() {
+    let Some(rt) = default_gpu("asking_an_idle_stream_during_a_global_capture") else {
+        return;
+    };
+    let captured = rt.context().new_stream().unwrap();
+    let other = rt.context().new_stream().unwrap();
+    let device = DeviceBuffer::new(rt.context(), MIB);
+    let done = rt.record_event(&other).unwrap();
+    other.synchronize().unwrap();
+    // What a free does for a block another stream used, while this thread captures (global
+    // mode, the strictest): ask the other stream, record and query an event on it; then the
+    // same from another thread.
+    captured
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        .unwrap();
+    device.keep_busy(&captured, 1);
+    let here = rt.stream_idle(&other);
+    let query = rt.query_event(&done);
+    let recorded = rt.record_event(&other).map(|e| rt.release_event(e));
+    let rt_ref = &rt;
+    let other_ref = &other;
+    let there = std::thread::scope(|scope| {
+        scope
+            .spawn(move || rt_ref.stream_idle(other_ref))
+            .join()
+            .unwrap()
+    });
+    assert!(rt.is_capturing(&captured).unwrap());
+    let graph = captured.end_capture(sys::CUgraphInstantiate_flags(0));
+    let valid = matches!(graph, Ok(Some(_)));
+    println!(
+        "cuda ask_during_global_capture here={here:?} there={there:?} event_query={query:?} \
+         event_record={recorded:?} capture_valid={valid}"
+    );
+    assert!(valid, "the capture was invalidated");
+    assert_eq!(here, Ok(true));
+    assert_eq!(there, Ok(true));
+    assert_eq!(query, Ok(true));
+    assert_eq!(recorded, Ok(()));
+    drop(graph);
+    rt.release_event(done);
+}
+
+#[test]
 fn events_are_recorded_in_the_stream_context_and_ids_differ_across_contexts() {
     let Some(rt) = default_gpu("events_in_the_stream_context") else {
         return;

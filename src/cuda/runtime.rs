@@ -408,6 +408,14 @@ impl MemorySource for CudaRuntime {
     }
 }
 
+/// The calling thread in relaxed capture mode for a query of a stream or an event that is
+/// not captured: under a capture in global mode (any thread's) the driver refuses such a query
+/// otherwise, and the refusal invalidates the capture (measured:
+/// `gpu_tests::asking_an_idle_stream_during_a_global_capture_leaves_the_capture_valid`).
+fn relaxed() -> Result<RelaxedCaptureMode, RuntimeError> {
+    RelaxedCaptureMode::enter().map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))
+}
+
 impl Runtime for CudaRuntime {
     type Stream = Arc<CudaStream>;
     type Event = PooledEvent;
@@ -472,6 +480,7 @@ impl Runtime for CudaRuntime {
 
     fn stream_idle(&self, stream: &Self::Stream) -> Result<bool, RuntimeError> {
         bind(stream.context()).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+        let _relaxed = relaxed()?;
         // SAFETY: the `Arc<CudaStream>` keeps the stream (and its context) alive for the call.
         match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
             CUresult::CUDA_SUCCESS => Ok(true),
@@ -481,6 +490,7 @@ impl Runtime for CudaRuntime {
     }
 
     fn query_event(&self, event: &Self::Event) -> Result<bool, RuntimeError> {
+        let _relaxed = relaxed()?;
         // SAFETY: `event` is a live event owned by its `PooledEvent`.
         match unsafe { result::event::query(event.cu_event()) } {
             Ok(()) => Ok(true),
