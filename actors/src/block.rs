@@ -290,13 +290,7 @@ impl<R: Runtime> Block<R> {
             }
         } else if self.events.get_mut().is_empty() {
             // Every stream that used the block had run all its work: reusable at once.
-            self.pool.history.on_free_completed(
-                self.pool.id,
-                self.pool.owner,
-                self.memory.addr(),
-                self.size,
-            );
-            self.pool.stats.deactivate(self.shard, self.size);
+            self.free_completed();
             give_back(self);
         } else {
             let stats = &self.pool.stats;
@@ -386,19 +380,25 @@ impl<R: Runtime> Block<R> {
     /// active; it is ready to be handed out again.
     pub(crate) fn leave_waiting(&mut self) {
         debug_assert!(self.events.get_mut().is_empty());
+        let stats = &self.pool.stats;
+        stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
+        stats
+            .waiting_bytes
+            .fetch_sub(self.size as i64, Ordering::Relaxed);
+        self.free_completed();
+        self.state = BlockState::InUse;
+    }
+
+    /// A freed block no stream's work can touch any more: its free completes (history) and
+    /// it stops being counted as active.
+    fn free_completed(&mut self) {
         self.pool.history.on_free_completed(
             self.pool.id,
             self.pool.owner,
             self.memory.addr(),
             self.size,
         );
-        let stats = &self.pool.stats;
-        stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
-        stats
-            .waiting_bytes
-            .fetch_sub(self.size as i64, Ordering::Relaxed);
-        stats.deactivate(self.shard, self.size);
-        self.state = BlockState::InUse;
+        self.pool.stats.deactivate(self.shard, self.size);
     }
 
     /// A block whose events have all completed becomes reusable.

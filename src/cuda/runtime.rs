@@ -442,18 +442,7 @@ impl Runtime for CudaRuntime {
     }
 
     fn record_event(&self, stream: &Self::Stream) -> Result<Self::Event, RuntimeError> {
-        let ctx = stream.context();
-        bind(ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
-        let event = self
-            .events
-            .for_context(ctx)
-            .take()
-            .map_err(|e| runtime_error("cuEventCreate", e))?;
-        // SAFETY: the event belongs to the stream's context (its pool is keyed by it), and
-        // the `Arc<CudaStream>` keeps the stream alive for the call.
-        unsafe { result::event::record(event.cu_event(), stream.cu_stream()) }
-            .map_err(|e| runtime_error("cuEventRecord", e))?;
-        Ok(event)
+        self.record_event_reusing(stream, None)
     }
 
     fn record_event_reusing(
@@ -462,20 +451,24 @@ impl Runtime for CudaRuntime {
         spare: Option<Self::Event>,
     ) -> Result<Self::Event, RuntimeError> {
         let ctx = stream.context();
-        match spare {
+        bind(ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+        let event = match spare {
             // An event can be recorded only on streams of its own context.
-            Some(event) if event.context().cu_ctx() == ctx.cu_ctx() => {
-                bind(ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
-                // SAFETY: as in `record_event`; the caller owns the completed event.
-                unsafe { result::event::record(event.cu_event(), stream.cu_stream()) }
-                    .map_err(|e| runtime_error("cuEventRecord", e))?;
-                Ok(event)
-            }
+            Some(event) if event.context().cu_ctx() == ctx.cu_ctx() => event,
             other => {
                 drop(other); // back to its context's free list
-                self.record_event(stream)
+                self.events
+                    .for_context(ctx)
+                    .take()
+                    .map_err(|e| runtime_error("cuEventCreate", e))?
             }
-        }
+        };
+        // SAFETY: the event belongs to the stream's context (a spare of another context went
+        // back above; a new one comes from the pool keyed by it), and the `Arc<CudaStream>`
+        // keeps the stream alive for the call.
+        unsafe { result::event::record(event.cu_event(), stream.cu_stream()) }
+            .map_err(|e| runtime_error("cuEventRecord", e))?;
+        Ok(event)
     }
 
     fn stream_idle(&self, stream: &Self::Stream) -> Result<bool, RuntimeError> {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use pinpool_actors::blocking::may_block;
 use pinpool_actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
-    Inventory, MemorySnapshot, OomReport, PoolId, RawLease, TraceEntry, Wait,
+    Inventory, Lease, MemorySnapshot, OomReport, PoolId, RawLease, TraceEntry, Wait,
 };
 
 use super::buffer::{tie_to_stream, DeviceBuffer};
@@ -265,15 +265,19 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         }
         let (_, engine) = self.engine_of(stream, size)?;
         let call = ("raw_alloc_with_stream", "alloc(..).await");
-        let mut lease = engine.alloc_blocking_as(size, Some(stream), Wait::Default, call)?;
-        tie_to_stream(&mut lease, stream);
+        let lease = engine.alloc_blocking_as(size, Some(stream), Wait::Default, call)?;
         // Only a request of 0 bytes gets an empty lease.
-        let Ok(raw) = lease.into_raw() else {
-            return Ok(0);
-        };
+        Ok(self.file_raw(lease, stream).unwrap_or(0))
+    }
+
+    /// Files `lease`, lent for work on `stream`, in the table of raw pointers, and returns its
+    /// address (`None`: an empty lease, which holds nothing to file).
+    pub(crate) fn file_raw(&self, mut lease: Lease<R>, stream: &R::Stream) -> Option<u64> {
+        tie_to_stream(&mut lease, stream);
+        let raw = lease.into_raw().ok()?;
         let ptr = raw.as_ptr() as usize;
         self.inner.raw.insert(ptr, raw);
-        Ok(ptr as u64)
+        Some(ptr as u64)
     }
 
     /// PyTorch's `raw_delete`: frees what `raw_alloc_with_stream` returned (0 is a no-op).
@@ -283,13 +287,12 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         if ptr == 0 {
             return Ok(());
         }
-        match self.inner.raw.remove(ptr as usize) {
-            Some(raw) => {
-                drop(raw);
-                Ok(())
-            }
-            None => Err(Error::UnknownPointer { ptr }),
-        }
+        // Dropping the raw lease is the free.
+        self.inner
+            .raw
+            .remove(ptr as usize)
+            .map(drop)
+            .ok_or(Error::UnknownPointer { ptr })
     }
 
     /// Records `stream` on a raw allocation (PyTorch's `recordStream` for raw pointers):

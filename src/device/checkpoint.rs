@@ -14,7 +14,6 @@
 use pinpool_actors::{Error, PoolCheckpoint, PoolId, RawLease};
 
 use super::allocator::DeviceAllocator;
-use super::buffer::tie_to_stream;
 use super::runtime::DeviceRuntime;
 
 /// What a restore changed (PyTorch's `CheckpointDelta`).
@@ -103,15 +102,11 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             .await;
         match res {
             Ok(restored) => {
-                let mut allocd = Vec::with_capacity(restored.allocated.len());
-                for mut lease in restored.allocated {
-                    tie_to_stream(&mut lease, stream);
-                    if let Ok(r) = lease.into_raw() {
-                        let ptr = r.as_ptr() as usize;
-                        raw.insert(ptr, r);
-                        allocd.push(ptr as u64);
-                    }
-                }
+                let allocd: Vec<u64> = restored
+                    .allocated
+                    .into_iter()
+                    .filter_map(|lease| self.file_raw(lease, stream))
+                    .collect();
                 Ok(CheckpointDelta {
                     ptrs_freed: restored.freed.into_iter().map(|p| p as u64).collect(),
                     dataptrs_allocd: allocd,

@@ -4,13 +4,14 @@
 //! Owns those buffers: `raw_alloc_with_stream` puts one in, `raw_delete` takes it out and
 //! drops it (the free). A buffer is filed as one pointer (`Filed`): the allocator files
 //! `RawLease`s, the block alone, so that a raw allocation allocates nothing more. Each slot
-//! holds an address (0: never used, 1: used once, now free) and that pointer. An insert claims the first free slot of its address's probe
-//! sequence with a compare-and-swap, then publishes the buffer; a removal takes the buffer
-//! with a swap, so of two racing `raw_delete`s of one address exactly one gets it and the
-//! other gets a typed error, as does a `raw_delete` of an address never lent. When a probe
-//! sequence is full, the buffer goes to an overflow list owned by whoever holds its
-//! receiving end (an insert or a removal that finds the list non-empty drains it, looks, and
-//! puts back what it did not take), so no request is ever refused for want of slots.
+//! holds an address (0: never used, 1: used once, now free) and that pointer. An insert
+//! claims the first free slot of its address's probe sequence with a compare-and-swap, then
+//! publishes the buffer; a removal takes the buffer with a swap, so of two racing
+//! `raw_delete`s of one address exactly one gets it and the other gets a typed error, as does
+//! a `raw_delete` of an address never lent. When a probe sequence is full, the buffer goes to
+//! an overflow list owned by whoever holds its receiving end (an insert or a removal that
+//! finds the list non-empty drains it, looks, and puts back what it did not take), so no
+//! request is ever refused for want of slots.
 
 use std::marker::PhantomData;
 use std::ptr;
