@@ -148,7 +148,7 @@ impl<R: Runtime> Block<R> {
         class: usize,
         rest_class: usize,
     ) -> Option<Box<Block<R>>> {
-        let seg = self.segment.clone()?;
+        let seg = self.segment.as_ref()?;
         if keep == 0 || keep >= self.size {
             return None;
         }
@@ -160,7 +160,10 @@ impl<R: Runtime> Block<R> {
             size: rest_len,
             method: self.memory.method,
         };
-        let mut tail = self.pool.new_block(rest, rest_class, seg.clone());
+        // One more hold on the segment, for the tail (the segment's count is a line every
+        // thread cutting the range writes).
+        let (seg_id, in_arena) = (seg.id, seg.is_arena());
+        let mut tail = self.pool.new_block(rest, rest_class, Arc::clone(seg));
         tail.state = BlockState::Cached;
         self.pool.note(Note::Split(Split {
             addr: self.memory.addr(),
@@ -168,8 +171,8 @@ impl<R: Runtime> Block<R> {
             first_class: class,
             rest: rest_len,
             rest_class,
-            seg: seg.id,
-            in_arena: seg.is_arena(),
+            seg: seg_id,
+            in_arena,
             rest_meta: tail.meta,
         }));
         self.memory.size = keep;
@@ -528,7 +531,7 @@ impl<R: Runtime> Pool<R> {
         class: usize,
         segment: Arc<Seg<R>>,
     ) -> Box<Block<R>> {
-        let Ok(mut b) = self.shells.1.try_recv() else {
+        let Some(mut b) = self.shells.pop() else {
             let mut b = Block::new(memory, class, self.clone());
             b.segment = Some(segment);
             return b;
@@ -556,7 +559,8 @@ impl<R: Runtime> Pool<R> {
         block.streams.clear();
         block.events.get_mut().clear();
         block.release_spare_event();
-        let _ = self.shells.0.try_send(block);
+        // When enough are kept, the queue hands the record back and it is dropped here.
+        let _ = self.shells.push(block);
     }
 
     /// Once the actor is gone (dropped with its runtime), frees the blocks that a free racing
@@ -573,7 +577,7 @@ impl<R: Runtime> Pool<R> {
 
     /// Drops the kept records (each holds the pool: the pool would never be dropped).
     pub(crate) fn drop_shells(&self) {
-        for b in self.shells.1.try_iter() {
+        while let Some(b) = self.shells.pop() {
             drop(b);
         }
     }

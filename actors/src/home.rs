@@ -11,10 +11,12 @@
 //! where it goes when freed is `block`'s business, one layer up, so that neither names the
 //! other in a circle. The pool actor (`pool`) owns the rest of a pool's state.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crossbeam_queue::{ArrayQueue, SegQueue};
 use flume::{Receiver, Sender};
 
 use crate::budget::{Budget, EmptyReport, Member};
@@ -78,14 +80,15 @@ pub(crate) struct Home<R: Runtime, B> {
     /// Threads merge their ready blocks that lie side by side (pieces of an expandable
     /// range: see `Engine::coalesce_mine`).
     pub(crate) thread_merges: bool,
-    /// Splits and merges made by threads, for the actor to book (see [`Note`]).
-    notes: (Sender<Note>, Receiver<Note>),
-    /// Notes sent so far (every `NOTE_BATCH`-th also sends the actor `PoolMsg::Books`).
-    notes_sent: AtomicUsize,
+    /// Splits and merges made by threads, for the actor to book (see [`Note`]). A lock-free
+    /// queue: a splitting thread and the booking actor never wait on one lock (a channel's
+    /// lock, taken by both for every note, was a tenth of the mixed sizes loop).
+    notes: SegQueue<Note>,
     /// Block records the actor took back into its free ranges, for the next blocks cut or
     /// split to reuse instead of allocating (see `Pool::recycle`). Emptied when the actor
-    /// stops (each holds its pool).
-    pub(crate) shells: (Sender<Box<B>>, Receiver<Box<B>>),
+    /// stops (each holds its pool). Lock-free, like `notes`: threads splitting blocks and
+    /// the actor taking them back both use it.
+    pub(crate) shells: ArrayQueue<Box<B>>,
 }
 
 /// What a home is made of.
@@ -141,9 +144,8 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
                 BlockLayout::Carved(c) => c.thread_limit.min(c.max_split),
             },
             thread_merges: matches!(parts.layout, BlockLayout::Carved(c) if c.expandable),
-            notes: flume::unbounded(),
-            notes_sent: AtomicUsize::new(0),
-            shells: flume::bounded(SHELLS),
+            notes: SegQueue::new(),
+            shells: ArrayQueue::new(SHELLS),
             policy: parts.policy,
         });
         home.budget.register(&home);
@@ -151,8 +153,14 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
     }
 }
 
-/// How many notes of splits and merges threads send before they ask the actor to book them.
+/// How many notes of splits and merges a thread sends before it asks the actor to book them.
 const NOTE_BATCH: usize = 64;
+
+thread_local! {
+    /// Notes this thread sent, to any pool (a count of its own: a shared one would be a
+    /// line every splitting thread writes).
+    static NOTES_SENT: Cell<usize> = const { Cell::new(0) };
+}
 
 impl<R: Runtime, B> Home<R, B> {
     /// Gives a region from `alloc` back to the memory source on this thread and keeps the
@@ -262,17 +270,22 @@ impl<R: Runtime, B> Home<R, B> {
     /// Tells the actor that a thread split or merged ready blocks (before any part can come
     /// back).
     pub(crate) fn note(&self, note: Note) {
-        // The receiver lives beside the sender: the send cannot fail.
-        let _ = self.notes.0.send(note);
-        if self.notes_sent.fetch_add(1, Ordering::Relaxed) % NOTE_BATCH == NOTE_BATCH - 1 {
+        self.notes.push(note);
+        let sent = NOTES_SENT.with(|n| {
+            let sent = n.get().wrapping_add(1);
+            n.set(sent);
+            sent
+        });
+        if sent % NOTE_BATCH == 0 {
             let _ = self.mailbox.send(PoolMsg::Books);
         }
     }
 
     /// The splits and merges made since the last look (for the actor's books).
-    pub(crate) fn notes(&self) -> flume::Drain<'_, Note> {
-        // One look at the channel takes them all (a sender is not held up note by note).
-        self.notes.1.drain()
+    pub(crate) fn notes(&self) -> impl Iterator<Item = Note> + '_ {
+        // Those queued now: a thread that keeps splitting does not keep the actor booking.
+        let queued = self.notes.len();
+        std::iter::from_fn(|| self.notes.pop()).take(queued)
     }
 
     /// The addresses of segments given back since the last look (for the actor's registry).

@@ -144,8 +144,8 @@ pub(crate) enum PoolMsg<B> {
     },
     /// Look at the queued requests again: room was made, or one was cancelled.
     Wake,
-    /// Book the splits and merges threads noted (sent every `NOTE_BATCH` notes, so that the
-    /// books keep up and a miss finds few notes to book before it is served).
+    /// Book the splits and merges threads noted (sent every `NOTE_BATCH` notes of a thread,
+    /// so that the books keep up and a miss finds few notes to book before it is served).
     Books,
     /// The pool's owner is gone: give everything back as it comes home, then stop.
     Close,
