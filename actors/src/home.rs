@@ -188,22 +188,33 @@ impl<R: Runtime, B> Home<R, B> {
         }
     }
 
-    /// Maps `[offset, offset + len)` of a reserved `range` on this thread and keeps the books
-    /// (stats, history); the budget was charged by the caller.
+    /// Maps `[offset, offset + len)` of a reserved `range` on this thread as units of `unit`
+    /// bytes, each unmapped on its own later (see `MemorySource::map_units`; `unit == len`:
+    /// one mapping), and keeps the books (stats, history: one segment per unit); the budget
+    /// was charged by the caller.
     pub(crate) fn map_now(
         &self,
         range: &Region,
         offset: usize,
         len: usize,
+        unit: usize,
     ) -> Result<(), RuntimeError> {
         let t0 = Instant::now();
-        let res = self.memory.map(range, offset, len);
+        let res = if unit >= len {
+            self.memory.map(range, offset, len)
+        } else {
+            self.memory.map_units(range, offset, len, unit)
+        };
         self.stats.host_alloc_time.record(t0.elapsed());
         if res.is_ok() {
-            self.history
-                .on_segment_map(self.id, self.owner, &range.part(offset, len));
+            let unit = unit.clamp(1, len.max(1));
+            for at in (offset..offset + len).step_by(unit) {
+                let part = unit.min(offset + len - at);
+                self.history
+                    .on_segment_map(self.id, self.owner, &range.part(at, part));
+                self.stats.segment(part, true);
+            }
             self.stats.allocated_bytes.increase(len as i64);
-            self.stats.segment(len, true);
         }
         res
     }

@@ -147,6 +147,34 @@ pub trait MemorySource: Send + Sync + 'static {
         Err(unsupported("map"))
     }
 
+    /// Maps `[offset, offset + size)` of a reserved `range` as consecutive units of `unit`
+    /// bytes (`unit` divides `size`), each of which [`MemorySource::unmap`] later takes on
+    /// its own, as if each had been mapped by a [`MemorySource::map`] call of its own. All or
+    /// nothing, like `map`. The default makes those calls; a source may map the units in
+    /// fewer driver calls (CUDA: one access grant for the whole span).
+    fn map_units(
+        &self,
+        range: &Region,
+        offset: usize,
+        size: usize,
+        unit: usize,
+    ) -> Result<(), RuntimeError> {
+        let unit = unit.max(1);
+        let mut done = 0;
+        while done < size {
+            if let Err(e) = self.map(range, offset + done, unit.min(size - done)) {
+                let mut back = 0;
+                while back < done {
+                    let _ = self.unmap(range, offset + back, unit);
+                    back += unit;
+                }
+                return Err(e);
+            }
+            done += unit;
+        }
+        Ok(())
+    }
+
     /// Whether [`MemorySource::unmap`] takes any granules mapped earlier (true, the default:
     /// `map` maps granule by granule), or only exactly the range of one earlier `map` call
     /// (false: `map` backs a call with one piece of memory, which is faster to get).

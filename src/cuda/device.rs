@@ -194,6 +194,38 @@ impl MemorySource for CudaDeviceMemory {
         }
     }
 
+    fn map_units(
+        &self,
+        range: &Region,
+        offset: usize,
+        size: usize,
+        unit: usize,
+    ) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
+        self.granules_of("cuMemMap", range, offset, size)?;
+        self.granules_of("cuMemMap", range, offset, unit)?;
+        if unit == 0 || size % unit != 0 {
+            return Err(RuntimeError::new(
+                "cuMemMap",
+                format!("{size} bytes are not whole units of {unit}"),
+            ));
+        }
+        let _relaxed = self.enter()?;
+        // SAFETY: whole, unmapped granules of a range reserved here (checked for shape
+        // above), one mapping per unit; access is granted once for the span (a range of
+        // whole mappings), which takes one driver call instead of one per unit.
+        unsafe {
+            vmm::map(
+                range,
+                offset,
+                size,
+                unit,
+                self.location(),
+                Some(&self.shareable),
+            )
+        }
+    }
+
     fn unmaps_granules(&self) -> bool {
         false
     }

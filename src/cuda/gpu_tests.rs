@@ -601,3 +601,65 @@ fn expandable_host_memory_maps_granules_copies_across_them_and_unmaps_one_in_the
     rt.host_unreserve(range).unwrap();
     drop(device);
 }
+
+#[test]
+fn device_granules_mapped_as_units_in_one_call_are_all_usable_and_each_goes_back_alone() {
+    use pinpool_actors::MemorySource;
+    let Some(rt) = default_gpu("device_map_units") else {
+        return;
+    };
+    let mem = CudaDeviceMemory::new(rt.context().clone());
+    let Some(g) = mem.granularity() else {
+        println!("device_map_units: skipped, the device has no granules");
+        return;
+    };
+    let range = mem.reserve(16 * g).unwrap();
+    // Bad shapes are refused before the driver sees them.
+    assert!(mem.map_units(&range, 0, 3 * g, 2 * g).is_err());
+    assert!(mem.map_units(&range, 1, 2 * g, g).is_err());
+    let t0 = Instant::now();
+    mem.map_units(&range, 0, 8 * g, g).unwrap();
+    let one_call = t0.elapsed();
+    // The device writes the whole span in one memset, across every unit, and it reads back.
+    let base = range.ptr.as_ptr() as usize as sys::CUdeviceptr;
+    let mut back = vec![0u8; 8 * g];
+    context::bind(rt.context()).unwrap();
+    // SAFETY: the 8 granules at `base` are mapped and readable and writable by the device;
+    // `back` holds as many bytes.
+    unsafe {
+        sys::cuMemsetD8_v2(base, 0x5a, 8 * g).result().unwrap();
+        sys::cuCtxSynchronize().result().unwrap();
+        sys::cuMemcpyDtoH_v2(back.as_mut_ptr() as *mut c_void, base, 8 * g)
+            .result()
+            .unwrap();
+    }
+    assert!(back.iter().all(|&b| b == 0x5a));
+    // A unit in the middle goes back on its own; the units after it are still usable.
+    mem.unmap(&range, 3 * g, g).unwrap();
+    // SAFETY: granules 4..8 are still mapped.
+    unsafe {
+        sys::cuMemsetD8_v2(base + 4 * g as u64, 0x11, 4 * g)
+            .result()
+            .unwrap();
+        sys::cuCtxSynchronize().result().unwrap();
+    }
+    for i in (0..8).filter(|&i| i != 3) {
+        mem.unmap(&range, i * g, g).unwrap();
+    }
+    // The same units mapped one call each, for comparison.
+    let t0 = Instant::now();
+    for i in 0..8 {
+        mem.map(&range, i * g, g).unwrap();
+    }
+    let per_unit = t0.elapsed();
+    for i in 0..8 {
+        mem.unmap(&range, i * g, g).unwrap();
+    }
+    println!(
+        "cuda device_map_units granules=8 granule_kb={} one_call_us {:.0} per_unit_calls_us {:.0}",
+        g >> 10,
+        one_call.as_secs_f64() * 1e6,
+        per_unit.as_secs_f64() * 1e6
+    );
+    mem.unreserve(range).unwrap();
+}

@@ -567,15 +567,28 @@ impl<R: Runtime> PoolActor<R> {
             .carved
             .as_ref()
             .map_or(usize::MAX, |s| s.carving.map_whole_from);
-        let runs = arena.map_units(&need, whole_from);
-        let calls = if arena.whole_runs() { runs.len() } else { 1 };
-        let units = runs.clone();
+        let units = arena.map_units(&need, whole_from);
+        let calls = if arena.whole_runs() { units.len() } else { 1 };
+        // One call per run of consecutive granules: a run of units is mapped unit by unit
+        // by the source in one go (CUDA grants access to the run once, not per unit).
+        let runs: Vec<(usize, usize, usize)> = arena
+            .runs(&need)
+            .into_iter()
+            .map(|(o, l)| {
+                let unit = if arena.whole_runs() && l < whole_from {
+                    arena.granule()
+                } else {
+                    l
+                };
+                (o, l, unit)
+            })
+            .collect();
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let t0 = Instant::now();
         let job = self.off_executor(move || {
             let mut done = Vec::new();
-            for (o, l) in runs {
-                if let Err(e) = shared.map_now(&segment.memory, o, l) {
+            for (o, l, unit) in runs {
+                if let Err(e) = shared.map_now(&segment.memory, o, l, unit) {
                     // All or nothing: what this call mapped goes back (and its bytes to
                     // the budget, as `unmap_now` does).
                     let mut released = 0;
@@ -586,7 +599,12 @@ impl<R: Runtime> PoolActor<R> {
                     }
                     return Err((e, released));
                 }
-                done.push((o, l));
+                // Each unit goes back on its own.
+                done.extend(
+                    (o..o + l)
+                        .step_by(unit.max(1))
+                        .map(|at| (at, unit.min(o + l - at))),
+                );
             }
             Ok(())
         });
