@@ -177,21 +177,8 @@ impl MemorySource for CudaDeviceMemory {
     }
 
     fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        let _keep = KeepCurrent::new();
-        self.granules_of("cuMemMap", range, offset, size)?;
-        let _relaxed = self.enter()?;
-        // SAFETY: the engine maps only whole, unmapped granules of a range reserved here
-        // (checked for shape above); the whole run is one mapping.
-        unsafe {
-            vmm::map(
-                range,
-                offset,
-                size,
-                size,
-                self.location(),
-                Some(&self.shareable),
-            )
-        }
+        // The whole run is one mapping.
+        self.map_units(range, offset, size, size)
     }
 
     fn map_units(
@@ -211,9 +198,9 @@ impl MemorySource for CudaDeviceMemory {
             ));
         }
         let _relaxed = self.enter()?;
-        // SAFETY: whole, unmapped granules of a range reserved here (checked for shape
-        // above), one mapping per unit; access is granted once for the span (a range of
-        // whole mappings), which takes one driver call instead of one per unit.
+        // SAFETY: the engine maps only whole, unmapped granules of a range reserved here
+        // (checked for shape above), one mapping per unit; access is granted once for the
+        // span (a range of whole mappings): one driver call instead of one per unit.
         unsafe {
             vmm::map(
                 range,
