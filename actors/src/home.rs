@@ -23,7 +23,7 @@ use crate::budget::{Budget, EmptyReport, Member};
 use crate::error::Error;
 use crate::history::Recorder;
 use crate::mailbox::{Mailbox, Note, PollerMsg, PoolMsg};
-use crate::memory::{MemorySource, Region};
+use crate::memory::{units, MemorySource, Region};
 use crate::parked::Parked;
 use crate::policy::{BlockLayout, SizePolicy};
 use crate::pool_id::PoolId;
@@ -200,16 +200,10 @@ impl<R: Runtime, B> Home<R, B> {
         unit: usize,
     ) -> Result<(), RuntimeError> {
         let t0 = Instant::now();
-        let res = if unit >= len {
-            self.memory.map(range, offset, len)
-        } else {
-            self.memory.map_units(range, offset, len, unit)
-        };
+        let res = self.memory.map_units(range, offset, len, unit);
         self.stats.host_alloc_time.record(t0.elapsed());
         if res.is_ok() {
-            let unit = unit.clamp(1, len.max(1));
-            for at in (offset..offset + len).step_by(unit) {
-                let part = unit.min(offset + len - at);
+            for (at, part) in units(offset, len, unit) {
                 self.history
                     .on_segment_map(self.id, self.owner, &range.part(at, part));
                 self.stats.segment(part, true);

@@ -109,6 +109,20 @@ impl fmt::Display for MemoryKind {
     }
 }
 
+/// The units `[offset, offset + len)` is mapped as, `unit` bytes each (the last one shorter
+/// if `unit` does not divide `len`), as (offset, bytes): what
+/// [`MemorySource::map_units`] maps and each later [`MemorySource::unmap`] takes.
+pub(crate) fn units(
+    offset: usize,
+    len: usize,
+    unit: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    let end = offset + len;
+    (offset..end)
+        .step_by(unit.max(1))
+        .map(move |at| (at, unit.max(1).min(end - at)))
+}
+
 fn unsupported(op: &'static str) -> RuntimeError {
     RuntimeError::new(op, "not supported by this memory source")
 }
@@ -159,18 +173,13 @@ pub trait MemorySource: Send + Sync + 'static {
         size: usize,
         unit: usize,
     ) -> Result<(), RuntimeError> {
-        let unit = unit.max(1);
-        let mut done = 0;
-        while done < size {
-            if let Err(e) = self.map(range, offset + done, unit.min(size - done)) {
-                let mut back = 0;
-                while back < done {
-                    let _ = self.unmap(range, offset + back, unit);
-                    back += unit;
+        for (at, len) in units(offset, size, unit) {
+            if let Err(e) = self.map(range, at, len) {
+                for (back, len) in units(offset, at - offset, unit) {
+                    let _ = self.unmap(range, back, len);
                 }
                 return Err(e);
             }
-            done += unit;
         }
         Ok(())
     }

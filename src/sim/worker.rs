@@ -207,10 +207,22 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
+    /// Whether `op` occupies the stream (is counted).
+    fn counts(op: &Op) -> bool {
+        !matches!(op, Op::Signal(_))
+    }
+
     /// Counts `op` as queued, if it occupies the stream; before it is sent.
     pub(crate) fn queue(&self, op: &Op) {
-        if !matches!(op, Op::Signal(_)) {
+        if Self::counts(op) {
             self.queued.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Counts an operation as run, if it occupies the stream; once it is dropped.
+    fn ran(&self, occupied: bool) {
+        if occupied {
+            self.done.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -249,7 +261,7 @@ impl Worker {
     fn run(mut self, rx: flume::Receiver<Op>) {
         while let Ok(op) = rx.recv() {
             self.jitter();
-            let occupies = !matches!(op, Op::Signal(_));
+            let occupies = Progress::counts(&op);
             match op {
                 Op::Work(work) => self.execute(&work),
                 Op::Hold(release) => {
@@ -261,9 +273,7 @@ impl Worker {
                 }
             }
             // The operation is dropped by now (its hold on memory released).
-            if occupies {
-                self.progress.done.fetch_add(1, Ordering::SeqCst);
-            }
+            self.progress.ran(occupies);
         }
     }
 

@@ -25,6 +25,7 @@ use super::PoolActor;
 use crate::block::Seg;
 use crate::carve::{Carver, Piece, SegId};
 use crate::error::Error;
+use crate::memory::units;
 use crate::runtime::{Runtime, RuntimeError};
 use crate::segment::{ArenaMap, Segment};
 
@@ -381,23 +382,24 @@ impl<R: Runtime> Arena<R> {
         out
     }
 
-    /// The map calls that map `granules`, as (offset, bytes): their maximal runs, or, where
-    /// the source unmaps only whole calls, runs of at least `whole_from` bytes as one call
-    /// each and shorter ones granule by granule (so that each granule of those can go back
-    /// on its own).
-    pub(super) fn map_units(&self, granules: &[usize], whole_from: usize) -> Vec<(usize, usize)> {
-        let runs = self.runs(granules);
-        if !self.whole {
-            return runs;
-        }
-        let g = self.granule;
-        runs.into_iter()
-            .flat_map(|(o, l)| {
-                if l >= whole_from {
-                    vec![(o, l)]
+    /// The calls that map `granules`, one per maximal run, as (offset, bytes, unit): each
+    /// unit is one mapping. Where the source unmaps only whole mappings, runs of at least
+    /// `whole_from` bytes are one unit and shorter ones granule by granule (so that each
+    /// granule of those can go back on its own); elsewhere a run is one unit.
+    pub(super) fn map_calls(
+        &self,
+        granules: &[usize],
+        whole_from: usize,
+    ) -> Vec<(usize, usize, usize)> {
+        self.runs(granules)
+            .into_iter()
+            .map(|(o, l)| {
+                let unit = if self.whole && l < whole_from {
+                    self.granule
                 } else {
-                    (0..l / g).map(|i| (o + i * g, g)).collect()
-                }
+                    l
+                };
+                (o, l, unit)
             })
             .collect()
     }
@@ -567,22 +569,16 @@ impl<R: Runtime> PoolActor<R> {
             .carved
             .as_ref()
             .map_or(usize::MAX, |s| s.carving.map_whole_from);
-        let units = arena.map_units(&need, whole_from);
-        let calls = if arena.whole_runs() { units.len() } else { 1 };
-        // One call per run of consecutive granules: a run of units is mapped unit by unit
-        // by the source in one go (CUDA grants access to the run once, not per unit).
-        let runs: Vec<(usize, usize, usize)> = arena
-            .runs(&need)
-            .into_iter()
-            .map(|(o, l)| {
-                let unit = if arena.whole_runs() && l < whole_from {
-                    arena.granule()
-                } else {
-                    l
-                };
-                (o, l, unit)
-            })
-            .collect();
+        // One source call per run of consecutive granules, which maps the run's units in
+        // one go (CUDA grants access to the run once, not per unit).
+        let runs = arena.map_calls(&need, whole_from);
+        let mappings: Vec<(usize, usize)> =
+            runs.iter().flat_map(|&(o, l, u)| units(o, l, u)).collect();
+        let calls = if arena.whole_runs() {
+            mappings.len()
+        } else {
+            1
+        };
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let t0 = Instant::now();
         let job = self.off_executor(move || {
@@ -600,11 +596,7 @@ impl<R: Runtime> PoolActor<R> {
                     return Err((e, released));
                 }
                 // Each unit goes back on its own.
-                done.extend(
-                    (o..o + l)
-                        .step_by(unit.max(1))
-                        .map(|at| (at, unit.min(o + l - at))),
-                );
+                done.extend(units(o, l, unit));
             }
             Ok(())
         });
@@ -626,7 +618,7 @@ impl<R: Runtime> PoolActor<R> {
                     if a.whole_runs() {
                         // One map call per unit: each goes back whole.
                         let g = a.granule();
-                        for (o, l) in units {
+                        for (o, l) in mappings {
                             let unit: Vec<usize> = (o / g..(o + l) / g).collect();
                             a.mapped(&unit);
                         }
