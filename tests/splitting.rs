@@ -279,3 +279,53 @@ fn a_thread_never_cuts_a_small_request_out_of_a_large_cached_block() {
         assert_eq!(again.as_ptr() as usize, range.start);
     });
 }
+
+#[test]
+fn a_split_whose_rest_would_be_a_sliver_lends_the_whole_block_and_keeps_it_for_the_class() {
+    let rt = current_thread();
+    let (pool, sim) = best_fit_pool_on(&rt);
+    // Four 512 KiB blocks fill the first 2 MiB granule; the second is freed into the ready
+    // queues of this thread, the only ready block of the pool.
+    let mut held = rt.block_on(async {
+        let mut v = Vec::new();
+        for _ in 0..4 {
+            v.push(pool.alloc(512 * KIB).await.unwrap());
+        }
+        v
+    });
+    let freed = held.remove(1);
+    let at = freed.as_ptr() as usize;
+    drop(freed);
+    let p = pool.clone();
+    let served = without_actors(move || {
+        // 480 KiB leaves 32 KiB of the 512 KiB block: less than an eighth, so the request
+        // takes the whole block rather than cut a sliver off it.
+        let b = p.alloc_blocking(480 * KIB).unwrap();
+        let first = (b.as_ptr() as usize, b.len(), b.capacity());
+        drop(b);
+        // Freed, the block is filed under the request's class: the same size again is the
+        // cached path.
+        let b = p.alloc_blocking(480 * KIB).unwrap();
+        let again = (b.as_ptr() as usize, b.capacity());
+        (first, again, b)
+    })
+    .expect("served without the pool actor");
+    assert_eq!(served.0, (at, 480 * KIB, 512 * KIB));
+    assert_eq!(served.1, (at, 512 * KIB));
+    rt.block_on(async {
+        let snap = pool.snapshot().await.unwrap();
+        let pieces: Vec<(usize, usize, BlockStatus)> = snap
+            .blocks()
+            .map(|(_, b)| (b.address, b.size, b.state))
+            .filter(|&(a, _, _)| (at..at + 512 * KIB).contains(&a))
+            .collect();
+        assert_eq!(
+            pieces,
+            vec![(at, 512 * KIB, BlockStatus::InUse)],
+            "{pieces:x?}"
+        );
+        drop((held, served.2));
+        pool.empty_cache().await.unwrap();
+        assert_eq!(sim.live_bytes(), 0, "all memory went back");
+    });
+}

@@ -77,6 +77,9 @@ pub(crate) struct Home<R: Runtime, B> {
     /// A thread that finds no ready block of its class may split a ready block of a larger
     /// class up to this many bytes (0: never; layouts that do not carve).
     pub(crate) split_up_to: usize,
+    /// A thread's split leaves a rest under `1 / keep_rest_under` of the block with the
+    /// request (0: never; see `Carving::keep_rest_under`).
+    pub(crate) keep_rest_under: usize,
     /// Threads merge their ready blocks that lie side by side (pieces of an expandable
     /// range: see `Engine::coalesce_mine`).
     pub(crate) thread_merges: bool,
@@ -142,6 +145,10 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             split_up_to: match parts.layout {
                 BlockLayout::Whole => 0,
                 BlockLayout::Carved(c) => c.thread_limit.min(c.max_split),
+            },
+            keep_rest_under: match parts.layout {
+                BlockLayout::Whole => 0,
+                BlockLayout::Carved(c) => c.keep_rest_under,
             },
             thread_merges: matches!(parts.layout, BlockLayout::Carved(c) if c.expandable),
             notes: SegQueue::new(),

@@ -118,6 +118,13 @@ pub struct Carving {
     /// (the pool's split limit), and in an expandable range merge ready blocks that lie
     /// side by side up to it (see `Engine::coalesce_mine`).
     pub thread_limit: usize,
+    /// A thread that splits a ready block for a request leaves the rest with the request
+    /// when the rest is less than `1 / keep_rest_under` of the block (0: only a rest too
+    /// small for any class). A sliver that small rarely serves a request before it is merged
+    /// again; cutting it costs a block record and a note for the actor, and leaves one more
+    /// fragment for the thread's next misses to pass over (PyTorch's device allocator does
+    /// not split a large block whose rest would be 1 MiB or less).
+    pub keep_rest_under: usize,
 }
 
 impl Carving {
@@ -161,6 +168,12 @@ const BEST_FIT_THREAD_LIMIT: usize = 4 << 20;
 /// more waste on streams of such blocks (gpt2's replay, with its 785 MiB blocks, about 6 %
 /// more; at 256 MiB the CNN stream's 400 MiB blocks would go from 1.039 to 1.229).
 const BEST_FIT_ARENA_MAX_BLOCK: usize = 512 << 20;
+
+/// A rest under an eighth of the block a thread splits stays with the request (see
+/// [`Carving::keep_rest_under`]): the mixed sizes loop (64 held buffers of 4 KiB to 1 MiB)
+/// went from 230 to 155 ns a request on the simulated runtime, with the replayed streams'
+/// peak reserved over peak live unchanged on the host and lower or unchanged on the device.
+const KEEP_REST_UNDER: usize = 8;
 
 /// The largest request [`BestFit`] accepts: 1 TiB.
 const BEST_FIT_MAX_LOG2: u32 = 40;
@@ -246,6 +259,7 @@ impl Default for BestFit {
                 pack_granules: false,
                 map_whole_from: usize::MAX,
                 thread_limit: BEST_FIT_THREAD_LIMIT,
+                keep_rest_under: KEEP_REST_UNDER,
             },
         }
     }
@@ -385,6 +399,7 @@ impl Default for DeviceFit {
                 pack_granules: true,
                 map_whole_from: 256 << 20,
                 thread_limit: 2 << 20,
+                keep_rest_under: KEEP_REST_UNDER,
             },
             divisions: 0,
         }

@@ -236,16 +236,20 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// A ready block cut for a request of `class`: the request keeps its first `class.size`
-    /// bytes, the rest goes back to the ready queues as a block of its own.
+    /// bytes, the rest goes back to the ready queues as a block of its own, unless it is a
+    /// sliver (see `Carving::keep_rest_under`) that the request takes along.
     fn cut_for(pool: &Pool<R>, mut block: Box<Block<R>>, class: SizeClass) -> Box<Block<R>> {
         let rest = block.size - class.size;
-        match pool.policy.class_served_by(rest) {
+        let sliver =
+            pool.keep_rest_under > 0 && rest.saturating_mul(pool.keep_rest_under) < block.size;
+        match pool.policy.class_served_by(rest).filter(|_| !sliver) {
             Some(rest_class) => {
                 if let Some(tail) = block.split_off(class.size, class.index, rest_class) {
                     pool.ready.put(tail);
                 }
             }
-            // Too small a rest to serve any request: the request takes it along.
+            // Too small a rest to serve any request, or a sliver: the request takes it
+            // along, and the block goes back to the request's class when freed.
             None => block.class = class.index,
         }
         block
