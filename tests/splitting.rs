@@ -329,3 +329,29 @@ fn a_split_whose_rest_would_be_a_sliver_lends_the_whole_block_and_keeps_it_for_t
         assert_eq!(sim.live_bytes(), 0, "all memory went back");
     });
 }
+
+#[test]
+fn a_freed_large_piece_of_the_expandable_range_stays_on_the_cached_path() {
+    let rt = current_thread();
+    let (pool, sim) = best_fit_pool_on(&rt);
+    // A 3 MiB block between two others: larger than the 1 MiB of small blocks, within the
+    // 4 MiB that threads merge themselves. Freed, it goes to the ready queues, not back
+    // into the range through the pool actor.
+    let (first, big, last) = rt.block_on(async {
+        let first = pool.alloc(MIB).await.unwrap();
+        let big = pool.alloc(3 * MIB).await.unwrap();
+        let last = pool.alloc(MIB).await.unwrap();
+        (first, big, last)
+    });
+    let at = big.as_ptr() as usize;
+    drop(big);
+    let p = pool.clone();
+    let again = without_actors(move || p.alloc_blocking(3 * MIB).unwrap())
+        .expect("served from the ready queues without the pool actor");
+    assert_eq!(again.as_ptr() as usize, at);
+    rt.block_on(async {
+        drop((first, again, last));
+        pool.empty_cache().await.unwrap();
+        assert_eq!(sim.live_bytes(), 0, "all memory went back");
+    });
+}

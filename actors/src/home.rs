@@ -72,6 +72,9 @@ pub(crate) struct Home<R: Runtime, B> {
     /// Freed carved blocks larger than this that do not fill their segment go to the actor,
     /// to be coalesced at once.
     pub(crate) absorb_above: usize,
+    /// ... except pieces of the expandable range up to this size, which stay on the cached
+    /// path (see `Carving::arena_cached_up_to`).
+    pub(crate) arena_cached_up_to: usize,
     /// The size policy: the classes of split blocks.
     pub(crate) policy: Arc<dyn SizePolicy>,
     /// A thread that finds no ready block of its class may split a ready block of a larger
@@ -141,6 +144,12 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             absorb_above: match parts.layout {
                 BlockLayout::Whole => usize::MAX,
                 BlockLayout::Carved(c) => c.small_limit,
+            },
+            arena_cached_up_to: match parts.layout {
+                BlockLayout::Carved(c) if c.expandable => {
+                    c.arena_cached_up_to.min(c.thread_limit).min(c.max_split)
+                }
+                _ => 0,
             },
             split_up_to: match parts.layout {
                 BlockLayout::Whole => 0,

@@ -125,6 +125,13 @@ pub struct Carving {
     /// fragment for the thread's next misses to pass over (PyTorch's device allocator does
     /// not split a large block whose rest would be 1 MiB or less).
     pub keep_rest_under: usize,
+    /// Freed pieces of the expandable range up to this size (and the thread limit) stay on
+    /// the cached path even when larger than `small_limit`, as small ones do: threads merge
+    /// their ready neighbours themselves (see `thread_limit`), so the pool actor need not
+    /// coalesce them at once, and a request of their class is served again without a round
+    /// trip to it. Larger pieces, and those of separate segments, go back into their range or
+    /// segment when freed (0: every large piece does).
+    pub arena_cached_up_to: usize,
 }
 
 impl Carving {
@@ -217,11 +224,12 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// even when the free bytes add up to more than it asks for.
 ///
 /// Either way, freed small blocks stay on the cached path, and so do large ones that fill
-/// their segment; other pieces go back into their segment or range at once, so that they
-/// coalesce. A request whose class is empty is served on its thread where it can be: a
-/// larger ready block of the thread's is split for it, or (in the expandable range) the
-/// thread's ready blocks that lie side by side are merged, up to 4 MiB, and the smallest
-/// that holds it is split; only then does it ask the pool actor. Blocks larger than 512 MiB
+/// their segment and, in the expandable range, those up to 4 MiB; other pieces go back into
+/// their segment or range at once, so that they coalesce. A request whose class is empty is
+/// served on its thread where it can be: a larger ready block of the thread's is split for
+/// it (a rest under an eighth of the block stays with the request), or (in the expandable
+/// range) the thread's ready blocks that lie side by side are merged, up to 4 MiB, and the
+/// smallest that holds it is split; only then does it ask the pool actor. Blocks larger than 512 MiB
 /// take separate segments even in the expandable range (fresh, one allocation instead of
 /// many granules). A miss whose class last gave back a range that is still wholly free (and
 /// mapped) takes that range again without draining the ready queues, and that block then
@@ -260,6 +268,7 @@ impl Default for BestFit {
                 map_whole_from: usize::MAX,
                 thread_limit: BEST_FIT_THREAD_LIMIT,
                 keep_rest_under: KEEP_REST_UNDER,
+                arena_cached_up_to: BEST_FIT_THREAD_LIMIT,
             },
         }
     }
@@ -400,6 +409,7 @@ impl Default for DeviceFit {
                 map_whole_from: 256 << 20,
                 thread_limit: 2 << 20,
                 keep_rest_under: KEEP_REST_UNDER,
+                arena_cached_up_to: 0,
             },
             divisions: 0,
         }
