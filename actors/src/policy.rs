@@ -409,6 +409,10 @@ impl Default for DeviceFit {
                 map_whole_from: 256 << 20,
                 thread_limit: 2 << 20,
                 keep_rest_under: KEEP_REST_UNDER,
+                // Large pieces go back to the actor at once: with the reserve cap at the
+                // peak of live bytes, pieces cached on threads would have the actor map
+                // (and later unmap) more granules (decoder replay: 865 fresh maps to 1200,
+                // bert 308 to 396, for a mixed sizes loop about 15 % faster on an H200).
                 arena_cached_up_to: 0,
             },
             divisions: 0,
