@@ -229,9 +229,9 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// served on its thread where it can be: a larger ready block of the thread's is split for
 /// it (a rest under an eighth of the block stays with the request), or (in the expandable
 /// range) the thread's ready blocks that lie side by side are merged, up to 4 MiB, and the
-/// smallest that holds it is split; only then does it ask the pool actor. Blocks larger than 512 MiB
-/// take separate segments even in the expandable range (fresh, one allocation instead of
-/// many granules). A miss whose class last gave back a range that is still wholly free (and
+/// smallest that holds it is split; only then does it ask the pool actor. Blocks larger
+/// than 512 MiB take separate segments even in the expandable range (fresh, one allocation
+/// instead of many granules). A miss whose class last gave back a range that is still wholly free (and
 /// mapped) takes that range again without draining the ready queues, and that block then
 /// stays on the cached path: a thread looping over one size stops asking the pool actor
 /// after its second request.
