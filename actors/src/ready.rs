@@ -381,10 +381,11 @@ impl<B: Slotted> ReadyQueues<B> {
     /// [`Self::put`] for a thread standing at `me`.
     #[inline]
     fn put_as(&self, me: ThreadSlot, block: Box<B>) {
-        let slot = self.slot(me.shard, block.class());
+        let class = block.class();
+        let slot = self.slot(me.shard, class);
         if me.owns && slot.load(Ordering::Relaxed).is_null() {
             self.stock(me.shard);
-            self.hold(me.shard, block.class());
+            self.hold(me.shard, class);
             slot.store(Box::into_raw(block), Ordering::Release);
             return;
         }

@@ -242,7 +242,12 @@ impl<R: Runtime> Engine<R> {
         let rest = block.size - class.size;
         let sliver =
             pool.keep_rest_under > 0 && rest.saturating_mul(pool.keep_rest_under) < block.size;
-        match pool.policy.class_served_by(rest).filter(|_| !sliver) {
+        let rest_class = if sliver {
+            None
+        } else {
+            pool.policy.class_served_by(rest)
+        };
+        match rest_class {
             Some(rest_class) => {
                 if let Some(tail) = block.split_off(class.size, class.index, rest_class) {
                     pool.ready.put(tail);
