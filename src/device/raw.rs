@@ -73,9 +73,14 @@ pub(crate) struct RawTable<T: Filed> {
     _owns: PhantomData<T>,
 }
 
+/// The multiplier of [`home`]'s hash (2^64 over the golden ratio, odd).
+const MULTIPLIER: u64 = 0x9E37_79B9_7F4A_7C15;
+
 fn home(addr: usize) -> usize {
-    // Fibonacci hashing of the address (its low bits are alignment).
-    (addr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16) & (SLOTS - 1)
+    // Fibonacci hashing: the top bits of the product, which every bit of the address moves
+    // (its low bits are alignment, and the address ranges of different pools can differ only
+    // in bits far above those a middle slice of the product would take).
+    ((addr as u64).wrapping_mul(MULTIPLIER) >> (64 - SLOTS.trailing_zeros())) as usize
 }
 
 impl<T: Filed> RawTable<T> {
@@ -198,6 +203,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn addresses_that_differ_only_in_high_bits_have_homes_on_different_lines() {
+        // One block at the same offset of each of 16 pools whose address ranges lie a
+        // tebibyte apart (each pool reserves that much), as 16 threads on 16 streams hold
+        // them: one shared line would have every thread's insert and removal contend on it.
+        let lines: std::collections::HashSet<usize> = (0..16usize)
+            .map(|k| home(0x7f2a_0000_0000 + (k << 40)) / 4)
+            .collect();
+        assert_eq!(lines.len(), 16);
+        // And blocks side by side in one range spread too.
+        let lines: std::collections::HashSet<usize> = (0..64usize)
+            .map(|k| home(0x7f2a_0000_0000 + (k << 16)) / 4)
+            .collect();
+        assert!(lines.len() >= 60, "{} lines for 64 blocks", lines.len());
+    }
+
+    #[test]
     fn an_address_is_taken_out_once_and_unknown_ones_never() {
         let t = RawTable::new();
         t.insert(0x1000, Box::new(1u32));
@@ -213,9 +234,16 @@ mod tests {
     #[test]
     fn addresses_past_a_full_probe_sequence_overflow_and_are_still_found() {
         let t = RawTable::new();
-        // Addresses that all start at the same slot.
-        let step = 1usize << 48;
-        let addrs: Vec<usize> = (1..=PROBES + 10).map(|i| i * step).collect();
+        // Addresses that all start at the same slot: those whose products with the hash's
+        // multiplier are small (the multiplier's inverse modulo 2^64 times 1, 2, 3, ...).
+        let mut inverse = MULTIPLIER;
+        for _ in 0..5 {
+            inverse = inverse.wrapping_mul(2u64.wrapping_sub(MULTIPLIER.wrapping_mul(inverse)));
+        }
+        assert_eq!(MULTIPLIER.wrapping_mul(inverse), 1);
+        let addrs: Vec<usize> = (1..=PROBES as u64 + 10)
+            .map(|i| i.wrapping_mul(inverse) as usize)
+            .collect();
         assert!(addrs.iter().all(|&a| home(a) == home(addrs[0])));
         for &a in &addrs {
             t.insert(a, Box::new(a));
