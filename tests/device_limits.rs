@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{capped_device_pool, eventually};
-use pinpool::sim::SimRuntime;
+use pinpool::sim::{FaultPoint, SimRuntime};
 use pinpool::{DeviceBuilder, Error, MemoryKind, OomReport};
 
 const MIB: usize = 1 << 20;
@@ -128,4 +128,37 @@ async fn device_out_of_memory_after_the_retry_is_a_typed_error_with_a_report() {
     })
     .await;
     assert!(pool.alloc(4 * MIB, &s).await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_map_that_fails_leaves_its_granules_out_of_the_books_and_the_next_request_maps_them() {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
+    let s = sim.stream();
+    // The stream's pool and its expandable range exist before the fault.
+    drop(pool.alloc(4096, &s).await.unwrap());
+    let used = sim.device_used(0).unwrap();
+    let reserved = pool.reserved_bytes(0).unwrap();
+
+    // The map fails, and so does the one retry after the caches are emptied.
+    sim.faults().fail_next(FaultPoint::DeviceAlloc, 2);
+    let err = pool.alloc(64 * MIB, &s).await.unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
+    assert!(sim.device_used(0).unwrap() <= used, "nothing stayed mapped");
+    assert!(pool.reserved_bytes(0).unwrap() <= reserved);
+
+    // The same granules serve the next request: mapped this time, and writable.
+    let b = pool.alloc(64 * MIB, &s).await.unwrap();
+    assert!(sim.device_used(0).unwrap() >= 64 * MIB);
+    assert_eq!(
+        sim.device_used(0).unwrap(),
+        pool.reserved_bytes(0).unwrap(),
+        "the pool's books and the device agree"
+    );
+    s.fill_device(b.device_ptr(), 64 * MIB, 7).unwrap();
+    s.synchronize().unwrap();
+    drop(b);
+    pool.empty_cache().await.unwrap();
+    assert_eq!(sim.device_used(0), Some(0));
+    assert_eq!(pool.reserved_bytes(0).unwrap(), 0);
 }

@@ -579,9 +579,20 @@ impl<R: Runtime> PoolActor<R> {
         } else {
             1
         };
+        // The granules of each map call, as the books enter them: one call per unit where
+        // each goes back whole, else the piece's granules as one.
+        let g = arena.granule();
+        let groups: Vec<Vec<usize>> = if arena.whole_runs() {
+            mappings
+                .iter()
+                .map(|&(o, l)| (o / g..(o + l) / g).collect())
+                .collect()
+        } else {
+            vec![need]
+        };
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let t0 = Instant::now();
-        let job = self.off_executor(move || {
+        let job = self.start_off_executor(move || {
             let mut done = Vec::new();
             for (o, l, unit) in runs {
                 if let Err(e) = shared.map_now(&segment.memory, o, l, unit) {
@@ -600,7 +611,15 @@ impl<R: Runtime> PoolActor<R> {
             }
             Ok(())
         });
-        let res = job.await.unwrap_or_else(|e| {
+        // Booked while the calls run, and struck again if they fail: the actor has nothing
+        // else to do meanwhile (the requester runs them, mostly), and the answer then goes
+        // out as soon as they return (a 1 GiB run is 512 granules to enter, 40–80 µs on an
+        // H100 host). Nothing reads the books meanwhile: the actor handles no message until
+        // this one is done, and the range cannot be given back while the calls hold it.
+        if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
+            groups.iter().for_each(|unit| a.mapped(unit));
+        }
+        let res = job.result().await.unwrap_or_else(|e| {
             Err((
                 RuntimeError::new("host_map", format!("blocking task failed: {e}")),
                 0,
@@ -614,21 +633,15 @@ impl<R: Runtime> PoolActor<R> {
                     took_us = t0.elapsed().as_micros() as u64,
                     "memory mapped"
                 );
-                if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
-                    if a.whole_runs() {
-                        // One map call per unit: each goes back whole.
-                        let g = a.granule();
-                        for (o, l) in mappings {
-                            let unit: Vec<usize> = (o / g..(o + l) / g).collect();
-                            a.mapped(&unit);
-                        }
-                    } else {
-                        a.mapped(&need);
-                    }
-                }
                 Ok(())
             }
             Err((e, released)) => {
+                // Nothing stayed mapped: out of the books again, before the piece goes back.
+                if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
+                    groups.iter().for_each(|unit| {
+                        a.unmapped(unit);
+                    });
+                }
                 // Bytes unmapped on the way out went back to the budget already.
                 budget.release(bytes - released);
                 self.release_unmapped(piece);

@@ -212,6 +212,37 @@ const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 /// `PoolActor::off_executor`): a map call takes 0.04–0.5 ms.
 const HOT_WAIT: Duration = Duration::from_millis(1);
 
+/// Work handed off the executor by [`PoolActor::start_off_executor`], and its result to come.
+pub(super) struct OffExecutor<T> {
+    rx: flume::Receiver<T>,
+    /// Whether the requester of the miss being served runs it.
+    lent: bool,
+}
+
+impl<T> OffExecutor<T> {
+    /// The work's result; `Err` when the work panicked or its runtime went down before
+    /// running it.
+    pub(super) async fn result(self) -> Result<T, flume::RecvError> {
+        let rx = self.rx;
+        if self.lent {
+            // The requester runs the work now and waits for the answer that follows: stay
+            // awake for a short call (yielding, so that the worker's other tasks run), so
+            // that its result needs no wake-up of this worker.
+            let t0 = std::time::Instant::now();
+            while t0.elapsed() < HOT_WAIT {
+                match rx.try_recv() {
+                    Ok(v) => return Ok(v),
+                    Err(flume::TryRecvError::Disconnected) => {
+                        return Err(flume::RecvError::Disconnected)
+                    }
+                    Err(flume::TryRecvError::Empty) => tokio::task::yield_now().await,
+                }
+            }
+        }
+        rx.recv_async().await
+    }
+}
+
 impl<R: Runtime> PoolActor<R> {
     /// Runs `work` (calls into the memory source) off the executor (invariant 6): on the
     /// thread of the miss being served when that thread lends itself (see
@@ -233,26 +264,20 @@ impl<R: Runtime> PoolActor<R> {
         &self,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, flume::RecvError> {
+        self.start_off_executor(work).result().await
+    }
+
+    /// [`Self::off_executor`] in two steps: the work is handed off now, and the actor may
+    /// do its own share of the job while it runs before it awaits the result.
+    pub(super) fn start_off_executor<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> OffExecutor<T> {
         let (tx, rx) = flume::bounded(1);
         let lent = self.hand_off(move || {
             let _ = tx.send(work());
         });
-        if lent {
-            // The requester runs the work now and waits for the answer that follows: stay
-            // awake for a short call (yielding, so that the worker's other tasks run), so
-            // that its result needs no wake-up of this worker.
-            let t0 = std::time::Instant::now();
-            while t0.elapsed() < HOT_WAIT {
-                match rx.try_recv() {
-                    Ok(v) => return Ok(v),
-                    Err(flume::TryRecvError::Disconnected) => {
-                        return Err(flume::RecvError::Disconnected)
-                    }
-                    Err(flume::TryRecvError::Empty) => tokio::task::yield_now().await,
-                }
-            }
-        }
-        rx.recv_async().await
+        OffExecutor { rx, lent }
     }
 
     async fn run(mut self) {
