@@ -364,8 +364,7 @@ async fn capture_pools_keep_blocks_that_real_cuda_graphs_read() {
     assert_eq!(kept_blocks(&pool).await, 0);
 }
 
-/// Host-to-device GB/s (10^9 bytes/s) of `reps` copies of `len` bytes at `src`.
-/// The best bandwidth of `reps` host-to-device copies of `src`, each timed on its own after
+/// The best bandwidth (10^9 bytes/s) of `reps` host-to-device copies of `src`, each timed on its own after
 /// two unmeasured ones: what the memory can do, not what a hiccup of the machine left of it
 /// (a fresh registration's first copies have run slower on some hosts).
 fn htod_gbps(stream: &Arc<CudaStream>, src: &[u8], dev: &mut CudaSlice<u8>, reps: usize) -> f64 {

@@ -77,9 +77,10 @@ pub(crate) struct RawTable<T: Filed> {
 const MULTIPLIER: u64 = 0x9E37_79B9_7F4A_7C15;
 
 fn home(addr: usize) -> usize {
-    // Fibonacci hashing: the top bits of the product, which every bit of the address moves
-    // (its low bits are alignment, and the address ranges of different pools can differ only
-    // in bits far above those a middle slice of the product would take).
+    // Fibonacci hashing: the top bits of the product, which every bit of the address moves.
+    // (A middle slice of the product, taken before, put the first blocks of sixteen stream
+    // pools at one offset of 4 KiB pages of the table, and sixteen threads on them ran at
+    // half speed: BENCHMARKS.md.)
     ((addr as u64).wrapping_mul(MULTIPLIER) >> (64 - SLOTS.trailing_zeros())) as usize
 }
 
@@ -204,8 +205,8 @@ mod tests {
 
     #[test]
     fn addresses_that_differ_only_in_high_bits_have_homes_on_different_lines() {
-        // One block at the same offset of each of 16 pools whose address ranges lie a
-        // tebibyte apart (each pool reserves that much), as 16 threads on 16 streams hold
+        // One block at the same offset of each of 16 pools whose address ranges lie far
+        // apart (each stream's pool reserves its own), as 16 threads on 16 streams hold
         // them: one shared line would have every thread's insert and removal contend on it.
         let lines: std::collections::HashSet<usize> = (0..16usize)
             .map(|k| home(0x7f2a_0000_0000 + (k << 40)) / 4)

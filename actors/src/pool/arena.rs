@@ -613,7 +613,7 @@ impl<R: Runtime> PoolActor<R> {
         });
         // Booked while the calls run, and struck again if they fail: the actor has nothing
         // else to do meanwhile (the requester runs them, mostly), and the answer then goes
-        // out as soon as they return (a 1 GiB run is 512 granules to enter, 40–80 µs on an
+        // out as soon as they return (a 1 GiB run is 512 granules to enter, 30–80 µs on an
         // H100 host). Nothing reads the books meanwhile: the actor handles no message until
         // this one is done, and the range cannot be given back while the calls hold it.
         if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
