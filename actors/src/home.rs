@@ -147,13 +147,13 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             },
             arena_cached_up_to: match parts.layout {
                 BlockLayout::Carved(c) if c.expandable => {
-                    c.arena_cached_up_to.min(c.thread_limit).min(c.max_split)
+                    c.arena_cached_up_to.min(c.thread_split_limit())
                 }
                 _ => 0,
             },
             split_up_to: match parts.layout {
                 BlockLayout::Whole => 0,
-                BlockLayout::Carved(c) => c.thread_limit.min(c.max_split),
+                BlockLayout::Carved(c) => c.thread_split_limit(),
             },
             keep_rest_under: match parts.layout {
                 BlockLayout::Whole => 0,

@@ -135,6 +135,12 @@ pub struct Carving {
 }
 
 impl Carving {
+    /// The largest ready block a thread splits, or merges up to, without the pool actor:
+    /// `thread_limit`, and never past `max_split`.
+    pub(crate) fn thread_split_limit(&self) -> usize {
+        self.thread_limit.min(self.max_split)
+    }
+
     /// The reserve cap for a peak of `peak_live` live bytes, if there is one.
     pub fn reserve_cap(&self, peak_live: usize) -> Option<usize> {
         self.reserve_cap_permille

@@ -574,11 +574,6 @@ impl<R: Runtime> PoolActor<R> {
         let runs = arena.map_calls(&need, whole_from);
         let mappings: Vec<(usize, usize)> =
             runs.iter().flat_map(|&(o, l, u)| units(o, l, u)).collect();
-        let calls = if arena.whole_runs() {
-            mappings.len()
-        } else {
-            1
-        };
         // The granules of each map call, as the books enter them: one call per unit where
         // each goes back whole, else the piece's granules as one.
         let g = arena.granule();
@@ -590,6 +585,7 @@ impl<R: Runtime> PoolActor<R> {
         } else {
             vec![need]
         };
+        let calls = groups.len();
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let t0 = Instant::now();
         let job = self.start_off_executor(move || {
