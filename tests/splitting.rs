@@ -15,7 +15,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{best_fit_pool_on, current_thread};
+use common::{best_fit_pool_on, current_thread, multi_thread};
 use pinpool::sim::SimRuntime;
 use pinpool::{BlockStatus, DeviceAllocator, DeviceBuilder};
 
@@ -354,4 +354,77 @@ fn a_freed_large_piece_of_the_expandable_range_stays_on_the_cached_path() {
         pool.empty_cache().await.unwrap();
         assert_eq!(sim.live_bytes(), 0, "all memory went back");
     });
+}
+
+/// Four 512 KiB blocks held (one 2 MiB granule, nothing else free), on a `bestfit` pool
+/// whose actors run on `rt`: the ready blocks of the tests below are only those they free.
+/// A shard for every thread that could be alive (the test harness runs tests side by side),
+/// so that each thread owns its shard and fills its own slots.
+fn four_half_mebibytes(
+    rt: &tokio::runtime::Runtime,
+) -> (
+    pinpool::PinnedAllocator<SimRuntime>,
+    Vec<pinpool::PinnedBuffer<SimRuntime>>,
+) {
+    let pool = pinpool::Builder::new(Arc::new(SimRuntime::new()))
+        .policy(Arc::new(pinpool::BestFit::default()))
+        .handle(rt.handle().clone())
+        .shards(1024)
+        .build()
+        .unwrap();
+    let held = (0..4)
+        .map(|_| pool.alloc_blocking(512 * KIB).unwrap())
+        .collect();
+    (pool, held)
+}
+
+#[test]
+fn a_request_whose_class_is_empty_takes_a_block_of_the_class_below_that_holds_it_first() {
+    // Classes 480, 496 and 512 KiB (sixteen to a doubling). A 512 KiB block lent whole for
+    // 480 KiB is filed under 480 KiB when freed; another 512 KiB block is filed under 512.
+    let rt = multi_thread(2);
+    let (pool, mut held) = four_half_mebibytes(&rt);
+    let below = held.pop().unwrap();
+    let (a, b) = (below.as_ptr() as usize, held[0].as_ptr() as usize);
+    drop(below);
+    let sliver = pool.alloc_blocking(480 * KIB).unwrap();
+    assert_eq!(
+        (sliver.as_ptr() as usize, sliver.capacity()),
+        (a, 512 * KIB)
+    );
+    drop(sliver);
+    drop(held.remove(0));
+    // 496 KiB: its class is empty; the block below holds it and is taken before the next
+    // class's, which is taken once nothing below is left.
+    let first = pool.alloc_blocking(496 * KIB).unwrap();
+    let second = pool.alloc_blocking(496 * KIB).unwrap();
+    assert_eq!(
+        (first.as_ptr() as usize, second.as_ptr() as usize),
+        (a, b),
+        "the class below first, then the class above"
+    );
+    assert_eq!(pool.stats().num_host_alloc, 1, "no fresh memory");
+}
+
+#[test]
+fn a_request_whose_class_is_empty_takes_its_own_next_class_block_before_another_threads() {
+    let rt = multi_thread(2);
+    let (pool, mut held) = four_half_mebibytes(&rt);
+    // Another thread frees a block of exactly the class of 496 KiB into its shard.
+    let p = pool.clone();
+    let theirs = std::thread::spawn(move || {
+        let b = p.alloc_blocking(496 * KIB).unwrap();
+        b.as_ptr() as usize
+    })
+    .join()
+    .unwrap();
+    // This thread frees a 512 KiB block (the next class up) into its own.
+    let mine = held[0].as_ptr() as usize;
+    drop(held.remove(0));
+    let b = pool.alloc_blocking(496 * KIB).unwrap();
+    assert_eq!(b.as_ptr() as usize, mine, "its own block, lent whole");
+    assert_eq!(b.capacity(), 512 * KIB);
+    // The other thread's block still serves the next such request.
+    let c = pool.alloc_blocking(496 * KIB).unwrap();
+    assert_eq!(c.as_ptr() as usize, theirs);
 }

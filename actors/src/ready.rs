@@ -45,9 +45,10 @@ type SlotLine<B> = CachePadded<[AtomicPtr<B>; SLOTS_PER_LINE]>;
 struct Shard<B> {
     queues: Box<[Queue<B>]>,
     /// One bit per class whose queue may hold a block: set after every send, cleared by a
-    /// drain before it empties the queue. A queue that holds a block always has its bit set
-    /// once the send returns (a bit may be set over an empty queue), so a drain or a steal
-    /// looks only at queues whose bit is set instead of at every class of every shard.
+    /// drain before it empties the queue, or by the owner's look that finds it empty before
+    /// it looks again (see `take_or_unmark`). A queue that holds a block always has its bit
+    /// set once the send returns (a bit may be set over an empty queue), so a drain or a
+    /// steal looks only at queues whose bit is set instead of at every class of every shard.
     queued: Box<[AtomicU64]>,
 }
 
@@ -71,6 +72,23 @@ impl<B> Shard<B> {
             c = (w + 1) * 64;
         }
         None
+    }
+
+    /// A block from the queue of `class`. A queue found empty loses its bit, and is looked
+    /// at once more: a send that came between the two looks set the bit before it was
+    /// cleared, and its block is taken now; a send after them sets the bit again. So a
+    /// queue that holds a block keeps its bit set, and a bit left set over an emptied queue
+    /// (a take leaves it) costs the next look one lock, not every look until a drain.
+    fn take_or_unmark(&self, class: usize) -> Option<Box<B>> {
+        let q = &self.queues[class].rx;
+        if let Ok(b) = q.try_recv() {
+            return Some(b);
+        }
+        self.queued[class / 64].fetch_and(!(1 << (class % 64)), Ordering::AcqRel);
+        let b = q.try_recv().ok()?;
+        // It may hold more.
+        self.mark(class);
+        Some(b)
     }
 
     /// The queue of `class` (of this shard) holds a block.
@@ -283,7 +301,7 @@ impl<B: Slotted> ReadyQueues<B> {
         if !shard.may_hold(class.index) {
             return None;
         }
-        let b = shard.queues[class.index].rx.try_recv().ok()?;
+        let b = shard.take_or_unmark(class.index)?;
         self.fitting(me, b, class)
     }
 
@@ -303,6 +321,28 @@ impl<B: Slotted> ReadyQueues<B> {
                 }
             })
         })
+    }
+
+    /// The block in this thread's slot of the class above `class`, if nothing in this
+    /// thread's shard is filed under the class below: its slot is empty and its queue
+    /// unmarked. A block of the class below may hold `class.size` bytes (see
+    /// [`Self::take_from_below`]) and is then the closer fit, so a request looks at it
+    /// first whenever there may be one.
+    #[inline]
+    pub(crate) fn take_above_mine(&self, class: SizeClass) -> Option<Box<B>> {
+        let me = self.my_shard();
+        let above = class.index + 1;
+        if above >= self.shards[me].queues.len() {
+            return None;
+        }
+        if let Some(below) = class.index.checked_sub(1) {
+            if !self.slot(me, below).load(Ordering::Relaxed).is_null()
+                || self.shards[me].may_hold(below)
+            {
+                return None;
+            }
+        }
+        take_slot(self.slot(me, above))
     }
 
     /// A ready block of the class below `class` in this thread's shard that holds
@@ -600,6 +640,23 @@ mod tests {
     }
 
     #[test]
+    fn a_queue_found_empty_loses_its_mark_and_the_next_block_queued_marks_it_again() {
+        let q = ReadyQueues::new(4, 8);
+        let me = q.my_shard();
+        q.put_queue(me, Box::new(Item(2, 4096)));
+        assert!(q.shards[me].may_hold(2));
+        assert_eq!(q.take_mine(class(2)).map(|b| b.size()), Some(4096));
+        assert!(q.shards[me].may_hold(2), "a take leaves the mark");
+        assert!(q.take_mine(class(2)).is_none());
+        assert!(!q.shards[me].may_hold(2), "an empty look clears it");
+        q.put_queue(me, Box::new(Item(2, 4096)));
+        assert!(q.shards[me].may_hold(2));
+        let mut drained = Vec::new();
+        q.drain_mine(&mut drained);
+        assert_eq!(drained.len(), 1, "a drain finds it by its mark");
+    }
+
+    #[test]
     fn blocks_freed_by_threads_that_have_exited_are_found_by_steals_and_drains() {
         let q = Arc::new(ReadyQueues::new(4, 8));
         // Nothing held anywhere: nothing found, whichever shard is asked.
@@ -709,6 +766,24 @@ mod loom_models {
                 .filter_map(|h| h.join().unwrap())
                 .collect();
             assert_each_once(seen, q.drain(), 4);
+        });
+    }
+
+    #[test]
+    fn a_block_queued_while_its_queue_is_found_empty_is_taken_or_left_marked() {
+        loom::model(|| {
+            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+            // A block queued and taken: its queue's mark stays over the empty queue.
+            q.put_queue(0, item(0));
+            let first = q.take_queued(0, CLASS).map(|b| b.id);
+            assert_eq!(first, Some(0));
+            // The next look finds the queue empty and clears the mark, while another thread
+            // queues a block: the look takes it, or the mark stays for the drain to find it.
+            let q1 = q.clone();
+            let putter = thread::spawn(move || q1.put_queue(0, item(1)));
+            let taken = q.take_queued(0, CLASS).map(|b| b.id);
+            putter.join().unwrap();
+            assert_each_once(first.into_iter().chain(taken).collect(), q.drain(), 2);
         });
     }
 

@@ -189,7 +189,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Before asking the pool actor: a block this thread freed after a stream used it may
-    /// have completed its events by now (one inline query; invariant 1); failing that, a
+    /// have completed its events by now (one inline query; invariant 1); failing that, this
+    /// thread's block of the next class up (carving layouts, see [`Self::split_next`]), a
     /// ready block in another thread's shard, a larger ready block split in two (carving
     /// layouts), or a block another thread parked whose events have completed.
     #[cold]
@@ -204,6 +205,7 @@ impl<R: Runtime> Engine<R> {
         let found = pool
             .parked
             .take_mine(class)
+            .or_else(|| Self::split_next(pool, class))
             .or_else(|| ready.steal(ready.my_shard(), class))
             .or_else(|| Self::split_ready(pool, class))
             .or_else(|| Self::coalesce_mine(pool, class))
@@ -216,6 +218,26 @@ impl<R: Runtime> Engine<R> {
                 during_capture,
             },
         }
+    }
+
+    /// The block in this thread's slot of the next class up, cut for the request as
+    /// [`Self::split_ready`] would cut it (most often taken whole: the rest is a sliver),
+    /// when nothing in this thread's shard is filed under the class below (see
+    /// `ReadyQueues::take_above_mine`). It is the block `split_ready` would take then, but
+    /// without first looking at the other shards and at the class below, whose blocks a
+    /// look takes out and puts back into its queue when they are too small. In the mixed
+    /// sizes loop (4 KiB to 1 MiB, `BestFit`) about half the requests find their class
+    /// empty, and four in five of those are served by the next class up.
+    #[inline]
+    fn split_next(pool: &Pool<R>, class: SizeClass) -> Option<Box<Block<R>>> {
+        // The classes `split_ready` takes from: above the request's, up to the split limit.
+        if class.size >= pool.split_up_to
+            || pool.policy.class_served_by(pool.split_up_to) <= Some(class.index)
+        {
+            return None;
+        }
+        let block = pool.ready.take_above_mine(class)?;
+        Some(Self::cut_for(pool, block, class))
     }
 
     /// A ready block of a larger class (up to the pool's split limit), split: the request
