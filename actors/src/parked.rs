@@ -219,6 +219,7 @@ impl<B: Parkable> Parked<B> {
             let Some(mut b) = take_slot(s) else { continue };
             if b.class() == class.index && b.size() >= class.size && b.events_completed() {
                 b.leave_waiting();
+                crate::idle_probe::caught_up();
                 return Some(b);
             }
             // Not ours to take, or not done yet: back in its slot, or to the poller.
