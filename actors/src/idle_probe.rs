@@ -32,7 +32,7 @@ const MAX_SKIP: u8 = 64;
 struct Probe {
     /// Frees still to skip.
     skip: u8,
-    /// The skip after the next busy answer (halved: the last one).
+    /// The skip the last busy answer set (the next one doubles it).
     backoff: u8,
     /// One more ask is owed at the free after an event is seen completed ([`caught_up`]).
     owed: bool,
@@ -40,10 +40,16 @@ struct Probe {
     recheck: bool,
 }
 
+/// Asking at every free: at the start, and after an idle answer.
+const EVERY_FREE: Probe = Probe {
+    skip: 0,
+    backoff: 0,
+    owed: false,
+    recheck: false,
+};
+
 thread_local! {
-    static PROBE: Cell<Probe> = const {
-        Cell::new(Probe { skip: 0, backoff: 0, owed: false, recheck: false })
-    };
+    static PROBE: Cell<Probe> = const { Cell::new(EVERY_FREE) };
 }
 
 /// Whether `stream`, which is not capturing, has run all its work, asked or not as the
@@ -59,12 +65,7 @@ pub(crate) fn finished<R: Runtime>(rt: &R, stream: &R::Stream) -> bool {
             }
             let idle = rt.stream_idle(stream).unwrap_or(false);
             cell.set(if idle {
-                Probe {
-                    skip: 0,
-                    backoff: 0,
-                    owed: false,
-                    recheck: false,
-                }
+                EVERY_FREE
             } else if p.recheck {
                 // The owed ask found it busy too: the skipping goes on where it was.
                 Probe {
