@@ -80,6 +80,9 @@ pub(crate) struct Home<R: Runtime, B> {
     /// A thread that finds no ready block of its class may split a ready block of a larger
     /// class up to this many bytes (0: never; layouts that do not carve).
     pub(crate) split_up_to: usize,
+    /// The largest class `split_up_to` bytes serve (`None`: none), the last class a split
+    /// takes a block from.
+    pub(crate) split_classes_upto: Option<usize>,
     /// A thread's split leaves a rest under `1 / keep_rest_under` of the block with the
     /// request (0: never; see `Carving::keep_rest_under`).
     pub(crate) keep_rest_under: usize,
@@ -121,6 +124,10 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
         B: crate::parked::Parkable,
     {
         let (tx, rx) = flume::unbounded();
+        let split_up_to = match parts.layout {
+            BlockLayout::Whole => 0,
+            BlockLayout::Carved(c) => c.thread_split_limit(),
+        };
         let home = Arc::new(Home {
             id: parts.id,
             owner: parts.owner,
@@ -151,10 +158,8 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
                 }
                 _ => 0,
             },
-            split_up_to: match parts.layout {
-                BlockLayout::Whole => 0,
-                BlockLayout::Carved(c) => c.thread_split_limit(),
-            },
+            split_up_to,
+            split_classes_upto: parts.policy.class_served_by(split_up_to),
             keep_rest_under: match parts.layout {
                 BlockLayout::Whole => 0,
                 BlockLayout::Carved(c) => c.keep_rest_under,

@@ -15,9 +15,9 @@
 //! each free, could find its stream busy at every ask and stay recording events, at an
 //! event's record and query per free instead of one ask, until some pause let an ask
 //! through (`pair_with_record` ran at about 500–640 or about 250–310 ns, switching between
-//! the two within one process). So a busy answer also owes one more ask: at the free after the
-//! thread next sees one of its parked blocks' events completed ([`caught_up`]), when the
-//! stream has run at least up to that event. That extra ask's busy answer owes none, so
+//! the two within one process). So a busy answer also owes one more ask: at the free after
+//! the thread next sees one of its parked blocks' events completed ([`caught_up`]), when
+//! the stream has run at least up to that event. That extra ask's busy answer owes none, so
 //! streams that stay busy cost at most two asks per run of skipped frees.
 
 use std::cell::Cell;
@@ -34,18 +34,25 @@ struct Probe {
     skip: u8,
     /// The skip the last busy answer set (the next one doubles it).
     backoff: u8,
-    /// One more ask is owed at the free after an event is seen completed ([`caught_up`]).
-    owed: bool,
-    /// The next ask is that owed one.
-    recheck: bool,
+    owed: Owed,
+}
+
+/// The one more ask a busy answer owes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Owed {
+    /// None owed (no busy answer since the last idle one, or the owed ask was made).
+    Nothing,
+    /// At the free after the thread sees an event completed ([`caught_up`]).
+    OnceCaughtUp,
+    /// At the next free (the thread has seen one).
+    Now,
 }
 
 /// Asking at every free: at the start, and after an idle answer.
 const EVERY_FREE: Probe = Probe {
     skip: 0,
     backoff: 0,
-    owed: false,
-    recheck: false,
+    owed: Owed::Nothing,
 };
 
 thread_local! {
@@ -66,21 +73,19 @@ pub(crate) fn finished<R: Runtime>(rt: &R, stream: &R::Stream) -> bool {
             let idle = rt.stream_idle(stream).unwrap_or(false);
             cell.set(if idle {
                 EVERY_FREE
-            } else if p.recheck {
+            } else if p.owed == Owed::Now {
                 // The owed ask found it busy too: the skipping goes on where it was.
                 Probe {
                     skip: p.backoff,
                     backoff: p.backoff,
-                    owed: false,
-                    recheck: false,
+                    owed: Owed::Nothing,
                 }
             } else {
                 let next = p.backoff.saturating_mul(2).clamp(1, MAX_SKIP);
                 Probe {
                     skip: next,
                     backoff: next,
-                    owed: true,
-                    recheck: false,
+                    owed: Owed::OnceCaughtUp,
                 }
             });
             idle
@@ -94,9 +99,8 @@ pub(crate) fn finished<R: Runtime>(rt: &R, stream: &R::Stream) -> bool {
 pub(crate) fn caught_up() {
     let _ = PROBE.try_with(|cell| {
         let mut p = cell.get();
-        if p.owed {
-            p.owed = false;
-            p.recheck = true;
+        if p.owed == Owed::OnceCaughtUp {
+            p.owed = Owed::Now;
             p.skip = 0;
             cell.set(p);
         }

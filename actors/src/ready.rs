@@ -46,9 +46,10 @@ struct Shard<B> {
     queues: Box<[Queue<B>]>,
     /// One bit per class whose queue may hold a block: set after every send, cleared by a
     /// drain before it empties the queue, or by a look of the shard's own thread that finds
-    /// it empty, before it looks again (see `take_or_unmark`). A queue that holds a block always has its bit
-    /// set once the send returns (a bit may be set over an empty queue), so a drain or a
-    /// steal looks only at queues whose bit is set instead of at every class of every shard.
+    /// it empty, before it looks again (see `take_or_unmark`). A queue that holds a block
+    /// always has its bit set once the send returns (a bit may be set over an empty queue),
+    /// so a drain or a steal looks only at queues whose bit is set instead of at every class
+    /// of every shard.
     queued: Box<[AtomicU64]>,
 }
 

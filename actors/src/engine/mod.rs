@@ -231,9 +231,7 @@ impl<R: Runtime> Engine<R> {
     #[inline]
     fn split_next(pool: &Pool<R>, class: SizeClass) -> Option<Box<Block<R>>> {
         // The classes `split_ready` takes from: above the request's, up to the split limit.
-        if class.size >= pool.split_up_to
-            || pool.policy.class_served_by(pool.split_up_to) <= Some(class.index)
-        {
+        if class.size >= pool.split_up_to || pool.split_classes_upto <= Some(class.index) {
             return None;
         }
         let block = pool.ready.take_above_mine(class)?;
@@ -245,11 +243,10 @@ impl<R: Runtime> Engine<R> {
     /// of its own. A request whose class is empty is served without a round trip to the pool
     /// actor, which coalesces the parts again when it next drains the ready queues.
     fn split_ready(pool: &Arc<Pool<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
-        let policy = &*pool.policy;
         if class.size >= pool.split_up_to {
             return None;
         }
-        let upto = policy.class_served_by(pool.split_up_to)?;
+        let upto = pool.split_classes_upto?;
         let block = pool
             .ready
             .take_from_below(class)
