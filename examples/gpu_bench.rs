@@ -26,8 +26,10 @@
 //! `mixed_sizes_ns_per_request held=64` (one thread holds 64 buffers and replaces one at a
 //! time with a buffer of another size, 4 KiB to 1 MiB: misses included), `h2d_GBps` from a
 //! pinpool buffer and from a plain pinned buffer, `event_to_reusable_us` (p50/p99: from the
-//! moment a buffer's event completes to the moment a request gets that block back), and
-//! `poller_idle_cpu_pct` (process CPU while the allocator is idle).
+//! moment a buffer's event completes to the moment a request gets that block back),
+//! `poller_idle_cpu_pct` (process CPU while the allocator is idle), and
+//! `driver_stream_query_ns` / `driver_event_record_plus_query_ns` (the raw driver calls
+//! behind `pair_with_record_ns`, timed in this process right after it).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -298,6 +300,7 @@ mod gpu {
 
         pair_ns(&pool, args.quick, args.repeat);
         pair_with_record(&pool, &stream, args.quick);
+        driver_calls(&cuda, &stream, args.quick)?;
         mt(&pool, args.quick);
         fresh(&rt, args)?;
         async_pair(&pool, &rt, args.quick);
@@ -337,6 +340,42 @@ mod gpu {
         let peak = pool.stats().allocated_bytes.peak as f64 / 1048576.0;
         println!("pinpool reserved_MiB_for_request_MiB request=1025 {peak:.0}");
         pool.empty_cache_blocking()?;
+        Ok(())
+    }
+
+    /// What the driver calls behind `pair_with_record_ns` cost in this process, right after
+    /// it: `cuStreamQuery` on the idle stream (what a free after `record_stream` asks), and
+    /// an event's record and query (what the anchor's `event_record_plus_query_ns` times in
+    /// its own process). Their cost depends on the CPU a thread runs on: on the GPU hosts'
+    /// virtual machines the same call took about 160 ns on some virtual CPUs and 300 on
+    /// others, so a ratio of figures from two processes carries that factor.
+    fn driver_calls(
+        cuda: &Arc<CudaRuntime>,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        quick: bool,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let n: u32 = if quick { 20_000 } else { 200_000 };
+        cuda.context().bind_to_thread()?;
+        let s = stream.cu_stream();
+        let t0 = Instant::now();
+        for _ in 0..n {
+            // SAFETY: the stream is live; the answer (idle or not) is all that is wanted.
+            std::hint::black_box(unsafe { sys::cuStreamQuery(s) });
+        }
+        let query = ns_per(t0, n.into());
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            // SAFETY: the event and the stream are live.
+            unsafe { result::event::record(event, s) }?;
+            // SAFETY: as above.
+            std::hint::black_box(unsafe { result::event::query(event) }.is_ok());
+        }
+        let record_query = ns_per(t0, n.into());
+        // SAFETY: recorded work on the stream is done or harmless to the event's destruction.
+        unsafe { result::event::destroy(event) }?;
+        println!("pinpool driver_stream_query_ns {query:.1}");
+        println!("pinpool driver_event_record_plus_query_ns {record_query:.1}");
         Ok(())
     }
 
