@@ -14,11 +14,10 @@
 //! a stream with no other work: a thread that freed in a tight loop, recording an event at
 //! each free, could find its stream busy at every ask and stay recording events, at an
 //! event's record and query per free instead of one ask, until some pause let an ask
-//! through (`pair_with_record` ran at about 500–640 or about 250–310 ns, switching between
-//! the two within one process). So a busy answer also owes one more ask: at the free after
-//! the thread next sees one of its parked blocks' events completed ([`caught_up`]), when
-//! the stream has run at least up to that event. That extra ask's busy answer owes none, so
-//! streams that stay busy cost at most two asks per run of skipped frees.
+//! through. So a busy answer also owes one more ask: at the free after the thread next
+//! sees one of its parked blocks' events completed ([`caught_up`]), when the stream has run
+//! at least up to that event. That extra ask's busy answer owes none, so streams that stay
+//! busy cost at most two asks per run of skipped frees.
 
 use std::cell::Cell;
 
