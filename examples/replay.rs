@@ -78,12 +78,9 @@ impl std::fmt::Display for ReplayError {
         match self {
             ReplayError::Usage(m) => write!(
                 f,
-                "{m}\nusage: replay [--device] [--policy {}] FILE...",
-                policy_names(false)
-                    .into_iter()
-                    .chain(policy_names(true))
-                    .collect::<Vec<_>>()
-                    .join("|")
+                "{m}\nusage: replay [--policy {}] FILE...\n       replay --device [--policy {}] FILE...",
+                policy_names(false).join("|"),
+                policy_names(true).join("|")
             ),
             ReplayError::Trace(e) => write!(f, "{e}"),
             ReplayError::Alloc { file, error } => write!(f, "{file}: allocation failed: {error}"),
