@@ -9,15 +9,16 @@
 //! makes it ask at every free again: where streams are busy at frees, about one query in 65
 //! frees is wasted. The state is the thread's own (no shared line is written).
 //!
-//! An event the thread itself recorded keeps the stream busy for a moment (until the GPU
-//! has processed it), so an ask at the free right after such a record may say busy even on
-//! a stream with no other work: a thread that freed in a tight loop, recording an event at
-//! each free, could find its stream busy at every ask and stay recording events, at an
-//! event's record and query per free instead of one ask, until some pause let an ask
-//! through. So a busy answer also owes one more ask: at the free after the thread next
-//! sees one of its parked blocks' events completed ([`caught_up`]), when the stream has run
-//! at least up to that event. That extra ask's busy answer owes none, so streams that stay
-//! busy cost at most two asks per run of skipped frees.
+//! An event the thread itself recorded could keep the stream busy until the GPU has
+//! processed it, so that an ask at the free right after such a record says busy even on a
+//! stream with no other work: a thread freeing in a tight loop, recording an event at each
+//! free, would then stay on events (a record and a query per free instead of one ask). The
+//! H200 hosts did not show it (an event recorded on an idle stream had completed by the
+//! next query every time), but nothing promises it, so a busy answer also owes one more
+//! ask: at the free after the thread next sees one of its parked blocks' events completed
+//! ([`caught_up`]), when the stream has run at least up to that event. That extra ask's
+//! busy answer owes none, so streams that stay busy cost at most two asks per run of
+//! skipped frees.
 
 use std::cell::Cell;
 

@@ -231,7 +231,10 @@ impl<R: Runtime> Engine<R> {
     #[inline]
     fn split_next(pool: &Pool<R>, class: SizeClass) -> Option<Box<Block<R>>> {
         // The classes `split_ready` takes from: above the request's, up to the split limit.
-        if class.size >= pool.split_up_to || pool.split_classes_upto <= Some(class.index) {
+        let larger = pool
+            .split_classes_upto
+            .is_some_and(|upto| upto > class.index);
+        if class.size >= pool.split_up_to || !larger {
             return None;
         }
         let block = pool.ready.take_above_mine(class)?;
