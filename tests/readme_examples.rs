@@ -1,9 +1,10 @@
-//! The README's examples, compiled and run: each ```rust block of `README.md` appears here
+//! The examples of the README and of the guide, compiled and run: each ```rust block of
+//! `README.md` and of `docs/*.md` appears here
 //! line for line inside the set-up it assumes (imports, a runtime, the `pool` a fragment
 //! uses), on the simulated runtime; whole programs sit in a module of their own and their test
 //! calls `main()`. The GPU example is compiled with `--features cuda` and runs where a GPU is
-//! present. `every_readme_rust_block_is_compiled_here` fails when a block of the README is
-//! missing from this file, so an edit to one must be made to the other too. rustfmt leaves the
+//! present. `every_rust_block_of_the_readme_and_the_guide_is_compiled_here` fails when such a
+//! block is missing from this file, so an edit to one must be made to the other too. rustfmt leaves the
 //! examples alone so that they stay as the README prints them.
 
 use std::error::Error as StdError;
@@ -270,7 +271,7 @@ const THIS_FILE: &str = include_str!("readme_examples.rs");
 
 /// The ```rust blocks of a markdown text: the line number (from 1) of each opening fence, and
 /// the block's lines. Blocks of other languages are skipped.
-fn rust_blocks(markdown: &str) -> Vec<(usize, Vec<&str>)> {
+fn rust_blocks<'a>(markdown: &'a str, name: &str) -> Vec<(usize, Vec<&'a str>)> {
     let mut blocks = Vec::new();
     // Inside a fenced block: `Some` with the rust block being read, `None` for another language.
     let mut inside: Option<Option<(usize, Vec<&str>)>> = None;
@@ -289,10 +290,7 @@ fn rust_blocks(markdown: &str) -> Vec<(usize, Vec<&str>)> {
             (Some(None), None) | (None, None) => {}
         }
     }
-    assert!(
-        inside.is_none(),
-        "README.md: a fenced block is never closed"
-    );
+    assert!(inside.is_none(), "{name}: a fenced block is never closed");
     blocks
 }
 
@@ -305,38 +303,57 @@ fn trimmed_lines(text: &[&str]) -> Vec<String> {
         .collect()
 }
 
+/// The markdown files whose ```rust blocks this file must compile: the README and every page
+/// of the guide.
+fn documented_files() -> Vec<std::path::PathBuf> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = vec![root.join("README.md")];
+    let mut pages: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .expect("docs/")
+        .map(|entry| entry.expect("an entry of docs/").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "md"))
+        .collect();
+    pages.sort();
+    files.extend(pages);
+    files
+}
+
 #[test]
-fn every_readme_rust_block_is_compiled_here() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
-    let readme = std::fs::read_to_string(path).expect("README.md");
+fn every_rust_block_of_the_readme_and_the_guide_is_compiled_here() {
     let source = trimmed_lines(&THIS_FILE.lines().collect::<Vec<_>>());
-    let blocks = rust_blocks(&readme);
-    assert!(!blocks.is_empty(), "no ```rust block found in {path}");
     let mut missing = Vec::new();
-    for (start, lines) in &blocks {
-        let wanted = trimmed_lines(lines);
-        let found = !wanted.is_empty()
-            && source
-                .windows(wanted.len())
-                .any(|run| run == wanted.as_slice());
-        if !found {
-            let numbered: Vec<String> = lines
-                .iter()
-                .enumerate()
-                .map(|(i, line)| format!("{:>5} | {line}", start + 1 + i))
-                .collect();
-            missing.push(format!(
-                "README.md line {start}: this ```rust block is not in tests/readme_examples.rs \
-                 (its non-blank lines, trimmed, must appear there in a row):\n{}",
-                numbered.join("\n")
-            ));
+    let mut total = 0;
+    for path in documented_files() {
+        let text = std::fs::read_to_string(&path).expect("a markdown file");
+        let name = path.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap_or(&path).display();
+        let blocks = rust_blocks(&text, &name.to_string());
+        total += blocks.len();
+        for (start, lines) in &blocks {
+            let wanted = trimmed_lines(lines);
+            let found = !wanted.is_empty()
+                && source
+                    .windows(wanted.len())
+                    .any(|run| run == wanted.as_slice());
+            if !found {
+                let numbered: Vec<String> = lines
+                    .iter()
+                    .enumerate()
+                    .map(|(i, line)| format!("{:>5} | {line}", start + 1 + i))
+                    .collect();
+                missing.push(format!(
+                    "{name} line {start}: this ```rust block is not in tests/readme_examples.rs \
+                     (its non-blank lines, trimmed, must appear there in a row):\n{}",
+                    numbered.join("\n")
+                ));
+            }
         }
     }
+    assert!(total > 0, "no ```rust block found in the README or the guide");
     assert!(
         missing.is_empty(),
-        "{} of {} README blocks are not compiled by this file; copy each into its test:\n\n{}",
+        "{} of {} documented blocks are not compiled by this file; copy each into its test:\n\n{}",
         missing.len(),
-        blocks.len(),
+        total,
         missing.join("\n\n")
     );
 }
