@@ -14,7 +14,8 @@ A run directory holds the outputs of one GPU machine, in one go:
 
 Each area below becomes one table: a row per (metric, keys), a column per implementation
 seen, and the ratio of pinpool to the best of the others (lower is better unless the metric
-is a rate). The text between the two markers of BENCHMARKS.md is replaced; everything else
+is a rate). A `base` column, where present, is pinpool built from an earlier commit and run
+in the same go (`scripts/gpu-bench.sh`): the change's before and after. The text between the two markers of BENCHMARKS.md is replaced; everything else
 in the file stays as written.
 """
 import os
@@ -46,13 +47,10 @@ AREAS = [
 ]
 
 COMMANDS = {
-    "host": "cargo build --release --features cuda --example gpu_bench; "
-            "../shared/anchors/side_by_side.sh target/release/examples/gpu_bench --policy default",
-    "device": "cargo build --release --features cuda --example device_bench; "
-              "EXTRA_TRACES=\"traces/*.trace.gz\" ../shared/anchors/side_by_side_device.sh "
-              "target/release/examples/device_bench",
-    "serve": "cargo build --release --features cuda --example serve; scripts/serve-compare.sh "
-             "target/release/examples/serve",
+    "host": "scripts/gpu-bench.sh build .dev/bench; then on the GPU machine "
+            "scripts/gpu-bench.sh run .dev/bench RUN_DIR (side_by_side.sh with gpu_bench --policy default)",
+    "device": "the same run: EXTRA_TRACES=traces/*.trace.gz side_by_side_device.sh with device_bench",
+    "serve": "the same run: scripts/serve-compare.sh serve 3 (default caps, and --max-mib 0 --device-max-mib 0)",
     "torch": "cargo build --release -p pinpool-torch --features cuda; "
              "scripts/torch-judge.sh target/release/libpinpool_torch.so OUT_DIR",
 }
@@ -86,9 +84,10 @@ def fmt(v):
 
 
 def ratio(metric, values):
-    """pinpool over the best other implementation, and whether pinpool is at least as good."""
+    """pinpool over the best other implementation (not its own baseline, `base`), and whether
+    pinpool is at least as good."""
     p = values.get("pinpool")
-    others = [v for k, v in values.items() if k != "pinpool" and v]
+    others = [v for k, v in values.items() if k not in ("pinpool", "base") and v]
     if p is None or not others:
         return "—"
     higher = metric.endswith(HIGHER_IS_BETTER)
@@ -106,7 +105,8 @@ def table(title, rows, command_key):
         for k in values:
             if k not in impls:
                 impls.append(k)
-    impls.sort(key=lambda k: (k == "pinpool", impls.index(k)))
+    order = {k: i for i, k in enumerate(impls)}
+    impls.sort(key=lambda k: (k in ("base", "pinpool"), k == "pinpool", order[k]))
     out = [f"### {title}", "",
            "| metric | keys | " + " | ".join(impls) + " | pinpool / best other | command |",
            "| --- | --- | " + " | ".join("---:" for _ in impls) + " | ---: | --- |"]

@@ -20,6 +20,7 @@ build() {
     local root dir
     root="$(git -C "$here" rev-parse --show-toplevel 2>/dev/null || (cd "$here/.." && pwd))"
     dir="${1:-$root/.dev/gpu}"
+    target="${CARGO_TARGET_DIR:-$root/target}"
     mkdir -p "$dir"
     cd "$root"
     echo "building the cuda test binaries (release) ..." >&2
@@ -41,10 +42,10 @@ build() {
         done
     echo "building the serve example (release, feature cuda) ..." >&2
     cargo build --release --features cuda --example serve 2>/dev/null
-    cp -f "$root/target/release/examples/serve" "$dir/serve"
+    cp -f "$target/release/examples/serve" "$dir/serve"
     echo "building the ipc_peer example (the other process of the IPC tests) ..." >&2
     cargo build --release --features cuda --example ipc_peer 2>/dev/null
-    cp -f "$root/target/release/examples/ipc_peer" "$dir/ipc_peer"
+    cp -f "$target/release/examples/ipc_peer" "$dir/ipc_peer"
     cp -f "$here/gpu-tests.sh" "$dir/gpu-tests.sh"
     # The binaries carry line tables (profile.release debug = 1); drop them to travel light.
     if command -v strip >/dev/null; then
