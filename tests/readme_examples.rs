@@ -325,7 +325,10 @@ fn every_rust_block_of_the_readme_and_the_guide_is_compiled_here() {
     let mut total = 0;
     for path in documented_files() {
         let text = std::fs::read_to_string(&path).expect("a markdown file");
-        let name = path.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap_or(&path).display();
+        let name = path
+            .strip_prefix(env!("CARGO_MANIFEST_DIR"))
+            .unwrap_or(&path)
+            .display();
         let blocks = rust_blocks(&text, &name.to_string());
         total += blocks.len();
         for (start, lines) in &blocks {
@@ -348,7 +351,10 @@ fn every_rust_block_of_the_readme_and_the_guide_is_compiled_here() {
             }
         }
     }
-    assert!(total > 0, "no ```rust block found in the README or the guide");
+    assert!(
+        total > 0,
+        "no ```rust block found in the README or the guide"
+    );
     assert!(
         missing.is_empty(),
         "{} of {} documented blocks are not compiled by this file; copy each into its test:\n\n{}",
