@@ -182,7 +182,7 @@ async fn one_slow_event_does_not_hold_up_blocks_behind_it() {
 #[tokio::test]
 async fn a_buffer_from_another_allocator_cannot_be_recorded() {
     let (pool_a, sim) = sim_pool();
-    let (pool_b, _) = sim_pool();
+    let (pool_b, sim_b) = sim_pool();
     let stream = sim.stream();
     let mut b = pool_b.alloc(64).await.unwrap();
     assert_eq!(
@@ -190,7 +190,12 @@ async fn a_buffer_from_another_allocator_cannot_be_recorded() {
         Err(Error::ForeignBuffer)
     );
     assert!(b.recorded_streams().is_empty(), "nothing changed");
-    assert_eq!(pool_b.record_stream(&mut b, &stream), Ok(()));
+    // `stream` is pool A's runtime's: pool B refuses it too.
+    assert!(matches!(
+        pool_b.record_stream(&mut b, &stream),
+        Err(Error::ForeignStream { .. })
+    ));
+    assert_eq!(pool_b.record_stream(&mut b, &sim_b.stream()), Ok(()));
     assert_eq!(b.recorded_streams().len(), 1);
 }
 
