@@ -103,7 +103,7 @@ fn record(c: &mut Criterion) {
     g.bench_function("alloc_record_free_1MiB", |b| {
         b.iter(|| {
             let mut buf = pool.alloc_blocking(1 << 20).expect("alloc");
-            buf.record_stream(&stream);
+            buf.record_stream(&stream).unwrap();
         })
     });
     g.finish();

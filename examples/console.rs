@@ -87,7 +87,7 @@ async fn worker(
         buf.fill((x & 0xff) as u8);
         if x % 3 == 0 {
             stream.delay(Duration::from_micros(200));
-            buf.record_stream(&stream);
+            buf.record_stream(&stream).unwrap();
         }
         drop(buf);
         ops.fetch_add(1, Ordering::Relaxed);

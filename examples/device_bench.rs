@@ -327,7 +327,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         let t0 = Instant::now();
         for _ in 0..n {
             let mut b = pool.alloc_blocking(size, &stream)?;
-            b.record_stream(&other);
+            b.record_stream(&other).unwrap();
         }
         println!(
             "pinpool dev_pair_with_record_ns size={size} {:.1}",

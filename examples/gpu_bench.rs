@@ -126,7 +126,7 @@ fn pair_with_record<R: Runtime>(pool: &PinnedAllocator<R>, stream: &R::Stream, q
     let t0 = Instant::now();
     for _ in 0..n {
         let mut b = pool.alloc_blocking(size).expect("alloc");
-        b.record_stream(stream);
+        b.record_stream(stream).unwrap();
     }
     let ns = ns_per(t0, n);
     println!("pinpool pair_with_record_ns size={size} {ns:.1}");
@@ -271,7 +271,7 @@ fn run_sim(args: &Args) {
     let hold = held.hold();
     for _ in 0..3 {
         let mut b = pool.alloc_blocking(4096).expect("alloc");
-        b.record_stream(&held);
+        b.record_stream(&held).unwrap();
     }
     if let Some(p) = idle_cpu_pct(1.0) {
         println!("pinpool poller_idle_cpu_pct pending=1 {p:.2}");
@@ -405,7 +405,7 @@ mod gpu {
         };
         let mut buf = pool.alloc_blocking(bytes)?;
         buf.fill(1);
-        buf.record_stream(stream);
+        buf.record_stream(stream).unwrap();
         let ours = time(&buf[..])?;
         drop(buf);
         let plain = cuda.host_alloc_with(bytes, PinStrategy::HostAlloc)?;
@@ -449,7 +449,7 @@ mod gpu {
         // One iteration: use, free, mark; returns once the marker is recorded.
         let step = || -> Result<(), Box<dyn std::error::Error>> {
             let mut buf = pool.alloc_blocking(size)?;
-            buf.record_stream(stream);
+            buf.record_stream(stream).unwrap();
             // SAFETY: `dev` holds `size` bytes; the buffer outlives the copy because its
             // free records an event after it, and reuse waits for that event.
             unsafe { result::memcpy_htod_async(dev, &buf[..], stream.cu_stream()) }?;

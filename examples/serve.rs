@@ -423,7 +423,7 @@ async fn serve_one(
     input.fill(tag);
     let n = COPY.min(size);
     stream.copy_htod(input.as_ptr(), d_input.device_ptr(), n)?;
-    input.record_stream(stream);
+    input.record_stream(stream).unwrap();
     // Freed at once; reused only after the copy has run.
     server.release_pinned(input);
     // The model: clear the activations, write their start from the input and their end
@@ -434,7 +434,7 @@ async fn serve_one(
     stream.fill_device(d_act.offset_ptr(d_act.len() - n, n)?, n, !tag)?;
     let n = n.min(output.len());
     stream.copy_dtoh(d_act.device_ptr(), output.as_mut_ptr(), n)?;
-    output.record_stream(stream);
+    output.record_stream(stream).unwrap();
     // Freed on their own stream: the next request on it may take them at once.
     server.release_device(d_input, d_act);
     server.wait_for(stream).await?;
@@ -796,7 +796,7 @@ mod gpu {
         // The start of the activations comes back: a partial copy, so by address.
         let n = output.len();
         let src = d_act.offset_ptr(0, n)?;
-        output.record_stream(stream);
+        output.record_stream(stream).unwrap();
         stream.context().bind_to_thread()?;
         // SAFETY: `src` is `n` bytes inside `d_act`, which is owned by `stream`, so its reuse
         // is ordered after the copy; `output` is pinned memory of `n` bytes with `stream`

@@ -17,6 +17,7 @@ use pinpool_actors::{
 };
 
 use crate::buffer::PinnedBuffer;
+use crate::config::Config;
 use crate::sim::SimRuntime;
 
 /// A caching allocator for pinned host memory.
@@ -103,6 +104,13 @@ fn fraction_of_host(fraction: f64) -> Result<usize, Error> {
 
 /// Configures a [`PinnedAllocator`].
 ///
+/// Every setting given is kept until `build`, whatever is called after it: switching the
+/// runtime ([`Builder::runtime`], `cuda`, `best_available`) keeps the others. The allocator
+/// settings of `PINPOOL_CONF` ([`Config::from_env`](crate::config::Config::from_env)) apply
+/// on every runtime unless [`Builder::config`] gives a configuration; a malformed one makes
+/// `build` fail with [`Error::InvalidConfig`]. An explicit [`Builder::policy`] wins over the
+/// configuration's `size_policy`.
+///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), pinpool::Error> {
@@ -116,8 +124,22 @@ fn fraction_of_host(fraction: f64) -> Result<usize, Error> {
 /// # Ok(()) }
 /// ```
 pub struct Builder<R: Runtime> {
-    inner: EngineBuilder<R>,
-    fraction: Option<f64>,
+    runtime: Arc<R>,
+    memory: Arc<dyn MemorySource>,
+    cap: Cap,
+    alloc_timeout: Option<Duration>,
+    policy: Option<Arc<dyn SizePolicy>>,
+    config: Option<Config>,
+    handle: Option<tokio::runtime::Handle>,
+    shards: Option<usize>,
+}
+
+/// How the cap is set.
+#[derive(Debug, Clone, Copy)]
+enum Cap {
+    None,
+    Bytes(usize),
+    Fraction(f64),
 }
 
 impl<R: Runtime + MemorySource> Builder<R> {
@@ -125,57 +147,85 @@ impl<R: Runtime + MemorySource> Builder<R> {
     /// memory.
     pub fn new(runtime: Arc<R>) -> Self {
         Self {
-            inner: EngineBuilder::new(runtime.clone(), runtime),
-            fraction: None,
+            memory: runtime.clone(),
+            runtime,
+            cap: Cap::None,
+            alloc_timeout: None,
+            policy: None,
+            config: None,
+            handle: None,
+            shards: None,
         }
     }
 }
 
 impl<R: Runtime> Builder<R> {
-    fn map(self, f: impl FnOnce(EngineBuilder<R>) -> EngineBuilder<R>) -> Self {
-        Self {
-            inner: f(self.inner),
-            fraction: self.fraction,
-        }
-    }
-
     /// Caps the pinned bytes the allocator reserves, over all its pools (default: no cap).
     /// A request that would pass the cap first has every pool's cache emptied; if it still
     /// does not fit, [`PinnedAllocator::alloc`] waits, first come first served, for buffers
     /// to come back, and [`PinnedAllocator::try_alloc`] fails with [`Error::OutOfMemory`]. A
-    /// request larger than the cap fails at once. `build` refuses a cap of 0.
-    pub fn max_bytes(self, bytes: usize) -> Self {
-        let mut b = self.map(|i| i.max_bytes(bytes));
-        b.fraction = None;
-        b
+    /// request larger than the cap fails at once. `build` refuses a cap of 0. Replaces a
+    /// [`Builder::memory_fraction`] given before.
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.cap = Cap::Bytes(bytes);
+        self
     }
 
     /// Caps the pinned bytes at `fraction` of host RAM (`MemTotal` of `/proc/meminfo`), as
     /// `torch.cuda.set_per_process_memory_fraction` does for device memory. `build` fails
-    /// with [`Error::InvalidLimit`] unless `fraction` is in (0, 1].
+    /// with [`Error::InvalidLimit`] unless `fraction` is in (0, 1]. Replaces a
+    /// [`Builder::max_bytes`] given before.
     pub fn memory_fraction(mut self, fraction: f64) -> Self {
-        self.fraction = Some(fraction);
+        self.cap = Cap::Fraction(fraction);
         self
     }
 
     /// How long [`PinnedAllocator::alloc`] and `alloc_blocking` wait for room under the cap
     /// before failing with [`Error::Timeout`] (default: as long as it takes).
-    pub fn alloc_timeout(self, timeout: Duration) -> Self {
-        self.map(|i| i.alloc_timeout(timeout))
+    pub fn alloc_timeout(mut self, timeout: Duration) -> Self {
+        self.alloc_timeout = Some(timeout);
+        self
     }
 
-    /// Use `runtime` instead (other settings start over).
+    /// Use `runtime` instead, keeping the other settings.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), pinpool::Error> {
+    /// use std::sync::Arc;
+    /// use pinpool::sim::SimRuntime;
+    ///
+    /// let sim = SimRuntime::builder().memory_limit(1 << 30).build();
+    /// let pool = pinpool::PinnedAllocator::builder()
+    ///     .max_bytes(64 << 20)
+    ///     .runtime(Arc::new(sim))
+    ///     .build()?;
+    /// assert_eq!(pool.max_bytes(), Some(64 << 20));
+    /// # Ok(()) }
+    /// ```
     pub fn runtime<R2: Runtime + MemorySource>(self, runtime: Arc<R2>) -> Builder<R2> {
-        Builder::new(runtime)
+        Builder {
+            memory: runtime.clone(),
+            runtime,
+            cap: self.cap,
+            alloc_timeout: self.alloc_timeout,
+            policy: self.policy,
+            config: self.config,
+            handle: self.handle,
+            shards: self.shards,
+        }
     }
 
-    /// The size policy (default: [`crate::BestFit`]).
-    pub fn policy(self, policy: Arc<dyn SizePolicy>) -> Self {
-        self.map(|i| i.policy(policy))
+    /// The size policy (default: the configuration's `size_policy`, [`crate::BestFit`]
+    /// unless `PINPOOL_CONF` or [`Builder::config`] names another).
+    pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
+        self.policy = Some(policy);
+        self
     }
 
-    /// Applies the allocator settings of a [`Config`](crate::config::Config) (today its
-    /// `size_policy`; pinning settings belong to the runtime).
+    /// Uses `config` instead of `PINPOOL_CONF`: its `size_policy` (unless
+    /// [`Builder::policy`] is given), and, for a runtime chosen afterwards with `cuda` or
+    /// `best_available`, its pinning settings.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -185,29 +235,65 @@ impl<R: Runtime> Builder<R> {
     /// assert_eq!(pool.engine().policy().name(), "bestfit");
     /// # Ok(()) }
     /// ```
-    pub fn config(self, config: &crate::config::Config) -> Self {
-        self.policy(config.size_policy.policy())
+    pub fn config(mut self, config: &Config) -> Self {
+        self.config = Some(config.clone());
+        self
     }
 
     /// The tokio runtime for the actors (default: the current one).
-    pub fn handle(self, handle: tokio::runtime::Handle) -> Self {
-        self.map(|i| i.handle(handle))
+    pub fn handle(mut self, handle: tokio::runtime::Handle) -> Self {
+        self.handle = Some(handle);
+        self
     }
 
     /// Thread shards for the cached path (default: the machine's parallelism).
-    pub fn shards(self, shards: usize) -> Self {
-        self.map(|i| i.shards(shards))
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = Some(shards);
+        self
+    }
+
+    /// The configuration in force: the one given, or `PINPOOL_CONF`'s.
+    pub(crate) fn resolved_config(&self) -> Result<Config, Error> {
+        match &self.config {
+            Some(c) => Ok(c.clone()),
+            None => Config::from_env().map_err(config_error),
+        }
     }
 
     /// Spawns the actors.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a malformed `PINPOOL_CONF` (when no configuration was
+    /// given), [`Error::InvalidLimit`] for a cap of 0 or a bad fraction,
+    /// [`Error::NoTokioRuntime`] outside a tokio runtime without a handle.
     pub fn build(self) -> Result<PinnedAllocator<R>, Error> {
-        let mut inner = self.inner;
-        if let Some(f) = self.fraction {
-            inner = inner.max_bytes(fraction_of_host(f)?);
+        let config = self.resolved_config()?;
+        let policy = self.policy.unwrap_or_else(|| config.size_policy.policy());
+        let mut inner = EngineBuilder::new(self.runtime, self.memory).policy(policy);
+        match self.cap {
+            Cap::None => {}
+            Cap::Bytes(b) => inner = inner.max_bytes(b),
+            Cap::Fraction(f) => inner = inner.max_bytes(fraction_of_host(f)?),
+        }
+        if let Some(t) = self.alloc_timeout {
+            inner = inner.alloc_timeout(t);
+        }
+        if let Some(h) = self.handle {
+            inner = inner.handle(h);
+        }
+        if let Some(s) = self.shards {
+            inner = inner.shards(s);
         }
         Ok(PinnedAllocator {
             engine: inner.build()?,
         })
+    }
+}
+
+/// A malformed `PINPOOL_CONF` as the crate's error.
+pub(crate) fn config_error(error: crate::config::ConfigError) -> Error {
+    Error::InvalidConfig {
+        message: format!("{}: {error}", crate::config::ENV_VAR),
     }
 }
 

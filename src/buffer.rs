@@ -73,8 +73,12 @@ impl<R: Runtime> PinnedBuffer<R> {
 
     /// Marks the buffer as used by work enqueued on `stream`. When the buffer is dropped, an
     /// event is recorded on the stream and the bytes are reused only once it has completed.
-    pub fn record_stream(&mut self, stream: &R::Stream) {
-        self.lease.record_stream(stream);
+    ///
+    /// # Errors
+    /// [`Error::ForeignStream`] for a stream of another runtime than the allocator's (a
+    /// stream of another [`SimRuntime`](crate::sim::SimRuntime), say); nothing is recorded.
+    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
+        self.lease.record_stream(stream)
     }
 
     /// The streams recorded so far.

@@ -16,7 +16,7 @@
 //! let stream = pool.runtime().stream();
 //! let mut buf = pool.alloc(1 << 20).await?;
 //! buf.fill(1);
-//! buf.record_stream(&stream); // reuse waits for this stream's work
+//! buf.record_stream(&stream)?; // reuse waits for this stream's work
 //! drop(buf); // back to the pool, ordered by an event
 //! pool.empty_cache().await?;
 //! println!("{:?}", pool.stats().to_map());

@@ -86,7 +86,7 @@ async fn dropping_the_allocator_frees_each_segment_when_its_last_piece_drops() {
     let hold = stream.hold();
     let live = pool.alloc(64 * KIB).await.unwrap();
     let mut waiting = pool.alloc(32 * KIB).await.unwrap();
-    waiting.record_stream(&stream);
+    waiting.record_stream(&stream).unwrap();
     drop(waiting);
     let large = pool.alloc(8 * MIB).await.unwrap();
     drop(pool.alloc(16 * KIB).await.unwrap());

@@ -60,7 +60,7 @@ async fn size_zero_gives_an_empty_buffer_without_touching_the_pool() {
     assert!(b.is_empty());
     assert_eq!(b.len(), 0);
     assert_eq!(&*b, &[] as &[u8]);
-    b.record_stream(&sim.stream());
+    b.record_stream(&sim.stream()).unwrap();
     drop(b);
     let s = pool.stats();
     assert_eq!(s.active_requests.allocated, 0);

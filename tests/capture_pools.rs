@@ -107,7 +107,7 @@ async fn a_block_used_by_captured_work_is_kept_and_replays_read_the_right_bytes(
     let mut a = pool.alloc_on(4096, &cap).await.unwrap();
     a.fill(0x5A);
     cap.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
-    a.record_stream(&cap);
+    a.record_stream(&cap).unwrap();
     let used = a.as_ptr();
     drop(a);
     assert_eq!(
@@ -162,7 +162,7 @@ async fn a_block_from_before_capture_used_by_captured_work_is_kept_too() {
     a.fill(3);
     cap.begin_capture().unwrap();
     cap.copy_to_device(a.as_ptr(), 64, &dev).unwrap();
-    a.record_stream(&cap);
+    a.record_stream(&cap).unwrap();
     let ptr = a.as_ptr();
     drop(a);
     let b = pool.alloc(64).await.unwrap();
@@ -184,7 +184,7 @@ async fn a_released_pool_is_freed_by_empty_cache_kept_blocks_included() {
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
     let mut a = pool.alloc_on(1 << 20, &cap).await.unwrap();
-    a.record_stream(&cap);
+    a.record_stream(&cap).unwrap();
     drop(a);
     let b = pool.alloc_on(1 << 10, &cap).await.unwrap();
     drop(b);
@@ -215,7 +215,7 @@ async fn two_graphs_sharing_a_pool_need_two_releases() {
         pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
         cap.begin_capture().unwrap();
         let mut a = pool.alloc_on(4096, &cap).await.unwrap();
-        a.record_stream(&cap);
+        a.record_stream(&cap).unwrap();
         drop(a);
         cap.end_capture().unwrap();
         pool.end_allocate_to_pool(id).await.unwrap();

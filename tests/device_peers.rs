@@ -337,7 +337,7 @@ async fn pinned_memory_copied_on_device_1_is_reused_on_device_0_only_after_the_c
     let host_ptr = host.as_ptr();
     let hold = s1.hold();
     s1.copy_htod(host_ptr, d1.device_ptr(), MIB).unwrap();
-    host.record_stream(&s1);
+    host.record_stream(&s1).unwrap();
     drop(host);
     let mut next = pinned.alloc(MIB).await.unwrap();
     assert_ne!(
@@ -366,7 +366,7 @@ async fn pinned_memory_copied_on_device_1_is_reused_on_device_0_only_after_the_c
     let mut reused = reused;
     reused.fill(3);
     s0.copy_htod(reused.as_ptr(), d0.device_ptr(), MIB).unwrap();
-    reused.record_stream(&s0);
+    reused.record_stream(&s0).unwrap();
     drop(reused);
     s0.synchronize().unwrap();
     assert!(read_device(&sim, &s0, d0.device_ptr(), MIB)

@@ -44,7 +44,7 @@ async fn recording_the_blocks_own_stream_records_nothing() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
     let mut a = pool.alloc(4096, &s).await.unwrap();
-    a.record_stream(&s);
+    a.record_stream(&s).unwrap();
     assert!(a.recorded_streams().is_empty());
     let ptr = a.device_ptr();
     drop(a);
@@ -81,7 +81,7 @@ async fn a_block_another_stream_still_reads_is_held_until_that_work_is_done_and_
     // A kernel on B reads the block later (B is busy).
     let hold = b.hold();
     b.copy_dtoh(ptr, host.ptr.as_ptr(), MIB).unwrap();
-    x.record_stream(&b);
+    x.record_stream(&b).unwrap();
     drop(x);
     // A asks for the same size at once: the block is not handed out.
     let y = pool.alloc(MIB, &a).await.unwrap();
@@ -139,8 +139,8 @@ async fn a_slow_stream_holds_only_its_own_block() {
     let mut y = pool.alloc(MIB, &a).await.unwrap();
     let (px, py) = (x.device_ptr(), y.device_ptr());
     let hold = slow.hold();
-    x.record_stream(&slow);
-    y.record_stream(&fast);
+    x.record_stream(&slow).unwrap();
+    y.record_stream(&fast).unwrap();
     fast.delay(Duration::from_millis(1));
     drop((x, y));
     fast.synchronize().unwrap();

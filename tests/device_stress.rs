@@ -54,7 +54,7 @@ async fn streams_sharing_buffers_never_see_early_reuse_and_lose_nothing() {
                     reader
                         .copy_dtoh(b.device_ptr(), host.ptr.as_ptr(), size.min(4096))
                         .unwrap();
-                    b.record_stream(reader);
+                    b.record_stream(reader).unwrap();
                 }
                 held.push(b);
                 if held.len() > 8 {

@@ -12,7 +12,7 @@ async fn empty_cache_frees_cached_blocks_and_leaves_used_and_waiting_ones() {
     let in_use = pool.alloc(1 << 12).await.unwrap();
     let cached = pool.alloc(1 << 13).await.unwrap();
     let mut waiting = pool.alloc(1 << 14).await.unwrap();
-    waiting.record_stream(&stream);
+    waiting.record_stream(&stream).unwrap();
     drop(cached);
     drop(waiting);
 
@@ -112,7 +112,7 @@ async fn dropping_the_allocator_with_live_buffers_gives_memory_back_when_they_dr
     let hold = stream.hold();
     let live = pool.alloc(1 << 16).await.unwrap();
     let mut waiting = pool.alloc(1 << 15).await.unwrap();
-    waiting.record_stream(&stream);
+    waiting.record_stream(&stream).unwrap();
     drop(waiting);
     drop(pool.alloc(1 << 14).await.unwrap());
     drop(pool);

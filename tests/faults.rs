@@ -58,7 +58,7 @@ async fn out_of_memory_twice_is_reported_as_a_typed_error() {
 }
 
 #[tokio::test]
-async fn a_failed_event_record_keeps_the_block_out_of_reuse() {
+async fn a_failed_event_record_keeps_the_block_waiting_until_an_event_can_be_recorded() {
     let (pool, sim) = sim_pool();
     let stream = sim.stream();
     let dev = DeviceBuffer::new(4096);
@@ -66,11 +66,16 @@ async fn a_failed_event_record_keeps_the_block_out_of_reuse() {
     let mut a = pool.alloc(4096).await.unwrap();
     a.fill(9);
     stream.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     let ptr = a.as_ptr();
     sim.faults().fail_next(FaultPoint::RecordEvent, 1);
     drop(a);
-    assert_eq!(pool.stats().kept_blocks, 1);
+    let st = pool.stats();
+    assert_eq!(
+        (st.waiting_blocks, st.kept_blocks),
+        (1, 0),
+        "waiting, not kept"
+    );
     for _ in 0..3 {
         let mut b = pool.alloc(4096).await.unwrap();
         assert_ne!(b.as_ptr(), ptr, "a block with no event was reused");
@@ -79,8 +84,13 @@ async fn a_failed_event_record_keeps_the_block_out_of_reuse() {
     drop(hold);
     stream.synchronize().unwrap();
     assert_eq!(dev.to_vec(), vec![9; 4096]);
+    // The event is recorded once the runtime takes it again; the block comes back.
+    eventually("the block comes back", || pool.stats().waiting_blocks == 0).await;
+    assert_eq!(pool.stats().kept_blocks, 0, "never kept for ever");
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
     assert_books_balance(&pool, &sim, 0).await;
+    pool.empty_cache().await.unwrap();
+    assert_eq!(sim.live_bytes(), 0, "emptying the cache frees it");
 }
 
 #[tokio::test]
@@ -88,7 +98,7 @@ async fn a_failing_event_query_delays_reuse_until_it_answers() {
     let (pool, sim) = sim_pool();
     let stream = sim.stream();
     let mut a = pool.alloc(512).await.unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     let ptr = a.as_ptr();
     sim.faults().fail_next(FaultPoint::QueryEvent, 3);
     // Busy at the free: an event is recorded.
@@ -111,7 +121,7 @@ async fn a_stream_that_never_completes_holds_only_its_own_block() {
     let stuck = sim.stream();
     stuck.hang();
     let mut a = pool.alloc(1 << 16).await.unwrap();
-    a.record_stream(&stuck);
+    a.record_stream(&stuck).unwrap();
     drop(a);
     for _ in 0..10 {
         drop(pool.alloc(1 << 12).await.unwrap());
@@ -155,7 +165,7 @@ async fn a_panicking_event_poller_degrades_without_hanging_or_losing_blocks() {
     let stream = sim.stream();
     sim.faults().panic_next(FaultPoint::QueryEvent, 1);
     let mut a = pool.alloc(2048).await.unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     // Busy at the free: an event is recorded.
     let hold = stream.hold();
     drop(a);
@@ -169,7 +179,7 @@ async fn a_panicking_event_poller_degrades_without_hanging_or_losing_blocks() {
         .await;
         for _ in 0..20 {
             let mut b = pool.alloc(2048).await.unwrap();
-            b.record_stream(&stream);
+            b.record_stream(&stream).unwrap();
             drop(b);
         }
         stream.synchronize().unwrap();
@@ -256,7 +266,7 @@ async fn dropping_the_allocator_with_a_capture_pool_open_gives_memory_back_once(
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
     let mut a = pool.alloc_on(4096, &cap).await.unwrap();
-    a.record_stream(&cap);
+    a.record_stream(&cap).unwrap();
     drop(a);
     let live = pool.alloc_on(1024, &cap).await.unwrap();
     drop(pool);

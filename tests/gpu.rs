@@ -183,7 +183,7 @@ async fn the_event_is_recorded_on_the_stream_that_used_the_block() {
     let mut buf = pool.alloc(MIB).await.unwrap();
     let ptr = buf.as_ptr();
     buf.fill(9);
-    buf.record_stream(&a); // used by A too, which stays idle
+    buf.record_stream(&a).unwrap(); // used by A too, which stays idle
     keep_busy(&b, &mut scratch, 400);
     buf.copy_to_device(&b, &mut dev).unwrap();
     assert_eq!(buf.recorded_streams(), vec![stream_id(&a), stream_id(&b)]);
@@ -409,7 +409,7 @@ async fn both_pin_methods_copy_to_the_device_at_full_speed() {
         let pool = gpu_with("pin", Config::default().with_pin_method(method)).unwrap();
         let mut buf = pool.alloc(len).await.unwrap();
         buf.fill(2);
-        buf.record_stream(&stream);
+        buf.record_stream(&stream).unwrap();
         let gbps = htod_gbps(&stream, &buf, &mut dev, reps);
         println!("gpu htod_GBps source=pinpool_{method} size_mb=256 {gbps:.1}");
         assert!(
@@ -442,7 +442,7 @@ async fn cudarc_copies_are_asynchronous_only_when_the_stream_is_recorded() {
     assert!(buf.recorded_streams().is_empty());
 
     // Recorded: the call returns at once, and the free waits for the copy instead.
-    buf.record_stream(&stream);
+    buf.record_stream(&stream).unwrap();
     keep_busy(&stream, &mut scratch, 200);
     stream.memcpy_htod(&buf, &mut dev).unwrap();
     assert!(
@@ -533,7 +533,7 @@ async fn idle_granules_moved_over_the_reserve_cap_are_pinned_memory_that_copies_
     let mut dev = stream.alloc_zeros::<u8>(3 * g).unwrap();
     let expected = pattern(3 * g, 99);
     big.copy_from_slice(&expected);
-    big.record_stream(&stream);
+    big.record_stream(&stream).unwrap();
     stream.memcpy_htod(&big, &mut dev).unwrap();
     // The copy reads the buffer while the stream runs it (the buffer's stream is recorded,
     // so the call does not wait): it must be done before the buffer is written again.
@@ -577,7 +577,7 @@ async fn without_a_gpu_the_builder_gives_a_typed_error_and_best_available_falls_
     let stream = runtime.new_stream().unwrap();
     let mut buf = auto.alloc(4096).await.unwrap();
     buf.fill(1);
-    buf.record_stream(&stream);
+    buf.record_stream(&stream).unwrap();
     let ptr = buf.as_ptr();
     drop(buf);
     let start = Instant::now();

@@ -76,7 +76,7 @@ async fn a_block_another_streams_kernel_still_reads_is_not_handed_out_until_that
     a.memcpy_htod(&expected, &mut buf).unwrap();
     a.synchronize().unwrap();
     // Stream B: 300 ms of other work, then a kernel that reads the buffer.
-    buf.record_stream(&b);
+    buf.record_stream(&b).unwrap();
     kernels.spin(&b, 300);
     let (out_ptr, _) = cudarc::driver::DevicePtr::device_ptr(&out, &b);
     kernels.copy(&b, out_ptr, ptr, size as u64);
@@ -237,7 +237,7 @@ async fn cudarc_copies_and_a_kernel_launch_work_on_device_buffers() {
         stream_done(&rt, &other),
         "an unrecorded stream's copy returned before it ran"
     );
-    copied.record_stream(&other);
+    copied.record_stream(&other).unwrap();
     kernels.spin(&other, 100);
     other.memcpy_dtod(&copied, &mut theirs).unwrap();
     assert!(!stream_done(&rt, &other), "a recorded stream's copy waited");
@@ -545,7 +545,7 @@ async fn a_dumped_device_snapshot_loads_as_pytorchs_pickle_with_block_states_and
     let mut pending = pool.alloc(2 * MIB, &a).await.unwrap();
     let pending_ptr = pending.device_ptr();
     kernels.spin(&b, 2000);
-    pending.record_stream(&b);
+    pending.record_stream(&b).unwrap();
     drop(pending);
 
     let file = std::env::temp_dir().join(format!("pinpool-gpu-{}.pickle", std::process::id()));
@@ -713,4 +713,97 @@ fn a_blocking_request_that_maps_fresh_memory_leaves_the_threads_current_context_
         pool.empty_cache_blocking().unwrap();
     }
     println!("{test}: passed");
+}
+
+/// `Kernels` shared by the tasks of one test.
+struct SharedKernels(Kernels);
+
+// SAFETY: the kernels are driver handles of a loaded module, which the driver lets any
+// thread launch once it binds the module's context (`Kernels` binds it at each launch).
+unsafe impl Send for SharedKernels {}
+// SAFETY: as above; launching takes `&self` and changes nothing in the handles.
+unsafe impl Sync for SharedKernels {}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn buffers_shared_across_streams_by_many_tasks_are_never_overwritten_early() {
+    // The pattern of the simulated test `device_cross_stream`, on the GPU: 16 tasks, 4
+    // streams, 300 rounds; a round takes a block of 512 B to 6 MiB on its stream `s` and
+    // fills it there; a third of the rounds then synchronize `s`, and on another stream `o`
+    // spin 2 ms, fill the block again and copy its first and last 4 KiB into a check slot,
+    // recording `o`. Were the block handed out before `o`'s work ran, the next owner's fill
+    // on `s` would reach the check slot first.
+    let test = "buffers_shared_across_streams_by_many_tasks_are_never_overwritten_early";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let ctx = rt.context();
+    let streams: Vec<Arc<CudaStream>> = (0..4).map(|_| ctx.new_stream().unwrap()).collect();
+    let kernels = Arc::new(SharedKernels(Kernels::load(&streams[0])));
+    const TASKS: usize = 16;
+    const ROUNDS: usize = 300;
+    const SLOT: usize = 8192;
+    let check_stream = ctx.new_stream().unwrap();
+    let check = pool
+        .alloc(TASKS * ROUNDS * SLOT, &check_stream)
+        .await
+        .unwrap();
+    let check_ptr = check.device_ptr();
+    memset(&check_stream, check_ptr, 0, TASKS * ROUNDS * SLOT);
+    check_stream.synchronize().unwrap();
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let (pool, streams, kernels) = (pool.clone(), streams.clone(), kernels.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut x = (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            let own = &streams[t % streams.len()];
+            let mut expected = Vec::new();
+            for round in 0..ROUNDS {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let size = 512 + (x as usize >> 8) % (6 * MIB - 512 + 1);
+                let mut b = pool.alloc(size, own).await.unwrap();
+                memset(own, b.device_ptr(), x as u8, size);
+                if (x >> 40) % 3 == 0 {
+                    own.synchronize().unwrap();
+                    let other = &streams[(x >> 48) as usize % streams.len()];
+                    let byte = ((x >> 32) as u8) | 1; // never the slot's initial 0
+                    kernels.0.spin(other, 2);
+                    memset(other, b.device_ptr(), byte, size);
+                    let slot = check_ptr + ((t * ROUNDS + round) * SLOT) as u64;
+                    let n = size.min(SLOT / 2) as u64;
+                    kernels.0.copy(other, slot, b.device_ptr(), n);
+                    let tail = b.device_ptr() + size as u64 - n;
+                    kernels.0.copy(other, slot + n, tail, n);
+                    b.record_stream(other).unwrap();
+                    expected.push((t * ROUNDS + round, byte, 2 * n as usize));
+                }
+                drop(b);
+            }
+            expected
+        }));
+    }
+    let mut expected = Vec::new();
+    for t in tasks {
+        expected.extend(t.await.unwrap());
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    let seen = read_back(&check_stream, check_ptr, TASKS * ROUNDS * SLOT);
+    let overwritten = expected
+        .iter()
+        .filter(|(slot, byte, n)| {
+            let at = slot * SLOT;
+            seen[at..at + n].iter().any(|b| b != byte)
+        })
+        .count();
+    println!(
+        "gpu device_cross_stream checked={} overwritten_early={overwritten}",
+        expected.len()
+    );
+    assert_eq!(
+        overwritten, 0,
+        "blocks handed out before another stream's work ran"
+    );
+    drop(check);
 }

@@ -126,7 +126,7 @@ async fn a_free_that_waits_on_events_completes_when_its_stream_is_done() {
     let stream = sim.stream();
     let hold = stream.hold();
     let mut buf = pool.alloc(1 << 16).await.unwrap();
-    buf.record_stream(&stream);
+    buf.record_stream(&stream).unwrap();
     drop(buf);
     let h = pool.history().await.unwrap();
     use TraceAction::*;

@@ -24,7 +24,7 @@ async fn workload(pool: &PinnedAllocator, sim: &pinpool::sim::SimRuntime) {
     pool.record_annotation("half freed");
     let hold = stream.hold();
     for mut b in held.drain(..6) {
-        b.record_stream(&stream);
+        b.record_stream(&stream).unwrap();
     }
     tokio::time::sleep(Duration::from_millis(3)).await;
     hold.release();

@@ -262,7 +262,7 @@ async fn a_block_waiting_on_stream_work_reaches_a_waiter_when_the_work_is_done()
     let stream = sim.stream();
     let hold = stream.hold();
     let mut used = pool.alloc(MIB).await.unwrap();
-    used.record_stream(&stream);
+    used.record_stream(&stream).unwrap();
     drop(used); // waits on the stream's event
     let waiter = {
         let pool = pool.clone();

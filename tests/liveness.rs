@@ -154,7 +154,7 @@ impl Harness {
                 self.streams[stream]
                     .copy_to_device(b.as_ptr(), n, &self.dev)
                     .unwrap();
-                b.record_stream(&self.streams[stream]);
+                b.record_stream(&self.streams[stream]).unwrap();
                 if self.holds[stream].is_some() {
                     self.queued[stream].push((b.as_ptr() as usize, b.capacity()));
                 }

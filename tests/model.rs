@@ -172,7 +172,7 @@ impl Harness {
                         .copy_to_device(l.buf.as_ptr(), n, &self.dev)
                         .unwrap();
                 }
-                l.buf.record_stream(&self.streams[stream]);
+                l.buf.record_stream(&self.streams[stream]).unwrap();
                 l.streams.insert(stream);
             }
             Op::Free { buf } if !self.live.is_empty() => {
@@ -231,7 +231,7 @@ impl Harness {
                     self.cap
                         .copy_to_device(buf.as_ptr(), buf.len(), &dev)
                         .unwrap();
-                    buf.record_stream(&self.cap);
+                    buf.record_stream(&self.cap).unwrap();
                     self.graphs_pending.push((dev, pattern));
                 }
                 self.live.push(Live {

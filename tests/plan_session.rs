@@ -553,7 +553,7 @@ async fn stream_work_on_served_buffers_is_never_overwritten() {
     let mut a = session.alloc(4096).await.unwrap();
     a.fill(0xA1);
     stream.copy_to_device(a.as_ptr(), 4096, &dev1).unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     drop(a);
     let mut b = session.alloc(4096).await.unwrap();
     assert!(
@@ -562,7 +562,7 @@ async fn stream_work_on_served_buffers_is_never_overwritten() {
     );
     b.fill(0xB2);
     stream.copy_to_device(b.as_ptr(), 4096, &dev2).unwrap();
-    b.record_stream(&stream);
+    b.record_stream(&stream).unwrap();
     drop(b);
     assert_eq!(session.try_reset(), Err(PlanSessionError::StreamsPending));
 
@@ -575,7 +575,7 @@ async fn stream_work_on_served_buffers_is_never_overwritten() {
     assert!(a.is_served());
     a.fill(0xC3);
     stream.copy_to_device(a.as_ptr(), 4096, &dev3).unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     drop(a);
 
     hold.release();
@@ -613,7 +613,7 @@ async fn random_runs_with_queued_copies_see_no_early_reuse() {
                     if size > 0 {
                         let dev = DeviceBuffer::new(size);
                         stream.copy_to_device(buf.as_ptr(), size, &dev).unwrap();
-                        buf.record_stream(&stream);
+                        buf.record_stream(&stream).unwrap();
                         copies.push((dev, byte, size));
                     }
                     bufs.push(Some(buf));
@@ -645,7 +645,7 @@ async fn dropping_the_session_while_buffers_are_alive_keeps_stream_ordering() {
     let mut a = session.alloc(4096).await.unwrap();
     a.fill(0x5A);
     stream.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     let arena = session.arena_ptr();
     drop(session);
     assert!(

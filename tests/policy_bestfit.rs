@@ -78,7 +78,7 @@ async fn a_carved_block_whose_copy_is_queued_is_not_coalesced_into_reuse() {
     let neighbour = pool.alloc(4096).await.unwrap();
     a.fill(0xAB);
     stream.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     let (start, end) = (a.as_ptr() as usize, a.as_ptr() as usize + a.capacity());
     drop(a);
     drop(neighbour);
@@ -115,7 +115,7 @@ async fn a_carved_block_used_by_captured_work_is_never_reused() {
     let mut a = pool.alloc_on(4096, &cap).await.unwrap();
     a.fill(0x5A);
     cap.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
-    a.record_stream(&cap);
+    a.record_stream(&cap).unwrap();
     let (start, end) = (a.as_ptr() as usize, a.as_ptr() as usize + a.capacity());
     drop(a);
     let graph = cap.end_capture().unwrap();
@@ -186,7 +186,7 @@ async fn a_snapshot_lists_each_segment_with_its_carved_blocks_and_free_ranges() 
     let a = pool.alloc(4096).await.unwrap();
     let mut b = pool.alloc(8192).await.unwrap();
     let c = pool.alloc(16384).await.unwrap();
-    b.record_stream(&stream);
+    b.record_stream(&stream).unwrap();
     let (pa, pb, pc) = (
         a.as_ptr() as usize,
         b.as_ptr() as usize,

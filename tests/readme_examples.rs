@@ -14,7 +14,9 @@ use pinpool::PinnedAllocator;
 type Result<T = (), E = Box<dyn StdError>> = std::result::Result<T, E>;
 
 /// "A short example": a buffer recorded on a stream, freed, and taken again from the cache.
+/// (The README leaves `record_stream`'s result unchecked; the stream is the pool's own.)
 #[rustfmt::skip]
+#[allow(unused_must_use)]
 mod short_example {
     use pinpool::PinnedAllocator;
 
@@ -94,8 +96,10 @@ mod on_a_gpu {
 }
 
 /// "Device memory": stream-ordered reuse, a second stream recorded, raw pointers. The raw
-/// calls block on a miss, hence the multi-thread runtime.
+/// calls block on a miss, hence the multi-thread runtime. (The README leaves
+/// `record_stream`'s result unchecked; the stream is the pool's own.)
 #[rustfmt::skip]
+#[allow(unused_must_use)]
 #[tokio::test(flavor = "multi_thread")]
 async fn readme_device_memory_stream_ordered_reuse() -> Result {
     use pinpool::DeviceAllocator;

@@ -21,10 +21,10 @@ async fn a_snapshot_shows_each_block_state() {
     let hold = stream.hold();
 
     let mut in_use = pool.alloc(3000).await.unwrap();
-    in_use.record_stream(&stream);
+    in_use.record_stream(&stream).unwrap();
     drop(pool.alloc(8 * KIB).await.unwrap()); // cached
     let mut waiting = pool.alloc(16 * KIB).await.unwrap();
-    waiting.record_stream(&stream);
+    waiting.record_stream(&stream).unwrap();
     let waiting_ptr = waiting.as_ptr() as usize;
     drop(waiting); // waits on the held stream
 
@@ -32,7 +32,7 @@ async fn a_snapshot_shows_each_block_state() {
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
     let mut captured = pool.alloc_on(32 * KIB, &cap).await.unwrap();
-    captured.record_stream(&cap);
+    captured.record_stream(&cap).unwrap();
     let kept_ptr = captured.as_ptr() as usize;
     drop(captured); // used by captured work: kept
     cap.end_capture().unwrap();
@@ -112,7 +112,7 @@ async fn a_snapshot_round_trips_through_json() {
     let (pool, sim) = sim_pool();
     let stream = sim.stream();
     let mut a = pool.alloc(100).await.unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     drop(pool.alloc(KIB).await.unwrap());
     let snap = pool.snapshot().await.unwrap();
     let json = serde_json::to_string_pretty(&snap).unwrap();

@@ -20,7 +20,7 @@ async fn a_buffer_whose_copy_is_still_queued_is_not_handed_out_again() {
     let mut a = pool.alloc(4096).await.unwrap();
     a.fill(0xAB);
     stream.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     let first = a.as_ptr();
     drop(a);
 
@@ -59,8 +59,8 @@ async fn a_block_whose_streams_ran_all_their_work_is_reusable_at_its_free_withou
     let mut a = pool.alloc(4096).await.unwrap();
     a.fill(0xAB);
     s1.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
-    a.record_stream(&s1);
-    a.record_stream(&s2);
+    a.record_stream(&s1).unwrap();
+    a.record_stream(&s2).unwrap();
     s1.synchronize().unwrap(); // the copy has run; s2 never had work
     let first = a.as_ptr();
     drop(a);
@@ -71,8 +71,8 @@ async fn a_block_whose_streams_ran_all_their_work_is_reusable_at_its_free_withou
     assert_eq!(dev.to_vec(), vec![0xAB; 4096], "the copy read its bytes");
 
     // One busy stream of two: an event for it alone, and no reuse before it is done.
-    b.record_stream(&s1);
-    b.record_stream(&s2);
+    b.record_stream(&s1).unwrap();
+    b.record_stream(&s2).unwrap();
     let hold = s2.hold();
     drop(b);
     assert_eq!(
@@ -101,9 +101,9 @@ async fn reuse_waits_for_every_recorded_stream() {
     let h1 = s1.hold();
     let h2 = s2.hold();
     let mut a = pool.alloc(256).await.unwrap();
-    a.record_stream(&s1);
-    a.record_stream(&s2);
-    a.record_stream(&s1);
+    a.record_stream(&s1).unwrap();
+    a.record_stream(&s2).unwrap();
+    a.record_stream(&s1).unwrap();
     assert_eq!(
         a.recorded_streams().len(),
         2,
@@ -138,7 +138,7 @@ async fn completed_events_are_noticed_before_fresh_memory_is_taken() {
     let stream = sim.stream();
     for _ in 0..200 {
         let mut b = pool.alloc(1 << 16).await.unwrap();
-        b.record_stream(&stream);
+        b.record_stream(&stream).unwrap();
         // Busy at the free (an event is recorded), idle by the next request.
         let hold = stream.hold();
         drop(b);
@@ -157,13 +157,13 @@ async fn one_slow_event_does_not_hold_up_blocks_behind_it() {
     let fast = sim.stream();
     let hold = slow.hold();
     let mut a = pool.alloc(1024).await.unwrap();
-    a.record_stream(&slow);
+    a.record_stream(&slow).unwrap();
     let slow_ptr = a.as_ptr();
     drop(a);
     let mut fast_ptrs = Vec::new();
     for _ in 0..5 {
         let mut b = pool.alloc(1024).await.unwrap();
-        b.record_stream(&fast);
+        b.record_stream(&fast).unwrap();
         fast_ptrs.push(b.as_ptr());
         drop(b);
     }
@@ -182,7 +182,7 @@ async fn one_slow_event_does_not_hold_up_blocks_behind_it() {
 #[tokio::test]
 async fn a_buffer_from_another_allocator_cannot_be_recorded() {
     let (pool_a, sim) = sim_pool();
-    let (pool_b, _) = sim_pool();
+    let (pool_b, sim_b) = sim_pool();
     let stream = sim.stream();
     let mut b = pool_b.alloc(64).await.unwrap();
     assert_eq!(
@@ -190,7 +190,12 @@ async fn a_buffer_from_another_allocator_cannot_be_recorded() {
         Err(Error::ForeignBuffer)
     );
     assert!(b.recorded_streams().is_empty(), "nothing changed");
-    assert_eq!(pool_b.record_stream(&mut b, &stream), Ok(()));
+    // `stream` is pool A's runtime's: pool B refuses it too.
+    assert!(matches!(
+        pool_b.record_stream(&mut b, &stream),
+        Err(Error::ForeignStream { .. })
+    ));
+    assert_eq!(pool_b.record_stream(&mut b, &sim_b.stream()), Ok(()));
     assert_eq!(b.recorded_streams().len(), 1);
 }
 
@@ -200,7 +205,7 @@ async fn stats_count_blocks_waiting_on_events_as_active() {
     let stream = sim.stream();
     let hold = stream.hold();
     let mut a = pool.alloc(1 << 20).await.unwrap();
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     drop(a);
     let s = pool.stats();
     assert_eq!(s.active_requests.current, 1);
@@ -231,7 +236,7 @@ async fn random_stream_delays_never_lead_to_early_reuse() {
                 stream
                     .copy_to_device(b.as_ptr(), size.min(1 << 12), &dev)
                     .unwrap();
-                b.record_stream(&stream);
+                b.record_stream(&stream).unwrap();
             }
         }));
     }

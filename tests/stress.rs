@@ -68,7 +68,7 @@ impl Worker {
             self.streams[s]
                 .copy_to_device(buf.as_ptr(), n, &self.dev)
                 .expect("copy");
-            buf.record_stream(&self.streams[s]);
+            buf.record_stream(&self.streams[s]).unwrap();
         }
         self.live.push((buf, tag));
         while self.live.len() > 1 + self.rng.below(6) {

@@ -99,7 +99,7 @@ fn shutting_the_runtime_down_after_stream_work_finished_frees_blocks_that_waited
         for i in 0..8 {
             let mut b = pool.alloc_blocking(4096 << (i % 3)).unwrap();
             stream.write_host(b.as_mut_ptr(), b.len(), i as u8).unwrap();
-            b.record_stream(&stream);
+            b.record_stream(&stream).unwrap();
             drop(b); // waits on the stream's event
         }
         drop(hold);
@@ -131,7 +131,7 @@ fn shutting_the_runtime_down_while_blocks_wait_on_unfinished_work_never_frees_th
     for i in 0..6 {
         let mut b = pool.alloc_blocking(8192 * (i + 1)).unwrap();
         stream.write_host(b.as_mut_ptr(), b.len(), 0xA5).unwrap();
-        b.record_stream(&stream);
+        b.record_stream(&stream).unwrap();
         drop(b);
         cached.push(pool.alloc_blocking(100_000 + i).unwrap());
     }
@@ -157,7 +157,7 @@ fn shutting_the_runtime_down_while_a_capture_pool_keeps_blocks_keeps_them_from_r
     cap.begin_capture().unwrap();
     let mut kept = pool.alloc_blocking_on(4096, &cap).unwrap();
     cap.write_host(kept.as_mut_ptr(), kept.len(), 3).unwrap();
-    kept.record_stream(&cap);
+    kept.record_stream(&cap).unwrap();
     drop(kept); // used by captured work: kept while the pool lives
     let live = pool.alloc_blocking_on(1024, &cap).unwrap();
     let graph = cap.end_capture().unwrap();
@@ -285,7 +285,7 @@ async fn tasks_aborted_while_holding_buffers_give_them_back_and_none_is_shared()
                         let mut b = pool.alloc(size).await.unwrap();
                         b.fill(t);
                         if i % 3 == 0 {
-                            b.record_stream(&stream);
+                            b.record_stream(&stream).unwrap();
                         }
                         held.push(b);
                         tokio::task::yield_now().await;

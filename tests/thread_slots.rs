@@ -163,7 +163,7 @@ async fn a_parked_block_is_not_reused_by_any_thread_before_its_event_completes()
     let hold = stream.hold();
     let mut a = pool.alloc_blocking(1 << 16).unwrap();
     let ptr = a.as_ptr() as usize;
-    a.record_stream(&stream);
+    a.record_stream(&stream).unwrap();
     drop(a); // parked in this thread's shard, its event pending
     assert_eq!(pool.stats().waiting_blocks, 1);
     let same = pool.alloc_blocking(1 << 16).unwrap();
@@ -204,7 +204,7 @@ async fn the_freeing_thread_reuses_its_parked_block_once_the_event_completed() {
     let stream = sim.stream();
     for _ in 0..200 {
         let mut b = pool.alloc_blocking(1 << 20).unwrap();
-        b.record_stream(&stream);
+        b.record_stream(&stream).unwrap();
         // Busy at the free: the free records an event and parks the block.
         let hold = stream.hold();
         drop(b);
@@ -230,7 +230,7 @@ async fn parked_blocks_are_freed_when_the_allocator_is_dropped() {
     for _ in 0..6 {
         // more than a shard's parked slots: the oldest go to the poller
         let mut b = pool.alloc_blocking(4096).unwrap();
-        b.record_stream(&stream);
+        b.record_stream(&stream).unwrap();
         drop(b);
     }
     assert_eq!(pool.stats().waiting_blocks, 6);

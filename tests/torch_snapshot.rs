@@ -48,10 +48,10 @@ async fn a_pinned_snapshot_pickles_addresses_sizes_and_each_block_state() {
     let stream = sim.stream();
     let hold = stream.hold();
     let mut in_use = pool.alloc(3000).await.unwrap();
-    in_use.record_stream(&stream);
+    in_use.record_stream(&stream).unwrap();
     drop(pool.alloc(8 * KIB).await.unwrap()); // cached
     let mut waiting = pool.alloc(16 * KIB).await.unwrap();
-    waiting.record_stream(&stream);
+    waiting.record_stream(&stream).unwrap();
     let waiting_ptr = waiting.as_ptr() as usize;
     drop(waiting); // its event waits on the held stream
 
@@ -457,10 +457,10 @@ async fn dump_known_state(file: &Path) -> (usize, usize) {
     let stream = sim.stream();
     let hold = stream.hold();
     let mut in_use = pool.alloc(3000).await.unwrap();
-    in_use.record_stream(&stream);
+    in_use.record_stream(&stream).unwrap();
     drop(pool.alloc(8 * KIB).await.unwrap());
     let mut waiting = pool.alloc(16 * KIB).await.unwrap();
-    waiting.record_stream(&stream);
+    waiting.record_stream(&stream).unwrap();
     let ptrs = (in_use.as_ptr() as usize, waiting.as_ptr() as usize);
     drop(waiting);
     pool.dump_snapshot(file).await.unwrap();

@@ -57,7 +57,7 @@ fn a_parked_block_is_taken_back_only_once_its_stream_work_is_done() {
         let mut b = pool.alloc(4096).await.unwrap();
         b.fill(1);
         stream.write_host(b.as_mut_ptr(), b.len(), 9).unwrap();
-        b.record_stream(&stream);
+        b.record_stream(&stream).unwrap();
         let parked = b.as_ptr();
         drop(b); // parked in this thread's shard, with an event pending
         let mut other = pool.alloc(4096).await.unwrap();

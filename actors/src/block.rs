@@ -19,7 +19,7 @@ use crate::memory::Region;
 use crate::meta::MetaRef;
 use crate::parked::Parkable;
 use crate::ready::Slotted;
-use crate::runtime::{Runtime, StreamId};
+use crate::runtime::{Runtime, RuntimeError, StreamId};
 use crate::segment::Segment;
 
 /// A pool's home, with the engine's blocks in its queues.
@@ -232,31 +232,23 @@ impl<R: Runtime> Block<R> {
     /// The free of a buffer: back to the ready queue when no stream used the block, or when
     /// every stream that did has run all its work (see [`idle_probe`]); parked in the freeing
     /// thread's shard with one event per busy stream otherwise (to be queried inline by that
-    /// thread's next miss, or by the event poller); kept when captured work used it.
+    /// thread's next miss, or by the event poller); kept when captured work used it. A
+    /// stream on which no event could be recorded stays with the waiting block, and the
+    /// event is recorded when the block is next asked about (see
+    /// [`Block::events_completed`]): such a block is never reused before, and never kept
+    /// for ever.
     pub(crate) fn release(mut self: Box<Self>) {
         if self.streams.is_empty() {
             self.pool.stats.deactivate(self.shard, self.size);
             give_back(self);
             return;
         }
-        let rt = &*self.pool.runtime;
         let mut keep = self.during_capture;
         debug_assert!(self.events.get_mut().is_empty());
+        let mut unrecorded = Vec::new();
         if !keep {
-            for (_, s) in &self.streams {
-                // An event recorded during capture would become part of the graph and could
-                // never be queried: a block used by captured work is kept instead.
-                match rt.is_capturing(s).and_then(|capturing| {
-                    if capturing {
-                        Ok(StreamAtFree::Capturing)
-                    } else if idle_probe::finished(rt, s) {
-                        Ok(StreamAtFree::Finished)
-                    } else {
-                        let spare = self.events.spare_mut().take();
-                        rt.record_event_reusing(s, spare)
-                            .map(StreamAtFree::Recorded)
-                    }
-                }) {
+            for (id, s) in std::mem::take(&mut self.streams) {
+                match self.stream_at_free(&s) {
                     Ok(StreamAtFree::Recorded(e)) => self.events.get_mut().push(e),
                     // Nothing the stream has still to run can touch the block.
                     Ok(StreamAtFree::Finished) => {}
@@ -265,17 +257,17 @@ impl<R: Runtime> Block<R> {
                         break;
                     }
                     Err(e) => {
-                        // Without an event there is no way to know when the stream is done
-                        // with the block: it is never reused.
-                        tracing::warn!(error = %e, "could not record an event on free; the block is kept");
-                        keep = true;
-                        break;
+                        // Without an event there is no way to know yet when the stream is
+                        // done with the block: it waits, and the event is recorded later.
+                        tracing::warn!(error = %e, "could not record an event on free; will try again");
+                        unrecorded.push((id, s));
                     }
                 }
             }
         }
-        self.streams.clear();
+        self.streams = if keep { Vec::new() } else { unrecorded };
         if keep {
+            let rt = &*self.pool.runtime;
             for e in self.events.get_mut().drain(..) {
                 rt.release_event(e);
             }
@@ -291,7 +283,7 @@ impl<R: Runtime> Block<R> {
             {
                 b.orphaned();
             }
-        } else if self.events.get_mut().is_empty() {
+        } else if self.events.get_mut().is_empty() && self.streams.is_empty() {
             // Every stream that used the block had run all its work: reusable at once.
             self.free_completed();
             give_back(self);
@@ -324,10 +316,51 @@ impl<R: Runtime> Block<R> {
         }
     }
 
+    /// What the free finds of `stream`, one that used the block: capturing, done with its
+    /// work, or the event that completes with its work so far.
+    fn stream_at_free(
+        &mut self,
+        stream: &R::Stream,
+    ) -> Result<StreamAtFree<R::Event>, RuntimeError> {
+        let rt = &*self.pool.runtime;
+        // An event recorded during capture would become part of the graph and could never
+        // be queried: a block used by captured work is kept instead.
+        if rt.is_capturing(stream)? {
+            Ok(StreamAtFree::Capturing)
+        } else if idle_probe::finished(rt, stream) {
+            Ok(StreamAtFree::Finished)
+        } else {
+            let spare = self.events.spare_mut().take();
+            rt.record_event_reusing(stream, spare)
+                .map(StreamAtFree::Recorded)
+        }
+    }
+
+    /// Records the events that the free could not (see [`Block::release`]); whether every
+    /// stream now has one (or is done). A stream that fails again, or is capturing by now,
+    /// is asked again later.
+    fn record_missing(&mut self) -> bool {
+        while let Some((id, s)) = self.streams.pop() {
+            match self.stream_at_free(&s) {
+                Ok(StreamAtFree::Recorded(e)) => self.events.get_mut().push(e),
+                Ok(StreamAtFree::Finished) => {}
+                Ok(StreamAtFree::Capturing) | Err(_) => {
+                    self.streams.push((id, s));
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
     /// Whether every event recorded for the block has completed; releases those that have
     /// (keeping one to record again at the next free). A failed query counts as not
-    /// completed (it is asked again later).
+    /// completed (it is asked again later), and so does a stream whose event the free
+    /// could not record (recorded now if it can be).
     pub(crate) fn events_completed(&mut self) -> bool {
+        if !self.streams.is_empty() && !self.record_missing() {
+            return false;
+        }
         let rt = &*self.pool.runtime;
         let Events { pending, spare } = &mut self.events;
         while let Some(e) = pending.last() {
@@ -362,6 +395,11 @@ impl<R: Runtime> Block<R> {
     /// used when the event poller is gone (its tokio runtime was shut down).
     pub(crate) fn wait_here(mut self: Box<Self>) {
         let rt = self.pool.runtime.clone();
+        if !self.record_missing() {
+            tracing::error!("no event could be recorded with no poller; block leaked");
+            self.freed = true;
+            return;
+        }
         while let Some(e) = self.events.get_mut().pop() {
             loop {
                 match rt.query_event(&e) {
@@ -382,7 +420,7 @@ impl<R: Runtime> Block<R> {
     /// A waiting block whose events have all completed stops being counted as waiting and
     /// active; it is ready to be handed out again.
     pub(crate) fn leave_waiting(&mut self) {
-        debug_assert!(self.events.get_mut().is_empty());
+        debug_assert!(self.events.get_mut().is_empty() && self.streams.is_empty());
         let stats = &self.pool.stats;
         stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
         stats

@@ -66,6 +66,15 @@ pub enum Error {
     /// A buffer was handed to an allocator that did not allocate it.
     #[error("the buffer was allocated by another allocator")]
     ForeignBuffer,
+    /// `record_stream` with a stream of another runtime than the allocator's: no event
+    /// could ever tell when its work is done. Nothing was recorded.
+    #[error("stream {stream} belongs to another runtime than the allocator's ({runtime})")]
+    ForeignStream {
+        /// The stream's id.
+        stream: u64,
+        /// The allocator's runtime.
+        runtime: &'static str,
+    },
     /// The allocator's actors have stopped (the allocator was dropped or its tokio runtime shut down).
     #[error("the allocator has shut down")]
     Shutdown,

@@ -6,6 +6,7 @@
 use std::ptr::NonNull;
 
 use crate::block::{Block, BlockState};
+use crate::error::Error;
 use crate::memory::Origin;
 use crate::pool_id::PoolId;
 use crate::runtime::{Runtime, StreamId};
@@ -120,9 +121,14 @@ impl<R: Runtime> Lease<R> {
     /// Recording the same stream twice records it once. A no-op on an empty lease, and for
     /// the stream that owns the block in a stream-ordered pool (its work runs in order
     /// before any later use of the block on that stream).
-    pub fn record_stream(&mut self, stream: &R::Stream) {
-        if let Some(b) = &mut self.block {
-            record(b, stream);
+    ///
+    /// # Errors
+    /// [`Error::ForeignStream`] for a stream of another runtime than the allocator's
+    /// ([`Runtime::owns_stream`]); nothing is recorded.
+    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
+        match &mut self.block {
+            Some(b) => record(b, stream),
+            None => Ok(()),
         }
     }
 
@@ -149,12 +155,20 @@ impl<R: Runtime> Lease<R> {
 }
 
 /// Marks the block as used by work on `stream` (see [`Lease::record_stream`]).
-fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) {
-    let id = b.pool.runtime.stream_id(stream);
+fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) -> Result<(), Error> {
+    let rt = &*b.pool.runtime;
+    let id = rt.stream_id(stream);
+    if !rt.owns_stream(stream) {
+        return Err(Error::ForeignStream {
+            stream: id.0,
+            runtime: rt.name(),
+        });
+    }
     if b.pool.owner != Some(id) && !b.streams.iter().any(|(s, _)| *s == id) {
         b.meta.recorded(id);
         b.streams.push((id, stream.clone()));
     }
+    Ok(())
 }
 
 /// A lease held as one pointer to its block, which carries the bytes requested and the
@@ -176,9 +190,12 @@ impl<R: Runtime> RawLease<R> {
     }
 
     /// [`Lease::record_stream`].
-    pub fn record_stream(&mut self, stream: &R::Stream) {
+    ///
+    /// # Errors
+    /// As for [`Lease::record_stream`].
+    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
         // SAFETY: as in `as_ptr`, and `&mut self` makes this the only access.
-        record(unsafe { self.0.as_mut() }, stream);
+        record(unsafe { self.0.as_mut() }, stream)
     }
 
     /// The lease again, as it was.

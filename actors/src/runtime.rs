@@ -77,6 +77,15 @@ pub trait Runtime: Send + Sync + 'static {
     /// The stream's identity.
     fn stream_id(&self, stream: &Self::Stream) -> StreamId;
 
+    /// Whether events can be recorded on `stream` by this runtime: a stream of another
+    /// runtime (another simulated device, say) is refused where it is recorded on a buffer,
+    /// since the block could otherwise never be known to be free. The default accepts every
+    /// stream (CUDA's streams all belong to the process's one driver).
+    fn owns_stream(&self, stream: &Self::Stream) -> bool {
+        let _ = stream;
+        true
+    }
+
     /// Whether work enqueued on `stream` now is being captured into a graph rather than run.
     fn is_capturing(&self, stream: &Self::Stream) -> Result<bool, RuntimeError>;
 

@@ -185,6 +185,14 @@ impl Runtime for AutoRuntime {
         }
     }
 
+    fn owns_stream(&self, stream: &AutoStream) -> bool {
+        match (self, stream) {
+            (AutoRuntime::Cuda(rt), AutoStream::Cuda(s)) => rt.owns_stream(s),
+            (AutoRuntime::Sim { runtime, .. }, AutoStream::Sim(s)) => runtime.owns_stream(s),
+            _ => false,
+        }
+    }
+
     fn is_capturing(&self, stream: &AutoStream) -> Result<bool, RuntimeError> {
         match (self, stream) {
             (AutoRuntime::Cuda(rt), AutoStream::Cuda(s)) => rt.is_capturing(s),

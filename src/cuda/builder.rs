@@ -2,15 +2,15 @@
 //! errors when there is none), [`Builder::best_available`] for the GPU when there is one and
 //! the simulated runtime otherwise.
 //!
-//! Owns no state; it only turns [`CudaInitError`] and [`ConfigError`] into the crate's one
-//! [`Error`] type (invariant 7: no panic without a driver, a typed error instead).
+//! Owns no state; it only turns [`CudaInitError`] into the crate's one [`Error`] type
+//! (invariant 7: no panic without a driver, a typed error instead).
 
 use std::sync::Arc;
 
 use super::auto::AutoRuntime;
 use super::error::CudaInitError;
 use super::runtime::CudaRuntime;
-use crate::config::{Config, ConfigError};
+use crate::config::Config;
 use crate::{Builder, Error, Runtime};
 
 impl From<CudaInitError> for Error {
@@ -26,21 +26,15 @@ impl From<CudaInitError> for Error {
     }
 }
 
-/// A malformed configuration as the crate's error.
-pub(crate) fn config_error(error: ConfigError) -> Error {
-    Error::InvalidConfig {
-        message: format!("{}: {error}", crate::config::ENV_VAR),
-    }
-}
-
 impl<R: Runtime> Builder<R> {
     /// Switches to the CUDA runtime of device `ordinal`, configured from the `PINPOOL_CONF`
-    /// environment variable ([`Config::from_env`]).
+    /// environment variable ([`Config::from_env`]), or from the configuration given with
+    /// [`Builder::config`]; its `size_policy` applies too (unless [`Builder::policy`] is
+    /// given).
     ///
-    /// Like [`Builder::runtime`], this starts a fresh builder: choose the runtime first, then
-    /// the other settings. Never panics: without a driver it is
-    /// [`Error::DeviceUnavailable`], without that device [`Error::NoSuchDevice`], and with a
-    /// malformed `PINPOOL_CONF` [`Error::InvalidConfig`].
+    /// Like [`Builder::runtime`], this keeps the other settings. Never panics: without a
+    /// driver it is [`Error::DeviceUnavailable`], without that device
+    /// [`Error::NoSuchDevice`], and with a malformed `PINPOOL_CONF` [`Error::InvalidConfig`].
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -59,11 +53,12 @@ impl<R: Runtime> Builder<R> {
     /// # Ok(()) }
     /// ```
     pub fn cuda(self, ordinal: usize) -> Result<Builder<CudaRuntime>, Error> {
-        let config = Config::from_env().map_err(config_error)?;
+        let config = self.resolved_config()?;
         self.cuda_with_config(ordinal, config)
     }
 
-    /// [`Builder::cuda`] with `config` instead of the environment's.
+    /// [`Builder::cuda`] with `config` instead of the environment's (or one given before):
+    /// its pinning settings for the runtime, and its `size_policy` for the allocator.
     ///
     /// ```
     /// use pinpool::config::{Config, PinStrategy};
@@ -80,8 +75,8 @@ impl<R: Runtime> Builder<R> {
         ordinal: usize,
         config: Config,
     ) -> Result<Builder<CudaRuntime>, Error> {
-        let runtime = CudaRuntime::with_config(ordinal, config)?;
-        Ok(self.runtime(Arc::new(runtime)))
+        let runtime = CudaRuntime::with_config(ordinal, config.clone())?;
+        Ok(self.config(&config).runtime(Arc::new(runtime)))
     }
 
     /// Switches to the best runtime available: CUDA device `ordinal` when a driver and that
@@ -89,9 +84,9 @@ impl<R: Runtime> Builder<R> {
     /// level, target `pinpool::cuda`) and can be read back from
     /// [`AutoRuntime::describe`] through `pool.runtime()`.
     ///
-    /// Configured from `PINPOOL_CONF`; a malformed one is [`Error::InvalidConfig`] even
-    /// without a GPU (a typo should not go unnoticed until the program meets a GPU). Never
-    /// panics, whatever the machine. Like [`Builder::runtime`], it starts a fresh builder.
+    /// Configured from `PINPOOL_CONF` (or the configuration given with [`Builder::config`]);
+    /// a malformed one is [`Error::InvalidConfig`] on either runtime. Never panics, whatever
+    /// the machine. Like [`Builder::runtime`], it keeps the other settings.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -103,11 +98,12 @@ impl<R: Runtime> Builder<R> {
     /// let stream = pool.runtime().new_stream()?;
     /// let mut buf = pool.alloc(4096).await?;
     /// buf.fill(1);
-    /// buf.record_stream(&stream);
+    /// buf.record_stream(&stream)?;
     /// # Ok(()) }
     /// ```
     pub fn best_available(self, ordinal: usize) -> Result<Builder<AutoRuntime>, Error> {
-        let config = Config::from_env().map_err(config_error)?;
-        Ok(self.runtime(Arc::new(AutoRuntime::detect_with_config(ordinal, config))))
+        let config = self.resolved_config()?;
+        let runtime = AutoRuntime::detect_with_config(ordinal, config.clone());
+        Ok(self.config(&config).runtime(Arc::new(runtime)))
     }
 }

@@ -59,7 +59,7 @@ impl PinnedBuffer<CudaRuntime> {
         if self.is_empty() {
             return Ok(());
         }
-        self.record_stream(stream);
+        self.record_stream(stream)?;
         stream
             .memcpy_htod(&*self, dst)
             .map_err(|e| runtime_error("cuMemcpyHtoDAsync", e).into())
@@ -99,7 +99,7 @@ impl PinnedBuffer<CudaRuntime> {
         if src.is_empty() {
             return Ok(());
         }
-        self.record_stream(stream);
+        self.record_stream(stream)?;
         stream
             .memcpy_dtoh(src, self)
             .map_err(|e| runtime_error("cuMemcpyDtoHAsync", e).into())
@@ -128,7 +128,7 @@ impl PinnedBuffer<CudaRuntime> {
 /// let mut device = stream.alloc_zeros::<u8>(4096)?;
 /// let mut buf = pool.alloc(4096).await?;
 /// buf.fill(1);
-/// buf.record_stream(&stream); // makes the copy below asynchronous
+/// buf.record_stream(&stream)?; // makes the copy below asynchronous
 /// stream.memcpy_htod(&buf, &mut device)?;
 /// drop(buf);
 /// # Ok(()) }

@@ -26,7 +26,6 @@ use super::error::runtime_error;
 use super::ipc;
 use super::runtime::{device_count, stream_id, CudaRuntime};
 use super::vmm::{self, Location};
-use crate::config::{DeviceConfig, DEVICE_ENV_VAR};
 use crate::device::{DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport, IPC_HANDLE_BYTES};
 #[cfg(target_os = "linux")]
 use crate::device::{DeviceCopy, IpcHandle, IpcMappedExport};
@@ -351,9 +350,11 @@ impl DeviceRuntime for CudaRuntime {
 
 impl<R: DeviceRuntime> DeviceBuilder<R> {
     /// Switches to the GPU: every device the driver reports, with the layout settings of
-    /// the `PINPOOL_DEVICE_CONF` environment variable ([`DeviceConfig::from_env`]; the other
-    /// settings are kept). Never panics: without a driver it is [`Error::DeviceUnavailable`],
-    /// and with a malformed `PINPOOL_DEVICE_CONF` [`Error::InvalidConfig`].
+    /// the `PINPOOL_DEVICE_CONF` environment variable
+    /// ([`DeviceConfig::from_env`](crate::config::DeviceConfig::from_env)) unless
+    /// [`DeviceBuilder::config`] gave them; the other settings are kept. Never panics:
+    /// without a driver it is [`Error::DeviceUnavailable`], and with a malformed
+    /// `PINPOOL_DEVICE_CONF` [`Error::InvalidConfig`].
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -373,9 +374,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     /// # Ok(()) }
     /// ```
     pub fn cuda(self) -> Result<DeviceBuilder<CudaRuntime>, Error> {
-        let config = DeviceConfig::from_env().map_err(|e| Error::InvalidConfig {
-            message: format!("{DEVICE_ENV_VAR}: {e}"),
-        })?;
+        let config = self.resolved_config()?;
         let runtime = CudaRuntime::new(0)?;
         Ok(self.runtime(Arc::new(runtime)).config(&config))
     }

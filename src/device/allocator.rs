@@ -303,9 +303,9 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             .raw
             .remove(ptr as usize)
             .ok_or(Error::UnknownPointer { ptr })?;
-        raw.record_stream(stream);
+        let recorded = raw.record_stream(stream);
         self.inner.raw.insert(ptr as usize, raw);
-        Ok(())
+        recorded
     }
 
     /// Records `stream` on `buf` after checking that this allocator lent it

@@ -49,7 +49,9 @@ struct Exported {
 /// nothing: stream order covers it).
 pub(crate) fn tie_to_stream<R: Runtime>(lease: &mut Lease<R>, stream: &R::Stream) {
     if lease.pool().is_some_and(|p| !p.is_default()) {
-        lease.record_stream(stream);
+        // The stream was routed to a capture pool, which the runtime asked whether it was
+        // capturing: it is the runtime's own, and recording it cannot be refused.
+        let _ = lease.record_stream(stream);
     }
 }
 
@@ -149,8 +151,12 @@ impl<R: Runtime> DeviceBuffer<R> {
     /// handed out again only once the event has completed. Recording the buffer's own
     /// stream changes nothing: its work is ordered anyway (a buffer of a capture pool has
     /// its own stream recorded from the start).
-    pub fn record_stream(&mut self, stream: &R::Stream) {
-        self.lease.record_stream(stream);
+    ///
+    /// # Errors
+    /// [`Error::ForeignStream`] for a stream of another runtime than the allocator's (a
+    /// stream of another [`SimRuntime`], say); nothing is recorded.
+    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
+        self.lease.record_stream(stream)
     }
 
     /// The streams recorded so far (the buffer's own stream is among them only in a capture

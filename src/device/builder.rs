@@ -11,7 +11,7 @@ use super::allocator::{DeviceAllocator, Inner};
 use super::peer::PeerTable;
 use super::raw::RawTable;
 use super::runtime::DeviceRuntime;
-use crate::config::DeviceConfig;
+use crate::config::{DeviceConfig, DEVICE_ENV_VAR};
 
 /// How the cap of each device is set.
 #[derive(Debug, Clone, Copy)]
@@ -22,6 +22,12 @@ enum Cap {
 }
 
 /// Configures a [`DeviceAllocator`].
+///
+/// Every setting given is kept until `build`, whatever is called after it (switching the
+/// runtime with [`DeviceBuilder::runtime`] or `cuda` keeps the others). The layout settings
+/// of `PINPOOL_DEVICE_CONF` ([`DeviceConfig::from_env`]) apply on every runtime unless
+/// [`DeviceBuilder::config`] gives them; a malformed one makes `build` fail with
+/// [`Error::InvalidConfig`].
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -37,7 +43,7 @@ enum Cap {
 /// ```
 pub struct DeviceBuilder<R: DeviceRuntime> {
     runtime: Arc<R>,
-    config: DeviceConfig,
+    config: Option<DeviceConfig>,
     cap: Cap,
     alloc_timeout: Option<Duration>,
     handle: Option<tokio::runtime::Handle>,
@@ -50,7 +56,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     pub fn new(runtime: Arc<R>) -> Self {
         Self {
             runtime,
-            config: DeviceConfig::default(),
+            config: None,
             cap: Cap::None,
             alloc_timeout: None,
             handle: None,
@@ -73,10 +79,21 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     }
 
     /// The layout settings (`PINPOOL_DEVICE_CONF`'s keys: `max_split_size_mb`,
-    /// `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`).
+    /// `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`),
+    /// used instead of `PINPOOL_DEVICE_CONF`'s.
     pub fn config(mut self, config: &DeviceConfig) -> Self {
-        self.config = config.clone();
+        self.config = Some(config.clone());
         self
+    }
+
+    /// The layout settings in force: the ones given, or `PINPOOL_DEVICE_CONF`'s.
+    pub(crate) fn resolved_config(&self) -> Result<DeviceConfig, Error> {
+        match &self.config {
+            Some(c) => Ok(c.clone()),
+            None => DeviceConfig::from_env().map_err(|e| Error::InvalidConfig {
+                message: format!("{DEVICE_ENV_VAR}: {e}"),
+            }),
+        }
     }
 
     /// Caps the bytes each device's pools reserve (default: no cap). A request that would
@@ -121,10 +138,9 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         self
     }
 
-    /// The policy the configuration describes: [`DeviceFit`] with its keys applied, its
+    /// The policy the configuration `c` describes: [`DeviceFit`] with its keys applied, its
     /// expandable range no larger than the device.
-    fn device_policy(&self, total: usize) -> DeviceFit {
-        let c = &self.config;
+    fn device_policy(c: &DeviceConfig, total: usize) -> DeviceFit {
         let mut p = DeviceFit::default()
             .roundup_power2_divisions(c.roundup_power2_divisions)
             .arena_reserve(total.next_multiple_of(2 << 20).max(2 << 20));
@@ -141,7 +157,13 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     }
 
     /// Starts one engine per device.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a malformed `PINPOOL_DEVICE_CONF` (when no
+    /// configuration was given), [`Error::InvalidLimit`] for a bad cap or fraction,
+    /// [`Error::NoTokioRuntime`] outside a tokio runtime without a handle.
     pub fn build(self) -> Result<DeviceAllocator<R>, Error> {
+        let config = self.resolved_config()?;
         let handle = match &self.handle {
             Some(h) => h.clone(),
             None => tokio::runtime::Handle::try_current().map_err(|_| Error::NoTokioRuntime)?,
@@ -159,12 +181,12 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             };
             let policy: Arc<dyn SizePolicy> = match &self.policy {
                 Some(p) => p.clone(),
-                None => Arc::new(self.device_policy(total)),
+                None => Arc::new(Self::device_policy(&config, total)),
             };
             let mut b = EngineBuilder::new(self.runtime.clone(), self.runtime.device_memory(d)?)
                 .policy(policy)
                 .stream_ordered(true)
-                .device_stats(self.config.max_split_size.unwrap_or(usize::MAX))
+                .device_stats(config.max_split_size.unwrap_or(usize::MAX))
                 .handle(handle.clone());
             if let Some(l) = limit {
                 b = b.max_bytes(l);
@@ -182,7 +204,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             devices: devices.into_boxed_slice(),
             totals: totals.into_boxed_slice(),
             raw: RawTable::new(),
-            config: self.config,
+            config,
             ipc: OnceLock::new(),
             peers: PeerTable::new(count),
         }))

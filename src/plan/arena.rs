@@ -45,7 +45,8 @@ unsafe impl<R: Runtime> Sync for Arena<R> {}
 impl<R: Runtime> Arena<R> {
     pub(super) fn record(&mut self, streams: Vec<R::Stream>, events: Vec<Option<R::Event>>) {
         for stream in &streams {
-            self.buf.record_stream(stream);
+            // Each was accepted by the runtime when it was recorded on a served buffer.
+            let _ = self.buf.record_stream(stream);
         }
         release(&*self.runtime, events);
     }

@@ -4,7 +4,7 @@
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use pinpool_actors::{Runtime, StreamId};
+use pinpool_actors::{Error, Runtime, StreamId};
 
 use super::arena::Ticket;
 use crate::PinnedBuffer;
@@ -80,13 +80,25 @@ impl<R: Runtime> PlanBuffer<R> {
 
     /// Marks the buffer as used by work enqueued on `stream`: its bytes are reused (in this
     /// iteration or a later one) only once that work is done.
-    pub fn record_stream(&mut self, stream: &R::Stream) {
+    ///
+    /// # Errors
+    /// [`Error::ForeignStream`] for a stream of another runtime than the allocator's;
+    /// nothing is recorded.
+    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
         match &mut self.inner {
             Inner::Served { ticket, .. } => {
-                let id = ticket.arena.runtime.stream_id(stream);
+                let rt = &*ticket.arena.runtime;
+                let id = rt.stream_id(stream);
+                if !rt.owns_stream(stream) {
+                    return Err(Error::ForeignStream {
+                        stream: id.0,
+                        runtime: rt.name(),
+                    });
+                }
                 if !ticket.streams.iter().any(|(s, _)| *s == id) {
                     ticket.streams.push((id, stream.clone()));
                 }
+                Ok(())
             }
             Inner::Pool { buf, .. } => buf.record_stream(stream),
         }

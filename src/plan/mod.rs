@@ -39,7 +39,7 @@
 //!     let mut a = session.alloc(1000).await?; // a view of the arena
 //!     a.fill(1);
 //!     let mut b = session.alloc(3000).await?;
-//!     b.record_stream(&stream); // its bytes wait for the stream's work
+//!     b.record_stream(&stream)?; // its bytes wait for the stream's work
 //!     drop(a);
 //!     let c = session.alloc(900).await?; // in a's bytes
 //!     assert!(b.is_served() && c.is_served());

@@ -14,10 +14,11 @@
 //! seqlock-style pair of counters), so that a checksum comparison can tell a change made by
 //! earlier device work, which is legitimate, from a change made by the host, which is early
 //! reuse. Simulated device memory is an allocation of the same kind (its addresses are the
-//! device addresses); there every write is device work, and what tells a legitimate change
-//! from early reuse is which stream wrote: each allocation counts the writes of the first
-//! few streams that write it, so that an operation can tell whether another stream wrote its
-//! bytes between its enqueue and its execution.
+//! device addresses); there every write is device work, and what tells a legitimate write
+//! from early reuse is which stream wrote which bytes when: each device write is numbered,
+//! and stamped on the units it touches in the allocation's [`WriteMap`], so that an
+//! operation can tell whether another stream wrote its own bytes between its enqueue and
+//! its execution (writes of other streams to other blocks of the mapping are no concern).
 //!
 //! Bytes are read and written only through `AtomicU8` views. In a correct program the
 //! simulated device and the host never touch the same bytes at the same time; in a buggy one
@@ -27,8 +28,10 @@
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
+use std::sync::OnceLock;
 
 use super::error::SimError;
+use super::write_map::{ForeignWrite, WriteMap};
 
 /// Alignment of every simulated pinned allocation (a page, like `cudaHostAlloc`).
 pub const HOST_ALIGN: usize = 4096;
@@ -47,9 +50,6 @@ enum Backing {
     },
 }
 
-/// Streams whose device writes an allocation counts one by one.
-const WRITERS: usize = 8;
-
 /// One live allocation standing in for pinned memory, or for device memory.
 pub(crate) struct HostAllocation {
     ptr: NonNull<u8>,
@@ -61,19 +61,11 @@ pub(crate) struct HostAllocation {
     device_writes_started: AtomicU64,
     /// Device writes finished (incremented after the bytes changed).
     device_writes_finished: AtomicU64,
-    /// Device writes by stream: the first `WRITERS` streams to write claim a slot (stream
-    /// id + 1, 0 when free) and count there; `overflow` counts the others'.
-    writers: [(AtomicU64, AtomicU64); WRITERS],
-    overflow: AtomicU64,
-}
-
-/// Device writes to an allocation, seen from one stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Writes {
-    /// By every stream.
-    pub(crate) total: u64,
-    /// By this stream (`None` when it writes without a slot of its own: not told apart).
-    pub(crate) mine: Option<u64>,
+    /// Device writes numbered so far (device memory: the next write's number).
+    write_seq: AtomicU64,
+    /// Which stream last wrote each unit (device memory; made at the first write, `None`
+    /// inside when it could not be).
+    write_map: OnceLock<Option<WriteMap>>,
 }
 
 // SAFETY: the allocation is plain heap memory owned by this value; all access to the bytes
@@ -100,8 +92,8 @@ impl HostAllocation {
             device: None,
             device_writes_started: AtomicU64::new(0),
             device_writes_finished: AtomicU64::new(0),
-            writers: Default::default(),
-            overflow: AtomicU64::new(0),
+            write_seq: AtomicU64::new(0),
+            write_map: OnceLock::new(),
         })
     }
 
@@ -116,53 +108,40 @@ impl HostAllocation {
         self
     }
 
-    /// Counts a device write by `stream` (made by `device_write`).
-    fn note_write(&self, stream: u64) {
-        let key = stream.wrapping_add(1);
-        for (id, n) in &self.writers {
-            let cur = id.load(Ordering::Acquire);
-            if cur == key
-                || (cur == 0
-                    && id
-                        .compare_exchange(0, key, Ordering::AcqRel, Ordering::Acquire)
-                        .map_or_else(|seen| seen == key, |_| true))
-            {
-                n.fetch_add(1, Ordering::AcqRel);
-                return;
-            }
-        }
-        self.overflow.fetch_add(1, Ordering::AcqRel);
+    /// The number the next device write will take: an operation enqueued now was reused
+    /// early if another stream writes its bytes with this number or a later one before it
+    /// runs (see [`HostAllocation::foreign_write_since`]).
+    pub(crate) fn write_seq(&self) -> u64 {
+        self.write_seq.load(Ordering::SeqCst)
     }
 
-    /// The device writes made so far, by every stream and by `stream`.
-    pub(crate) fn writes(&self, stream: u64) -> Writes {
-        let key = stream.wrapping_add(1);
-        let mut total = self.overflow.load(Ordering::Acquire);
-        let mut mine = None;
-        let mut free_slot = false;
-        for (id, n) in &self.writers {
-            let count = n.load(Ordering::Acquire);
-            total += count;
-            match id.load(Ordering::Acquire) {
-                k if k == key => mine = Some(count),
-                0 => free_slot = true,
-                _ => {}
-            }
-        }
-        // A stream that has not written yet would count in a free slot, from 0.
-        if mine.is_none() && free_slot {
-            mine = Some(0);
-        }
-        Writes { total, mine }
+    /// The latest device write numbered `since` or later, by a stream other than `stream`,
+    /// to `len` bytes at `addr` (inside this allocation), if any.
+    pub(crate) fn foreign_write_since(
+        &self,
+        addr: usize,
+        len: usize,
+        stream: u64,
+        since: u64,
+    ) -> Option<ForeignWrite> {
+        let map = self.write_map.get()?.as_ref()?;
+        map.foreign_since(addr - self.addr(), len, stream, since)
     }
 
-    /// Runs `write`, which changes bytes of this allocation on behalf of device work on
-    /// `stream`, bracketed by the device-write counters.
-    pub(crate) fn device_write(&self, stream: u64, write: impl FnOnce()) {
+    /// Runs `write`, which changes `len` bytes at `addr` of this allocation on behalf of
+    /// device work on `stream`, bracketed by the device-write counters; device memory also
+    /// numbers the write and stamps it on the bytes' units first.
+    pub(crate) fn device_write(&self, stream: u64, addr: usize, len: usize, write: impl FnOnce()) {
+        if self.device.is_some() {
+            let seq = self.write_seq.fetch_add(1, Ordering::SeqCst);
+            let map = self.write_map.get_or_init(|| WriteMap::new(self.size));
+            if let Some(map) = map {
+                map.mark(addr - self.addr(), len, stream, seq);
+            }
+        }
         self.device_writes_started.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::Release);
         write();
-        self.note_write(stream);
         self.device_writes_finished.fetch_add(1, Ordering::Release);
     }
 
@@ -246,8 +225,8 @@ impl HostAllocation {
             device: None,
             device_writes_started: AtomicU64::new(0),
             device_writes_finished: AtomicU64::new(0),
-            writers: Default::default(),
-            overflow: AtomicU64::new(0),
+            write_seq: AtomicU64::new(0),
+            write_map: OnceLock::new(),
         })
     }
 

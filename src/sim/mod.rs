@@ -8,7 +8,8 @@
 //! - `ledger`: the actor that owns the registry of live allocations and the violation log;
 //! - `stream`, `worker`: streams and the thread that runs each one's operations in order;
 //! - `event`: events as marker operations; `graph`: stream capture and graph replay;
-//! - `device`: simulated device buffers; `fault`: fault injection; `violation`: misuse records.
+//! - `device`: simulated device buffers; `fault`: fault injection; `violation`: misuse records;
+//! - `write_map`: which stream last wrote each unit of device memory (early reuse across streams).
 //!
 //! Misuse is made detectable: a copy whose host bytes changed between enqueue and execution
 //! (early reuse), a `host_free` of memory still referenced by queued work, or of memory the
@@ -29,6 +30,7 @@ mod rng;
 mod stream;
 mod violation;
 mod worker;
+mod write_map;
 
 #[cfg(test)]
 mod tests;
@@ -737,6 +739,12 @@ impl Runtime for SimRuntime {
 
     fn stream_id(&self, stream: &SimStream) -> StreamId {
         stream.id()
+    }
+
+    /// Only streams of this runtime (or its clones): another runtime's events and streams
+    /// are not this one's to record, query or wait for.
+    fn owns_stream(&self, stream: &SimStream) -> bool {
+        self.check_stream(stream).is_ok()
     }
 
     fn is_capturing(&self, stream: &SimStream) -> Result<bool, RuntimeError> {

@@ -242,9 +242,8 @@ impl SimStream {
     /// device.
     pub fn fill_device(&self, dst: u64, len: usize, byte: u8) -> Result<(), SimError> {
         let dst = self.device_range(dst, len)?;
-        let id = self.inner.id;
         self.submit(|capture| {
-            let expect = capture.is_none().then(|| dst.snapshot_for(id)).flatten();
+            let expect = capture.is_none().then(|| dst.snapshot_for()).flatten();
             Ok(Work::FillDevice { dst, byte, expect })
         })
     }
@@ -286,10 +285,9 @@ impl SimStream {
     }
 
     fn submit_copy(&self, src: HostRange, dst: HostRange) -> Result<(), SimError> {
-        let id = self.inner.id;
         self.submit(|capture| {
             let (src_expect, dst_expect) = if capture.is_none() {
-                (src.snapshot_for(id), dst.snapshot_for(id))
+                (src.snapshot_for(), dst.snapshot_for())
             } else {
                 (None, None)
             };
@@ -485,7 +483,7 @@ impl std::fmt::Debug for SimStream {
 mod tests {
     use super::super::ViolationKind;
     use super::*;
-    use pinpool_actors::{HostMemory, Runtime};
+    use pinpool_actors::{HostMemory, MemorySource, Region, Runtime};
     use std::time::Instant;
 
     fn setup(size: usize) -> (SimRuntime, SimStream, HostMemory) {
@@ -645,6 +643,57 @@ mod tests {
         assert_eq!(sim.host_read(p, 4).unwrap(), [8; 4]);
         assert_eq!(sim.violations(), 1);
         sim.host_free(mem).unwrap();
+    }
+
+    /// One device allocation (a mapping) with two 64 KiB blocks side by side.
+    fn two_blocks() -> (SimRuntime, Region, u64, u64) {
+        let sim = SimRuntime::new();
+        let region = sim.device_memory(0).unwrap().alloc(128 << 10).unwrap();
+        let first = region.addr() as u64;
+        (sim, region, first, first + (64 << 10))
+    }
+
+    #[test]
+    fn another_streams_write_to_another_block_of_the_mapping_is_not_early_reuse() {
+        // Two owners of one block on stream `a`, both fills queued (stream order makes
+        // that legal); meanwhile stream `b` writes the other block of the same mapping.
+        let (sim, region, first, second) = two_blocks();
+        let (a, b) = (sim.stream(), sim.stream());
+        let hold = a.hold();
+        a.fill_device(first, 64 << 10, 1).unwrap(); // the first owner's fill
+        a.fill_device(first, 64 << 10, 2).unwrap(); // the next owner's, queued behind it
+        b.fill_device(second, 64 << 10, 3).unwrap();
+        b.synchronize().unwrap();
+        drop(hold);
+        a.synchronize().unwrap();
+        assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+        sim.device_memory(0).unwrap().free(region).unwrap();
+    }
+
+    #[test]
+    fn another_streams_write_to_the_block_while_its_work_is_queued_is_early_reuse() {
+        let (sim, region, first, second) = two_blocks();
+        let (a, b) = (sim.stream(), sim.stream());
+        let hold = a.hold();
+        a.fill_device(first, 64 << 10, 1).unwrap();
+        a.fill_device(second, 64 << 10, 1).unwrap();
+        // `b` writes the last 512 bytes of the first block only: caught, and only there.
+        b.fill_device(second - 512, 512, 3).unwrap();
+        b.synchronize().unwrap();
+        drop(hold);
+        a.synchronize().unwrap();
+        let log = sim.violation_log();
+        assert_eq!(log.len(), 1, "{log:?}");
+        assert_eq!(log[0].kind, ViolationKind::EarlyReuse);
+        assert_eq!(log[0].stream, Some(a.id()));
+        assert!(
+            log[0]
+                .message
+                .contains(&format!("written by stream {}", b.id().0)),
+            "{}",
+            log[0].message
+        );
+        sim.device_memory(0).unwrap().free(region).unwrap();
     }
 
     #[test]

@@ -7,10 +7,14 @@
 //! queued — early reuse — and the worker reports a violation. Changes made by device work
 //! in between (a kernel or a device→host copy into the same allocation, on any stream) are
 //! legitimate; the allocation's device-write counters tell them apart, and the check is
-//! skipped when one happened. An operation is dropped
-//! (releasing its hold on host memory) before the next one starts, so a later event marker
-//! completes only after earlier operations have finished with their memory. The thread
-//! exits when every sender (stream handle) is gone and the queue is drained.
+//! skipped when one happened. Each operation on device memory carries instead the number
+//! the allocation's next device write would take when it was enqueued: if another stream
+//! wrote any of its bytes with that number or a later one before it runs, the two streams'
+//! work on those bytes was not ordered — early reuse — whatever either wrote elsewhere in
+//! the mapping (see `write_map`). An operation is dropped (releasing its hold on host
+//! memory) before the next one starts, so a later event marker completes only after
+//! earlier operations have finished with their memory. The thread exits when every sender
+//! (stream handle) is gone and the queue is drained.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -21,7 +25,7 @@ use pinpool_actors::StreamId;
 use super::device::DeviceBuffer;
 use super::error::SimError;
 use super::event::EventState;
-use super::memory::{atomic_bytes, checksum, checksum_atomic, HostAllocation, Writes};
+use super::memory::{atomic_bytes, checksum, checksum_atomic, HostAllocation};
 use super::rng::XorShift;
 use super::violation::ViolationKind;
 use super::Shared;
@@ -70,18 +74,23 @@ impl HostRange {
         self.read_with(|| checksum_atomic(self.bytes()))
     }
 
-    /// [`HostRange::snapshot`] for an operation of `stream`, counting (for device memory)
-    /// the writes of each stream so far.
-    pub(crate) fn snapshot_for(&self, stream: StreamId) -> Option<Expect> {
-        let writes = self.device_writes(stream);
-        let mut e = self.snapshot()?;
-        e.writes = writes;
-        Some(e)
+    /// What an operation enqueued now must find when it runs: for device memory, the
+    /// allocation's device-write number (no bytes are read: what matters is who writes
+    /// them before the operation runs); for host memory, [`HostRange::snapshot`].
+    pub(crate) fn snapshot_for(&self) -> Option<Expect> {
+        match self.device_owner() {
+            Some(owner) => Some(Expect {
+                checksum: 0,
+                generation: 0,
+                write_seq: Some(owner.write_seq()),
+            }),
+            None => self.snapshot(),
+        }
     }
 
-    fn device_writes(&self, stream: StreamId) -> Option<Writes> {
-        let owner = self._owner.as_ref()?;
-        owner.device().map(|_| owner.writes(stream.0))
+    /// The allocation, when the range is device memory.
+    fn device_owner(&self) -> Option<&Arc<HostAllocation>> {
+        self._owner.as_ref().filter(|o| o.device().is_some())
     }
 
     /// The device whose memory the range lies in (`None`: host memory).
@@ -97,33 +106,41 @@ impl HostRange {
         Some(Expect {
             checksum,
             generation,
-            writes: None,
+            write_seq: None,
         })
     }
 
-    /// Whether the bytes changed since `expect` was taken in a way the operation's stream
-    /// did not order: host memory that the host changed (they differ, and no device write
-    /// to the allocation happened in between: device work may change them), or device
-    /// memory that another stream wrote in between.
-    fn changed_unordered(&self, expect: &Expect, now: Option<Expect>, stream: StreamId) -> bool {
-        let Some(now) = now else { return false };
-        if now.checksum == expect.checksum {
-            return false;
+    /// How the range was changed since `expect` was taken in a way the operation's stream
+    /// did not order, if it was: device memory that another stream wrote (any of these
+    /// bytes) in between; host memory that the host changed (the bytes differ, and no
+    /// device write to the allocation happened in between: device work may change them).
+    /// `now` reads host memory as it is now (not called for device memory).
+    fn changed_unordered(
+        &self,
+        expect: &Expect,
+        now: impl FnOnce() -> Option<Expect>,
+        stream: StreamId,
+    ) -> Option<String> {
+        if let (Some(since), Some(owner)) = (expect.write_seq, self.device_owner()) {
+            return owner
+                .foreign_write_since(self.addr, self.len, stream.0, since)
+                .map(|w| {
+                    format!(
+                        "written by stream {} (device write #{}) between enqueue and execution",
+                        w.stream, w.seq
+                    )
+                });
         }
-        match (expect.writes, self.device_writes(stream)) {
-            (Some(then), Some(after)) => match (then.mine, after.mine) {
-                (Some(m0), Some(m1)) => (after.total - then.total) > (m1 - m0),
-                // This stream writes without a slot of its own: its writes and others'
-                // cannot be told apart.
-                _ => false,
-            },
-            _ => now.generation == expect.generation,
-        }
+        let now = now()?;
+        (now.checksum != expect.checksum && now.generation == expect.generation)
+            .then(|| "changed between enqueue and execution".to_owned())
     }
 
     fn device_write(&self, stream: StreamId, write: impl FnOnce(&[AtomicU8])) {
         match &self._owner {
-            Some(owner) => owner.device_write(stream.0, || write(self.bytes())),
+            Some(owner) => {
+                owner.device_write(stream.0, self.addr, self.len, || write(self.bytes()))
+            }
             None => write(self.bytes()),
         }
     }
@@ -134,8 +151,8 @@ impl HostRange {
 pub(crate) struct Expect {
     checksum: u64,
     generation: u64,
-    /// For device memory: the device writes made so far (see [`Writes`]).
-    writes: Option<Writes>,
+    /// For device memory: the number the allocation's next device write would take.
+    write_seq: Option<u64>,
 }
 
 /// A device operation: what a stream runs, and what a capture records.
@@ -299,10 +316,15 @@ impl Worker {
                         b
                     }))
                 });
-                self.check(src, expect, seen, "host→device copy source");
+                self.check(src, expect, || seen, "host→device copy source");
             }
             Work::CopyToHost { src, dst, expect } => {
-                self.check(dst, expect, dst.snapshot(), "device→host copy destination");
+                self.check(
+                    dst,
+                    expect,
+                    || dst.snapshot(),
+                    "device→host copy destination",
+                );
                 dst.device_write(self.stream, |bytes| {
                     for (s, d) in src.bytes().iter().zip(bytes) {
                         d.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -313,7 +335,7 @@ impl Worker {
                 self.check(
                     dst,
                     expect,
-                    dst.snapshot(),
+                    || dst.snapshot(),
                     "host-writing kernel destination",
                 );
                 dst.device_write(self.stream, |bytes| {
@@ -326,8 +348,8 @@ impl Worker {
                 src_expect,
                 dst_expect,
             } => {
-                self.check(src, src_expect, src.snapshot(), "copy source");
-                self.check(dst, dst_expect, dst.snapshot(), "copy destination");
+                self.check(src, src_expect, || src.snapshot(), "copy source");
+                self.check(dst, dst_expect, || dst.snapshot(), "copy destination");
                 dst.device_write(self.stream, |bytes| {
                     for (s, d) in src.bytes().iter().zip(bytes) {
                         d.store(s.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -338,7 +360,7 @@ impl Worker {
                 self.check(
                     dst,
                     expect,
-                    dst.snapshot(),
+                    || dst.snapshot(),
                     "device-writing kernel destination",
                 );
                 dst.device_write(self.stream, |bytes| {
@@ -355,23 +377,23 @@ impl Worker {
         }
     }
 
-    fn check(&self, range: &HostRange, expect: &Option<Expect>, now: Option<Expect>, what: &str) {
-        if expect
-            .as_ref()
-            .is_some_and(|e| range.changed_unordered(e, now, self.stream))
-        {
-            self.early_reuse(what, range);
+    fn check(
+        &self,
+        range: &HostRange,
+        expect: &Option<Expect>,
+        now: impl FnOnce() -> Option<Expect>,
+        what: &str,
+    ) {
+        let Some(expect) = expect else { return };
+        if let Some(how) = range.changed_unordered(expect, now, self.stream) {
+            self.shared.report(
+                ViolationKind::EarlyReuse,
+                Some(self.stream),
+                format!(
+                    "{what} ({} bytes at {:#x}, operation #{}) {how}",
+                    range.len, range.addr, self.executed
+                ),
+            );
         }
-    }
-
-    fn early_reuse(&self, what: &str, range: &HostRange) {
-        self.shared.report(
-            ViolationKind::EarlyReuse,
-            Some(self.stream),
-            format!(
-                "{what} ({} bytes at {:#x}, operation #{}) changed between enqueue and execution",
-                range.len, range.addr, self.executed
-            ),
-        );
     }
 }

@@ -160,6 +160,14 @@ impl<R: Runtime> Engine<R> {
                     Some(capture) => &capture.pool,
                     None if inner.stream_ordered => match table.stream_pool(id) {
                         Some(pool) => pool,
+                        // A stream of another runtime would own a pool whose order nothing
+                        // here can follow.
+                        None if !inner.runtime.owns_stream(s) => {
+                            return Err(Error::ForeignStream {
+                                stream: id.0,
+                                runtime: inner.runtime.name(),
+                            })
+                        }
                         None => {
                             return Ok(Step::NewStream {
                                 stream: id,
@@ -507,8 +515,7 @@ impl<R: Runtime> Engine<R> {
         if lease.allocator_id() != self.inner.id {
             return Err(Error::ForeignBuffer);
         }
-        lease.record_stream(stream);
-        Ok(())
+        lease.record_stream(stream)
     }
 
     /// Frees every cached block of the default pool and of released capture pools (kept
