@@ -229,6 +229,14 @@ impl<R: Runtime> Block<R> {
         Ok(())
     }
 
+    /// The free of a buffer no stream used, already booked as inactive: back to the ready
+    /// queue.
+    #[inline]
+    pub(crate) fn release_idle(self: Box<Self>) {
+        debug_assert!(self.streams.is_empty());
+        give_back(self);
+    }
+
     /// The free of a buffer: back to the ready queue when no stream used the block, or when
     /// every stream that did has run all its work (see [`idle_probe`]); parked in the freeing
     /// thread's shard with one event per busy stream otherwise (to be queried inline by that
@@ -236,7 +244,7 @@ impl<R: Runtime> Block<R> {
     pub(crate) fn release(mut self: Box<Self>) {
         if self.streams.is_empty() {
             self.pool.stats.deactivate(self.shard, self.size);
-            give_back(self);
+            self.release_idle();
             return;
         }
         let rt = &*self.pool.runtime;

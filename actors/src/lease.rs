@@ -241,8 +241,14 @@ impl<R: Runtime> Drop for Lease<R> {
                 self.len,
                 || b.streams.first().map(|(s, _)| *s),
             );
-            b.pool.stats.freed(b.shard, b.size, self.len);
-            b.release();
+            if b.streams.is_empty() {
+                // No stream used it: reusable at once, booked as one change.
+                b.pool.stats.freed_idle(b.shard, b.size, self.len);
+                b.release_idle();
+            } else {
+                b.pool.stats.freed(b.size, self.len);
+                b.release();
+            }
         }
     }
 }
