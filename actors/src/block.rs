@@ -90,8 +90,6 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) size: usize,
     /// Index of the size class.
     pub(crate) class: usize,
-    /// Stats shard the block is charged to while active.
-    pub(crate) shard: usize,
     /// Allocated while its stream was capturing: never given events, kept if used.
     pub(crate) during_capture: bool,
     /// Streams recorded since the block was lent.
@@ -122,7 +120,6 @@ impl<R: Runtime> Block<R> {
             memory,
             size: memory.size,
             class,
-            shard: 0,
             during_capture: false,
             streams: Vec::new(),
             events: Events::new(),
@@ -243,7 +240,7 @@ impl<R: Runtime> Block<R> {
     /// thread's next miss, or by the event poller); kept when captured work used it.
     pub(crate) fn release(mut self: Box<Self>) {
         if self.streams.is_empty() {
-            self.pool.stats.deactivate(self.shard, self.size);
+            self.pool.stats.deactivate(self.size);
             self.release_idle();
             return;
         }
@@ -288,7 +285,7 @@ impl<R: Runtime> Block<R> {
                 rt.release_event(e);
             }
             let stats = &self.pool.stats;
-            stats.deactivate(self.shard, self.size);
+            stats.deactivate(self.size);
             stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
             stats
                 .kept_bytes
@@ -409,7 +406,7 @@ impl<R: Runtime> Block<R> {
             self.memory.addr(),
             self.size,
         );
-        self.pool.stats.deactivate(self.shard, self.size);
+        self.pool.stats.deactivate(self.size);
     }
 
     /// A block whose events have all completed becomes reusable.
@@ -454,7 +451,6 @@ impl<R: Runtime> Block<R> {
             memory: self.memory,
             size: self.size,
             class: self.class,
-            shard: self.shard,
             during_capture: self.during_capture,
             streams: std::mem::take(&mut self.streams),
             events: std::mem::replace(&mut self.events, Events::new()),
@@ -547,7 +543,6 @@ impl<R: Runtime> Pool<R> {
         b.memory = memory;
         b.size = memory.size;
         b.class = class;
-        b.shard = 0;
         b.during_capture = false;
         b.state = BlockState::InUse;
         b.freed = false;

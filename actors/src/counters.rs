@@ -1,6 +1,6 @@
 //! Counters: the plain statistics reports are made of ([`Stat`], [`DurationStat`]), and the
-//! atomic cells that keep them — written by one actor ([`AtomicStat`], [`AtomicDuration`]) —
-//! and a count of the cached path kept by one thread shard each ([`ShardStat`]).
+//! atomic cells that keep them when one actor writes them ([`AtomicStat`], [`AtomicDuration`]).
+//! What requests hold is kept exactly elsewhere (`stats::Tally`).
 
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::Duration;
@@ -100,48 +100,6 @@ impl AtomicStat {
     pub(crate) fn reset_accumulated(&self) {
         self.allocated.store(0, Relaxed);
         self.freed.store(0, Relaxed);
-    }
-}
-
-/// A count of the cached path, kept in one thread shard. The thread that owns the shard
-/// (see [`crate::shard::ThreadSlot`]) changes `allocated` and `freed` with plain loads and
-/// stores; other threads add to `remote_allocated`/`remote_freed` atomically. Its value is
-/// exact at quiescent points (it keeps no peak: see `stats::Tally` for exact peaks).
-#[derive(Debug, Default)]
-pub(crate) struct ShardStat {
-    allocated: AtomicI64,
-    freed: AtomicI64,
-    remote_allocated: AtomicI64,
-    remote_freed: AtomicI64,
-}
-
-impl ShardStat {
-    /// Adds `n`; `owner` says whether the calling thread owns the shard.
-    #[inline]
-    pub(crate) fn increase(&self, n: i64, owner: bool) {
-        if owner {
-            self.allocated
-                .store(self.allocated.load(Relaxed) + n, Relaxed);
-        } else {
-            self.remote_allocated.fetch_add(n, Relaxed);
-        }
-    }
-
-    /// Removes `n`; `owner` says whether the calling thread owns the shard.
-    #[inline]
-    pub(crate) fn decrease(&self, n: i64, owner: bool) {
-        if owner {
-            self.freed.store(self.freed.load(Relaxed) + n, Relaxed);
-        } else {
-            self.remote_freed.fetch_add(n, Relaxed);
-        }
-    }
-
-    /// The value now.
-    pub(crate) fn current(&self) -> i64 {
-        self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed)
-            - self.freed.load(Relaxed)
-            - self.remote_freed.load(Relaxed)
     }
 }
 

@@ -138,7 +138,6 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             mailbox: Mailbox::new(tx),
             poller: parts.poller,
             stats: PoolStats::new(
-                parts.shards,
                 parts.device_stats,
                 parts.budget.tally.clone(),
                 !parts.id.is_default(),

@@ -35,7 +35,7 @@ impl<R: Runtime> Lease<R> {
         let pool = &block.pool;
         pool.history
             .on_alloc(pool.id, pool.owner, block.memory.addr(), block.size, len);
-        block.shard = block.pool.stats.lend(block.size, len);
+        block.pool.stats.lend(block.size, len);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
         block.meta.lent(len);
@@ -243,7 +243,7 @@ impl<R: Runtime> Drop for Lease<R> {
             );
             if b.streams.is_empty() {
                 // No stream used it: reusable at once, booked as one change.
-                b.pool.stats.freed_idle(b.shard, b.size, self.len);
+                b.pool.stats.freed_idle(b.size, self.len);
                 b.release_idle();
             } else {
                 b.pool.stats.freed(b.size, self.len);

@@ -19,8 +19,8 @@
 //! document). Readers take the turn (waiting for it) and apply what is queued before they
 //! read.
 //!
-//! Each pool also keeps its own bytes in use in per-thread shards ([`ShardStat`]), for its
-//! actor's heuristics and out-of-memory reports (exact at quiescent points).
+//! The tally also keeps each pool's own bytes in use, for its actor's heuristics and
+//! out-of-memory reports.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering, Ordering::Relaxed};
@@ -28,9 +28,9 @@ use std::sync::Arc;
 
 use crossbeam_queue::SegQueue;
 
-use crate::counters::{AtomicDuration, AtomicStat, DurationStat, ShardStat, Stat};
+use crate::counters::{AtomicDuration, AtomicStat, DurationStat, Stat};
 use crate::device_stats::{block_pool, Detail, DeviceStats, StatArray};
-use crate::shard::{CachePadded, ThreadSlot};
+use crate::shard::CachePadded;
 
 /// A statistics report for one pool or for the whole allocator.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -246,35 +246,50 @@ impl Book {
 
     #[inline]
     fn apply(&self, c: &Change) {
-        let part = 1 + block_pool(c.bytes as usize);
-        if matches!(c.kind, Kind::Lend) {
-            self.up(ACTIVE, part, 1);
-            self.up(ACTIVE_BYTES, part, c.bytes);
-        }
-        if c.detail {
+        if !c.detail {
+            // Host statistics: active blocks and bytes over all blocks only.
+            let [blocks, bytes] = [&self.cells[ACTIVE][0], &self.cells[ACTIVE_BYTES][0]];
             match c.kind {
                 Kind::Lend => {
-                    self.up(ALLOCATION, part, 1);
-                    self.up(ALLOCATED_BYTES, part, c.bytes);
-                    self.up(REQUESTED_BYTES, part, c.requested);
-                    if c.oversize {
-                        self.cells[OVERSIZE][0].add(1);
-                    }
+                    blocks.add(1);
+                    bytes.add(c.bytes);
                 }
-                Kind::Free | Kind::FreeIdle => {
-                    self.down(ALLOCATION, part, 1);
-                    self.down(ALLOCATED_BYTES, part, c.bytes);
-                    self.down(REQUESTED_BYTES, part, c.requested);
-                    if c.oversize {
-                        self.cells[OVERSIZE][0].remove(1);
-                    }
+                Kind::Deactivate | Kind::FreeIdle => {
+                    blocks.remove(1);
+                    bytes.remove(c.bytes);
                 }
-                Kind::Deactivate => {}
+                Kind::Free => {}
             }
+            return;
         }
-        if matches!(c.kind, Kind::Deactivate | Kind::FreeIdle) {
-            self.down(ACTIVE, part, 1);
-            self.down(ACTIVE_BYTES, part, c.bytes);
+        let part = 1 + block_pool(c.bytes as usize);
+        match c.kind {
+            Kind::Lend => {
+                self.up(ACTIVE, part, 1);
+                self.up(ACTIVE_BYTES, part, c.bytes);
+                self.up(ALLOCATION, part, 1);
+                self.up(ALLOCATED_BYTES, part, c.bytes);
+                self.up(REQUESTED_BYTES, part, c.requested);
+                if c.oversize {
+                    self.cells[OVERSIZE][0].add(1);
+                }
+            }
+            Kind::Free | Kind::FreeIdle => {
+                self.down(ALLOCATION, part, 1);
+                self.down(ALLOCATED_BYTES, part, c.bytes);
+                self.down(REQUESTED_BYTES, part, c.requested);
+                if c.oversize {
+                    self.cells[OVERSIZE][0].remove(1);
+                }
+                if c.kind == Kind::FreeIdle {
+                    self.down(ACTIVE, part, 1);
+                    self.down(ACTIVE_BYTES, part, c.bytes);
+                }
+            }
+            Kind::Deactivate => {
+                self.down(ACTIVE, part, 1);
+                self.down(ACTIVE_BYTES, part, c.bytes);
+            }
         }
     }
 
@@ -316,22 +331,46 @@ impl Book {
             .flatten()
             .for_each(Cell::reset_accumulated);
     }
+
+    /// Makes this book a copy of `o`.
+    fn copy_from(&self, o: &Book) {
+        for (a, b) in self.cells.iter().flatten().zip(o.cells.iter().flatten()) {
+            for (x, y) in [
+                (&a.current, &b.current),
+                (&a.peak, &b.peak),
+                (&a.allocated, &b.allocated),
+                (&a.freed, &b.freed),
+            ] {
+                x.store(y.load(Relaxed), Relaxed);
+            }
+        }
+    }
 }
 
-/// A change waiting for the turn, with the book of its pool's group (`None`: the default
-/// group).
+/// What the tally keeps of one pool: its bytes in use, and for a capture pool its own
+/// group book (written, like the tally's books, only by the thread whose turn it is).
+#[derive(Debug, Default)]
+pub(crate) struct PoolBook {
+    live: AtomicI64,
+    own: Option<Book>,
+}
+
+/// A change waiting for the turn, with its pool.
 struct Queued {
-    group: Option<Arc<Book>>,
+    pool: Arc<PoolBook>,
     change: Change,
 }
 
 /// The allocator's exact books of what requests hold: the whole allocator, the default
-/// pool with its stream pools, and (held by each capture pool, see [`PoolStats`]) each
-/// capture pool. Every change goes to the allocator's book and its group's, one at a time:
-/// by the thread that takes the turn, or, when the turn is taken, queued for the next taker.
+/// pool with its stream pools, and (in each capture pool's [`PoolBook`]) each capture pool.
+/// Every change goes to the allocator's book and its group's, one at a time: by the thread
+/// that takes the turn, or, when the turn is taken, queued for the next taker.
 pub(crate) struct Tally {
     turn: CachePadded<AtomicBool>,
     queued: SegQueue<Queued>,
+    /// Whether a capture pool was ever made: until then the default group is the whole
+    /// allocator, and `total` is not written (it is a copy of `default_group` from then on).
+    split: AtomicBool,
     total: Book,
     default_group: Book,
 }
@@ -349,6 +388,7 @@ impl Default for Tally {
         Self {
             turn: CachePadded(AtomicBool::new(false)),
             queued: SegQueue::new(),
+            split: AtomicBool::new(false),
             total: Book::default(),
             default_group: Book::default(),
         }
@@ -377,28 +417,52 @@ impl Tally {
             return;
         }
         while let Some(q) = self.queued.pop() {
-            self.apply(q.group.as_deref(), &q.change);
+            self.apply(&q.pool, &q.change);
         }
     }
 
+    /// Applies a change of `pool` (the turn is held).
     #[inline]
-    fn apply(&self, group: Option<&Book>, c: &Change) {
-        self.total.apply(c);
-        group.unwrap_or(&self.default_group).apply(c);
+    fn apply(&self, pool: &PoolBook, c: &Change) {
+        let live = match c.kind {
+            Kind::Lend => c.bytes,
+            Kind::Deactivate | Kind::FreeIdle => -c.bytes,
+            Kind::Free => 0,
+        };
+        pool.live.store(pool.live.load(Relaxed) + live, Relaxed);
+        match &pool.own {
+            Some(own) => {
+                own.apply(c);
+                self.total.apply(c);
+            }
+            None => {
+                self.default_group.apply(c);
+                if self.split.load(Relaxed) {
+                    self.total.apply(c);
+                }
+            }
+        }
     }
 
-    /// Books a change of a pool of `group` (`None`: the default group). Never waits.
+    /// Books a change of `pool`. Never waits.
     #[inline]
-    pub(crate) fn record(&self, group: Option<&Arc<Book>>, change: Change) {
+    pub(crate) fn record(&self, pool: &Arc<PoolBook>, change: Change) {
         if self.try_turn() {
             // What was queued before this change began comes first.
             self.settle();
-            self.apply(group.map(|g| &**g), &change);
+            self.apply(pool, &change);
             self.end_turn();
             return;
         }
+        self.queue(pool, change);
+    }
+
+    /// Queues a change for the thread whose turn it is.
+    #[cold]
+    #[inline(never)]
+    fn queue(&self, pool: &Arc<PoolBook>, change: Change) {
         self.queued.push(Queued {
-            group: group.cloned(),
+            pool: pool.clone(),
             change,
         });
         // The holder may have ended its turn before it saw this change.
@@ -409,7 +473,7 @@ impl Tally {
     }
 
     /// Runs `f` with the turn held, after every queued change is applied (waits for the
-    /// turn: for readers, never for the cached path).
+    /// turn: for readers and the pool actors, never for the cached path).
     fn with_turn<T>(&self, f: impl FnOnce(&Self) -> T) -> T {
         let mut spins = 0u32;
         while !self.try_turn() {
@@ -426,14 +490,38 @@ impl Tally {
         out
     }
 
+    /// The book of the whole allocator (the turn is held).
+    fn total(&self) -> &Book {
+        if self.split.load(Relaxed) {
+            &self.total
+        } else {
+            &self.default_group
+        }
+    }
+
+    /// The book of a capture pool, made now; from now on the allocator's book is kept apart
+    /// from the default group's.
+    fn capture_pool(&self) -> Arc<PoolBook> {
+        self.with_turn(|t| {
+            if !t.split.load(Relaxed) {
+                t.total.copy_from(&t.default_group);
+                t.split.store(true, Relaxed);
+            }
+        });
+        Arc::new(PoolBook {
+            live: AtomicI64::new(0),
+            own: Some(Book::default()),
+        })
+    }
+
     /// The allocator's active blocks and bytes.
     pub(crate) fn host_total(&self) -> (Stat, Stat) {
-        self.with_turn(|t| t.total.host())
+        self.with_turn(|t| t.total().host())
     }
 
     /// Writes the allocator's totals of what requests hold into a device report.
     pub(crate) fn device_total(&self, s: &mut DeviceStats) {
-        self.with_turn(|t| t.total.device(s))
+        self.with_turn(|t| t.total().device(s))
     }
 
     /// Starts the peaks of the allocator's book and the default group's over from the
@@ -469,28 +557,19 @@ pub(crate) struct PoolStats {
     pub(crate) num_ooms: AtomicI64,
     /// Granules moved within the expandable range (see `MemorySource::remap`).
     pub(crate) remaps: AtomicI64,
-    /// Bytes of this pool's active blocks, by thread shard.
-    live: Box<[CachePadded<ShardStat>]>,
-    mask: usize,
     /// The allocator's exact books.
     tally: Arc<Tally>,
-    /// This pool's group book: its own for a capture pool, `None` for the default pool and
-    /// stream pools (the tally's default group).
-    group: Option<Arc<Book>>,
+    /// What the tally keeps of this pool.
+    book: Arc<PoolBook>,
     /// Device statistics, for pools built with them (`None`: host statistics only).
     detail: Option<Detail>,
 }
 
 impl PoolStats {
-    /// The books of a pool with `shards` thread shards, booking what requests hold in
-    /// `tally` (in its default group, or with `own_group` in a book of the pool's own); with
-    /// `device`, device statistics too, blocks above `device` bytes counting as oversize.
-    pub(crate) fn new(
-        shards: usize,
-        device: Option<usize>,
-        tally: Arc<Tally>,
-        own_group: bool,
-    ) -> Self {
+    /// The books of a pool, booking what requests hold in `tally` (in its default group, or
+    /// with `own_group` in a book of the pool's own); with `device`, device statistics too,
+    /// blocks above `device` bytes counting as oversize.
+    pub(crate) fn new(device: Option<usize>, tally: Arc<Tally>, own_group: bool) -> Self {
         Self {
             allocations: AtomicStat::default(),
             allocated_bytes: AtomicStat::default(),
@@ -503,10 +582,12 @@ impl PoolStats {
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
             remaps: AtomicI64::new(0),
-            live: (0..shards).map(|_| CachePadded::default()).collect(),
-            mask: shards - 1,
+            book: if own_group {
+                tally.capture_pool()
+            } else {
+                Arc::default()
+            },
             tally,
-            group: own_group.then(|| Arc::new(Book::default())),
             detail: device.map(Detail::new),
         }
     }
@@ -522,18 +603,11 @@ impl PoolStats {
         }
     }
 
-    /// A block of `bytes` was lent for a request of `requested` bytes: it became active,
-    /// charged to the calling thread's shard; returns the shard, to be credited when the
-    /// block becomes reusable.
+    /// A block of `bytes` was lent for a request of `requested` bytes: it became active.
     #[inline]
-    pub(crate) fn lend(&self, bytes: usize, requested: usize) -> usize {
-        let me = ThreadSlot::current(self.mask);
-        self.live[me.shard].increase(bytes as i64, me.owns);
-        self.tally.record(
-            self.group.as_ref(),
-            self.change(Kind::Lend, bytes, requested),
-        );
-        me.shard
+    pub(crate) fn lend(&self, bytes: usize, requested: usize) {
+        self.tally
+            .record(&self.book, self.change(Kind::Lend, bytes, requested));
     }
 
     /// The user of a block of `bytes` freed it (device statistics only: it stays active
@@ -541,37 +615,24 @@ impl PoolStats {
     #[inline]
     pub(crate) fn freed(&self, bytes: usize, requested: usize) {
         if self.detail.is_some() {
-            self.tally.record(
-                self.group.as_ref(),
-                self.change(Kind::Free, bytes, requested),
-            );
+            self.tally
+                .record(&self.book, self.change(Kind::Free, bytes, requested));
         }
     }
 
-    /// A block of `bytes` charged to `shard` became reusable (or kept).
+    /// A block of `bytes` became reusable (or kept).
     #[inline]
-    pub(crate) fn deactivate(&self, shard: usize, bytes: usize) {
-        self.unlive(shard, bytes);
+    pub(crate) fn deactivate(&self, bytes: usize) {
         self.tally
-            .record(self.group.as_ref(), self.change(Kind::Deactivate, bytes, 0));
+            .record(&self.book, self.change(Kind::Deactivate, bytes, 0));
     }
 
-    /// The user of a block of `bytes` charged to `shard` freed it and it is reusable at once:
-    /// [`Self::freed`] and [`Self::deactivate`] in one change.
+    /// The user of a block of `bytes` freed it and it is reusable at once: [`Self::freed`]
+    /// and [`Self::deactivate`] in one change.
     #[inline]
-    pub(crate) fn freed_idle(&self, shard: usize, bytes: usize, requested: usize) {
-        self.unlive(shard, bytes);
-        self.tally.record(
-            self.group.as_ref(),
-            self.change(Kind::FreeIdle, bytes, requested),
-        );
-    }
-
-    #[inline]
-    fn unlive(&self, shard: usize, bytes: usize) {
-        let me = ThreadSlot::current(self.mask);
-        let owner = me.owns && me.shard == shard;
-        self.live[shard].decrease(bytes as i64, owner);
+    pub(crate) fn freed_idle(&self, bytes: usize, requested: usize) {
+        self.tally
+            .record(&self.book, self.change(Kind::FreeIdle, bytes, requested));
     }
 
     /// A segment of `bytes` was taken from the memory source (`taken`) or given back
@@ -606,13 +667,13 @@ impl PoolStats {
     /// Writes what the requests of this pool's group hold into a device report.
     pub(crate) fn fill_group_device(&self, s: &mut DeviceStats) {
         self.tally
-            .with_turn(|t| self.group.as_deref().unwrap_or(&t.default_group).device(s))
+            .with_turn(|t| self.book.own.as_ref().unwrap_or(&t.default_group).device(s))
     }
 
     /// The active blocks and bytes of this pool's group.
     pub(crate) fn group_host(&self) -> (Stat, Stat) {
         self.tally
-            .with_turn(|t| self.group.as_deref().unwrap_or(&t.default_group).host())
+            .with_turn(|t| self.book.own.as_ref().unwrap_or(&t.default_group).host())
     }
 
     /// The allocator's exact books.
@@ -620,9 +681,9 @@ impl PoolStats {
         &self.tally
     }
 
-    /// Bytes of this pool's active blocks now, summed over the shards.
+    /// Bytes of this pool's active blocks now.
     pub(crate) fn active_bytes_now(&self) -> i64 {
-        self.live.iter().map(|s| s.current()).sum()
+        self.tally.with_turn(|_| self.book.live.load(Relaxed))
     }
 
     /// This pool's host books, without what requests hold (zero here: it is kept by group,
@@ -655,7 +716,7 @@ impl PoolStats {
     pub(crate) fn reset_peak(&self) {
         self.allocations.reset_peak();
         self.allocated_bytes.reset_peak();
-        if let Some(g) = &self.group {
+        if let Some(g) = &self.book.own {
             self.tally.with_turn(|_| g.reset_peak());
         }
         if let Some(d) = &self.detail {
@@ -670,7 +731,7 @@ impl PoolStats {
         self.host_free_time.reset();
         self.num_alloc_retries.store(0, Relaxed);
         self.num_ooms.store(0, Relaxed);
-        if let Some(g) = &self.group {
+        if let Some(g) = &self.book.own {
             self.tally.with_turn(|_| g.reset_accumulated());
         }
         if let Some(d) = &self.detail {

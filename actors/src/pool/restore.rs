@@ -248,7 +248,7 @@ impl<R: Runtime> PoolActor<R> {
                     b.streams.first().map(|(s, _)| *s)
                 });
             stats.freed(b.size, len);
-            stats.deactivate(b.shard, b.size);
+            stats.deactivate(b.size);
             b.streams.clear();
             blocks.push(b);
         }
