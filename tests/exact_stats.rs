@@ -40,8 +40,11 @@ fn device_size(thread: usize, phase: usize) -> usize {
     }
 }
 
-/// What the threads held in each phase: (block bytes, requested bytes, small?) per thread.
-type Held = Vec<Vec<(usize, usize, bool)>>;
+/// One block a thread held in a phase: block bytes, requested bytes, small pool or not.
+type Block = (usize, usize, bool);
+
+/// What the threads held in each phase, by phase and thread.
+type Held = Vec<Vec<Block>>;
 
 /// The most held at once over the phases: (bytes, requested, blocks) of all blocks, and bytes
 /// and blocks of the small (≤ 1 MiB) and large pools.
@@ -56,7 +59,7 @@ struct Truth {
 }
 
 fn truth(held: &Held) -> Truth {
-    let max = |f: &dyn Fn(&(usize, usize, bool)) -> Option<usize>| {
+    let max = |f: &dyn Fn(&Block) -> Option<usize>| {
         held.iter()
             .map(|phase| phase.iter().filter_map(f).sum::<usize>() as i64)
             .max()
@@ -81,7 +84,7 @@ fn run_phases<B: Send>(
     alloc: impl Fn(usize, usize) -> (B, usize, usize) + Sync,
 ) -> Held {
     let barrier = Barrier::new(THREADS);
-    let held: Vec<Vec<(usize, usize, bool)>> = std::thread::scope(|s| {
+    let held: Held = std::thread::scope(|s| {
         let handles: Vec<_> = (0..THREADS)
             .map(|t| {
                 let (barrier, alloc) = (&barrier, &alloc);
