@@ -231,7 +231,10 @@ struct Counters {
     device_held: Held,
 }
 
-/// Bytes held now, and the most held at once.
+/// Bytes held now, and the most held at once. A buffer counts from just after the allocator
+/// lent it to just before it goes back, so the peak here is at most the allocator's exact
+/// in-use peak, and equal to it unless another task took or gave back a buffer in that
+/// instant.
 #[derive(Default)]
 struct Held {
     now: AtomicU64,
@@ -328,10 +331,6 @@ impl<R: DeviceRuntime> Server<R> {
         let c = &self.counters;
         c.alloc_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        c.pinned_held
-            .take(buffers.input.capacity() + buffers.output.capacity());
-        c.device_held
-            .take(buffers.d_input.capacity() + buffers.d_act.capacity());
         Ok(buffers)
     }
 
@@ -359,10 +358,38 @@ impl<R: DeviceRuntime> Server<R> {
             note_retry(&r, wait, &self.counters.device_retried);
             r
         };
+        // Each buffer counts as held from the moment it is taken to the moment it is given
+        // back (see `Held`).
         let input = pinned(size).await?;
-        let output = pinned(size / 4).await?;
-        let d_input = on_device(size).await?;
-        let d_act = on_device(size * ACTIVATIONS).await?;
+        self.counters.pinned_held.take(input.capacity());
+        let output = match pinned(size / 4).await {
+            Ok(b) => b,
+            Err(e) => {
+                self.release_pinned(input);
+                return Err(e);
+            }
+        };
+        self.counters.pinned_held.take(output.capacity());
+        let d_input = match on_device(size).await {
+            Ok(b) => b,
+            Err(e) => {
+                self.release_pinned(input);
+                self.release_pinned(output);
+                return Err(e);
+            }
+        };
+        self.counters.device_held.take(d_input.capacity());
+        let d_act = match on_device(size * ACTIVATIONS).await {
+            Ok(b) => b,
+            Err(e) => {
+                self.release_pinned(input);
+                self.release_pinned(output);
+                self.counters.device_held.give_back(d_input.capacity());
+                drop(d_input);
+                return Err(e);
+            }
+        };
+        self.counters.device_held.take(d_act.capacity());
         Ok(Buffers {
             input,
             output,
@@ -373,16 +400,16 @@ impl<R: DeviceRuntime> Server<R> {
 
     /// Frees a request's device buffers (on their own stream: no event needed).
     fn release_device(&self, d_input: DeviceBuffer<R>, d_act: DeviceBuffer<R>) {
-        let held = d_input.capacity() + d_act.capacity();
+        self.counters
+            .device_held
+            .give_back(d_input.capacity() + d_act.capacity());
         drop((d_input, d_act));
-        self.counters.device_held.give_back(held);
     }
 
     /// Frees a pinned buffer (any stream that used it recorded on it).
     fn release_pinned(&self, buf: PinnedBuffer<R>) {
-        let held = buf.capacity();
+        self.counters.pinned_held.give_back(buf.capacity());
         drop(buf);
-        self.counters.pinned_held.give_back(held);
     }
 
     /// A request done: counts it.
@@ -632,7 +659,7 @@ fn report(
             ),
         ),
         (
-            "in use peak, as the statistics report it",
+            "in use peak, as the statistics report it (pinned: active, so also freed buffers whose copies had not run)",
             format!("{} MiB", mib(host.active_bytes.peak)),
             format!("{} MiB", mib(device.allocated_bytes.all.peak)),
         ),
@@ -677,6 +704,16 @@ fn report(
     for (name, h, d) in rows {
         println!("| {name} | {h} | {d} |");
     }
+    let (stats, measured) = (device.allocated_bytes.all.peak, counters.device_held.peak());
+    println!();
+    println!(
+        "device in-use peak {} the most the requests held at once ({stats} vs {measured} bytes)",
+        if stats == measured {
+            "equals"
+        } else {
+            "DIFFERS FROM"
+        }
+    );
 }
 
 fn progress(done: u64, total: u64, start: Instant, final_line: bool) {

@@ -20,6 +20,7 @@ use arc_swap::ArcSwap;
 
 use crate::free_memory::FreeMemoryCallbacks;
 use crate::loom::{fence, AtomicUsize};
+use crate::stats::Tally;
 
 /// What `empty_cache` did to one pool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -73,6 +74,8 @@ pub(crate) struct Budget {
     peak: AtomicUsize,
     /// What a request runs when no cached block fits and there is no room (see `miss`).
     pub(crate) free_memory: FreeMemoryCallbacks,
+    /// The exact books of what requests hold, in every pool.
+    pub(crate) tally: Arc<Tally>,
 }
 
 impl Budget {
@@ -92,6 +95,7 @@ impl Budget {
             pools: ArcSwap::from_pointee(Vec::new()),
             peak: AtomicUsize::new(0),
             free_memory: FreeMemoryCallbacks::default(),
+            tally: Arc::default(),
         }
     }
 

@@ -144,11 +144,11 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         let d = self.inner.runtime.stream_device(stream);
         let engine = self.engine(d)?;
         if size > self.inner.totals[d] {
-            return Err(Error::OutOfMemory {
+            return Err(engine.refused(Error::OutOfMemory {
                 requested: size,
                 reserved: engine.reserved_bytes(),
                 limit: None,
-            });
+            }));
         }
         Ok((d, engine))
     }

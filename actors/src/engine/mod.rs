@@ -23,6 +23,7 @@ mod route_cache;
 pub use build::EngineBuilder;
 pub use checkpoint::{RestoreFailed, Restored};
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -472,6 +473,15 @@ impl<R: Runtime> Engine<R> {
         }
         self.inner.default.budget.set_limit(bytes);
         Ok(())
+    }
+
+    /// Books `err`, a request refused for want of memory before it reached the engine (a
+    /// size larger than the device, say): counted in `num_ooms` and reported to the OOM
+    /// observers like the engine's own failures. Returns `err`.
+    pub fn refused(&self, err: Error) -> Error {
+        let pool = self.default_pool();
+        pool.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
+        pool.oom(err)
     }
 
     /// Pinned bytes reserved by all pools together (what the cap limits).
