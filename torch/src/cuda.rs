@@ -24,20 +24,21 @@ struct Backend {
     runtime: tokio::runtime::Runtime,
 }
 
-static BACKEND: OnceLock<Result<Backend, String>> = OnceLock::new();
+static BACKEND: OnceLock<Result<Backend, Error>> = OnceLock::new();
 
-fn build() -> Result<Backend, String> {
+fn build() -> Result<Backend, Error> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("pinpool-torch")
         .enable_all()
         .build()
-        .map_err(|e| format!("starting the allocator's threads: {e}"))?;
+        .map_err(|e| Error::DeviceUnavailable {
+            message: format!("starting the allocator's threads: {e}"),
+        })?;
     let alloc = DeviceAllocator::builder()
         .handle(runtime.handle().clone())
         .cuda()
-        .and_then(|b| b.build())
-        .map_err(|e| e.to_string())?;
+        .and_then(|b| b.build())?;
     let streams = CudaStreams::new(alloc.device_count());
     Ok(Backend {
         plugin: Plugin::new(alloc, Arc::new(streams)),
@@ -46,12 +47,7 @@ fn build() -> Result<Backend, String> {
 }
 
 fn backend() -> Result<&'static Backend, Error> {
-    BACKEND
-        .get_or_init(build)
-        .as_ref()
-        .map_err(|message| Error::DeviceUnavailable {
-            message: message.clone(),
-        })
+    BACKEND.get_or_init(build).as_ref().map_err(Error::clone)
 }
 
 /// The process's plugin, made on first use.
@@ -90,11 +86,23 @@ pub struct KeepContext {
     previous: Option<sys::CUcontext>,
 }
 
+/// Whether the driver library can be loaded (asked once): without it, cudarc's calls panic.
+fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` tries to `dlopen` the driver under its usual names, running
+    // its initialisers: what loading the CUDA driver means.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
 impl KeepContext {
-    /// Remembers the current context (none before the driver is initialised).
+    /// Remembers the current context (none without a driver, or before it is initialised).
     pub fn new() -> Self {
         Self {
-            previous: result::ctx::get_current().ok().flatten(),
+            previous: if driver_present() {
+                result::ctx::get_current().ok().flatten()
+            } else {
+                None
+            },
         }
     }
 }
@@ -107,6 +115,9 @@ impl Default for KeepContext {
 
 impl Drop for KeepContext {
     fn drop(&mut self) {
+        if !driver_present() {
+            return;
+        }
         let now = result::ctx::get_current().ok().flatten();
         if now != self.previous {
             let previous = self.previous.unwrap_or(std::ptr::null_mut());
