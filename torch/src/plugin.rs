@@ -73,14 +73,16 @@ impl<R: DeviceRuntime> Plugin<R> {
 
     /// PyTorch's `alloc(size, device, stream)`: `size` bytes on `device` for work on the
     /// stream `handle`, as an address. Size 0 gives 0 (PyTorch's own allocator returns a
-    /// null pointer for it too). Errors: [`Error::NoSuchDevice`], [`Error::OutOfMemory`].
+    /// null pointer for it too). A request that does not fit under the cap (the memory
+    /// fraction) fails at once instead of waiting for memory to come back, as PyTorch's own
+    /// allocator fails it. Errors: [`Error::NoSuchDevice`], [`Error::OutOfMemory`].
     pub fn alloc(&self, size: usize, device: i32, handle: usize) -> Result<usize, Error> {
         let device = self.device(device)?;
         if size == 0 {
             return Ok(0);
         }
         let stream = self.stream(device, handle)?;
-        Ok(self.alloc.raw_alloc_with_stream(size, &stream)? as usize)
+        Ok(self.alloc.try_raw_alloc_with_stream(size, &stream)? as usize)
     }
 
     /// PyTorch's `free(ptr, size, device, stream)`, with the stream of the allocation.

@@ -330,12 +330,14 @@ fn empty_cache_gives_cached_blocks_back() {
 fn memory_fraction_caps_the_device_and_bad_fractions_are_refused() {
     let s = setup_with(SimRuntime::builder().device_capacity(256 * MIB).build());
     s.plugin.set_memory_fraction(0.25, 0).unwrap();
+    let held = s.plugin.alloc(32 * MIB, 0, 3).unwrap();
+    // Over the cap: fails at once (it would otherwise wait for `held` to come back).
     assert!(matches!(
-        s.plugin
-            .allocator()
-            .try_alloc_blocking(128 * MIB, s.stream(0, 3)),
+        s.plugin.alloc(48 * MIB, 0, 3),
         Err(Error::OutOfMemory { .. })
     ));
+    s.plugin.free(held, 0, 3).unwrap();
+    assert_ne!(s.plugin.alloc(48 * MIB, 0, 3).unwrap(), 0);
     assert!(matches!(
         s.plugin.set_memory_fraction(1.5, 0),
         Err(Error::InvalidLimit { .. })
