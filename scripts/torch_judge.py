@@ -566,7 +566,7 @@ def pinpool_tests():
     def t_record_stream():
         # test_cuda.py: test_record_stream
         t = torch.FloatTensor([1, 2, 3, 4]).pin_memory()
-        result = torch.cuda.FloatTensor(t.size())
+        result = torch.empty(t.size(), device="cuda")
         stream = torch.cuda.Stream()
         ptr = [None]
 
@@ -581,14 +581,14 @@ def pinpool_tests():
 
         perform_copy()
         with torch.cuda.stream(stream):
-            tmp2 = torch.cuda.FloatTensor(t.size())
+            tmp2 = torch.empty(t.size(), device="cuda")
             tmp2.zero_()
             assert tmp2.data_ptr() != ptr[0], "allocation re-used too soon"
         assert result.tolist() == [1, 2, 3, 4]
         # Once the delayed work is done, the block is the stream's again.
         torch.cuda.current_stream().synchronize()
         with torch.cuda.stream(stream):
-            tmp3 = torch.cuda.FloatTensor(t.size())
+            tmp3 = torch.empty(t.size(), device="cuda")
         reused = tmp3.data_ptr() == ptr[0]
         return f"block reused after the synchronize: {reused}"
 
@@ -596,7 +596,7 @@ def pinpool_tests():
         # test_cuda.py: test_record_stream_on_shifted_view
         stream_alloc = torch.cuda.Stream()
         with torch.cuda.stream(stream_alloc):
-            base = torch.cuda.FloatTensor([10, 10])
+            base = torch.empty(10, 10, device="cuda")
         view = base[5:]
         assert view.storage_offset() > 0
         stream_record = torch.cuda.Stream()
@@ -606,7 +606,7 @@ def pinpool_tests():
         data_ptr = base.data_ptr()
         del base, view
         with torch.cuda.stream(stream_alloc):
-            try_realloc = torch.cuda.FloatTensor([10, 10])
+            try_realloc = torch.empty(10, 10, device="cuda")
         assert try_realloc.data_ptr() != data_ptr, "reused before the recorded stream's work"
 
     def t_side_stream_blocks_stay_with_their_stream():
@@ -667,7 +667,7 @@ def pinpool_tests():
         v = 1.0
         for _ in range(10):
             v = 2 * v + 2
-        assert b.sum().item() == v * (1 << 20), f"{b.sum().item()} != {v * (1 << 20)}"
+        assert bool((b == v).all()), f"expected every element {v}, got {b[:4].tolist()}"
         del g0, g1
 
     def t_graph_memory_is_not_lent_to_eager_code():
@@ -679,7 +679,7 @@ def pinpool_tests():
         with torch.cuda.stream(s):
             for _ in range(2):
                 (x @ w).relu() @ w
-            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.current_stream().wait_stream(s)
         with torch.cuda.graph(g):
             y = ((x @ w).relu() @ w).sin()  # temporaries freed during capture
         expected = ((x @ w).relu() @ w).sin()
