@@ -929,6 +929,7 @@ def worker_info(mode, rec):
         rec.put("pinpool_sum", x.sum().item())
         rec.put("pinpool_stats_keys", len(pinpool_torch.memory_stats()))
         rec.put("graph_hooks", pinpool_torch.graph_hooks())
+        rec.put("shim", pinpool_torch.shim())
 
 
 def worker(part, mode, lib, out):
@@ -1038,16 +1039,18 @@ class Judge:
         try:
             import pinpool_torch
 
-            pinpool_torch._build_hooks()
-            self.log("graph-pool hook shim: built")
+            t0 = time.time()
+            _, path, flavour = pinpool_torch._build_shim()
+            self.log(f"shim: {flavour} ({path}) in {time.time() - t0:.1f}s "
+                     f"{pinpool_torch.shim().get('fallback_reason', '')}")
         except Exception as e:
-            self.log(f"graph-pool hook shim: not built: {e}")
+            self.log(f"shim: not built: {e}")
         native = self.run("info", "native", 60)
         pin = self.run("info", "pinpool", 60)
         for k in ("torch", "cuda", "gpu", "devices", "total_mib", "torchvision", "transformers"):
             self.log(f"  {k}: {native.get(k)}")
         self.log(f"  pinpool: sum {pin.get('pinpool_sum')}, graph hooks {pin.get('graph_hooks')}, "
-                 f"setup {pin.get('setup', pin.get('setup_error'))}")
+                 f"shim {pin.get('shim')}, setup {pin.get('setup', pin.get('setup_error'))}")
         self.summary["info"] = {"native": native, "pinpool": pin}
         self.verdict("pinpool allocates for torch", pin.get("pinpool_sum") == 10.0,
                      str(pin.get("setup_error", "")))

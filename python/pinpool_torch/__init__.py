@@ -26,6 +26,7 @@ __all__ = [
     "library",
     "library_path",
     "graph_hooks",
+    "shim",
     "memory_stats",
     "memory_allocated",
     "memory_reserved",
@@ -120,72 +121,141 @@ def _address(lib, name):
 
 def pluggable_allocator(path=None):
     """A `torch.cuda.memory.CUDAPluggableAllocator` on pinpool, with every hook wired
-    (for `torch.cuda.MemPool(pluggable_allocator().allocator())` as well as for `enable`)."""
-    global _pluggable
+    (for `torch.cuda.MemPool(pluggable_allocator().allocator())` as well as for `enable`).
+
+    Its alloc and free go through the shim (shim.cpp, built here once and cached), which
+    turns pinpool's NULL into PyTorch's out-of-memory exception and carries the graph-pool
+    hooks; without a C++ compiler they are pinpool's own symbols (a failed allocation is then
+    a NULL that PyTorch may not check) and graph capture is unavailable."""
+    global _pluggable, _hooks
     if _pluggable is not None:
         return _pluggable
     import torch
 
     lib = _load(path)
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(
-        library_path(path), "pinpool_alloc", "pinpool_free"
-    )
+    try:
+        shim, shim_path, flavour = _build_shim()
+    except Exception as e:
+        shim = None
+        _shim_info.update(error=f"{type(e).__name__}: {e}")
+    if shim is not None:
+        entry = (ctypes.c_void_p * 6)(
+            *[
+                _address(lib, name)
+                for name in (
+                    "pinpool_alloc",
+                    "pinpool_free",
+                    "pinpool_last_error",
+                    "pinpool_begin_allocate_to_pool",
+                    "pinpool_end_allocate_to_pool",
+                    "pinpool_release_pool",
+                )
+            ]
+        )
+        hooks_out = (ctypes.c_uint64 * 3)()
+        shim.pinpool_shim_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        shim.pinpool_shim_install.restype = ctypes.c_int
+        shim.pinpool_shim_install(ctypes.cast(entry, ctypes.c_void_p), ctypes.cast(hooks_out, ctypes.c_void_p))
+        _shim_info.update(path=shim_path, flavour=flavour)
+        globals()["_shim"] = shim  # keep it loaded
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(shim_path, "pinpool_shim_alloc", "pinpool_shim_free")
+    else:
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(path), "pinpool_alloc", "pinpool_free")
     hooks = alloc.allocator()
     hooks.set_record_stream_fn(_address(lib, "pinpool_record_stream"))
     hooks.set_reset_fn(_address(lib, "pinpool_empty_cache"))
     hooks.set_memory_fraction_fn(_address(lib, "pinpool_memory_fraction"))
-    _install_graph_hooks(lib, hooks)
+    if shim is None:
+        _hooks = f"no shim: {_shim_info.get('error')}"
+    else:
+        missing = [
+            s
+            for s in ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool")
+            if not hasattr(hooks, s)
+        ]
+        if missing:
+            _hooks = f"this PyTorch has no {', '.join(missing)}"
+        else:
+            hooks.set_begin_allocate_to_pool(hooks_out[0])
+            hooks.set_end_allocate_to_pool_fn(hooks_out[1])
+            hooks.set_release_pool(hooks_out[2])
+            _hooks = True
     _pluggable = alloc
     return alloc
 
 
-def _build_hooks():
-    """Compiles hooks.cpp (once per source and compiler; cached) and loads it."""
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hooks.cpp")
-    with open(src, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+_shim_info = {}
+
+
+def shim():
+    """How the shim was built: its path and flavour ('c10': PyTorch's out-of-memory
+    exception; 'plain': RuntimeError), or the error that left it out."""
+    return dict(_shim_info)
+
+
+def _torch_build_flags():
+    """Include and library folders and the C++ ABI flag of the installed PyTorch."""
+    import torch
+    from torch.utils import cpp_extension
+
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    includes = cpp_extension.include_paths()
+    libs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
+    flags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DPINPOOL_WITH_C10"]
+    flags += [f"-I{d}" for d in includes]
+    flags += [f"-L{d}" for d in libs] + [f"-Wl,-rpath,{d}" for d in libs] + ["-lc10"]
+    return flags
+
+
+def _build_shim():
+    """Compiles shim.cpp (against PyTorch's headers when it can, else plain), once per source,
+    compiler and PyTorch (cached), and loads it: (ctypes lib, path, flavour)."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim.cpp")
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        raise RuntimeError("no C++ compiler (set CXX) to build the graph-pool hooks")
+        raise RuntimeError("no C++ compiler (set CXX) to build pinpool_torch's shim")
     cache = os.environ.get("PINPOOL_TORCH_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "pinpool_torch"
     )
     os.makedirs(cache, exist_ok=True)
-    out = os.path.join(cache, f"hooks-{digest}.so")
-    if not os.path.isfile(out):
-        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
-        os.close(fd)
-        cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-o", tmp, src]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)  # atomic: racing processes each write a whole file
-    return ctypes.CDLL(out)
-
-
-def _install_graph_hooks(lib, hooks):
-    global _hooks
+    with open(src, "rb") as f:
+        source = f.read()
+    errors = []
+    attempts = []
     try:
-        for setter in ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"):
-            if not hasattr(hooks, setter):
-                raise RuntimeError(f"this PyTorch has no {setter}")
-        shim = _build_hooks()
-        out = (ctypes.c_uint64 * 3)()
-        shim.pinpool_hooks_install.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_void_p]
-        shim.pinpool_hooks_install(
-            _address(lib, "pinpool_begin_allocate_to_pool"),
-            _address(lib, "pinpool_end_allocate_to_pool"),
-            _address(lib, "pinpool_release_pool"),
-            ctypes.cast(out, ctypes.c_void_p),
-        )
-        hooks.set_begin_allocate_to_pool(out[0])
-        hooks.set_end_allocate_to_pool_fn(out[1])
-        hooks.set_release_pool(out[2])
-        globals()["_shim"] = shim  # keep it loaded
-        _hooks = True
-    except Exception as e:  # graph capture is then unavailable, the rest works
-        _hooks = f"{type(e).__name__}: {e}"
+        attempts.append(("c10", _torch_build_flags()))
+    except Exception as e:
+        errors.append(f"c10: {type(e).__name__}: {e}")
+    attempts.append(("plain", []))
+    for flavour, flags in attempts:
+        key = hashlib.sha256(source + cxx.encode() + " ".join(flags).encode()).hexdigest()[:16]
+        out = os.path.join(cache, f"shim-{flavour}-{key}.so")
+        failed = out + ".failed"
+        if os.path.isfile(failed):
+            with open(failed) as f:
+                errors.append(f"{flavour}: {f.read().strip()[-300:]} (cached)")
+            continue
+        if not os.path.isfile(out):
+            fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+            os.close(fd)
+            cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-o", tmp, src] + flags
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+            if r.returncode != 0:
+                os.unlink(tmp)
+                with open(failed, "w") as f:
+                    f.write(r.stderr[-4000:])
+                errors.append(f"{flavour}: {r.stderr.strip()[-300:]}")
+                continue
+            os.replace(tmp, out)  # atomic: racing processes each write a whole file
+        try:
+            shim = ctypes.CDLL(out)
+        except OSError as e:
+            errors.append(f"{flavour}: {e}")
+            continue
+        if errors:
+            _shim_info["fallback_reason"] = "; ".join(errors)
+        return shim, out, flavour
+    raise RuntimeError("; ".join(errors))
 
 
 def graph_hooks():
@@ -209,7 +279,7 @@ def enable(path=None):
     alloc = pluggable_allocator(path)
     torch.cuda.memory.change_current_allocator(alloc)
     globals()["_enabled"] = True
-    return {"library": library_path(path), "graph_hooks": _hooks}
+    return {"library": library_path(path), "graph_hooks": _hooks, "shim": shim()}
 
 
 def enabled():
