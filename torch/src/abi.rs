@@ -3,9 +3,10 @@
 //! Owns the last error: each failed call stores its message for the calling thread (read it
 //! with `pinpool_last_error`), and the first [`LOUD_ERRORS`] failures of the process are
 //! also written to stderr, so that a NULL that becomes PyTorch's out-of-memory error, or a
-//! free whose failure PyTorch never sees, still says what went wrong. A panic inside a call is caught and is
-//! one more error. The entry points' bodies are the `*_with` functions here, generic over
-//! the runtime, so that the simulated runtime tests what the exported symbols do.
+//! free whose failure PyTorch never sees, still says what went wrong. A panic inside a call
+//! is caught and is one more error. The entry points' bodies are the `*_with` functions
+//! here, generic over the runtime, so that the simulated runtime tests what the exported
+//! symbols do.
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void};
