@@ -90,6 +90,13 @@ def digest(*tensors):
     return h.hexdigest()[:24]
 
 
+def magnitude(*tensors):
+    """The sum of absolute values in float64: how far apart two differing runs are."""
+    import torch
+
+    return float(sum(t.detach().double().abs().sum().item() for t in tensors if torch.is_floating_point(t)))
+
+
 def deterministic():
     import torch
 
@@ -252,16 +259,21 @@ def worker_results(mode, rec):
             rec.put(name, {"ok": False, "error": f"{type(e).__name__}: {e}"})
         print(f"{name}: {time.time() - t0:.1f}s", flush=True)
 
+    sums = {}
+
     def gpt2():
         model = build_gpt2(device)
         out = run_gpt2(model, device)
         with torch.no_grad():
             logits = model(out).logits
+        sums["gpt2"] = magnitude(logits)
         return {"tokens": digest(out), "logits": digest(logits)}
 
     def bert():
         model = build_bert(device)
-        return {str(n): digest(run_bert(model, device, n)) for n in BERT_LENGTHS}
+        outs = {n: run_bert(model, device, n) for n in BERT_LENGTHS}
+        sums["bert"] = magnitude(*outs.values())
+        return {str(n): digest(o) for n, o in outs.items()}
 
     def resnet():
         model, opt = build_resnet(device)
@@ -271,10 +283,13 @@ def worker_results(mode, rec):
             h[f"loss{step}"] = digest(loss)
             h[f"grads{step}"] = digest(*grads)
         h["params"] = digest(*model.parameters())
+        sums["resnet50_train"] = magnitude(*model.parameters())
         return h
 
     def vit():
-        return {"logits": digest(run_vit(build_vit(device), device, batch=8))}
+        out = run_vit(build_vit(device), device, batch=8)
+        sums["vit_b_16"] = magnitude(out)
+        return {"logits": digest(out)}
 
     def graph():
         if mode == "pinpool":
@@ -289,6 +304,7 @@ def worker_results(mode, rec):
 
     for name, fn in (("gpt2", gpt2), ("bert", bert), ("resnet50_train", resnet), ("vit_b_16", vit), ("cuda_graph", graph)):
         part(name, fn)
+        rec.put("magnitudes", sums)
         torch.cuda.empty_cache()
 
 
@@ -1083,6 +1099,13 @@ class Judge:
                 n, a = native.get(model, {}), again.get(model, {})
                 same = a.get("ok") and a["hashes"] == n["hashes"]
                 self.log(f"  control {model}: native twice {'identical' if same else 'DIFFERS (not deterministic under native either)'}")
+                mn = native.get("magnitudes", {}).get(model)
+                mp = pin.get("magnitudes", {}).get(model)
+                ma = again.get("magnitudes", {}).get(model)
+                if mn and mp:
+                    rel = lambda x: abs(x - mn) / max(abs(mn), 1e-30)
+                    self.log(f"    sum|x| relative difference: pinpool vs native {rel(mp):.3e}"
+                             + (f", native vs native {rel(ma):.3e}" if ma else ""))
 
     def tests(self):
         self.log("== PyTorch's allocator tests, ported (pinpool as the allocator)")
