@@ -206,6 +206,14 @@ impl<R: DeviceRuntime> Plugin<R> {
 /// graphs make for themselves `(n, 0)` and those of `graph_pool_handle()` / `MemPool`
 /// `(0, n)`, each from a counter; both map above `2^62`, clear of [`PoolId::fresh`]'s ids.
 /// `(0, 0)` is the default pool.
+///
+/// ```
+/// use pinpool::PoolId;
+/// use pinpool_torch::pool_id;
+///
+/// assert_eq!(pool_id((0, 0)), PoolId::DEFAULT);
+/// assert_ne!(pool_id((1, 0)), pool_id((0, 1))); // a graph's own pool, a graph_pool_handle()
+/// ```
 pub fn pool_id((a, b): (u64, u64)) -> PoolId {
     const TOP: u64 = 1 << 63;
     const USER: u64 = 1 << 62;
