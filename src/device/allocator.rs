@@ -260,12 +260,30 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// the allocator. Blocks the calling thread on a miss, as `alloc_blocking` does
     /// ([`Error::WouldDeadlock`] where that would deadlock).
     pub fn raw_alloc_with_stream(&self, size: usize, stream: &R::Stream) -> Result<u64, Error> {
+        let call = ("raw_alloc_with_stream", "alloc(..).await");
+        self.raw_alloc_with(size, stream, Wait::Default, call)
+    }
+
+    /// [`DeviceAllocator::raw_alloc_with_stream`] that never waits for other buffers to come
+    /// back: where that would wait at the cap, this fails at once with
+    /// [`Error::OutOfMemory`] (PyTorch's allocator fails such a request at once too).
+    pub fn try_raw_alloc_with_stream(&self, size: usize, stream: &R::Stream) -> Result<u64, Error> {
+        let call = ("try_raw_alloc_with_stream", "try_alloc(..).await");
+        self.raw_alloc_with(size, stream, Wait::Never, call)
+    }
+
+    fn raw_alloc_with(
+        &self,
+        size: usize,
+        stream: &R::Stream,
+        wait: Wait,
+        call: (&'static str, &'static str),
+    ) -> Result<u64, Error> {
         if size == 0 {
             return Ok(0);
         }
         let (_, engine) = self.engine_of(stream, size)?;
-        let call = ("raw_alloc_with_stream", "alloc(..).await");
-        let lease = engine.alloc_blocking_as(size, Some(stream), Wait::Default, call)?;
+        let lease = engine.alloc_blocking_as(size, Some(stream), wait, call)?;
         // Only a request of 0 bytes gets an empty lease.
         Ok(self.file_raw(lease, stream).unwrap_or(0))
     }

@@ -1,0 +1,357 @@
+"""pinpool as PyTorch's CUDA allocator.
+
+    import pinpool_torch
+    pinpool_torch.enable()          # before anything touches CUDA
+    import torch
+    x = torch.randn(1024, 1024, device="cuda")   # allocated by pinpool
+    print(pinpool_torch.memory_stats()["allocated_bytes.all.current"])
+
+With an external allocator, PyTorch's own statistics calls (torch.cuda.memory_stats,
+memory_reserved, max_memory_allocated, memory._snapshot) raise: use the functions of this
+module instead. See docs/torch.md.
+"""
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+__all__ = [
+    "enable",
+    "enabled",
+    "pluggable_allocator",
+    "library",
+    "library_path",
+    "graph_hooks",
+    "shim",
+    "memory_stats",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+    "empty_cache",
+    "record_memory_history",
+    "dump_snapshot",
+    "last_error",
+]
+
+_LIB_NAME = "libpinpool_torch.so"
+_lib = None
+_pluggable = None
+_hooks = None  # None: not tried; True: installed; a string: why not
+
+
+def library_path(path=None):
+    """Where the shared library is: `path`, else $PINPOOL_TORCH_LIB, else next to this
+    package, else the repository's target/release."""
+    if path:
+        return os.path.abspath(path)
+    env = os.environ.get("PINPOOL_TORCH_LIB")
+    if env:
+        return os.path.abspath(env)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (
+        os.path.join(here, _LIB_NAME),
+        os.path.join(here, "..", _LIB_NAME),
+        os.path.join(here, "..", "..", "target", "release", _LIB_NAME),
+    ):
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    raise FileNotFoundError(
+        f"{_LIB_NAME} not found: build it with "
+        "`cargo build --release -p pinpool-torch --features cuda`, then pass its path to "
+        "pinpool_torch.enable(path) or set PINPOOL_TORCH_LIB"
+    )
+
+
+def _load(path=None):
+    global _lib
+    if _lib is not None:
+        return _lib
+    lib = ctypes.CDLL(library_path(path))
+    c_int, c_size, c_void_p, c_char_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
+    c_i64, c_u64 = ctypes.c_int64, ctypes.c_uint64
+    for name, res, args in [
+        ("pinpool_alloc", c_void_p, [c_size, c_int, c_void_p]),
+        ("pinpool_free", None, [c_void_p, c_size, c_int, c_void_p]),
+        ("pinpool_record_stream", None, [c_void_p, c_void_p]),
+        ("pinpool_empty_cache", None, []),
+        ("pinpool_memory_fraction", None, [ctypes.c_double, c_int]),
+        ("pinpool_init", c_int, []),
+        ("pinpool_device_count", c_int, []),
+        ("pinpool_memory_stats", c_i64, [c_int, c_char_p, c_size]),
+        ("pinpool_reserved_bytes", c_i64, [c_int]),
+        ("pinpool_reset_peak_stats", c_int, [c_int]),
+        ("pinpool_reset_accumulated_stats", c_int, [c_int]),
+        ("pinpool_record_history", c_int, [c_int, c_size]),
+        ("pinpool_dump_snapshot", c_int, [c_char_p]),
+        ("pinpool_end_allocate_to_pool", c_int, [c_int, c_u64, c_u64]),
+        ("pinpool_release_pool", c_int, [c_int, c_u64, c_u64]),
+        ("pinpool_last_error", c_size, [c_char_p, c_size]),
+        ("pinpool_failures", c_size, []),
+    ]:
+        f = getattr(lib, name)
+        f.restype = res
+        f.argtypes = args
+    _lib = lib
+    return lib
+
+
+def library():
+    """The loaded library (ctypes), loading it if needed."""
+    return _load()
+
+
+def last_error():
+    """The calling thread's last error of the library ('' if none)."""
+    lib = _load()
+    buf = ctypes.create_string_buffer(1024)
+    n = lib.pinpool_last_error(buf, len(buf))
+    return buf.raw[: min(n, len(buf) - 1)].decode(errors="replace")
+
+
+def _address(lib, name):
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def pluggable_allocator(path=None):
+    """A `torch.cuda.memory.CUDAPluggableAllocator` on pinpool, with every hook wired
+    (for `torch.cuda.MemPool(pluggable_allocator().allocator())` as well as for `enable`).
+
+    Its alloc and free go through the shim (shim.cpp, built here once and cached), which
+    turns pinpool's NULL into PyTorch's out-of-memory exception and carries the graph-pool
+    hooks; without a C++ compiler they are pinpool's own symbols (a failed allocation is then
+    a NULL that PyTorch may not check) and graph capture is unavailable."""
+    global _pluggable, _hooks
+    if _pluggable is not None:
+        return _pluggable
+    import torch
+
+    lib = _load(path)
+    try:
+        shim, shim_path, flavour = _build_shim()
+    except Exception as e:
+        shim = None
+        _shim_info.update(error=f"{type(e).__name__}: {e}")
+    if shim is not None:
+        entry = (ctypes.c_void_p * 6)(
+            *[
+                _address(lib, name)
+                for name in (
+                    "pinpool_alloc",
+                    "pinpool_free",
+                    "pinpool_last_error",
+                    "pinpool_begin_allocate_to_pool",
+                    "pinpool_end_allocate_to_pool",
+                    "pinpool_release_pool",
+                )
+            ]
+        )
+        hooks_out = (ctypes.c_uint64 * 3)()
+        shim.pinpool_shim_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        shim.pinpool_shim_install.restype = ctypes.c_int
+        shim.pinpool_shim_install(ctypes.cast(entry, ctypes.c_void_p), ctypes.cast(hooks_out, ctypes.c_void_p))
+        _shim_info.update(path=shim_path, flavour=flavour)
+        globals()["_shim"] = shim  # keep it loaded
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(shim_path, "pinpool_shim_alloc", "pinpool_shim_free")
+    else:
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(path), "pinpool_alloc", "pinpool_free")
+    hooks = alloc.allocator()
+    hooks.set_record_stream_fn(_address(lib, "pinpool_record_stream"))
+    hooks.set_reset_fn(_address(lib, "pinpool_empty_cache"))
+    hooks.set_memory_fraction_fn(_address(lib, "pinpool_memory_fraction"))
+    if shim is None:
+        _hooks = f"no shim: {_shim_info.get('error')}"
+    else:
+        missing = [
+            s
+            for s in ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool")
+            if not hasattr(hooks, s)
+        ]
+        if missing:
+            _hooks = f"this PyTorch has no {', '.join(missing)}"
+        else:
+            hooks.set_begin_allocate_to_pool(hooks_out[0])
+            hooks.set_end_allocate_to_pool_fn(hooks_out[1])
+            hooks.set_release_pool(hooks_out[2])
+            _hooks = True
+    _pluggable = alloc
+    return alloc
+
+
+_shim_info = {}
+
+
+def shim():
+    """How the shim was built: its path and flavour ('c10': PyTorch's out-of-memory
+    exception; 'plain': RuntimeError), or the error that left it out."""
+    return dict(_shim_info)
+
+
+def _torch_build_flags():
+    """Include and library folders and the C++ ABI flag of the installed PyTorch."""
+    import torch
+    from torch.utils import cpp_extension
+
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    includes = cpp_extension.include_paths()
+    libs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
+    flags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DPINPOOL_WITH_C10"]
+    flags += [f"-I{d}" for d in includes]
+    flags += [f"-L{d}" for d in libs] + [f"-Wl,-rpath,{d}" for d in libs] + ["-lc10"]
+    return flags
+
+
+def _build_shim():
+    """Compiles shim.cpp (against PyTorch's headers when it can, else plain), once per source,
+    compiler and PyTorch (cached), and loads it: (ctypes lib, path, flavour)."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim.cpp")
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (set CXX) to build pinpool_torch's shim")
+    cache = os.environ.get("PINPOOL_TORCH_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pinpool_torch"
+    )
+    os.makedirs(cache, exist_ok=True)
+    with open(src, "rb") as f:
+        source = f.read()
+    errors = []
+    attempts = []
+    try:
+        attempts.append(("c10", _torch_build_flags()))
+    except Exception as e:
+        errors.append(f"c10: {type(e).__name__}: {e}")
+    attempts.append(("plain", []))
+    for flavour, flags in attempts:
+        key = hashlib.sha256(source + cxx.encode() + " ".join(flags).encode()).hexdigest()[:16]
+        out = os.path.join(cache, f"shim-{flavour}-{key}.so")
+        failed = out + ".failed"
+        if os.path.isfile(failed):
+            with open(failed) as f:
+                errors.append(f"{flavour}: {f.read().strip()[-300:]} (cached)")
+            continue
+        if not os.path.isfile(out):
+            fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+            os.close(fd)
+            cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-o", tmp, src] + flags
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+            if r.returncode != 0:
+                os.unlink(tmp)
+                with open(failed, "w") as f:
+                    f.write(r.stderr[-4000:])
+                errors.append(f"{flavour}: {r.stderr.strip()[-300:]}")
+                continue
+            os.replace(tmp, out)  # atomic: racing processes each write a whole file
+        try:
+            shim = ctypes.CDLL(out)
+        except OSError as e:
+            errors.append(f"{flavour}: {e}")
+            continue
+        if errors:
+            _shim_info["fallback_reason"] = "; ".join(errors)
+        return shim, out, flavour
+    raise RuntimeError("; ".join(errors))
+
+
+def graph_hooks():
+    """True when CUDA graph capture is wired to pinpool's graph pools; else why not
+    (a string), or None before `enable`. Without them, do not capture CUDA graphs."""
+    return _hooks
+
+
+def enable(path=None):
+    """Makes pinpool PyTorch's CUDA allocator for this process. Call it before anything
+    initialises CUDA (the first tensor on a GPU, torch.cuda.init(), ...): PyTorch can swap
+    its allocator only then. Returns a dict: the library's path and whether the graph-pool
+    hooks are installed."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "pinpool_torch.enable() must run before CUDA is initialised in this process "
+            "(PyTorch swaps its allocator only before its first CUDA allocation)"
+        )
+    alloc = pluggable_allocator(path)
+    torch.cuda.memory.change_current_allocator(alloc)
+    globals()["_enabled"] = True
+    return {"library": library_path(path), "graph_hooks": _hooks, "shim": shim()}
+
+
+def enabled():
+    """Whether `enable` has run in this process."""
+    return bool(globals().get("_enabled"))
+
+
+def _device(device):
+    if device is None:
+        import torch
+
+        return torch.cuda.current_device()
+    if hasattr(device, "index"):
+        return 0 if device.index is None else device.index
+    return int(device)
+
+
+def _check(status, what):
+    if status < 0:
+        raise RuntimeError(f"pinpool {what}: {last_error()}")
+    return status
+
+
+def memory_stats(device=None):
+    """`torch.cuda.memory_stats` with pinpool: a dict with PyTorch's flat keys."""
+    lib = _load()
+    d = _device(device)
+    n = _check(lib.pinpool_memory_stats(d, None, 0), "memory_stats")
+    buf = ctypes.create_string_buffer(n + 1)
+    _check(lib.pinpool_memory_stats(d, buf, len(buf)), "memory_stats")
+    return json.loads(buf.value.decode())
+
+
+def memory_allocated(device=None):
+    return memory_stats(device).get("allocated_bytes.all.current", 0)
+
+
+def max_memory_allocated(device=None):
+    return memory_stats(device).get("allocated_bytes.all.peak", 0)
+
+
+def memory_reserved(device=None):
+    return _check(_load().pinpool_reserved_bytes(_device(device)), "memory_reserved")
+
+
+def max_memory_reserved(device=None):
+    return memory_stats(device).get("reserved_bytes.all.peak", 0)
+
+
+def reset_peak_memory_stats(device=None):
+    _check(_load().pinpool_reset_peak_stats(_device(device)), "reset_peak_memory_stats")
+
+
+def reset_accumulated_memory_stats(device=None):
+    _check(
+        _load().pinpool_reset_accumulated_stats(_device(device)),
+        "reset_accumulated_memory_stats",
+    )
+
+
+def empty_cache():
+    """Gives every cached block back to the driver (torch.cuda.empty_cache() does the same
+    once pinpool is enabled)."""
+    _load().pinpool_empty_cache()
+
+
+def record_memory_history(enabled=True, max_entries=100_000):
+    """`torch.cuda.memory._record_memory_history` with pinpool."""
+    _check(_load().pinpool_record_history(1 if enabled else 0, max_entries), "record_history")
+
+
+def dump_snapshot(path):
+    """`torch.cuda.memory._dump_snapshot(path)` with pinpool: a pickle for
+    pytorch.org/memory_viz."""
+    _check(_load().pinpool_dump_snapshot(os.fsencode(os.fspath(path))), "dump_snapshot")

@@ -1,0 +1,1214 @@
+#!/usr/bin/env python3
+"""PyTorch on pinpool, judged on a GPU machine (run through scripts/torch-judge.sh).
+
+The driver (no CUDA in its own process) starts one worker process per configuration and
+part, each with its own timeout, and compares what they write:
+
+  results   GPT-2 small generating 64 tokens (batch 4), BERT-base over varied sequence
+            lengths, ResNet-50 training steps (losses and gradients), ViT-B/16 inference and a
+            CUDA-graph-captured forward pass replayed many times; deterministic algorithms,
+            fixed seeds, random weights. Hashes of every output, native against pinpool
+            (bit for bit); a second native run is the control where they differ.
+  tests     a port of the allocator cases of PyTorch's test/test_cuda.py (record_stream,
+            graph capture with private pools, MemPool with an external allocator, empty_cache,
+            statistics, snapshots, out of memory), pass/fail with the reason.
+  threads   two threads running models on two streams at once (on two GPUs when there are
+            two): same hashes as native.
+  bench     native, expandable_segments:True, backend:cudaMallocAsync and pinpool: per model,
+            the peak of the driver's used memory (sampled by a thread through NVML, or
+            cudaMemGetInfo without it) above the level before the model, and the median step
+            time; a table with ratios against the best of PyTorch's three.
+
+Usage: torch_judge.py --lib LIB --out DIR [--budget SECONDS]
+       torch_judge.py --worker PART --mode MODE --lib LIB --out DIR   (internal)
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+MODES = {
+    "native": {},
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    "pinpool": {},
+}
+TORCH_MODES = ("native", "expandable", "async")
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """A worker's results, rewritten to its JSON file after every entry (a crash keeps
+    what came before it)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.data = {}
+
+    def put(self, key, value):
+        self.data[key] = value
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def setup_mode(mode, lib):
+    """Runs before CUDA starts: installs pinpool when asked."""
+    if mode == "pinpool":
+        import pinpool_torch
+
+        info = pinpool_torch.enable(lib)
+        print(f"pinpool enabled: {info}", flush=True)
+        return info
+    return {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+
+
+def digest(*tensors):
+    """sha256 over the bytes of the tensors (on the CPU, contiguous)."""
+    import torch
+
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        h.update(str(tuple(t.shape)).encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def magnitude(*tensors):
+    """The sum of absolute values in float64: how far apart two differing runs are."""
+    import torch
+
+    return float(sum(t.detach().double().abs().sum().item() for t in tensors if torch.is_floating_point(t)))
+
+
+def deterministic():
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def cpu_gen(seed):
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def build_gpt2(device):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(GPT2Config()).eval().to(device)
+    return model
+
+
+def run_gpt2(model, device, seed=2):
+    import torch
+
+    ids = torch.randint(0, 50257, (4, 16), generator=cpu_gen(seed)).to(device)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=64,
+            min_new_tokens=64,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out
+
+
+def build_bert(device):
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(3)
+    return BertModel(BertConfig()).eval().to(device)
+
+
+BERT_LENGTHS = (7, 32, 64, 128, 255, 384, 512)
+
+
+def run_bert(model, device, length, batch=4, seed=4):
+    import torch
+
+    ids = torch.randint(0, 30522, (batch, length), generator=cpu_gen(seed + length)).to(device)
+    with torch.no_grad():
+        return model(ids).last_hidden_state
+
+
+def build_resnet(device):
+    import torch
+    import torchvision
+
+    torch.manual_seed(5)
+    model = torchvision.models.resnet50().to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, opt
+
+
+def resnet_step(model, opt, device, step, batch):
+    import torch
+
+    g = cpu_gen(100 + step)
+    x = torch.randn(batch, 3, 224, 224, generator=g).to(device)
+    y = torch.randint(0, 1000, (batch,), generator=g).to(device)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    opt.step()
+    return loss, grads
+
+
+def build_vit(device):
+    import torch
+    import torchvision
+
+    torch.manual_seed(6)
+    return torchvision.models.vit_b_16().eval().to(device)
+
+
+def run_vit(model, device, batch, seed=7):
+    import torch
+
+    x = torch.randn(batch, 3, 224, 224, generator=cpu_gen(seed)).to(device)
+    with torch.no_grad():
+        return model(x)
+
+
+def graph_model(device):
+    import torch
+
+    torch.manual_seed(8)
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096),
+        torch.nn.GELU(),
+        torch.nn.Linear(4096, 1024),
+        torch.nn.LayerNorm(1024),
+    ).to(device)
+
+
+def run_graph(device, replays=200):
+    """Captures a forward pass, replays it with changing inputs; returns the hashes and
+    whether every replay matched eager execution."""
+    import torch
+
+    model = graph_model(device)
+    inputs = [torch.randn(64, 1024, generator=cpu_gen(200 + i)).to(device) for i in range(10)]
+    static_x = torch.zeros(64, 1024, device=device)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.no_grad():
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        static_y = model(static_x)
+    outs = []
+    matches = True
+    with torch.no_grad():
+        for i in range(replays):
+            static_x.copy_(inputs[i % 10])
+            g.replay()
+            if i % 20 == 0:
+                outs.append(static_y.clone())
+                eager = model(inputs[i % 10])
+                matches = matches and bool(torch.equal(eager, static_y))
+    torch.cuda.synchronize()
+    del g
+    return digest(*outs), matches
+
+
+def worker_results(mode, rec):
+    import torch
+
+    deterministic()
+    device = torch.device("cuda:0")
+
+    def part(name, fn):
+        t0 = time.time()
+        try:
+            rec.put(name, {"ok": True, "hashes": fn(), "seconds": round(time.time() - t0, 2)})
+        except Exception as e:
+            traceback.print_exc()
+            rec.put(name, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        print(f"{name}: {time.time() - t0:.1f}s", flush=True)
+
+    sums = {}
+
+    def gpt2():
+        model = build_gpt2(device)
+        out = run_gpt2(model, device)
+        with torch.no_grad():
+            logits = model(out).logits
+        sums["gpt2"] = magnitude(logits)
+        return {"tokens": digest(out), "logits": digest(logits)}
+
+    def bert():
+        model = build_bert(device)
+        outs = {n: run_bert(model, device, n) for n in BERT_LENGTHS}
+        sums["bert"] = magnitude(*outs.values())
+        return {str(n): digest(o) for n, o in outs.items()}
+
+    def resnet():
+        model, opt = build_resnet(device)
+        h = {}
+        for step in range(3):
+            loss, grads = resnet_step(model, opt, device, step, batch=16)
+            h[f"loss{step}"] = digest(loss)
+            h[f"grads{step}"] = digest(*grads)
+        h["params"] = digest(*model.parameters())
+        sums["resnet50_train"] = magnitude(*model.parameters())
+        return h
+
+    def vit():
+        out = run_vit(build_vit(device), device, batch=8)
+        sums["vit_b_16"] = magnitude(out)
+        return {"logits": digest(out)}
+
+    def graph():
+        if mode == "pinpool":
+            import pinpool_torch
+
+            if pinpool_torch.graph_hooks() is not True:
+                raise RuntimeError(f"graph hooks unavailable: {pinpool_torch.graph_hooks()}")
+        h, matches = run_graph(device)
+        if not matches:
+            raise AssertionError("a replay differed from eager execution")
+        return {"replays": h}
+
+    for name, fn in (("gpt2", gpt2), ("bert", bert), ("resnet50_train", resnet), ("vit_b_16", vit), ("cuda_graph", graph)):
+        part(name, fn)
+        rec.put("magnitudes", sums)
+        torch.cuda.empty_cache()
+
+
+def worker_threads(mode, rec):
+    """Two threads, each on its own stream (and device, with two GPUs), at once."""
+    import torch
+
+    deterministic()
+    two = torch.cuda.device_count() > 1
+    dev_a = torch.device("cuda:0")
+    dev_b = torch.device("cuda:1" if two else "cuda:0")
+    rec.put("devices", 2 if two else 1)
+    bert = build_bert(dev_a)
+    vit = build_vit(dev_b)
+    torch.cuda.synchronize(dev_a)
+    torch.cuda.synchronize(dev_b)
+    barrier = threading.Barrier(2)
+    results = {}
+
+    def thread_a():
+        with torch.cuda.device(dev_a):
+            s = torch.cuda.Stream(dev_a)
+            barrier.wait()
+            outs = []
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    for n in BERT_LENGTHS:
+                        outs.append(run_bert(bert, dev_a, n))
+            s.synchronize()
+            results["bert_thread"] = digest(*outs)
+
+    def thread_b():
+        with torch.cuda.device(dev_b):
+            s = torch.cuda.Stream(dev_b)
+            barrier.wait()
+            outs = []
+            with torch.cuda.stream(s):
+                for i in range(6):
+                    outs.append(run_vit(vit, dev_b, batch=4, seed=300 + i))
+            s.synchronize()
+            results["vit_thread"] = digest(*outs)
+
+    errors = []
+
+    def guard(fn):
+        def run():
+            try:
+                fn()
+            except Exception as e:
+                traceback.print_exc()
+                errors.append(f"{fn.__name__}: {type(e).__name__}: {e}")
+                try:
+                    barrier.abort()
+                except Exception:
+                    pass
+
+        return run
+
+    ts = [threading.Thread(target=guard(f)) for f in (thread_a, thread_b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    rec.put("errors", errors)
+    rec.put("hashes", results)
+
+
+class PeakSampler:
+    """The driver's used memory of a device, sampled every ~2 ms on a thread: NVML through
+    ctypes (which lets go of the GIL), else cudaMemGetInfo through torch."""
+
+    def __init__(self, device=0):
+        import ctypes
+
+        self.device = device
+        self.source = "torch.cuda.mem_get_info"
+        self._nvml = None
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            assert nvml.nvmlInit_v2() == 0
+            handle = ctypes.c_void_p()
+            assert nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(handle)) == 0
+
+            class Mem(ctypes.Structure):
+                _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+            self._mem = Mem()
+            self._handle = handle
+            self._nvml = nvml
+            assert self._read() > 0
+            self.source = "nvml"
+        except Exception:
+            self._nvml = None
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        import ctypes
+
+        if self._nvml is not None:
+            self._nvml.nvmlDeviceGetMemoryInfo(self._handle, ctypes.byref(self._mem))
+            return int(self._mem.used)
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def _run(self):
+        while not self._stop.is_set():
+            used = self._read()
+            if used > self.peak:
+                self.peak = used
+            time.sleep(0.002)
+
+    def now(self):
+        return self._read()
+
+    def reset(self):
+        self.peak = self._read()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def worker_bench(mode, rec):
+    import gc
+    import statistics
+
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    device = torch.device("cuda:0")
+    torch.zeros(1, device=device)  # CUDA (and the allocator) up before the first level
+    sampler = PeakSampler(0)
+    rec.put("memory_source", sampler.source)
+
+    def empty():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        time.sleep(0.05)
+
+    def allocator_peak():
+        if mode == "pinpool":
+            import pinpool_torch
+
+            return pinpool_torch.max_memory_reserved()
+        return torch.cuda.max_memory_reserved()
+
+    def reset_allocator_peak():
+        if mode == "pinpool":
+            import pinpool_torch
+
+            pinpool_torch.reset_peak_memory_stats()
+        else:
+            torch.cuda.reset_peak_memory_stats()
+
+    def measure(name, build, step, warmup, steps):
+        empty()
+        try:
+            reset_allocator_peak()
+        except Exception:
+            pass
+        base = sampler.now()
+        sampler.reset()
+        t0 = time.time()
+        try:
+            state = build()
+            times = []
+            for i in range(warmup + steps):
+                torch.cuda.synchronize()
+                s = time.perf_counter()
+                step(state, i)
+                torch.cuda.synchronize()
+                if i >= warmup:
+                    times.append(time.perf_counter() - s)
+            time.sleep(0.01)
+            peak = max(sampler.peak, sampler.now())
+            try:
+                reserved = allocator_peak()
+            except Exception:
+                reserved = None
+            rec.put(
+                name,
+                {
+                    "ok": True,
+                    "peak_mib": round((peak - base) / MIB, 1),
+                    "median_ms": round(1000 * statistics.median(times), 3),
+                    "min_ms": round(1000 * min(times), 3),
+                    "steps": len(times),
+                    "allocator_peak_reserved_mib": None if reserved is None else round(reserved / MIB, 1),
+                    "seconds": round(time.time() - t0, 1),
+                },
+            )
+            del state
+        except Exception as e:
+            traceback.print_exc()
+            rec.put(name, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        print(f"{name}: {time.time() - t0:.1f}s", flush=True)
+
+    def gpt2_step(model, i):
+        run_gpt2(model, device, seed=i)
+
+    def bert_step(model, i):
+        run_bert(model, device, BERT_LENGTHS[i % len(BERT_LENGTHS)], batch=8, seed=i)
+
+    def resnet_step_(state, i):
+        model, opt = state
+        resnet_step(model, opt, device, i, batch=32)
+
+    def vit_step(model, i):
+        run_vit(model, device, batch=32, seed=i)
+
+    measure("gpt2_generate", lambda: build_gpt2(device), gpt2_step, 1, 3)
+    measure("bert_varlen", lambda: build_bert(device), bert_step, len(BERT_LENGTHS), 2 * len(BERT_LENGTHS))
+    measure("resnet50_train", lambda: build_resnet(device), resnet_step_, 3, 10)
+    measure("vit_b_16_infer", lambda: build_vit(device), vit_step, 3, 10)
+    sampler.stop()
+
+
+# -- the port of PyTorch's allocator tests (test/test_cuda.py), written for pinpool ------
+
+
+def cycles_for_ms(ms):
+    """GPU cycles for `ms` milliseconds of torch.cuda._sleep (measured once)."""
+    import torch
+
+    if not hasattr(cycles_for_ms, "per_ms"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        cycles_for_ms.per_ms = 1_000_000 / max(start.elapsed_time(end), 1e-3)
+    return int(ms * cycles_for_ms.per_ms)
+
+
+def pinpool_tests():
+    """Cases run with pinpool as the process's allocator."""
+    import pickle
+    import tempfile
+
+    import pinpool_torch
+    import torch
+
+    def t_alloc_free_roundtrip():
+        before = pinpool_torch.memory_allocated()
+        x = torch.empty(1 << 20, device="cuda")
+        assert pinpool_torch.memory_allocated() - before >= 4 * MIB, "allocation not counted"
+        del x
+        assert pinpool_torch.memory_allocated() == before, "free not counted"
+
+    def t_zero_size_tensor():
+        failures = pinpool_torch.library().pinpool_failures()
+        x = torch.empty(0, device="cuda")
+        assert x.sum().item() == 0
+        del x
+        assert pinpool_torch.library().pinpool_failures() == failures, pinpool_torch.last_error()
+
+    def t_torch_stats_raise_and_pinpool_gives_them():
+        try:
+            torch.cuda.memory_stats()
+            raised = "no"
+        except Exception as e:
+            raised = type(e).__name__
+        stats = pinpool_torch.memory_stats()
+        for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_ooms", "segment.all.current"):
+            assert key in stats, f"missing {key}"
+        return f"torch.cuda.memory_stats raised: {raised}"
+
+    def t_record_stream():
+        # test_cuda.py: test_record_stream
+        t = torch.FloatTensor([1, 2, 3, 4]).pin_memory()
+        result = torch.empty(t.size(), device="cuda")
+        stream = torch.cuda.Stream()
+        ptr = [None]
+
+        def perform_copy():
+            with torch.cuda.stream(stream):
+                tmp = t.cuda(non_blocking=True)
+                ptr[0] = tmp.data_ptr()
+            torch.cuda.current_stream().wait_stream(stream)
+            tmp.record_stream(torch.cuda.current_stream())
+            torch.cuda._sleep(cycles_for_ms(50))  # delay the copy
+            result.copy_(tmp)
+
+        perform_copy()
+        with torch.cuda.stream(stream):
+            tmp2 = torch.empty(t.size(), device="cuda")
+            tmp2.zero_()
+            assert tmp2.data_ptr() != ptr[0], "allocation re-used too soon"
+        assert result.tolist() == [1, 2, 3, 4]
+        # Once the delayed work is done, the block is the stream's again.
+        torch.cuda.current_stream().synchronize()
+        with torch.cuda.stream(stream):
+            tmp3 = torch.empty(t.size(), device="cuda")
+        reused = tmp3.data_ptr() == ptr[0]
+        return f"block reused after the synchronize: {reused}"
+
+    def t_record_stream_on_shifted_view():
+        # test_cuda.py: test_record_stream_on_shifted_view
+        stream_alloc = torch.cuda.Stream()
+        with torch.cuda.stream(stream_alloc):
+            base = torch.empty(10, 10, device="cuda")
+        view = base[5:]
+        assert view.storage_offset() > 0
+        stream_record = torch.cuda.Stream()
+        with torch.cuda.stream(stream_record):
+            torch.cuda._sleep(cycles_for_ms(50))
+        view.record_stream(stream_record)
+        data_ptr = base.data_ptr()
+        del base, view
+        with torch.cuda.stream(stream_alloc):
+            try_realloc = torch.empty(10, 10, device="cuda")
+        assert try_realloc.data_ptr() != data_ptr, "reused before the recorded stream's work"
+
+    def t_side_stream_blocks_stay_with_their_stream():
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            a = torch.empty(1 << 18, device="cuda")
+        p = a.data_ptr()
+        del a
+        b = torch.empty(1 << 18, device="cuda")  # the default stream
+        assert b.data_ptr() != p, "a side stream's free block went to another stream"
+        with torch.cuda.stream(s):
+            c = torch.empty(1 << 18, device="cuda")
+        return f"reused on its own stream: {c.data_ptr() == p}"
+
+    def t_graph_capture_simple():
+        # test_cuda.py: test_graph_capture_simple
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            a = torch.full((1000,), 1, device="cuda")
+            g = torch.cuda.CUDAGraph()
+            torch.cuda.empty_cache()
+            g.capture_begin()
+            b = a
+            for _ in range(10):
+                b = b + 1
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        g.replay()
+        assert b.sum().item() == 11000.0
+
+    def t_graph_two_successive_shared_pool():
+        # test_cuda.py: test_graph_two_successive (pool shared through g0.pool())
+        s = torch.cuda.Stream()
+        a = torch.ones((1 << 20,), device="cuda")
+
+        def func_with_temps(t, val):
+            x = t.clone() + val
+            y = t.clone() + val
+            return x + y
+
+        with torch.cuda.stream(s):
+            g0 = torch.cuda.CUDAGraph()
+            g1 = torch.cuda.CUDAGraph()
+            g0.capture_begin()
+            b = a.clone()
+            for _ in range(5):
+                b = func_with_temps(b, 1)
+            g0.capture_end()
+            g1.capture_begin(pool=g0.pool())
+            for _ in range(5):
+                b = func_with_temps(b, 1)
+            g1.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        g0.replay()
+        g1.replay()
+        torch.cuda.synchronize()
+        # Each func_with_temps maps v to 2v + 2: ten of them from 1.
+        v = 1.0
+        for _ in range(10):
+            v = 2 * v + 2
+        assert bool((b == v).all()), f"expected every element {v}, got {b[:4].tolist()}"
+        del g0, g1
+
+    def t_graph_memory_is_not_lent_to_eager_code():
+        x = torch.randn(256, 256, device="cuda")
+        w = torch.randn(256, 256, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                (x @ w).relu() @ w
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            y = ((x @ w).relu() @ w).sin()  # temporaries freed during capture
+        expected = ((x @ w).relu() @ w).sin()
+        eager = [torch.full((256, 256), 7.0, device="cuda") for _ in range(64)]
+        for _ in range(10):
+            g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, expected), "graph output changed"
+        assert all(bool((e == 7.0).all()) for e in eager), "a replay wrote eager memory"
+        del g
+
+    def t_graph_replay_after_empty_cache_and_release():
+        before = pinpool_torch.memory_reserved()
+        a = torch.randn(1 << 20, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            g.capture_begin()
+            b = (a * 2).exp() + 1
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.empty_cache()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(b, (a * 2).exp() + 1)
+        del b, g
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        after = pinpool_torch.memory_reserved()
+        return f"reserved before {before / MIB:.1f} MiB, after release+empty_cache {after / MIB:.1f} MiB"
+
+    def t_graph_pool_handle():
+        pool = torch.cuda.graph_pool_handle()
+        x = torch.ones(1024, device="cuda")
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1, pool=pool):
+            y1 = x * 3
+        with torch.cuda.graph(g2, pool=pool):
+            y2 = y1 + 1
+        g1.replay()
+        g2.replay()
+        torch.cuda.synchronize()
+        assert y2.sum().item() == 4 * 1024
+        del g1, g2
+
+    def t_empty_cache_calls_pinpool():
+        x = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+        del x
+        held = pinpool_torch.memory_reserved()
+        torch.cuda.empty_cache()
+        after = pinpool_torch.memory_reserved()
+        assert after < held, f"torch.cuda.empty_cache() kept {after} of {held} bytes"
+
+    def t_reset_peak_memory_stats():
+        x = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+        del x
+        assert pinpool_torch.max_memory_allocated() >= 64 * MIB
+        pinpool_torch.reset_peak_memory_stats()
+        assert pinpool_torch.max_memory_allocated() < 64 * MIB
+
+    def t_memory_snapshot():
+        pinpool_torch.record_memory_history(True)
+        x = torch.empty(3 * MIB, dtype=torch.uint8, device="cuda")
+        path = os.path.join(tempfile.mkdtemp(), "snap.pickle")
+        pinpool_torch.dump_snapshot(path)
+        pinpool_torch.record_memory_history(False)
+        with open(path, "rb") as f:
+            snap = pickle.load(f)
+        assert snap["segments"], "no segments"
+        assert any(b["state"] == "active_allocated" for s in snap["segments"] for b in s["blocks"])
+        assert "device_traces" in snap
+        del x
+
+    def t_threads_allocate_on_their_streams():
+        errors = []
+
+        def work(seed):
+            try:
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    g = cpu_gen(seed)
+                    for _ in range(50):
+                        a = torch.randn(1000, generator=g).cuda()
+                        b = (a * 2).sum()
+                        assert abs(b.item() - 2 * a.sum().item()) < 1e-2
+            except Exception as e:
+                errors.append(repr(e))
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors, errors[:3]
+
+    def t_two_devices():
+        if torch.cuda.device_count() < 2:
+            return "skipped: one GPU"
+        a = torch.randn(1 << 20, device="cuda:0")
+        b = a.to("cuda:1")
+        c = (b * 2).to("cuda:0")
+        assert torch.equal(c, a * 2)
+        assert pinpool_torch.memory_allocated(1) >= 4 * MIB
+
+    def t_cudnn_benchmark_conv():
+        torch.backends.cudnn.benchmark = True
+        try:
+            conv = torch.nn.Conv2d(64, 64, 3, padding=1).cuda()
+            x = torch.randn(16, 64, 56, 56, device="cuda", requires_grad=True)
+            conv(x).sum().backward()
+            torch.cuda.synchronize()
+        finally:
+            torch.backends.cudnn.benchmark = False
+
+    return [(name[2:], fn) for name, fn in locals().items() if name.startswith("t_")]
+
+
+def mempool_tests(lib):
+    """Cases where PyTorch's own allocator stays, and one MemPool takes its segments from
+    pinpool (test_cuda.py's TestMemPool, with pinpool in place of the dummy allocator)."""
+    import pinpool_torch
+    import torch
+
+    plug = pinpool_torch.pluggable_allocator(lib)
+
+    def t_mempool_with_allocator():
+        pool = torch.cuda.MemPool(plug.allocator())
+        before = pinpool_torch.memory_stats(0)["allocation.all.current"]
+        with torch.cuda.use_mem_pool(pool):
+            out = torch.randn(1, device="cuda")
+        during = pinpool_torch.memory_stats(0)["allocation.all.current"]
+        assert during > before, "the pool's segment did not come from pinpool"
+        assert out.sum().item() == out.item()
+        outside = torch.randn(1, device="cuda")  # PyTorch's own pool
+        del out, outside
+        return f"pinpool blocks: {before} -> {during}"
+
+    def t_mempool_segments_go_back_on_empty_cache():
+        pool = torch.cuda.MemPool(plug.allocator())
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+        held = pinpool_torch.memory_stats(0)["allocation.all.current"]
+        del x
+        del pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        now = pinpool_torch.memory_stats(0)["allocation.all.current"]
+        return f"pinpool blocks: {held} -> {now} after the pool was dropped and emptied"
+
+    def t_mempool_snapshot_lists_the_segment():
+        pool = torch.cuda.MemPool(plug.allocator())
+        with torch.cuda.use_mem_pool(pool):
+            x = torch.empty(3 * MIB, dtype=torch.uint8, device="cuda")
+        snap = pool.snapshot()
+        assert len(snap) >= 1, "no segment in the pool's snapshot"
+        del x
+
+    def t_mempool_context_nesting():
+        pool1 = torch.cuda.MemPool(plug.allocator())
+        pool2 = torch.cuda.MemPool(plug.allocator())
+        with torch.cuda.use_mem_pool(pool1):
+            a = torch.empty(1024, device="cuda")
+            with torch.cuda.use_mem_pool(pool2):
+                b = torch.empty(1024, device="cuda")
+            c = torch.empty(1024, device="cuda")
+        assert len(pool1.snapshot()) >= 1 and len(pool2.snapshot()) >= 1
+        del a, b, c
+
+    return [(name[2:], fn) for name, fn in locals().items() if name.startswith("t_")]
+
+
+def oom_tests():
+    """Out of memory and the memory fraction, last: a NULL that PyTorch does not check would
+    end the process."""
+    import pinpool_torch
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def t_out_of_memory_raises():
+        try:
+            x = torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        except Exception as e:  # torch.OutOfMemoryError, or RuntimeError
+            return f"raised {type(e).__name__}: {str(e)[:200]}"
+        ptr = x.data_ptr()
+        raise AssertionError(f"no error; data_ptr {ptr:#x}")
+
+    def t_memory_fraction_caps_pinpool():
+        torch.cuda.set_per_process_memory_fraction(0.25, 0)
+        try:
+            try:
+                x = torch.empty(int(0.5 * total), dtype=torch.uint8, device="cuda")
+                raise AssertionError(f"half the device allocated under a 0.25 cap (ptr {x.data_ptr():#x})")
+            except AssertionError:
+                raise
+            except Exception as e:
+                msg = f"over the cap: {type(e).__name__}"
+            y = torch.empty(int(0.1 * total), dtype=torch.uint8, device="cuda")
+            del y
+            return msg
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+    def t_allocation_works_after_oom():
+        x = torch.ones(1 << 20, device="cuda")
+        assert x.sum().item() == 1 << 20
+        return f"num_ooms: {pinpool_torch.memory_stats().get('num_ooms')}"
+
+    return [(name[2:], fn) for name, fn in locals().items() if name.startswith("t_")]
+
+
+def run_cases(cases, rec):
+    import torch
+
+    for name, fn in cases:
+        t0 = time.time()
+        try:
+            note = fn()
+            torch.cuda.synchronize()
+            rec.put(name, {"ok": True, "note": note})
+            print(f"PASS {name} {note or ''}", flush=True)
+        except Exception as e:
+            traceback.print_exc()
+            rec.put(name, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+        print(f"  {name}: {time.time() - t0:.2f}s", flush=True)
+
+
+def worker_info(mode, rec):
+    import torch
+
+    rec.put("torch", torch.__version__)
+    rec.put("cuda", torch.version.cuda)
+    rec.put("devices", torch.cuda.device_count())
+    rec.put("gpu", torch.cuda.get_device_name(0))
+    rec.put("total_mib", torch.cuda.get_device_properties(0).total_memory // MIB)
+    for pkg in ("torchvision", "transformers"):
+        try:
+            rec.put(pkg, __import__(pkg).__version__)
+        except Exception as e:
+            rec.put(pkg, f"unavailable: {e}")
+    if mode == "pinpool":
+        import pinpool_torch
+
+        x = torch.ones(10, device="cuda")
+        rec.put("pinpool_sum", x.sum().item())
+        rec.put("pinpool_stats_keys", len(pinpool_torch.memory_stats()))
+        rec.put("graph_hooks", pinpool_torch.graph_hooks())
+        rec.put("shim", pinpool_torch.shim())
+
+
+def worker(part, mode, lib, out):
+    for k, v in MODES[mode].items():
+        os.environ[k] = v
+    rec = Recorder(os.path.join(out, f"{part}-{mode}.json"))
+    try:
+        rec.put("setup", setup_mode(mode if part != "mempool" else "native", lib))
+    except Exception as e:
+        traceback.print_exc()
+        rec.put("setup_error", f"{type(e).__name__}: {e}")
+        return 3
+    if part == "info":
+        worker_info(mode, rec)
+    elif part == "results":
+        worker_results(mode, rec)
+    elif part == "threads":
+        worker_threads(mode, rec)
+    elif part == "bench":
+        worker_bench(mode, rec)
+    elif part == "tests":
+        run_cases(pinpool_tests(), rec)
+    elif part == "mempool":
+        run_cases(mempool_tests(lib), rec)
+    elif part == "oom":
+        run_cases(oom_tests(), rec)
+    else:
+        raise SystemExit(f"unknown part {part}")
+    rec.put("done", True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# Driver side
+# ---------------------------------------------------------------------------------------
+
+
+class Judge:
+    def __init__(self, lib, out, budget):
+        self.lib = os.path.abspath(lib)
+        self.out = os.path.abspath(out)
+        self.deadline = time.time() + budget
+        self.log_file = open(os.path.join(self.out, "judge.log"), "a")
+        self.summary = {"verdicts": {}}
+
+    def log(self, text=""):
+        print(text, flush=True)
+        self.log_file.write(text + "\n")
+        self.log_file.flush()
+
+    def left(self):
+        return self.deadline - time.time()
+
+    def run(self, part, mode, timeout):
+        """Runs one worker; returns its JSON (or {} and the reason it has none)."""
+        name = f"{part}-{mode}"
+        path = os.path.join(self.out, name + ".json")
+        if os.path.exists(path):
+            os.unlink(path)
+        timeout = int(min(timeout, self.left() - 5))
+        if timeout < 10:
+            self.log(f"[{name}] skipped: the run's time is spent")
+            return {"_skipped": "time"}
+        env = dict(os.environ)
+        for k in ("PYTORCH_CUDA_ALLOC_CONF",):
+            env.pop(k, None)
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("PYTHONHASHSEED", "0")
+        cmd = [sys.executable, "-u", os.path.abspath(__file__), "--worker", part, "--mode", mode,
+               "--lib", self.lib, "--out", self.out]
+        t0 = time.time()
+        with open(os.path.join(self.out, name + ".log"), "w") as logf:
+            try:
+                p = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+                rc = p.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        took = time.time() - t0
+        data = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+        status = "ok" if rc == 0 else f"exit {rc}"
+        self.log(f"[{name}] {status} in {took:.0f}s")
+        if rc != 0:
+            data["_exit"] = str(rc)
+            self.log(f"  last lines of {name}.log:")
+            try:
+                with open(os.path.join(self.out, name + ".log")) as f:
+                    for line in f.readlines()[-15:]:
+                        self.log("    " + line.rstrip())
+            except OSError:
+                pass
+        return data
+
+    def verdict(self, key, ok, detail=""):
+        self.summary["verdicts"][key] = {"ok": bool(ok), "detail": detail}
+        self.log(f"  {'PASS' if ok else 'FAIL'} {key}{': ' + detail if detail else ''}")
+
+    # -- parts ----------------------------------------------------------------------------
+
+    def info(self):
+        self.log("== environment")
+        try:
+            import pinpool_torch
+
+            t0 = time.time()
+            _, path, flavour = pinpool_torch._build_shim()
+            self.log(f"shim: {flavour} ({path}) in {time.time() - t0:.1f}s "
+                     f"{pinpool_torch.shim().get('fallback_reason', '')}")
+        except Exception as e:
+            self.log(f"shim: not built: {e}")
+        native = self.run("info", "native", 60)
+        pin = self.run("info", "pinpool", 60)
+        for k in ("torch", "cuda", "gpu", "devices", "total_mib", "torchvision", "transformers"):
+            self.log(f"  {k}: {native.get(k)}")
+        self.log(f"  pinpool: sum {pin.get('pinpool_sum')}, graph hooks {pin.get('graph_hooks')}, "
+                 f"shim {pin.get('shim')}, setup {pin.get('setup', pin.get('setup_error'))}")
+        self.summary["info"] = {"native": native, "pinpool": pin}
+        self.verdict("pinpool allocates for torch", pin.get("pinpool_sum") == 10.0,
+                     str(pin.get("setup_error", "")))
+        return native
+
+    def results(self):
+        self.log("== same results (deterministic; native vs pinpool, bit for bit)")
+        native = self.run("results", "native", 150)
+        pin = self.run("results", "pinpool", 150)
+        self.summary["results"] = {"native": native, "pinpool": pin}
+        differing = []
+        for model in ("gpt2", "bert", "resnet50_train", "vit_b_16", "cuda_graph"):
+            n, p = native.get(model, {}), pin.get(model, {})
+            if not n.get("ok"):
+                self.verdict(f"same results: {model}", False, f"native run failed: {n.get('error', 'no result')}")
+                continue
+            if not p.get("ok"):
+                self.verdict(f"same results: {model}", False, f"pinpool run failed: {p.get('error', 'no result')}")
+                continue
+            diff = [k for k in n["hashes"] if n["hashes"][k] != p["hashes"].get(k)]
+            if diff:
+                differing.append(model)
+            self.verdict(f"same results: {model}", not diff,
+                         f"{len(n['hashes'])} outputs identical" if not diff else f"differ: {diff}")
+        if differing and self.left() > 200:
+            self.log("  control: a second native run, to tell whether those outputs are deterministic at all")
+            again = self.run("results", "native-again", 150)
+            self.summary["results"]["native_again"] = again
+            for model in differing:
+                n, a = native.get(model, {}), again.get(model, {})
+                same = a.get("ok") and a["hashes"] == n["hashes"]
+                self.log(f"  control {model}: native twice {'identical' if same else 'DIFFERS (not deterministic under native either)'}")
+                mn = native.get("magnitudes", {}).get(model)
+                mp = pin.get("magnitudes", {}).get(model)
+                ma = again.get("magnitudes", {}).get(model)
+                if mn and mp:
+                    rel = lambda x: abs(x - mn) / max(abs(mn), 1e-30)
+                    self.log(f"    sum|x| relative difference: pinpool vs native {rel(mp):.3e}"
+                             + (f", native vs native {rel(ma):.3e}" if ma else ""))
+
+    def tests(self):
+        self.log("== PyTorch's allocator tests, ported (pinpool as the allocator)")
+        total = {"pass": 0, "fail": 0}
+        for part, mode, timeout in (("tests", "pinpool", 120), ("mempool", "pinpool", 90), ("oom", "pinpool", 60)):
+            data = self.run(part, mode, timeout)
+            self.summary[part] = data
+            for name, r in data.items():
+                if not isinstance(r, dict) or "ok" not in r:
+                    continue
+                total["pass" if r["ok"] else "fail"] += 1
+                self.log(f"  {'PASS' if r['ok'] else 'FAIL'} {part}/{name}"
+                         f"{': ' + str(r.get('note')) if r['ok'] and r.get('note') else ''}"
+                         f"{': ' + r.get('error', '') if not r['ok'] else ''}")
+            if data.get("_exit") and not data.get("done"):
+                self.log(f"  {part}: the process ended early ({data.get('_exit')}): the cases after the last one listed did not run")
+                total["fail"] += 1
+        self.log(f"  {total['pass']} passed, {total['fail']} failed")
+        self.summary["tests_total"] = total
+        self.verdict("ported tests", total["fail"] == 0 and total["pass"] > 0, f"{total['pass']} passed, {total['fail']} failed")
+
+    def threads(self):
+        self.log("== two threads on two streams at once (two GPUs when present)")
+        native = self.run("threads", "native", 100)
+        pin = self.run("threads", "pinpool", 100)
+        self.summary["threads"] = {"native": native, "pinpool": pin}
+        n, p = native.get("hashes"), pin.get("hashes")
+        ok = bool(n) and n == p and not pin.get("errors") and not native.get("errors")
+        self.verdict("two threads, two streams: same results", ok,
+                     f"devices {pin.get('devices')}; native {n} pinpool {p}; errors {native.get('errors')} {pin.get('errors')}")
+
+    def bench(self):
+        self.log("== head to head: peak device memory (driver's used memory, sampled) and median step time")
+        runs = {}
+        for mode in ("native", "expandable", "async", "pinpool"):
+            runs[mode] = self.run("bench", mode, 150)
+        self.summary["bench"] = runs
+        models = ("gpt2_generate", "bert_varlen", "resnet50_train", "vit_b_16_infer")
+        self.log(f"  memory source: {runs['native'].get('memory_source')}")
+        header = f"  {'model':<16} {'config':<11} {'peak MiB':>9} {'vs best':>8} {'median ms':>10} {'vs best':>8}"
+        self.log(header)
+        for model in models:
+            rows = {m: runs[m].get(model, {}) for m in runs}
+            ok_rows = {m: r for m, r in rows.items() if r.get("ok")}
+            torch_ok = [ok_rows[m] for m in TORCH_MODES if m in ok_rows]
+            best_mem = min((r["peak_mib"] for r in torch_ok), default=None)
+            best_time = min((r["median_ms"] for r in torch_ok), default=None)
+            for m in ("native", "expandable", "async", "pinpool"):
+                r = rows.get(m, {})
+                if not r.get("ok"):
+                    self.log(f"  {model:<16} {m:<11} {'-':>9} {'':>8} {'-':>10} {'':>8}  {r.get('error', 'no result')}")
+                    continue
+                mr = f"{r['peak_mib'] / best_mem:.2f}x" if best_mem else "-"
+                tr = f"{r['median_ms'] / best_time:.2f}x" if best_time else "-"
+                self.log(f"  {model:<16} {m:<11} {r['peak_mib']:>9.1f} {mr:>8} {r['median_ms']:>10.2f} {tr:>8}"
+                         f"  (allocator's peak reserved {r.get('allocator_peak_reserved_mib')} MiB)")
+            p = ok_rows.get("pinpool")
+            if p and best_mem is not None:
+                self.verdict(f"memory {model}", p["peak_mib"] <= best_mem,
+                             f"pinpool {p['peak_mib']:.1f} MiB, best of PyTorch's {best_mem:.1f} MiB")
+                self.verdict(f"time {model}", p["median_ms"] <= 1.05 * best_time,
+                             f"pinpool {p['median_ms']:.2f} ms, fastest of PyTorch's {best_time:.2f} ms (target <= 1.05x)")
+            else:
+                self.verdict(f"head to head {model}", False, "no pinpool or PyTorch result")
+
+    def main(self):
+        t0 = time.time()
+        self.log(f"torch-judge: {time.strftime('%Y-%m-%d %H:%M:%S')} lib={self.lib} out={self.out}")
+        if not os.path.isfile(self.lib):
+            self.log(f"no library at {self.lib}")
+            return 2
+        for step in (self.info, self.results, self.tests, self.bench, self.threads):
+            try:
+                step()
+            except Exception as e:
+                self.log(f"{step.__name__} failed in the driver: {type(e).__name__}: {e}")
+                self.log(traceback.format_exc())
+        v = self.summary["verdicts"]
+        passed = sum(1 for x in v.values() if x["ok"])
+        self.log(f"== {passed} passed, {len(v) - passed} failed (verdicts); {time.time() - t0:.0f}s in all")
+        with open(os.path.join(self.out, "summary.json"), "w") as f:
+            json.dump(self.summary, f, indent=1, sort_keys=True, default=str)
+        return 0 if passed == len(v) else 1
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=465)
+    ap.add_argument("--worker")
+    ap.add_argument("--mode", default="native")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    if a.worker:
+        mode = "native" if a.mode == "native-again" else a.mode
+        if a.mode == "native-again":
+            # Its own file name, the native configuration.
+            MODES["native-again"] = MODES["native"]
+            mode = "native-again"
+        sys.exit(worker(a.worker, mode, os.path.abspath(a.lib), a.out))
+    sys.exit(Judge(a.lib, a.out, a.budget).main())
+
+
+if __name__ == "__main__":
+    main()

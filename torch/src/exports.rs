@@ -1,0 +1,294 @@
+//! The exported C symbols (see `include/pinpool_torch.h`), each a thin adapter over
+//! [`crate::abi`] and the process's [`Plugin`]. Without the `cuda` feature they exist too,
+//! and every call fails with [`Error::DeviceUnavailable`] (and alloc returns null).
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use pinpool::Error;
+
+use crate::abi::{self, guarded, status};
+#[cfg(feature = "cuda")]
+mod backend {
+    pub(super) use crate::cuda::{block_on, plugin, pointer_device, KeepContext};
+}
+
+#[cfg(not(feature = "cuda"))]
+mod backend {
+    use pinpool::sim::SimRuntime;
+    use pinpool::Error;
+
+    use crate::plugin::Plugin;
+
+    fn absent() -> Error {
+        Error::DeviceUnavailable {
+            message: "pinpool-torch was built without its `cuda` feature".to_string(),
+        }
+    }
+
+    pub(super) fn plugin() -> Result<&'static Plugin<SimRuntime>, Error> {
+        Err(absent())
+    }
+
+    pub(super) fn block_on<T>(_: impl std::future::Future<Output = T>) -> Result<T, Error> {
+        Err(absent())
+    }
+
+    pub(super) fn pointer_device(_: *mut std::ffi::c_void) -> Result<i32, Error> {
+        Err(absent())
+    }
+
+    pub(super) struct KeepContext;
+
+    impl KeepContext {
+        pub(super) fn new() -> Self {
+            KeepContext
+        }
+    }
+}
+
+use backend::{block_on, plugin, pointer_device, KeepContext};
+
+/// `void* alloc(size_t size, int device, cudaStream_t stream)`: null for size 0 and on
+/// failure (out of memory, no such device; the reason in `pinpool_last_error`).
+#[no_mangle]
+pub extern "C" fn pinpool_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    let _keep = KeepContext::new();
+    abi::alloc_with(plugin(), size, device, stream)
+}
+
+/// `void free(void* ptr, size_t size, int device, cudaStream_t stream)`: `stream` is the
+/// allocation's. Freeing null does nothing; an unknown pointer is reported and ignored.
+#[no_mangle]
+pub extern "C" fn pinpool_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
+    let _ = size;
+    let _keep = KeepContext::new();
+    abi::free_with(plugin(), ptr, device, stream)
+}
+
+/// `void record_stream(void* ptr, cudaStream_t stream)` (`Tensor.record_stream`).
+#[no_mangle]
+pub extern "C" fn pinpool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    let _keep = KeepContext::new();
+    let device = guarded("record_stream", -1, || pointer_device(ptr));
+    if device >= 0 {
+        abi::record_stream_with(plugin(), ptr, device, stream)
+    }
+}
+
+/// `void empty_cache(void)`: what `torch.cuda.empty_cache()` calls.
+#[no_mangle]
+pub extern "C" fn pinpool_empty_cache() {
+    let _keep = KeepContext::new();
+    status("empty_cache", || plugin()?.empty_cache());
+}
+
+/// `void memory_fraction(double fraction, int device)`.
+#[no_mangle]
+pub extern "C" fn pinpool_memory_fraction(fraction: f64, device: c_int) {
+    let _keep = KeepContext::new();
+    status("memory_fraction", || {
+        plugin()?.set_memory_fraction(fraction, device)
+    });
+}
+
+/// Makes the allocator now (it is otherwise made by the first call): 0, or -1 with the
+/// reason in `pinpool_last_error`.
+#[no_mangle]
+pub extern "C" fn pinpool_init() -> c_int {
+    let _keep = KeepContext::new();
+    status("init", || plugin().map(drop))
+}
+
+/// How many devices the allocator serves (-1 on failure).
+#[no_mangle]
+pub extern "C" fn pinpool_device_count() -> c_int {
+    let _keep = KeepContext::new();
+    guarded("device_count", -1, || {
+        Ok::<_, Error>(plugin()?.allocator().device_count() as c_int)
+    })
+}
+
+/// Statistics of `device` as JSON with the keys of `torch.cuda.memory_stats()`, copied into
+/// `buf` (`cap` bytes, NUL-terminated) if they fit; returns their length (retry with a larger
+/// buffer when it is `cap` or more), or -1 on failure.
+///
+/// # Safety
+///
+/// `buf` is null or valid for writes of `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn pinpool_memory_stats(device: c_int, buf: *mut c_char, cap: usize) -> i64 {
+    let _keep = KeepContext::new();
+    guarded("memory_stats", -1, || {
+        let json = plugin()?.memory_stats_json(device)?;
+        // SAFETY: this function's contract.
+        Ok::<_, Error>(unsafe { abi::copy_out(&json, buf, cap) } as i64)
+    })
+}
+
+/// Bytes the allocator holds of `device` (-1 on failure).
+#[no_mangle]
+pub extern "C" fn pinpool_reserved_bytes(device: c_int) -> i64 {
+    let _keep = KeepContext::new();
+    guarded("reserved_bytes", -1, || {
+        Ok::<_, Error>(plugin()?.reserved_bytes(device)? as i64)
+    })
+}
+
+/// Sets the peaks of `device`'s statistics to their current values: 0, or -1.
+#[no_mangle]
+pub extern "C" fn pinpool_reset_peak_stats(device: c_int) -> c_int {
+    status("reset_peak_stats", || plugin()?.reset_peak_stats(device))
+}
+
+/// Zeroes `device`'s accumulated statistics: 0, or -1.
+#[no_mangle]
+pub extern "C" fn pinpool_reset_accumulated_stats(device: c_int) -> c_int {
+    status("reset_accumulated_stats", || {
+        plugin()?.reset_accumulated_stats(device)
+    })
+}
+
+/// Turns the allocation history on (non-zero `enabled`, keeping `max_entries`) or off: 0, or
+/// -1.
+#[no_mangle]
+pub extern "C" fn pinpool_record_history(enabled: c_int, max_entries: usize) -> c_int {
+    status("record_history", || {
+        plugin()?.record_history(enabled != 0, max_entries)
+    })
+}
+
+/// Writes the snapshot and histories to the file `path` in the pickle layout of
+/// `torch.cuda.memory._dump_snapshot` (for `pytorch.org/memory_viz`): 0, or -1.
+///
+/// # Safety
+///
+/// `path` is a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn pinpool_dump_snapshot(path: *const c_char) -> c_int {
+    let _keep = KeepContext::new();
+    status("dump_snapshot", || {
+        if path.is_null() {
+            return Err("null path".to_string());
+        }
+        // SAFETY: this function's contract.
+        let path = unsafe { CStr::from_ptr(path) }
+            .to_str()
+            .map_err(|e| format!("path is not UTF-8: {e}"))?
+            .to_string();
+        let plugin = plugin().map_err(|e| e.to_string())?;
+        let bytes = block_on(plugin.pickle_snapshot())
+            .and_then(|r| r)
+            .map_err(|e| e.to_string())?;
+        std::fs::write(&path, bytes).map_err(|e| format!("writing {path}: {e}"))
+    })
+}
+
+/// A stream filter from C: `filter(ctx, stream)` answers non-zero for the streams whose
+/// requests go to the pool; `drop_ctx(ctx)`, if not null, runs once the allocator no longer
+/// needs the filter.
+pub type FilterFn = unsafe extern "C" fn(ctx: *mut c_void, stream: *mut c_void) -> c_int;
+/// Releases a filter's context.
+pub type DropFn = unsafe extern "C" fn(ctx: *mut c_void);
+
+struct ForeignFilter {
+    call: FilterFn,
+    ctx: *mut c_void,
+    drop_ctx: Option<DropFn>,
+}
+
+// SAFETY: `pinpool_begin_allocate_to_pool`'s contract: the filter and its context may be
+// called and released from any thread.
+unsafe impl Send for ForeignFilter {}
+// SAFETY: as above; the filter is called concurrently only through a shared reference.
+unsafe impl Sync for ForeignFilter {}
+
+impl ForeignFilter {
+    fn accepts(&self, handle: usize) -> bool {
+        // SAFETY: `pinpool_begin_allocate_to_pool`'s contract: `call` takes this context
+        // and any stream handle, and does not unwind.
+        unsafe { (self.call)(self.ctx, handle as *mut c_void) != 0 }
+    }
+}
+
+impl Drop for ForeignFilter {
+    fn drop(&mut self) {
+        if let Some(d) = self.drop_ctx {
+            // SAFETY: the contract: `drop_ctx` releases this context, once; nothing calls
+            // the filter after this.
+            unsafe { d(self.ctx) }
+        }
+    }
+}
+
+/// PyTorch's `beginAllocateToPool(device, (pool_a, pool_b), filter)`: 0, or -1.
+///
+/// # Safety
+///
+/// `filter` takes `ctx` and any stream handle from any thread and does not unwind;
+/// `drop_ctx`, if not null, releases `ctx` once and is called at most once (also when the
+/// call fails).
+#[no_mangle]
+pub unsafe extern "C" fn pinpool_begin_allocate_to_pool(
+    device: c_int,
+    pool_a: u64,
+    pool_b: u64,
+    filter: Option<FilterFn>,
+    ctx: *mut c_void,
+    drop_ctx: Option<DropFn>,
+) -> c_int {
+    let _keep = KeepContext::new();
+    status("begin_allocate_to_pool", || {
+        let Some(call) = filter else {
+            if let Some(d) = drop_ctx {
+                // SAFETY: the contract above.
+                unsafe { d(ctx) }
+            }
+            return Err(Error::NotSupported {
+                operation: "begin_allocate_to_pool",
+                reason: "a null stream filter: pass one that accepts the capturing stream"
+                    .to_string(),
+            });
+        };
+        let f = ForeignFilter {
+            call,
+            ctx,
+            drop_ctx,
+        };
+        plugin()?.begin_allocate_to_pool(device, (pool_a, pool_b), move |h| f.accepts(h))
+    })
+}
+
+/// PyTorch's `endAllocateToPool(device, (pool_a, pool_b))`: 0, or -1.
+#[no_mangle]
+pub extern "C" fn pinpool_end_allocate_to_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    let _keep = KeepContext::new();
+    status("end_allocate_to_pool", || {
+        plugin()?.end_allocate_to_pool(device, (pool_a, pool_b))
+    })
+}
+
+/// PyTorch's `releasePool(device, (pool_a, pool_b))`: 0, or -1.
+#[no_mangle]
+pub extern "C" fn pinpool_release_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    let _keep = KeepContext::new();
+    status("release_pool", || {
+        plugin()?.release_pool(device, (pool_a, pool_b))
+    })
+}
+
+/// The calling thread's last error, copied as `pinpool_memory_stats` copies; its length.
+///
+/// # Safety
+///
+/// `buf` is null or valid for writes of `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn pinpool_last_error(buf: *mut c_char, cap: usize) -> usize {
+    // SAFETY: this function's contract.
+    unsafe { abi::copy_out(&abi::last_error(), buf, cap) }
+}
+
+/// How many calls have failed in this process.
+#[no_mangle]
+pub extern "C" fn pinpool_failures() -> usize {
+    abi::failures()
+}

@@ -1,0 +1,22 @@
+//! pinpool as PyTorch's CUDA allocator.
+//!
+//! A shared library that `torch.cuda.memory.CUDAPluggableAllocator` loads (and any C or C++
+//! program, libtorch's included, can call): `pinpool_alloc` and `pinpool_free` over one
+//! [`pinpool::DeviceAllocator`] for the process, with stream-ordered pools per PyTorch
+//! stream, plus the hooks PyTorch offers beside them (record_stream, empty_cache, the memory
+//! fraction, graph pools) and what its statistics calls cannot give with an external
+//! allocator (statistics with PyTorch's keys as JSON, snapshots for `memory_viz`). The
+//! Python package `pinpool_torch` (in `python/`) wires it up; see `docs/torch.md`.
+//!
+//! Modules: `plugin` (the hooks' meaning, generic over the runtime), `abi` (the C boundary's
+//! rules: no panic crosses it, errors become null or -1 and a last-error string),
+//! `exports` (the C symbols), and `cuda` (the process's plugin on the CUDA runtime and
+//! PyTorch's stream handles as cudarc streams; feature `cuda`).
+
+pub mod abi;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod exports;
+pub mod plugin;
+
+pub use plugin::{pool_id, Plugin, StreamMap};

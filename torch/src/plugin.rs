@@ -1,0 +1,228 @@
+//! [`Plugin`]: what PyTorch's pluggable-allocator hooks ask, on one [`DeviceAllocator`].
+//!
+//! Owns the translation from PyTorch's terms (a device index as a C `int`, a stream as a raw
+//! handle, a graph pool as a pair of integers) to pinpool's (a device ordinal, a runtime
+//! stream, a [`PoolId`]), and the rules that PyTorch's callers rely on: size 0 gives a null
+//! pointer and freeing null does nothing; an allocation freed from the per-thread default
+//! stream waits for the legacy default stream before its reuse (see [`Plugin::free`]).
+//! Everything else — caching, stream-ordered pools, capture pools, statistics — is the
+//! allocator's. Generic over the runtime, so that the simulated one tests it.
+
+use std::sync::Arc;
+
+use pinpool::{DeviceAllocator, DeviceRuntime, Error, HistoryContext, PoolId};
+
+/// The legacy default stream's handle (`cudaStreamLegacy` reads the same).
+pub const LEGACY_STREAM: usize = 0;
+/// `cudaStreamLegacy` / `CU_STREAM_LEGACY`: the legacy default stream, named explicitly.
+pub const LEGACY_STREAM_NAMED: usize = 1;
+/// `cudaStreamPerThread` / `CU_STREAM_PER_THREAD`: the calling thread's default stream.
+pub const PER_THREAD_STREAM: usize = 2;
+
+/// How raw stream handles become the runtime's streams, and back.
+pub trait StreamMap<R: DeviceRuntime>: Send + Sync + 'static {
+    /// The stream whose handle is `handle` on device `device` (an ordinal below the
+    /// allocator's device count). Handles 0 and 2 name the legacy and the per-thread
+    /// default streams of the device.
+    fn stream(&self, device: usize, handle: usize) -> Result<R::Stream, Error>;
+
+    /// The raw handle of `stream` (what a capture's stream filter is asked about).
+    fn handle(&self, stream: &R::Stream) -> usize;
+}
+
+/// PyTorch's allocator hooks over a [`DeviceAllocator`]: alloc and free by raw pointer,
+/// record_stream, empty_cache, the memory fraction, statistics, snapshots and graph pools.
+pub struct Plugin<R: DeviceRuntime> {
+    alloc: DeviceAllocator<R>,
+    streams: Arc<dyn StreamMap<R>>,
+}
+
+impl<R: DeviceRuntime> Plugin<R> {
+    /// The hooks over `alloc`, with `streams` to resolve stream handles.
+    pub fn new(alloc: DeviceAllocator<R>, streams: Arc<dyn StreamMap<R>>) -> Self {
+        Self { alloc, streams }
+    }
+
+    /// The allocator underneath.
+    pub fn allocator(&self) -> &DeviceAllocator<R> {
+        &self.alloc
+    }
+
+    /// Device `device` as an ordinal of the allocator ([`Error::NoSuchDevice`] for a
+    /// negative index or one past the last device).
+    pub fn device(&self, device: i32) -> Result<usize, Error> {
+        let count = self.alloc.device_count();
+        match usize::try_from(device) {
+            Ok(d) if d < count => Ok(d),
+            _ => Err(Error::NoSuchDevice {
+                ordinal: usize::try_from(device).unwrap_or(usize::MAX),
+                count,
+            }),
+        }
+    }
+
+    fn stream(&self, device: usize, handle: usize) -> Result<R::Stream, Error> {
+        // `cudaStreamLegacy` is the legacy default stream: one pool for both of its names.
+        let handle = if handle == LEGACY_STREAM_NAMED {
+            LEGACY_STREAM
+        } else {
+            handle
+        };
+        self.streams.stream(device, handle)
+    }
+
+    /// PyTorch's `alloc(size, device, stream)`: `size` bytes on `device` for work on the
+    /// stream `handle`, as an address. Size 0 gives 0 (PyTorch's own allocator returns a
+    /// null pointer for it too). A request that does not fit under the cap (the memory
+    /// fraction) fails at once instead of waiting for memory to come back, as PyTorch's own
+    /// allocator fails it. Errors: [`Error::NoSuchDevice`], [`Error::OutOfMemory`].
+    pub fn alloc(&self, size: usize, device: i32, handle: usize) -> Result<usize, Error> {
+        let device = self.device(device)?;
+        if size == 0 {
+            return Ok(0);
+        }
+        let stream = self.stream(device, handle)?;
+        Ok(self.alloc.try_raw_alloc_with_stream(size, &stream)? as usize)
+    }
+
+    /// PyTorch's `free(ptr, size, device, stream)`, with the stream of the allocation.
+    /// Null is a no-op; an address [`Plugin::alloc`] did not return (or one already freed)
+    /// is [`Error::UnknownPointer`] and changes nothing.
+    ///
+    /// The per-thread default stream has one handle on every thread, so its blocks share
+    /// one pool, though each thread's stream runs on its own: a block freed from it first
+    /// records the legacy default stream, whose work waits for all earlier work of every
+    /// blocking stream, so that no other thread reuses the block before the work queued
+    /// on it has run.
+    pub fn free(&self, ptr: usize, device: i32, handle: usize) -> Result<(), Error> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        if handle == PER_THREAD_STREAM {
+            let legacy = self.stream(self.device(device)?, LEGACY_STREAM)?;
+            self.alloc.raw_record_stream(ptr as u64, &legacy)?;
+        }
+        self.alloc.raw_delete(ptr as u64)
+    }
+
+    /// `Tensor.record_stream`: the block at `ptr` (of device `device`) is not reused before
+    /// the work queued on stream `handle` until its free has run.
+    pub fn record_stream(&self, ptr: usize, device: i32, handle: usize) -> Result<(), Error> {
+        let stream = self.stream(self.device(device)?, handle)?;
+        self.alloc.raw_record_stream(ptr as u64, &stream)
+    }
+
+    /// `torch.cuda.empty_cache`: gives every cached block of every device back.
+    pub fn empty_cache(&self) -> Result<(), Error> {
+        self.alloc.empty_cache_blocking().map(drop)
+    }
+
+    /// `torch.cuda.set_per_process_memory_fraction`: caps `device` at `fraction` of its
+    /// memory ([`Error::InvalidLimit`] unless it is in (0, 1]).
+    pub fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), Error> {
+        self.alloc
+            .set_memory_fraction(fraction, self.device(device)?)
+    }
+
+    /// `torch.cuda.memory_stats(device)` as a JSON object with PyTorch's flat keys
+    /// (`allocated_bytes.all.current`, `reserved_bytes.all.peak`, `num_ooms`, …).
+    pub fn memory_stats_json(&self, device: i32) -> Result<String, Error> {
+        let stats = self.alloc.stats(self.device(device)?)?;
+        let mut out = String::from("{");
+        for (i, (k, v)) in stats.to_map().iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            // The keys are ASCII names with dots: nothing to escape.
+            out.push_str(&format!("\"{k}\": {v}"));
+        }
+        out.push('}');
+        Ok(out)
+    }
+
+    /// Bytes device `device`'s pools hold of it (`torch.cuda.memory_reserved`).
+    pub fn reserved_bytes(&self, device: i32) -> Result<usize, Error> {
+        self.alloc.reserved_bytes(self.device(device)?)
+    }
+
+    /// `torch.cuda.reset_peak_memory_stats(device)`.
+    pub fn reset_peak_stats(&self, device: i32) -> Result<(), Error> {
+        self.alloc.reset_peak_stats(self.device(device)?)
+    }
+
+    /// `torch.cuda.reset_accumulated_memory_stats(device)`.
+    pub fn reset_accumulated_stats(&self, device: i32) -> Result<(), Error> {
+        self.alloc.reset_accumulated_stats(self.device(device)?)
+    }
+
+    /// `torch.cuda.memory._record_memory_history`: turns the trace on (keeping the last
+    /// `max_entries` entries, with the call sites of allocations) or off.
+    pub fn record_history(&self, enabled: bool, max_entries: usize) -> Result<(), Error> {
+        let context = if enabled {
+            HistoryContext::Alloc
+        } else {
+            HistoryContext::None
+        };
+        self.alloc.record_history(enabled, max_entries, context)
+    }
+
+    /// `torch.cuda.memory._snapshot()` pickled, as `_dump_snapshot` writes it.
+    pub async fn pickle_snapshot(&self) -> Result<Vec<u8>, Error> {
+        self.alloc.pickle_snapshot().await
+    }
+
+    /// PyTorch's `beginAllocateToPool(device, mempool_id, filter)`: until
+    /// [`Plugin::end_allocate_to_pool`], requests on `device` for streams whose handle
+    /// `filter` accepts come from the graph pool `pool`.
+    pub fn begin_allocate_to_pool(
+        &self,
+        device: i32,
+        pool: (u64, u64),
+        filter: impl Fn(usize) -> bool + Send + Sync + 'static,
+    ) -> Result<(), Error> {
+        let device = self.device(device)?;
+        let streams = self.streams.clone();
+        self.alloc
+            .begin_allocate_to_pool_blocking(device, pool_id(pool), move |s| {
+                filter(streams.handle(s))
+            })
+    }
+
+    /// PyTorch's `endAllocateToPool(device, mempool_id)`.
+    pub fn end_allocate_to_pool(&self, device: i32, pool: (u64, u64)) -> Result<(), Error> {
+        self.alloc
+            .end_allocate_to_pool_blocking(self.device(device)?, pool_id(pool))
+    }
+
+    /// PyTorch's `releasePool(device, mempool_id)`; the pool's memory goes back at the next
+    /// empty_cache once every use is released.
+    pub fn release_pool(&self, device: i32, pool: (u64, u64)) -> Result<(), Error> {
+        self.alloc
+            .release_pool_blocking(self.device(device)?, pool_id(pool))
+    }
+}
+
+/// The pool that PyTorch's `MempoolId_t` `(a, b)` names. PyTorch numbers the pools that
+/// graphs make for themselves `(n, 0)` and those of `graph_pool_handle()` / `MemPool`
+/// `(0, n)`, each from a counter; both map above `2^62`, clear of [`PoolId::fresh`]'s ids.
+/// `(0, 0)` is the default pool.
+///
+/// ```
+/// use pinpool::PoolId;
+/// use pinpool_torch::pool_id;
+///
+/// assert_eq!(pool_id((0, 0)), PoolId::DEFAULT);
+/// assert_ne!(pool_id((1, 0)), pool_id((0, 1))); // a graph's own pool, a graph_pool_handle()
+/// ```
+pub fn pool_id((a, b): (u64, u64)) -> PoolId {
+    const TOP: u64 = 1 << 63;
+    const USER: u64 = 1 << 62;
+    const MASK: u64 = USER - 1;
+    match (a, b) {
+        (0, 0) => PoolId::DEFAULT,
+        (0, n) => PoolId(TOP | USER | (n & MASK)),
+        (n, 0) => PoolId(TOP | (n & MASK)),
+        // Not made by PyTorch today: both halves mixed, kept clear of the ids above.
+        (a, b) => PoolId(TOP | USER | (1 << 61) | ((a << 30) ^ b) & ((1 << 61) - 1)),
+    }
+}

@@ -1,0 +1,495 @@
+//! The C ABI's behaviour on the simulated runtime: what PyTorch's pluggable-allocator calls
+//! get for each input, good and bad, called from threads outside any tokio runtime.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Barrier};
+
+use pinpool::sim::{SimRuntime, SimStream};
+use pinpool::{DeviceAllocator, Error, PoolId};
+use pinpool_torch::abi;
+use pinpool_torch::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
+use pinpool_torch::pool_id;
+
+/// Stream handles 0..HANDLES of each device, as simulated streams.
+const HANDLES: usize = 8;
+
+struct SimStreams {
+    by_device: Vec<Vec<SimStream>>,
+    handles: HashMap<u64, usize>,
+}
+
+impl SimStreams {
+    fn new(sim: &SimRuntime) -> Self {
+        let mut by_device = Vec::new();
+        let mut handles = HashMap::new();
+        for d in 0..sim.device_count() {
+            let streams: Vec<SimStream> = (0..HANDLES)
+                .map(|_| sim.stream_on(d).expect("a stream"))
+                .collect();
+            for (h, s) in streams.iter().enumerate() {
+                handles.insert(s.id().0, h);
+            }
+            by_device.push(streams);
+        }
+        Self { by_device, handles }
+    }
+}
+
+impl StreamMap<SimRuntime> for SimStreams {
+    fn stream(&self, device: usize, handle: usize) -> Result<SimStream, Error> {
+        self.by_device[device]
+            .get(handle)
+            .cloned()
+            .ok_or(Error::NotSupported {
+                operation: "stream",
+                reason: format!("no simulated stream with handle {handle}"),
+            })
+    }
+
+    fn handle(&self, stream: &SimStream) -> usize {
+        self.handles[&stream.id().0]
+    }
+}
+
+struct Setup {
+    plugin: Plugin<SimRuntime>,
+    streams: Arc<SimStreams>,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl Setup {
+    fn stream(&self, device: usize, handle: usize) -> &SimStream {
+        &self.streams.by_device[device][handle]
+    }
+}
+
+fn setup_with(sim: SimRuntime) -> Setup {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let streams = Arc::new(SimStreams::new(&sim));
+    let alloc = DeviceAllocator::builder()
+        .runtime(Arc::new(sim))
+        .handle(rt.handle().clone())
+        .build()
+        .unwrap();
+    Setup {
+        plugin: Plugin::new(alloc, streams.clone()),
+        streams,
+        _rt: rt,
+    }
+}
+
+fn setup() -> Setup {
+    setup_with(SimRuntime::builder().devices(2).build())
+}
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn a_block_freed_on_its_stream_is_handed_out_again_on_that_stream() {
+    let s = setup();
+    let p = s.plugin.alloc(MIB, 0, 3).unwrap();
+    assert_ne!(p, 0);
+    s.plugin.free(p, 0, 3).unwrap();
+    assert_eq!(s.plugin.alloc(MIB, 0, 3).unwrap(), p);
+}
+
+#[test]
+fn size_zero_gives_null_and_freeing_null_does_nothing() {
+    let s = setup();
+    assert_eq!(s.plugin.alloc(0, 0, 3), Ok(0));
+    assert_eq!(s.plugin.free(0, 0, 3), Ok(()));
+    let through_c = abi::alloc_with(Ok(&s.plugin), 0, 0, 3 as *mut c_void);
+    assert!(through_c.is_null());
+    let before = abi::failures();
+    abi::free_with(Ok(&s.plugin), std::ptr::null_mut(), 0, 3 as *mut c_void);
+    assert_eq!(abi::failures(), before, "freeing null is not an error");
+    assert_eq!(
+        s.plugin
+            .allocator()
+            .stats(0)
+            .unwrap()
+            .allocation
+            .all
+            .current,
+        0
+    );
+}
+
+#[test]
+fn freeing_an_unknown_or_already_freed_pointer_is_a_typed_error_that_changes_nothing() {
+    let s = setup();
+    let p = s.plugin.alloc(MIB, 0, 3).unwrap();
+    let unknown = p + 512;
+    assert_eq!(
+        s.plugin.free(unknown, 0, 3),
+        Err(Error::UnknownPointer {
+            ptr: unknown as u64
+        })
+    );
+    assert_eq!(
+        s.plugin
+            .allocator()
+            .stats(0)
+            .unwrap()
+            .allocation
+            .all
+            .current,
+        1
+    );
+    s.plugin.free(p, 0, 3).unwrap();
+    assert_eq!(
+        s.plugin.free(p, 0, 3),
+        Err(Error::UnknownPointer { ptr: p as u64 })
+    );
+    // Through the C boundary: nothing returned, the reason kept for the thread.
+    abi::free_with(Ok(&s.plugin), p as *mut c_void, 0, 3 as *mut c_void);
+    assert!(
+        abi::last_error().contains("not a live raw allocation"),
+        "{}",
+        abi::last_error()
+    );
+    assert_eq!(
+        s.plugin
+            .allocator()
+            .stats(0)
+            .unwrap()
+            .allocation
+            .all
+            .current,
+        0
+    );
+}
+
+#[test]
+fn a_device_that_does_not_exist_gives_null_and_says_so() {
+    let s = setup();
+    for device in [2, -1, i32::MAX] {
+        assert!(matches!(
+            s.plugin.alloc(MIB, device, 3),
+            Err(Error::NoSuchDevice { count: 2, .. })
+        ));
+        let p = abi::alloc_with(Ok(&s.plugin), MIB, device, 3 as *mut c_void);
+        assert!(p.is_null());
+        assert!(
+            abi::last_error().contains("no CUDA device"),
+            "{}",
+            abi::last_error()
+        );
+    }
+    assert!(matches!(
+        s.plugin.memory_stats_json(5),
+        Err(Error::NoSuchDevice { .. })
+    ));
+}
+
+#[test]
+fn out_of_memory_gives_null_with_the_reason() {
+    let s = setup_with(SimRuntime::builder().device_capacity(64 * MIB).build());
+    let p = abi::alloc_with(Ok(&s.plugin), 1 << 30, 0, 3 as *mut c_void);
+    assert!(p.is_null());
+    assert!(
+        abi::last_error().contains("out of memory"),
+        "{}",
+        abi::last_error()
+    );
+    // The device still serves what fits.
+    assert_ne!(s.plugin.alloc(MIB, 0, 3).unwrap(), 0);
+}
+
+#[test]
+fn allocations_land_on_the_device_asked_for() {
+    let s = setup();
+    let a = s.plugin.alloc(MIB, 0, 3).unwrap();
+    let b = s.plugin.alloc(MIB, 1, 3).unwrap();
+    assert_ne!(a, b);
+    assert_eq!(
+        s.plugin
+            .allocator()
+            .stats(0)
+            .unwrap()
+            .allocation
+            .all
+            .current,
+        1
+    );
+    assert_eq!(
+        s.plugin
+            .allocator()
+            .stats(1)
+            .unwrap()
+            .allocation
+            .all
+            .current,
+        1
+    );
+    s.plugin.free(b, 1, 3).unwrap();
+    assert_eq!(
+        s.plugin
+            .allocator()
+            .stats(1)
+            .unwrap()
+            .allocation
+            .all
+            .current,
+        0
+    );
+}
+
+#[test]
+fn the_legacy_default_stream_has_one_pool_under_both_its_names() {
+    let s = setup();
+    let p = s.plugin.alloc(MIB, 0, LEGACY_STREAM).unwrap();
+    s.plugin.free(p, 0, LEGACY_STREAM).unwrap();
+    // `cudaStreamLegacy` (1) is the same stream as the null handle.
+    assert_eq!(s.plugin.alloc(MIB, 0, 1).unwrap(), p);
+}
+
+#[test]
+fn a_block_freed_from_the_per_thread_stream_waits_for_the_legacy_stream() {
+    let s = setup();
+    // Another thread's work on its own per-thread stream, still running: the legacy
+    // stream's work waits for it, so an event there is not complete yet.
+    let busy = s.stream(0, LEGACY_STREAM).hold();
+    let p = s.plugin.alloc(MIB, 0, PER_THREAD_STREAM).unwrap();
+    s.plugin.free(p, 0, PER_THREAD_STREAM).unwrap();
+    let q = s.plugin.alloc(MIB, 0, PER_THREAD_STREAM).unwrap();
+    assert_ne!(
+        q, p,
+        "reused while the work queued before the free may still run"
+    );
+    drop(busy);
+    // A created stream's block, by contrast, is its stream's again at once.
+    let r = s.plugin.alloc(MIB, 0, 3).unwrap();
+    s.plugin.free(r, 0, 3).unwrap();
+    assert_eq!(s.plugin.alloc(MIB, 0, 3).unwrap(), r);
+}
+
+#[test]
+fn record_stream_keeps_a_block_until_that_streams_work_is_done() {
+    let s = setup();
+    let p = s.plugin.alloc(MIB, 0, 3).unwrap();
+    let busy = s.stream(0, 4).hold();
+    s.plugin.record_stream(p, 0, 4).unwrap();
+    s.plugin.free(p, 0, 3).unwrap();
+    assert_ne!(s.plugin.alloc(MIB, 0, 3).unwrap(), p);
+    drop(busy);
+    // Recording on a pointer never lent is a typed error.
+    assert!(matches!(
+        s.plugin.record_stream(p + 512, 0, 4),
+        Err(Error::UnknownPointer { .. })
+    ));
+}
+
+#[test]
+fn memory_stats_come_as_json_with_pytorchs_keys() {
+    let s = setup();
+    let p = s.plugin.alloc(3 * MIB, 0, 3).unwrap();
+    let stats: serde_json::Value =
+        serde_json::from_str(&s.plugin.memory_stats_json(0).unwrap()).unwrap();
+    assert_eq!(stats["allocated_bytes.all.current"], 3 * MIB);
+    assert_eq!(stats["allocation.all.current"], 1);
+    assert!(stats["reserved_bytes.all.current"].as_u64().unwrap() >= 3 * MIB as u64);
+    assert_eq!(stats["num_ooms"], 0);
+    s.plugin.free(p, 0, 3).unwrap();
+    s.plugin.reset_peak_stats(0).unwrap();
+    let stats: serde_json::Value =
+        serde_json::from_str(&s.plugin.memory_stats_json(0).unwrap()).unwrap();
+    assert_eq!(stats["allocated_bytes.all.peak"], 0);
+}
+
+#[test]
+fn the_c_copy_of_a_string_reports_its_length_and_never_overruns() {
+    let mut buf = [0x55u8; 8];
+    // SAFETY: `buf` has 8 bytes.
+    let n = unsafe { abi::copy_out("{\"a\": 1}", buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(n, 8);
+    assert_eq!(buf, [0x55; 8], "an answer that does not fit is not written");
+    let mut buf = [0x55u8; 9];
+    // SAFETY: `buf` has 9 bytes.
+    let n = unsafe { abi::copy_out("{\"a\": 1}", buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(n, 8);
+    assert_eq!(&buf, b"{\"a\": 1}\0");
+}
+
+#[test]
+fn empty_cache_gives_cached_blocks_back() {
+    let s = setup();
+    let p = s.plugin.alloc(64 * MIB, 0, 3).unwrap();
+    s.plugin.free(p, 0, 3).unwrap();
+    assert!(s.plugin.reserved_bytes(0).unwrap() >= 64 * MIB);
+    s.plugin.empty_cache().unwrap();
+    assert_eq!(s.plugin.reserved_bytes(0).unwrap(), 0);
+}
+
+#[test]
+fn memory_fraction_caps_the_device_and_bad_fractions_are_refused() {
+    let s = setup_with(SimRuntime::builder().device_capacity(256 * MIB).build());
+    s.plugin.set_memory_fraction(0.25, 0).unwrap();
+    let held = s.plugin.alloc(32 * MIB, 0, 3).unwrap();
+    // Over the cap: fails at once (it would otherwise wait for `held` to come back).
+    assert!(matches!(
+        s.plugin.alloc(48 * MIB, 0, 3),
+        Err(Error::OutOfMemory { .. })
+    ));
+    s.plugin.free(held, 0, 3).unwrap();
+    assert_ne!(s.plugin.alloc(48 * MIB, 0, 3).unwrap(), 0);
+    assert!(matches!(
+        s.plugin.set_memory_fraction(1.5, 0),
+        Err(Error::InvalidLimit { .. })
+    ));
+    assert!(matches!(
+        s.plugin.set_memory_fraction(0.5, 9),
+        Err(Error::NoSuchDevice { .. })
+    ));
+}
+
+#[test]
+fn requests_of_the_streams_a_filter_accepts_go_to_the_graph_pool() {
+    let s = setup();
+    let pool = (0, 7);
+    s.plugin
+        .begin_allocate_to_pool(0, pool, |handle| handle == 5)
+        .unwrap();
+    let in_pool = s.plugin.alloc(MIB, 0, 5).unwrap();
+    let outside = s.plugin.alloc(MIB, 0, 3).unwrap();
+    s.plugin.end_allocate_to_pool(0, pool).unwrap();
+    let stats = s.plugin.allocator().pool_stats(0, pool_id(pool)).unwrap();
+    assert_eq!(stats.allocation.all.current, 1);
+    s.plugin.free(in_pool, 0, 5).unwrap();
+    s.plugin.free(outside, 0, 3).unwrap();
+    s.plugin.release_pool(0, pool).unwrap();
+    assert!(matches!(
+        s.plugin.release_pool(0, pool),
+        Err(Error::UnknownPool(_) | Error::PoolAlreadyReleased(_))
+    ));
+}
+
+#[test]
+fn pool_ids_of_graphs_and_of_user_pools_never_collide() {
+    assert_eq!(pool_id((0, 0)), PoolId::DEFAULT);
+    let mut seen = std::collections::HashSet::new();
+    for n in 1..1000u64 {
+        assert!(seen.insert(pool_id((n, 0))));
+        assert!(seen.insert(pool_id((0, n))));
+    }
+    for _ in 0..1000 {
+        assert!(!seen.contains(&PoolId::fresh()));
+    }
+}
+
+#[test]
+fn a_panic_inside_a_call_becomes_an_error_not_an_abort() {
+    let got = abi::guarded("alloc", 7usize, || -> Result<usize, Error> {
+        panic!("boom")
+    });
+    assert_eq!(got, 7);
+    assert!(
+        abi::last_error().contains("panicked: boom"),
+        "{}",
+        abi::last_error()
+    );
+}
+
+#[test]
+fn the_last_error_belongs_to_the_thread_that_failed() {
+    abi::set_last_error("here", "this thread's");
+    let other = std::thread::spawn(abi::last_error).join().unwrap();
+    assert_eq!(other, "");
+    assert!(abi::last_error().contains("this thread's"));
+}
+
+#[test]
+fn threads_on_their_own_streams_never_share_a_live_block() {
+    let s = Arc::new(setup());
+    let threads = 8;
+    let barrier = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (s, barrier) = (s.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let handle = 3 + t % 4; // two threads per stream
+                let mut held = Vec::new();
+                for round in 0..50 {
+                    let size = 512 * (1 + (t * 31 + round * 7) % 300);
+                    held.push((s.plugin.alloc(size, 0, handle).unwrap(), size));
+                    if round % 3 == 2 {
+                        let (p, _) = held.remove(0);
+                        s.plugin.free(p, 0, handle).unwrap();
+                    }
+                }
+                barrier.wait();
+                (handle, held)
+            })
+        })
+        .collect();
+    let live: Vec<(usize, Vec<(usize, usize)>)> =
+        handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let mut ranges: Vec<(usize, usize)> = live.iter().flat_map(|(_, v)| v.clone()).collect();
+    ranges.sort();
+    for w in ranges.windows(2) {
+        assert!(
+            w[0].0 + w[0].1 <= w[1].0,
+            "{:#x?} overlaps {:#x?}",
+            w[0],
+            w[1]
+        );
+    }
+    let count: usize = live.iter().map(|(_, v)| v.len()).sum();
+    let stats = s.plugin.allocator().stats(0).unwrap();
+    assert_eq!(stats.allocation.all.current as usize, count);
+    // Racing frees of one pointer: exactly one succeeds.
+    let (handle, first) = (live[0].0, live[0].1[0].0);
+    let ok: usize = (0..4)
+        .map(|_| {
+            let s = s.clone();
+            std::thread::spawn(move || s.plugin.free(first, 0, handle).is_ok() as usize)
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .sum();
+    assert_eq!(ok, 1);
+    for (handle, held) in &live {
+        for &(p, _) in held {
+            if p != first {
+                s.plugin.free(p, 0, *handle).unwrap();
+            }
+        }
+    }
+    assert_eq!(
+        s.plugin
+            .allocator()
+            .stats(0)
+            .unwrap()
+            .allocation
+            .all
+            .current,
+        0
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn without_cuda_the_exported_symbols_fail_softly() {
+    use pinpool_torch::exports::*;
+    let p = pinpool_alloc(MIB, 0, std::ptr::null_mut());
+    assert!(p.is_null());
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` has 256 bytes.
+    let n = unsafe { pinpool_last_error(buf.as_mut_ptr().cast(), buf.len()) };
+    let text = std::str::from_utf8(&buf[..n]).unwrap();
+    assert!(text.contains("without its `cuda` feature"), "{text}");
+    // SAFETY: a null buffer only asks for the length.
+    assert_eq!(
+        unsafe { pinpool_memory_stats(0, std::ptr::null_mut(), 0) },
+        -1
+    );
+    assert_eq!(pinpool_init(), -1);
+    pinpool_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+    pinpool_empty_cache();
+}
