@@ -52,7 +52,7 @@ pub use pinpool_actors::FreeMemoryCallback;
 pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
     DeviceFit, DeviceStats, DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory,
-    MemoryKind, MemorySnapshot, MemorySource, Origin, PinMethod, PoolCheckpoint, PoolId,
+    MemoryKind, MemorySnapshot, MemorySource, OomCause, Origin, PinMethod, PoolCheckpoint, PoolId,
     PowerOfTwo, Region, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StatArray,
     StreamFilter, StreamId, TieredPowerOfTwo, Wait,
 };

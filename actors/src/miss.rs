@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::block::{Block, Pool};
 use crate::budget::{Budget, EmptyReport};
-use crate::error::Error;
+use crate::error::{Error, OomCause};
 use crate::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
 use crate::policy::SizeClass;
 use crate::runtime::Runtime;
@@ -57,6 +57,7 @@ fn check_cap<R: Runtime>(pool: &Pool<R>, class: SizeClass, requested: usize) -> 
                 requested,
                 reserved: pool.budget.reserved(),
                 limit: Some(limit),
+                cause: OomCause::ExceedsLimit,
             })
         }
         _ => Ok(()),
@@ -320,6 +321,7 @@ fn no_room<R: Runtime>(pool: &Pool<R>, requested: usize) -> Error {
         requested,
         reserved: pool.budget.reserved(),
         limit: pool.budget.limit(),
+        cause: OomCause::NoRoomNow,
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use pinpool_actors::blocking::may_block;
 use pinpool_actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
-    Inventory, Lease, MemorySnapshot, OomReport, PoolId, RawLease, TraceEntry, Wait,
+    Inventory, Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
 };
 
 use super::buffer::{tie_to_stream, DeviceBuffer};
@@ -148,6 +148,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
                 requested: size,
                 reserved: engine.reserved_bytes(),
                 limit: None,
+                cause: OomCause::ExceedsDevice,
             });
         }
         Ok((d, engine))

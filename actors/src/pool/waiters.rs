@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use super::PoolActor;
 use crate::block::{Block, BlockState};
-use crate::error::Error;
+use crate::error::{Error, OomCause};
 use crate::mailbox::{Ask, MissTx, Refused};
 use crate::policy::SizeClass;
 use crate::runtime::Runtime;
@@ -32,7 +32,7 @@ impl<R: Runtime> PoolActor<R> {
             if ask.wait {
                 self.enqueue(class, ask.requested, reply);
             } else {
-                let e = self.out_of_room(ask.requested);
+                let e = self.out_of_room(ask.requested, OomCause::NoRoomNow);
                 let _ = reply.send(Err(Refused::Failed(e)));
             }
             return;
@@ -50,7 +50,9 @@ impl<R: Runtime> PoolActor<R> {
                     self.enqueue(class, ask.requested, reply);
                     return;
                 } else if limit.is_some() {
-                    Err(Refused::Failed(self.out_of_room(ask.requested)))
+                    Err(Refused::Failed(
+                        self.out_of_room(ask.requested, OomCause::NoRoomNow),
+                    ))
                 } else {
                     Err(Refused::Failed(self.driver_oom(ask.requested)))
                 }
@@ -69,7 +71,7 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Counts a failure at the cap and describes it.
-    fn out_of_room(&self, requested: usize) -> Error {
+    fn out_of_room(&self, requested: usize, cause: OomCause) -> Error {
         self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
         let budget = &self.shared.budget;
         tracing::info!(
@@ -83,6 +85,7 @@ impl<R: Runtime> PoolActor<R> {
             requested,
             reserved: budget.reserved(),
             limit: budget.limit(),
+            cause,
         }
     }
 
@@ -96,6 +99,7 @@ impl<R: Runtime> PoolActor<R> {
             requested,
             reserved,
             limit: None,
+            cause: OomCause::NoRoomNow,
         }
     }
 
@@ -186,7 +190,7 @@ impl<R: Runtime> PoolActor<R> {
             if self.shared.budget.limit().is_some_and(|l| class.size > l) {
                 // The cap was lowered under it: it can never fit.
                 let w = self.pop_waiter();
-                let e = self.out_of_room(requested);
+                let e = self.out_of_room(requested, OomCause::ExceedsLimit);
                 if let Some(w) = w {
                     let _ = w.reply.send(Err(Refused::Failed(e)));
                 }
