@@ -29,6 +29,7 @@
 
 mod allocator;
 mod buffer;
+mod buffer_set;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -42,6 +43,7 @@ pub mod trace;
 
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
+pub use buffer_set::{BufferSet, TakenBuffers};
 pub use device::{
     CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceCopy, DeviceRuntime,
     IpcExport, IpcHandle, IpcMappedExport, IpcMemory, MappedHandle, IPC_HANDLE_BYTES,

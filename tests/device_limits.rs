@@ -194,7 +194,13 @@ async fn a_request_larger_than_the_cap_is_refused_at_once_as_one_that_can_never_
     // Under the cap but not now: full right now, it may fit later.
     let err = pool.try_alloc(4 * MIB, &s).await.unwrap_err();
     assert!(
-        matches!(err, Error::OutOfMemory { cause: OomCause::NoRoomNow, .. }),
+        matches!(
+            err,
+            Error::OutOfMemory {
+                cause: OomCause::NoRoomNow,
+                ..
+            }
+        ),
         "{err:?}"
     );
     assert!(!err.never_fits());

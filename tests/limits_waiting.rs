@@ -134,7 +134,10 @@ async fn a_request_larger_than_the_limit_fails_at_once() {
         } if requested == MIB + 1 && l == MIB
     ));
     assert!(err.never_fits(), "{err}");
-    assert!(err.to_string().contains("never fit under the limit"), "{err}");
+    assert!(
+        err.to_string().contains("never fit under the limit"),
+        "{err}"
+    );
     let p = pool.clone();
     assert!(common::on_plain_thread(move || p.alloc_blocking(3 * MIB).is_err()).await);
     assert_eq!(

@@ -140,7 +140,11 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
 
     /// The engine of the device `stream` runs on, for a request of `size` bytes: one larger
     /// than the device is refused at once, with nothing touched.
-    fn engine_of(&self, stream: &R::Stream, size: usize) -> Result<(usize, &Engine<R>), Error> {
+    pub(crate) fn engine_of(
+        &self,
+        stream: &R::Stream,
+        size: usize,
+    ) -> Result<(usize, &Engine<R>), Error> {
         let d = self.inner.runtime.stream_device(stream);
         let engine = self.engine(d)?;
         if size > self.inner.totals[d] {

@@ -31,6 +31,8 @@ impl<R: Runtime> PoolActor<R> {
             // Others came first: no overtaking.
             if ask.wait {
                 self.enqueue(class, ask.requested, reply);
+            } else if ask.quiet {
+                let _ = reply.send(Err(Refused::NeedRoom));
             } else {
                 let e = self.out_of_room(ask.requested, OomCause::NoRoomNow);
                 let _ = reply.send(Err(Refused::Failed(e)));
@@ -49,6 +51,8 @@ impl<R: Runtime> PoolActor<R> {
                 } else if limit.is_some() && ask.wait {
                     self.enqueue(class, ask.requested, reply);
                     return;
+                } else if limit.is_some() && ask.quiet {
+                    Err(Refused::NeedRoom)
                 } else if limit.is_some() {
                     Err(Refused::Failed(
                         self.out_of_room(ask.requested, OomCause::NoRoomNow),
@@ -161,6 +165,13 @@ impl<R: Runtime> PoolActor<R> {
     /// A block coming home outside the ready queues: to a waiter, freed for room while
     /// requests wait, cached otherwise.
     pub(super) async fn take_back(&mut self, block: Box<Block<R>>) {
+        self.take_back_now(block).await;
+        // Whatever became of it (freed, cached, handed to a waiter), room may have been
+        // made: a request for several buffers waiting at the head of its queue tries again.
+        self.shared.budget.came_home();
+    }
+
+    async fn take_back_now(&mut self, block: Box<Block<R>>) {
         let pressure = self.shared.budget.under_pressure() || !self.waiters.is_empty();
         if self.closing
             || !pressure
