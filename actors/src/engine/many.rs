@@ -59,7 +59,17 @@ impl<'a, R: Runtime> Want<'a, R> {
 
 /// Takes every buffer of `wants` or none, waiting first come first served (as `wait` says)
 /// until all of them fit under their engines' caps; the leases come back in the order of
-/// `wants`. See the module documentation for the protocol and the liveness rule.
+/// `wants`.
+///
+/// It never waits while it holds memory: a try that finds no room for one buffer gives back
+/// every buffer it took before the request waits, so requests that share caps cannot
+/// deadlock, whatever they ask for and in whatever order. Waiting requests queue for the
+/// turn of every budget they span (pinned memory, each device), in one global order; the
+/// one at the head tries again whenever a block comes home under one of its budgets or a cap
+/// changes. The liveness rule: no request waits for ever while the bytes it needs are free,
+/// cached, or held by blocks that will come back (each that comes back wakes the head, and
+/// its next try empties the caches). A request defers to single requests (`alloc`) already
+/// queued in one of its pools.
 ///
 /// - A request whose buffers together are larger than an engine's cap fails at once with
 ///   [`Error::OutOfMemory`] ([`OomCause::ExceedsLimit`], `requested` the bytes asked of
