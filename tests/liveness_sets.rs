@@ -371,12 +371,11 @@ fn tasks_taking_random_sets_under_tight_caps_all_finish() {
         })
         .collect();
     for t in tasks {
-        let served = h
-            .rt
-            .block_on(async { tokio::time::timeout(Duration::from_secs(120), t).await })
-            .expect("every task finishes")
-            .unwrap()
-            .unwrap();
+        let served =
+            h.rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), t).await })
+                .expect("every task finishes")
+                .unwrap()
+                .unwrap();
         assert_eq!(served, 60);
     }
     h.finish();

@@ -104,18 +104,17 @@ pub async fn alloc_many<R: Runtime>(
         Wait::Default => budgets.iter().filter_map(|b| b.default_timeout).min(),
         Wait::Upto(d) => Some(d),
     };
-    // Nobody waits under these budgets: a try without making room (the cached path, as a
-    // rule). Otherwise others came first, and this request queues behind them.
-    if budgets.iter().all(|b| b.turn.available_permits() > 0) {
-        if let Ok(leases) = try_all(wants, &order, false).await? {
+    // Nobody waits under these budgets: a try at once, room made if need be (the cached
+    // path, as a rule). Otherwise others came first, and this request queues behind them
+    // (unless it may not wait: then one try).
+    let nobody_waits = budgets.iter().all(|b| b.turn.available_permits() > 0);
+    if nobody_waits || wait == Wait::Never {
+        if let Ok(leases) = try_all(wants, &order, true).await? {
             return Ok(leases);
         }
-    }
-    if wait == Wait::Never {
-        return match try_all(wants, &order, true).await? {
-            Ok(leases) => Ok(leases),
-            Err(_) => Err(no_room_now(wants, &budgets)),
-        };
+        if wait == Wait::Never {
+            return Err(no_room_now(wants, &budgets));
+        }
     }
     let work = wait_for_all(wants, &order, &budgets);
     match timeout {
@@ -298,7 +297,10 @@ async fn wait_for_all<R: Runtime>(
         // The semaphore is never closed.
         turns.push(b.turn.acquire().await.map_err(|_| Error::Shutdown)?);
     }
-    let _waiting = Waiting::register(budgets);
+    // Counted among the waiters only once a try at the head found no room: a head that
+    // came to the turn behind others is served by its first try, as a rule, and pressure
+    // (every free sent to the pool actors) would cost the other requests their cache.
+    let mut waiting = None;
     loop {
         never_fits(wants, budgets)?;
         let seen: Vec<u64> = budgets.iter().map(|b| b.returns()).collect();
@@ -306,6 +308,12 @@ async fn wait_for_all<R: Runtime>(
             Ok(leases) => return Ok(leases),
             Err(gave) => gave,
         };
+        if waiting.is_none() {
+            // From now on every block that comes home is counted; one more try first, for
+            // those that went to the caches before.
+            waiting = Some(Waiting::register(budgets));
+            continue;
+        }
         // Wake once more blocks came home (or a cap changed) than this request gave back.
         let wanted: Vec<u64> = budgets
             .iter()
