@@ -351,8 +351,7 @@ async fn a_cap_lowered_under_a_waiting_set_fails_it_as_never_fitting() {
         .await
         .expect("woken by the new cap")
         .unwrap()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(err.never_fits(), "{err:?}");
     drop((held, host));
 }
