@@ -45,7 +45,7 @@ enum Item<'a, R: DeviceRuntime> {
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), pinpool::Error> {
-/// use pinpool::{BufferSet, Builder, DeviceBuilder};
+/// use pinpool::{BufferSet, DeviceBuilder};
 ///
 /// let host = pinpool::PinnedAllocator::builder().max_bytes(4 << 20).build()?;
 /// let device = DeviceBuilder::new(host.runtime().clone()).max_bytes(8 << 20).build()?;
@@ -62,7 +62,7 @@ enum Item<'a, R: DeviceRuntime> {
 ///
 /// // Larger than the pinned cap, its buffers together: refused at once.
 /// let err = BufferSet::new().pinned(&host, 3 << 20).pinned(&host, 3 << 20).alloc().await;
-/// assert!(err.unwrap_err().never_fits());
+/// assert!(matches!(err, Err(e) if e.never_fits()));
 /// # Ok(()) }
 /// ```
 pub struct BufferSet<'a, R: DeviceRuntime> {
