@@ -34,15 +34,10 @@
 //! and no `record_stream`. The pinned buffers are used by the stream, so they record it before
 //! they are freed. The simulated runtime checks every copy and kernel against both rules.
 //!
-//! A request first tries to take its four buffers without waiting (`try_alloc`: the cached
-//! path, as a rule). When one does not fit under its cap, it gives back what it took and
-//! takes them again in turn, one request at a time, waiting at the caps (`alloc_timeout`)
-//! for buffers to come back. So no task ever waits for memory while holding some and another
-//! waits too: any caps that the largest request fits under (3 MiB pinned, 8 MiB device) are
-//! safe, however many tasks share them. (A wait that lasts 200 ms, as when a request's
-//! own input splits a segment so that its activations fit nowhere under the cap, gives
-//! everything back, empties the caches and starts again.) The allocators count such refusals
-//! as out-of-memory; the table shows them apart from the requests refused for good.
+//! A request takes its four buffers in one call ([`BufferSet`]): all of them or none, waiting
+//! first come first served under both caps until all fit, never holding memory while it
+//! waits. So any caps that the largest request fits under (3 MiB pinned, 8 MiB device) are
+//! safe, however many tasks share them.
 //!
 //! It runs on the simulated runtime (software streams and a simulated 16 GiB device that
 //! check every copy and kernel for early reuse). Built with `--features cuda` on a machine
@@ -58,8 +53,8 @@ use std::time::{Duration, Instant};
 use pinpool::config::{DeviceConfig, SizePolicyChoice, DEVICE_ENV_VAR};
 use pinpool::sim::{SimRuntime, SimStream};
 use pinpool::{
-    Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, DeviceStats, HostStats,
-    PinnedAllocator, PinnedBuffer, Runtime,
+    BufferSet, Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, DeviceStats,
+    HostStats, PinnedAllocator, PinnedBuffer, Runtime, TakenBuffers,
 };
 
 struct Args {
@@ -219,13 +214,8 @@ const ACTIVATIONS: usize = 2;
 struct Counters {
     done: AtomicU64,
     bytes: AtomicU64,
-    /// Time spent getting each request's four buffers, waiting for the turn included.
+    /// Time spent getting each request's four buffers, waiting for room included.
     alloc_ns: AtomicU64,
-    /// Requests that the pinned or the device allocator refused and that were tried again:
-    /// refused at once at a cap, or given up after waiting [`GIVE_UP`] (the allocators count
-    /// both among their out-of-memory refusals).
-    pinned_retried: AtomicU64,
-    device_retried: AtomicU64,
     /// Bytes (whole blocks) the requests hold now, and the most they held at once.
     pinned_held: Held,
     device_held: Held,
@@ -256,25 +246,10 @@ impl Held {
     }
 }
 
-/// Counts in `retried` a refusal that [`Server::acquire`] tries again: any refusal of a
-/// request that did not wait, the end of the wait of one that did.
-fn note_retry<T>(r: &Result<T, pinpool::Error>, wait: Option<Duration>, retried: &AtomicU64) {
-    use pinpool::Error::{OutOfMemory, Timeout};
-    if let (Err(OutOfMemory { .. }), None) | (Err(Timeout { .. }), Some(_)) = (r, wait) {
-        retried.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// How long a request waits in turn for room under the caps before it starts again.
-const GIVE_UP: Duration = Duration::from_millis(200);
-
-/// What every request task shares: both allocators, the turn to allocate, the counters.
+/// What every request task shares: both allocators and the counters.
 struct Server<R: DeviceRuntime> {
     pool: PinnedAllocator<R>,
     device: DeviceAllocator<R>,
-    /// Held by the request that waits at the caps, so that no two tasks wait for memory
-    /// while each holds part of what it needs (no deadlock at a cap).
-    turn: tokio::sync::Mutex<()>,
     counters: Counters,
 }
 
@@ -295,107 +270,44 @@ impl<R: DeviceRuntime> Server<R> {
         Self {
             pool,
             device,
-            turn: tokio::sync::Mutex::new(()),
             counters: Counters::default(),
         }
     }
 
-    /// Takes a request's buffers for work on `stream`: the pinned ones, then the device ones.
-    ///
-    /// First without waiting: under the caps that is the cached path, and a request that
-    /// does not fit gives back what it took. Then in turn, one request at a time, waiting at
-    /// the caps for buffers to come back. No task ever waits for memory while it holds some
-    /// and another task waits too, so the tasks cannot deadlock. A request can still stand in
-    /// its own way (its input kept in the middle of a segment whose free ends are too small
-    /// for its activations, and the cap reached); so a wait that lasts [`GIVE_UP`] gives
-    /// everything back, empties the caches and starts again.
+    /// Takes a request's buffers for work on `stream`, all in one call: its input and result
+    /// in pinned memory, its input and activations in device memory. It waits, first come
+    /// first served, until all four fit under the caps, and holds none while it waits.
     async fn acquire(&self, stream: &R::Stream, size: usize) -> Result<Buffers<R>, pinpool::Error> {
         let t0 = Instant::now();
-        let buffers = match self.take(stream, size, None).await {
-            Ok(b) => b,
-            Err(pinpool::Error::OutOfMemory { .. }) => {
-                let _turn = self.turn.lock().await;
-                loop {
-                    match self.take(stream, size, Some(GIVE_UP)).await {
-                        Ok(b) => break b,
-                        Err(pinpool::Error::Timeout { .. }) => {
-                            self.pool.empty_cache().await?;
-                            self.device.empty_cache().await?;
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-            Err(e) => return Err(e),
+        let TakenBuffers {
+            mut pinned,
+            mut device,
+        } = BufferSet::new()
+            .pinned(&self.pool, size)
+            .pinned(&self.pool, size / 4)
+            .device(&self.device, size, stream)
+            .device(&self.device, size * ACTIVATIONS, stream)
+            .alloc()
+            .await?;
+        let (Some(d_act), Some(d_input), Some(output), Some(input)) =
+            (device.pop(), device.pop(), pinned.pop(), pinned.pop())
+        else {
+            unreachable!("a set gives back one buffer for each it was asked for");
         };
-        let c = &self.counters;
-        c.alloc_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(buffers)
-    }
-
-    /// The four buffers of a request: without waiting at the caps (`wait` `None`), or
-    /// waiting at most `wait`. On the first refusal what was taken goes back.
-    async fn take(
-        &self,
-        stream: &R::Stream,
-        size: usize,
-        wait: Option<Duration>,
-    ) -> Result<Buffers<R>, pinpool::Error> {
-        let pinned = |size| async move {
-            let r = match wait {
-                None => self.pool.try_alloc(size).await,
-                Some(t) => self.pool.alloc_timeout(size, t).await,
-            };
-            note_retry(&r, wait, &self.counters.pinned_retried);
-            r
-        };
-        let on_device = |size| async move {
-            let r = match wait {
-                None => self.device.try_alloc(size, stream).await,
-                Some(t) => self.device.alloc_timeout(size, stream, t).await,
-            };
-            note_retry(&r, wait, &self.counters.device_retried);
-            r
-        };
-        // Each buffer counts as held from the moment it is taken to the moment it is given
-        // back (see `Held`).
-        let input = pinned(size).await?;
-        self.counters.pinned_held.take(input.capacity());
-        let output = match pinned(size / 4).await {
-            Ok(b) => b,
-            Err(e) => {
-                self.release_pinned(input);
-                return Err(e);
-            }
-        };
-        self.counters.pinned_held.take(output.capacity());
-        let d_input = match on_device(size).await {
-            Ok(b) => b,
-            Err(e) => {
-                self.release_pinned(input);
-                self.release_pinned(output);
-                return Err(e);
-            }
-        };
-        self.counters.device_held.take(d_input.capacity());
-        let d_act = match on_device(size * ACTIVATIONS).await {
-            Ok(b) => b,
-            Err(e) => {
-                self.release_pinned(input);
-                self.release_pinned(output);
-                self.counters.device_held.give_back(d_input.capacity());
-                drop(d_input);
-                return Err(e);
-            }
-        };
-        self.counters.device_held.take(d_act.capacity());
-        Ok(Buffers {
+        let buffers = Buffers {
             input,
             output,
             d_input,
             d_act,
-        })
+        };
+        let c = &self.counters;
+        c.alloc_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        c.pinned_held
+            .take(buffers.input.capacity() + buffers.output.capacity());
+        c.device_held
+            .take(buffers.d_input.capacity() + buffers.d_act.capacity());
+        Ok(buffers)
     }
 
     /// Frees a request's device buffers (on their own stream: no event needed).
@@ -614,12 +526,7 @@ fn report(
         )
     };
     let limit = |l: Option<i64>| l.map_or("none".into(), |l| format!("{} MiB", mib(l)));
-    let retried = |c: &AtomicU64| c.load(Ordering::Relaxed) as i64;
-    let (h_retried, d_retried) = (
-        retried(&counters.pinned_retried),
-        retried(&counters.device_retried),
-    );
-    let rows: [(&str, String, String); 13] = [
+    let rows: [(&str, String, String); 12] = [
         (
             "buffers allocated",
             host.active_requests.allocated.to_string(),
@@ -688,14 +595,9 @@ fn report(
             device.num_alloc_retries.to_string(),
         ),
         (
-            "requests refused, then tried again in turn",
-            h_retried.to_string(),
-            d_retried.to_string(),
-        ),
-        (
-            "requests refused for good (out of memory)",
-            (host.num_ooms - h_retried).to_string(),
-            (device.num_ooms - d_retried).to_string(),
+            "requests refused (out of memory)",
+            host.num_ooms.to_string(),
+            device.num_ooms.to_string(),
         ),
     ];
     println!();

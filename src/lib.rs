@@ -29,6 +29,7 @@
 
 mod allocator;
 mod buffer;
+mod buffer_set;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -42,6 +43,7 @@ pub mod trace;
 
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
+pub use buffer_set::{BufferSet, TakenBuffers};
 pub use device::{
     CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceCopy, DeviceRuntime,
     IpcExport, IpcHandle, IpcMappedExport, IpcMemory, MappedHandle, IPC_HANDLE_BYTES,
@@ -52,7 +54,7 @@ pub use pinpool_actors::FreeMemoryCallback;
 pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
     DeviceFit, DeviceStats, DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory,
-    MemoryKind, MemorySnapshot, MemorySource, Origin, PinMethod, PoolCheckpoint, PoolId,
+    MemoryKind, MemorySnapshot, MemorySource, OomCause, Origin, PinMethod, PoolCheckpoint, PoolId,
     PowerOfTwo, Region, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StatArray,
     StreamFilter, StreamId, TieredPowerOfTwo, Wait,
 };

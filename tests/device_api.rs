@@ -10,7 +10,8 @@ use common::eventually;
 use pinpool::config::DeviceConfig;
 use pinpool::sim::SimRuntime;
 use pinpool::{
-    BlockStatus, DeviceAllocator, DeviceBuilder, Error, HistoryContext, PoolId, TraceAction,
+    BlockStatus, DeviceAllocator, DeviceBuilder, Error, HistoryContext, OomCause, PoolId,
+    TraceAction,
 };
 
 const KIB: usize = 1 << 10;
@@ -45,9 +46,15 @@ async fn a_size_no_device_can_hold_is_a_typed_error_at_once_and_loses_nothing() 
     let held = pool.alloc(MIB, &s).await.unwrap();
     let err = pool.alloc(65 * MIB, &s).await.unwrap_err();
     assert!(
-        matches!(err, Error::OutOfMemory { requested, limit: None, .. } if requested == 65 * MIB),
+        matches!(
+            err,
+            Error::OutOfMemory { requested, limit: None, cause: OomCause::ExceedsDevice, .. }
+                if requested == 65 * MIB
+        ),
         "{err:?}"
     );
+    assert!(err.never_fits());
+    assert!(err.to_string().contains("never fit on the device"), "{err}");
     assert!(matches!(
         pool.alloc(usize::MAX, &s).await,
         Err(Error::OutOfMemory { .. }) | Err(Error::SizeTooLarge { .. })

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{capped_device_pool, eventually};
 use pinpool::sim::{FaultPoint, SimRuntime};
-use pinpool::{DeviceBuilder, Error, MemoryKind, OomReport};
+use pinpool::{DeviceBuilder, Error, MemoryKind, OomCause, OomReport};
 
 const MIB: usize = 1 << 20;
 
@@ -25,7 +25,11 @@ async fn alloc_waits_at_the_cap_until_a_buffer_comes_back() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(!waiter.is_finished(), "no room yet: it waits");
     let err = pool.try_alloc(6 * MIB, &s).await.unwrap_err();
-    assert!(matches!(err, Error::OutOfMemory { limit: Some(l), .. } if l == 8 * MIB));
+    assert!(matches!(
+        err,
+        Error::OutOfMemory { limit: Some(l), cause: OomCause::NoRoomNow, .. } if l == 8 * MIB
+    ));
+    assert!(!err.never_fits(), "it fits once the held buffer comes back");
     drop(held);
     let got = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
@@ -104,7 +108,11 @@ async fn device_out_of_memory_after_the_retry_is_a_typed_error_with_a_report() {
     let held = pool.alloc(6 * MIB, &s).await.unwrap();
     let err = pool.alloc(4 * MIB, &s).await.unwrap_err();
     assert!(
-        matches!(err, Error::OutOfMemory { requested, limit: None, .. } if requested == 4 * MIB),
+        matches!(
+            err,
+            Error::OutOfMemory { requested, limit: None, cause: OomCause::NoRoomNow, .. }
+                if requested == 4 * MIB
+        ),
         "{err:?}"
     );
     let report = tokio::time::timeout(Duration::from_secs(5), rx.recv_async())
@@ -161,4 +169,45 @@ async fn a_map_that_fails_leaves_its_granules_out_of_the_books_and_the_next_requ
     pool.empty_cache().await.unwrap();
     assert_eq!(sim.device_used(0), Some(0));
     assert_eq!(pool.reserved_bytes(0).unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_request_larger_than_the_cap_is_refused_at_once_as_one_that_can_never_fit() {
+    let (pool, sim) = capped_device_pool(8 * MIB);
+    let s = sim.stream();
+    let held = pool.alloc(6 * MIB, &s).await.unwrap();
+    // Over the cap: never fits, whether the call would wait or not.
+    for err in [
+        pool.alloc(9 * MIB, &s).await.unwrap_err(),
+        pool.try_alloc(9 * MIB, &s).await.unwrap_err(),
+    ] {
+        assert!(
+            matches!(
+                err,
+                Error::OutOfMemory { requested, limit: Some(l), cause: OomCause::ExceedsLimit, .. }
+                    if requested == 9 * MIB && l == 8 * MIB
+            ),
+            "{err:?}"
+        );
+        assert!(err.never_fits());
+    }
+    // Under the cap but not now: full right now, it may fit later.
+    let err = pool.try_alloc(4 * MIB, &s).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfMemory {
+                cause: OomCause::NoRoomNow,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(!err.never_fits());
+    drop(held);
+    eventually("room again", || {
+        pool.stats(0).unwrap().active.all.current == 0
+    })
+    .await;
+    assert!(pool.try_alloc(4 * MIB, &s).await.is_ok());
 }

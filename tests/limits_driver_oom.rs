@@ -5,7 +5,7 @@
 mod common;
 
 use common::{assert_books_balance, sim_pool};
-use pinpool::Error;
+use pinpool::{Error, OomCause};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -45,7 +45,8 @@ async fn runtime_out_of_memory_after_the_retry_is_reported() {
         Error::OutOfMemory {
             requested: 4 * KIB,
             reserved: MIB,
-            limit: None
+            limit: None,
+            cause: OomCause::NoRoomNow,
         }
     );
     let s = pool.stats();

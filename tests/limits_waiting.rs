@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_books_balance, eventually};
 use pinpool::sim::SimRuntime;
-use pinpool::{Builder, Error, PinnedAllocator};
+use pinpool::{Builder, Error, OomCause, PinnedAllocator};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -106,7 +106,8 @@ async fn try_alloc_fails_at_once_with_the_limit_in_the_error() {
         Error::OutOfMemory {
             requested: 4 * KIB,
             reserved: MIB,
-            limit: Some(MIB)
+            limit: Some(MIB),
+            cause: OomCause::NoRoomNow,
         }
     );
     assert_eq!(pool.stats().num_ooms, 1);
@@ -128,9 +129,15 @@ async fn a_request_larger_than_the_limit_fails_at_once() {
         Error::OutOfMemory {
             requested,
             limit: Some(l),
+            cause: OomCause::ExceedsLimit,
             ..
         } if requested == MIB + 1 && l == MIB
     ));
+    assert!(err.never_fits(), "{err}");
+    assert!(
+        err.to_string().contains("never fit under the limit"),
+        "{err}"
+    );
     let p = pool.clone();
     assert!(common::on_plain_thread(move || p.alloc_blocking(3 * MIB).is_err()).await);
     assert_eq!(

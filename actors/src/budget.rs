@@ -11,8 +11,13 @@
 //! is handed straight to a waiter or freed to make room (see `miss` and the pool actor's
 //! `waiters`). Without waiters the cached path reads the flag it always read and does nothing
 //! more (invariant 5).
+//!
+//! Also owns what requests for several buffers at once (`engine::many`) wait on: the
+//! budget's turn (a fair FIFO queue of such requests; the one at its head is the only one
+//! that tries and waits for room under this budget) and the count of blocks that came home
+//! under pressure, with the notification that wakes the head when it grows.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -76,7 +81,22 @@ pub(crate) struct Budget {
     pub(crate) free_memory: FreeMemoryCallbacks,
     /// The exact books of what requests hold, in every pool.
     pub(crate) tally: Arc<Tally>,
+    /// This budget's place in the order in which a request for several buffers takes the
+    /// turns of the budgets it spans (unique in the process).
+    pub(crate) id: u64,
+    /// The turn of requests for several buffers: one permit, handed out first come first
+    /// served (tokio's semaphore is fair); its holder is the head of the queue. It guards no
+    /// state: it only orders the waiters.
+    pub(crate) turn: tokio::sync::Semaphore,
+    /// Blocks that came home to a pool actor (`take_back`), and changes of the cap: what a
+    /// waiting head counts to know that room may have been made.
+    returns: AtomicU64,
+    /// Wakes the waiting heads when `returns` grows.
+    changed: tokio::sync::Notify,
 }
+
+/// Source of [`Budget::id`].
+static NEXT_BUDGET: AtomicU64 = AtomicU64::new(0);
 
 impl Budget {
     pub(crate) fn new(
@@ -96,6 +116,10 @@ impl Budget {
             peak: AtomicUsize::new(0),
             free_memory: FreeMemoryCallbacks::default(),
             tally: Arc::default(),
+            id: NEXT_BUDGET.fetch_add(1, Ordering::Relaxed),
+            turn: tokio::sync::Semaphore::new(1),
+            returns: AtomicU64::new(0),
+            changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -112,6 +136,25 @@ impl Budget {
         self.limit
             .store(limit.unwrap_or(NO_LIMIT), Ordering::SeqCst);
         self.nudge();
+        self.came_home();
+    }
+
+    /// A block came home to a pool actor (or the cap changed): a waiting head may find room
+    /// now.
+    pub(crate) fn came_home(&self) {
+        self.returns.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+
+    /// How many blocks came home (and cap changes) so far.
+    pub(crate) fn returns(&self) -> u64 {
+        self.returns.load(Ordering::SeqCst)
+    }
+
+    /// The notification [`Budget::came_home`] sends (enable it before reading
+    /// [`Budget::returns`], so that no wake-up is lost).
+    pub(crate) fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
     }
 
     /// Bytes reserved by all pools together.

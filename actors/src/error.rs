@@ -18,14 +18,20 @@ pub enum Error {
         max: usize,
     },
     /// No memory could be had for the request (pinned or device memory: the pool's).
-    #[error("out of memory: {requested} bytes requested with {reserved} bytes reserved{}", limit_text(*.limit))]
+    /// `cause` says whether it can never fit ([`OomCause::never_fits`]: larger than the cap
+    /// or the device, where waiting is pointless) or found no room right now (other buffers
+    /// hold the memory: it may fit once they come back).
+    #[error("out of memory: {requested} bytes requested with {reserved} bytes reserved{}: {cause}", limit_text(*.limit))]
     OutOfMemory {
-        /// Bytes asked for.
+        /// Bytes asked for (for a request of several buffers, all of them together, of the
+        /// allocator that refused).
         requested: usize,
         /// Bytes reserved by the allocator when the request failed.
         reserved: usize,
         /// The configured cap on reserved bytes, if any.
         limit: Option<usize>,
+        /// Whether the request can never fit, or only not now.
+        cause: OomCause,
     },
     /// A request waited for room under the memory limit longer than its timeout.
     #[error("gave up waiting for {requested} bytes of memory after {timeout:?}")]
@@ -226,6 +232,55 @@ pub enum Error {
         /// Bytes of the destination.
         dst_len: usize,
     },
+}
+
+/// Why a request got [`Error::OutOfMemory`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OomCause {
+    /// Larger than the memory cap (one buffer, or a request's buffers together): no wait and
+    /// no free makes it fit, only a higher cap (`set_max_bytes`).
+    ExceedsLimit,
+    /// Larger than the device's memory: it can never fit.
+    ExceedsDevice,
+    /// It would fit, but there is no room now, after the caches were emptied: buffers in
+    /// use hold the memory (under the cap, or on the device). Waiting (`alloc`), or trying
+    /// again once buffers came back, may succeed.
+    NoRoomNow,
+}
+
+impl OomCause {
+    /// Whether a request refused for this cause can never fit as things are configured:
+    /// waiting for buffers to come back is pointless.
+    pub fn never_fits(self) -> bool {
+        matches!(self, OomCause::ExceedsLimit | OomCause::ExceedsDevice)
+    }
+}
+
+impl std::fmt::Display for OomCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OomCause::ExceedsLimit => "it can never fit under the limit",
+            OomCause::ExceedsDevice => "it can never fit on the device",
+            OomCause::NoRoomNow => "no room now (buffers in use hold the memory)",
+        })
+    }
+}
+
+impl Error {
+    /// Whether this is an [`Error::OutOfMemory`] for a request that can never fit (larger
+    /// than the cap or the device): waiting or trying again is pointless.
+    ///
+    /// ```
+    /// use pinpool_actors::{Error, OomCause};
+    ///
+    /// let e = Error::OutOfMemory { requested: 8, reserved: 0, limit: Some(4), cause: OomCause::ExceedsLimit };
+    /// assert!(e.never_fits());
+    /// assert!(e.to_string().ends_with("it can never fit under the limit"));
+    /// ```
+    pub fn never_fits(&self) -> bool {
+        matches!(self, Error::OutOfMemory { cause, .. } if cause.never_fits())
+    }
 }
 
 fn limit_text(limit: Option<usize>) -> String {

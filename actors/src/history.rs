@@ -352,6 +352,7 @@ impl Recorder {
             requested,
             reserved,
             limit,
+            ..
         } = err
         {
             let time_us = self.now_us();

@@ -87,8 +87,10 @@ mod engine;
 pub use budget::EmptyReport;
 pub use counters::{DurationStat, Stat};
 pub use device_stats::{DeviceStats, StatArray};
-pub use engine::{Engine, EngineBuilder, RestoreFailed, Restored};
-pub use error::Error;
+pub use engine::{
+    alloc_many, alloc_many_blocking, Engine, EngineBuilder, RestoreFailed, Restored, Want,
+};
+pub use error::{Error, OomCause};
 pub use free_memory::FreeMemoryCallback;
 pub use lease::{Lease, RawLease};
 pub use mailbox::Inventory;

@@ -36,6 +36,10 @@ pub(crate) struct Ask {
     /// Whether the requesting thread waits on a plain thread that may block, and runs the
     /// errands it is sent while it waits (see [`crate::errand`]).
     pub(crate) lends: bool,
+    /// A try for one buffer of a request for several (`engine::many`): no room under the cap
+    /// is `Refused::NeedRoom` even once the caches were emptied, never a final
+    /// out-of-memory, and is not counted (the request waits, or fails, as a whole).
+    pub(crate) quiet: bool,
 }
 
 /// Why a pool did not hand out a block.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::block::{Block, Pool};
 use crate::budget::{Budget, EmptyReport};
-use crate::error::Error;
+use crate::error::{Error, OomCause};
 use crate::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
 use crate::policy::SizeClass;
 use crate::runtime::Runtime;
@@ -57,6 +57,7 @@ fn check_cap<R: Runtime>(pool: &Pool<R>, class: SizeClass, requested: usize) -> 
                 requested,
                 reserved: pool.budget.reserved(),
                 limit: Some(limit),
+                cause: OomCause::ExceedsLimit,
             })
         }
         _ => Ok(()),
@@ -172,6 +173,7 @@ pub(crate) async fn miss_async<R: Runtime>(
             shard: pool.ready.my_shard(),
             // A task must not block its executor: the pool runs its calls elsewhere.
             lends: false,
+            quiet: false,
         };
         let mut callbacks_ran = false;
         loop {
@@ -221,6 +223,7 @@ pub(crate) fn miss_blocking<R: Runtime>(
         // A request with a deadline keeps it: the memory source's calls, whose length
         // nobody knows, run elsewhere.
         lends: deadline.is_none(),
+        quiet: false,
     };
     let mut callbacks_ran = false;
     loop {
@@ -256,6 +259,55 @@ pub(crate) fn miss_blocking<R: Runtime>(
             Err(Refused::NeedRoom) => return Err(no_room(pool, requested)),
         }
     }
+}
+
+/// One try for one buffer of a request for several (see `engine::many`), from a task: ask
+/// the pool; on "need room", when `empty` says so, run the free-memory callbacks (once) and
+/// empty every cache, and ask once more. Never queued and never counted as an out-of-memory:
+/// no room is [`Tried::NoRoom`], and the request waits or fails as a whole. What the
+/// runtime itself refuses once the caches were emptied (no cap in the way) is a final,
+/// counted error, as for `try_alloc`. Cancel-safe as [`miss_async`] is.
+pub(crate) async fn miss_once<R: Runtime>(
+    pool: &Arc<Pool<R>>,
+    class: SizeClass,
+    requested: usize,
+    empty: bool,
+) -> Result<Box<Block<R>>, Tried> {
+    let mut ask = Ask {
+        requested,
+        wait: false,
+        emptied: false,
+        shard: pool.ready.my_shard(),
+        lends: false,
+        quiet: true,
+    };
+    let mut callbacks_ran = false;
+    loop {
+        let rx = send_miss(pool, class, ask).map_err(Tried::Failed)?;
+        let mut pending = Pending { pool, armed: true };
+        let reply = answer_async(&rx).await;
+        pending.armed = false;
+        match reply.map_err(|_| Tried::Failed(Error::Shutdown))? {
+            Ok(block) => return Ok(block),
+            Err(Refused::Failed(e)) => return Err(Tried::Failed(e)),
+            Err(Refused::NeedRoom) if empty && !ask.emptied => {
+                if callbacks_due(pool, &mut callbacks_ran) && free_memory(pool).await {
+                    continue;
+                }
+                make_room(pool).await;
+                ask.emptied = true;
+            }
+            Err(Refused::NeedRoom) => return Err(Tried::NoRoom),
+        }
+    }
+}
+
+/// How one try of [`miss_once`] failed.
+pub(crate) enum Tried {
+    /// No room now (under the cap; before the caches were emptied, also in the runtime).
+    NoRoom,
+    /// A final error.
+    Failed(Error),
 }
 
 /// How long a blocking miss spins on its reply before it parks the thread.
@@ -320,6 +372,7 @@ fn no_room<R: Runtime>(pool: &Pool<R>, requested: usize) -> Error {
         requested,
         reserved: pool.budget.reserved(),
         limit: pool.budget.limit(),
+        cause: OomCause::NoRoomNow,
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use pinpool_actors::blocking::may_block;
 use pinpool_actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
-    Inventory, Lease, MemorySnapshot, OomReport, PoolId, RawLease, TraceEntry, Wait,
+    Inventory, Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
 };
 
 use super::buffer::{tie_to_stream, DeviceBuffer};
@@ -140,7 +140,11 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
 
     /// The engine of the device `stream` runs on, for a request of `size` bytes: one larger
     /// than the device is refused at once, with nothing touched.
-    fn engine_of(&self, stream: &R::Stream, size: usize) -> Result<(usize, &Engine<R>), Error> {
+    pub(crate) fn engine_of(
+        &self,
+        stream: &R::Stream,
+        size: usize,
+    ) -> Result<(usize, &Engine<R>), Error> {
         let d = self.inner.runtime.stream_device(stream);
         let engine = self.engine(d)?;
         if size > self.inner.totals[d] {
@@ -148,6 +152,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
                 requested: size,
                 reserved: engine.reserved_bytes(),
                 limit: None,
+                cause: OomCause::ExceedsDevice,
             }));
         }
         Ok((d, engine))

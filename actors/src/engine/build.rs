@@ -173,6 +173,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 policy: self.policy,
                 default,
                 table,
+                handle: handle.clone(),
                 router: router_tx,
                 poller: poller_tx,
                 history,

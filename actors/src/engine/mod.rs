@@ -18,10 +18,12 @@ mod checkpoint;
 mod free_memory;
 mod history;
 mod inspect;
+mod many;
 mod route_cache;
 
 pub use build::EngineBuilder;
 pub use checkpoint::{RestoreFailed, Restored};
+pub use many::{alloc_many, alloc_many_blocking, Want};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -31,13 +33,14 @@ use flume::Sender;
 
 use crate::block::{Block, Pool};
 use crate::blocking::may_block;
+use crate::budget::Budget;
 use crate::budget::EmptyReport;
 use crate::error::Error;
 use crate::history::Recorder;
 use crate::lease::Lease;
 use crate::mailbox::{PollerMsg, PoolMsg, Reply};
 use crate::memory::MemorySource;
-use crate::miss::{miss_async, miss_blocking, Wait};
+use crate::miss::{miss_async, miss_blocking, miss_once, Tried, Wait};
 use crate::policy::{SizeClass, SizePolicy};
 use crate::router::{RouterMsg, Routes};
 use crate::runtime::{Runtime, StreamId};
@@ -55,6 +58,8 @@ struct EngineInner<R: Runtime> {
     #[allow(dead_code)]
     poller: Sender<PollerMsg<Block<R>>>,
     history: Arc<Recorder>,
+    /// The tokio runtime the actors run on.
+    handle: tokio::runtime::Handle,
 }
 
 impl<R: Runtime> Drop for EngineInner<R> {
@@ -367,6 +372,59 @@ impl<R: Runtime> Engine<R> {
             .await
             .map_err(|e| pool.oom(e))?;
         Ok(Lease::new(block, size, during_capture, self.inner.id))
+    }
+
+    /// One try for one buffer of a request for several (see [`many`]): the cached path, then
+    /// the pool actor, never queued; `empty`: make room (free-memory callbacks, every cache
+    /// emptied) before giving up. No room under the cap is [`Tried::NoRoom`], not an error.
+    pub(crate) async fn try_once(
+        &self,
+        size: usize,
+        stream: Option<&R::Stream>,
+        empty: bool,
+    ) -> Result<Lease<R>, Tried> {
+        let (pool, class, during_capture) = match self.step(size, stream).map_err(Tried::Failed)? {
+            Step::Ready(lease) => return Ok(lease),
+            Step::Miss {
+                pool,
+                class,
+                during_capture,
+            } => (pool, class, during_capture),
+            Step::NewStream {
+                stream,
+                keep,
+                class,
+                during_capture,
+            } => {
+                let rx = self
+                    .call_router(|reply| RouterMsg::StreamPool {
+                        stream,
+                        keep,
+                        reply,
+                    })
+                    .map_err(Tried::Failed)?;
+                let pool = rx
+                    .recv_async()
+                    .await
+                    .map_err(|_| Tried::Failed(Error::Shutdown))?;
+                (pool, class, during_capture)
+            }
+        };
+        match miss_once(&pool, class, size, empty).await {
+            Ok(block) => Ok(Lease::new(block, size, during_capture, self.inner.id)),
+            Err(Tried::Failed(e)) => Err(Tried::Failed(pool.oom(e))),
+            Err(Tried::NoRoom) => Err(Tried::NoRoom),
+        }
+    }
+
+    /// The budget every pool of this engine reserves from.
+    pub(crate) fn budget(&self) -> &Arc<Budget> {
+        &self.inner.default.budget
+    }
+
+    /// The tokio runtime the actors run on.
+    pub(crate) fn handle(&self) -> &tokio::runtime::Handle {
+        &self.inner.handle
     }
 
     /// [`Engine::alloc_with`] for threads outside the tokio runtime: blocks the calling

@@ -24,7 +24,7 @@ use std::time::Instant;
 use super::PoolActor;
 use crate::block::Seg;
 use crate::carve::{Carver, Piece, SegId};
-use crate::error::Error;
+use crate::error::{Error, OomCause};
 use crate::memory::units;
 use crate::runtime::{Runtime, RuntimeError};
 use crate::segment::{ArenaMap, Segment};
@@ -558,6 +558,7 @@ impl<R: Runtime> PoolActor<R> {
                     requested: bytes,
                     reserved: budget.reserved(),
                     limit: budget.limit(),
+                    cause: OomCause::NoRoomNow,
                 });
             }
         }
@@ -647,6 +648,7 @@ impl<R: Runtime> PoolActor<R> {
                         requested: bytes,
                         reserved: budget.reserved(),
                         limit: None,
+                        cause: OomCause::NoRoomNow,
                     }
                 } else {
                     Error::Runtime(e)

@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use super::PoolActor;
 use crate::block::Block;
-use crate::error::Error;
+use crate::error::{Error, OomCause};
 use crate::mailbox::SegmentView;
 use crate::memory::Region;
 use crate::policy::SizeClass;
@@ -40,6 +40,7 @@ impl<R: Runtime> PoolActor<R> {
                 requested: size,
                 reserved: budget.reserved(),
                 limit: budget.limit(),
+                cause: OomCause::NoRoomNow,
             });
         }
         let memory = match self.host_alloc(size).await {
@@ -51,6 +52,7 @@ impl<R: Runtime> PoolActor<R> {
                         requested: size,
                         reserved: budget.reserved(),
                         limit: None,
+                        cause: OomCause::NoRoomNow,
                     });
                 }
                 return Err(Error::Runtime(e));

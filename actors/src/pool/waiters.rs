@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use super::PoolActor;
 use crate::block::{Block, BlockState};
-use crate::error::Error;
+use crate::error::{Error, OomCause};
 use crate::mailbox::{Ask, MissTx, Refused};
 use crate::policy::SizeClass;
 use crate::runtime::Runtime;
@@ -31,8 +31,10 @@ impl<R: Runtime> PoolActor<R> {
             // Others came first: no overtaking.
             if ask.wait {
                 self.enqueue(class, ask.requested, reply);
+            } else if ask.quiet {
+                let _ = reply.send(Err(Refused::NeedRoom));
             } else {
-                let e = self.out_of_room(ask.requested);
+                let e = self.out_of_room(ask.requested, OomCause::NoRoomNow);
                 let _ = reply.send(Err(Refused::Failed(e)));
             }
             return;
@@ -49,8 +51,12 @@ impl<R: Runtime> PoolActor<R> {
                 } else if limit.is_some() && ask.wait {
                     self.enqueue(class, ask.requested, reply);
                     return;
+                } else if limit.is_some() && ask.quiet {
+                    Err(Refused::NeedRoom)
                 } else if limit.is_some() {
-                    Err(Refused::Failed(self.out_of_room(ask.requested)))
+                    Err(Refused::Failed(
+                        self.out_of_room(ask.requested, OomCause::NoRoomNow),
+                    ))
                 } else {
                     Err(Refused::Failed(self.driver_oom(ask.requested)))
                 }
@@ -69,7 +75,7 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Counts a failure at the cap and describes it.
-    fn out_of_room(&self, requested: usize) -> Error {
+    fn out_of_room(&self, requested: usize, cause: OomCause) -> Error {
         self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
         let budget = &self.shared.budget;
         tracing::info!(
@@ -83,6 +89,7 @@ impl<R: Runtime> PoolActor<R> {
             requested,
             reserved: budget.reserved(),
             limit: budget.limit(),
+            cause,
         }
     }
 
@@ -96,6 +103,7 @@ impl<R: Runtime> PoolActor<R> {
             requested,
             reserved,
             limit: None,
+            cause: OomCause::NoRoomNow,
         }
     }
 
@@ -157,6 +165,13 @@ impl<R: Runtime> PoolActor<R> {
     /// A block coming home outside the ready queues: to a waiter, freed for room while
     /// requests wait, cached otherwise.
     pub(super) async fn take_back(&mut self, block: Box<Block<R>>) {
+        self.take_back_now(block).await;
+        // Whatever became of it (freed, cached, handed to a waiter), room may have been
+        // made: a request for several buffers waiting at the head of its queue tries again.
+        self.shared.budget.came_home();
+    }
+
+    async fn take_back_now(&mut self, block: Box<Block<R>>) {
         let pressure = self.shared.budget.under_pressure() || !self.waiters.is_empty();
         if self.closing
             || !pressure
@@ -186,7 +201,7 @@ impl<R: Runtime> PoolActor<R> {
             if self.shared.budget.limit().is_some_and(|l| class.size > l) {
                 // The cap was lowered under it: it can never fit.
                 let w = self.pop_waiter();
-                let e = self.out_of_room(requested);
+                let e = self.out_of_room(requested, OomCause::ExceedsLimit);
                 if let Some(w) = w {
                     let _ = w.reply.send(Err(Refused::Failed(e)));
                 }
