@@ -235,9 +235,10 @@ impl<R: Runtime, B> Home<R, B> {
     }
 
     /// Moves the memory of the `granule` bytes mapped at `from` in a reserved `range` to `to`
-    /// on this thread (see `MemorySource::remap`), and keeps the books: reserved bytes and
-    /// the budget stay as they are (no memory is taken or given back); the history shows the
-    /// granule unmapped at `from` and mapped at `to`.
+    /// on this thread (see `MemorySource::remap_run`: one granule, or the run of one map
+    /// call), and keeps the books: reserved bytes and the budget stay as they are (no memory
+    /// is taken or given back); the history shows the run unmapped at `from` and mapped at
+    /// `to`.
     pub(crate) fn move_now(
         &self,
         range: &Region,
@@ -245,7 +246,7 @@ impl<R: Runtime, B> Home<R, B> {
         to: usize,
         granule: usize,
     ) -> Result<(), RuntimeError> {
-        let res = self.memory.remap(range, from, to);
+        let res = self.memory.remap_run(range, from, to, granule);
         match &res {
             Ok(()) => {
                 self.history

@@ -112,6 +112,8 @@ pub(crate) struct DeviceState {
     /// Allocations and map calls made, and given back.
     allocs: AtomicU64,
     frees: AtomicU64,
+    /// Map calls' memory moved to another place of its range (`MemorySource::remap_run`).
+    remaps: AtomicU64,
     /// The queues of the device's streams, so that giving memory back can wait for every
     /// stream of the device first, as `cuMemFree` does (weak: streams end on their own).
     streams: ArcSwap<Vec<(StreamId, flume::WeakSender<worker::Op>)>>,
@@ -294,6 +296,7 @@ impl SimRuntimeBuilder {
                         used: AtomicUsize::new(0),
                         allocs: AtomicU64::new(0),
                         frees: AtomicU64::new(0),
+                        remaps: AtomicU64::new(0),
                         streams: ArcSwap::from_pointee(Vec::new()),
                     })
                     .collect(),
@@ -416,6 +419,13 @@ impl SimRuntime {
             d.allocs.load(Ordering::SeqCst),
             d.frees.load(Ordering::SeqCst),
         ))
+    }
+
+    /// Map calls' memory moved to another place of its range on device `ordinal`
+    /// (`MemorySource::remap_run`: no memory taken or given back), `None` past the last
+    /// device.
+    pub fn device_remaps(&self, ordinal: usize) -> Option<u64> {
+        Some(self.shared.devices.get(ordinal)?.remaps.load(Ordering::SeqCst))
     }
 
     /// A new stream on device `ordinal` (`SimError::NoSuchDevice` past the last device).

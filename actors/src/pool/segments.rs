@@ -49,7 +49,7 @@ const REFILL_RANGES: usize = 16;
 pub(super) struct Segments<R: Runtime> {
     carver: Carver<Arc<Seg<R>>>,
     /// The peak of live bytes seen at misses (the requested block included).
-    peak_live: usize,
+    pub(super) peak_live: usize,
     /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
     /// address: their bytes and their blocks' records, for snapshots.
     lent: BTreeMap<usize, (usize, MetaRef)>,
