@@ -47,6 +47,9 @@ pub(crate) struct Home<R: Runtime, B> {
     /// it needs no event. `None`: every recorded stream needs an event (host memory, which
     /// the CPU may write the moment a block is handed out, and capture pools).
     pub(crate) owner: Option<StreamId>,
+    /// The owner stream itself (kept alive by the router), for ordering another stream's
+    /// work after its own when memory of this pool serves that stream (see `miss::borrow`).
+    pub(crate) owner_stream: Option<R::Stream>,
     pub(crate) runtime: Arc<R>,
     /// Where the pool's fresh memory comes from.
     pub(crate) memory: Arc<dyn MemorySource>,
@@ -104,6 +107,7 @@ pub(crate) struct Home<R: Runtime, B> {
 pub(crate) struct HomeParts<R: Runtime, B> {
     pub(crate) id: PoolId,
     pub(crate) owner: Option<StreamId>,
+    pub(crate) owner_stream: Option<R::Stream>,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -131,6 +135,7 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
         let home = Arc::new(Home {
             id: parts.id,
             owner: parts.owner,
+            owner_stream: parts.owner_stream,
             runtime: parts.runtime,
             memory: parts.memory,
             ready: ReadyQueues::new(parts.classes, parts.shards),
@@ -354,5 +359,9 @@ impl<R: Runtime, B: Send + 'static> Member for Home<R, B> {
             reply: tx,
         };
         self.mailbox.send(msg).is_ok().then_some(rx)
+    }
+
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
     }
 }

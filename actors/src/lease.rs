@@ -149,7 +149,7 @@ impl<R: Runtime> Lease<R> {
 }
 
 /// Marks the block as used by work on `stream` (see [`Lease::record_stream`]).
-fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) {
+pub(crate) fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) {
     let id = b.pool.runtime.stream_id(stream);
     if b.pool.owner != Some(id) && !b.streams.iter().any(|(s, _)| *s == id) {
         b.meta.recorded(id);

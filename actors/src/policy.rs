@@ -427,7 +427,6 @@ impl Default for DeviceFit {
 }
 
 impl DeviceFit {
-
     /// Rounds requests above 1 MiB up to one of `divisions` steps per power of two (a power
     /// of two itself, at most 64; 0 or 1: no such rounding), as PyTorch's
     /// `roundup_power2_divisions`: more reuse of freed blocks, more bytes per block.

@@ -406,6 +406,23 @@ impl SimStream {
             .ok_or(SimError::ThreadGone("pinpool-sim-stream"))
     }
 
+    /// Makes the work enqueued from now on wait for `event` (of another stream) to
+    /// complete, as `cuStreamWaitEvent` does; refused for an event recorded during capture
+    /// (it never completes) and while this stream captures.
+    pub(crate) fn wait_event(&self, event: &SimEvent) -> Result<(), SimError> {
+        if event.was_captured() || self.is_capturing() {
+            return Err(SimError::CapturedEventQueried {
+                stream: event.stream_id().0,
+            });
+        }
+        if event.stream_id() == self.inner.id {
+            // Stream order already puts later work after it.
+            return Ok(());
+        }
+        let state = Arc::clone(&event.state);
+        self.submit(|_| Ok(Work::WaitEvent(state)))
+    }
+
     /// Queues or captures the operation `build` makes (it is told whether it is captured).
     pub(crate) fn submit(
         &self,

@@ -138,6 +138,7 @@ impl<R: Runtime> EngineBuilder<R> {
             move |id: PoolId, owner: Option<StreamId>| PoolSpec {
                 id,
                 owner,
+                owner_stream: None,
                 runtime: runtime.clone(),
                 memory: memory.clone(),
                 classes,

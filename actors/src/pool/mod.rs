@@ -48,6 +48,8 @@ use crate::spawn::spawn_named;
 pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) id: PoolId,
     pub(crate) owner: Option<StreamId>,
+    /// The owner stream itself, for a stream's pool (see `Home::owner_stream`).
+    pub(crate) owner_stream: Option<R::Stream>,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -67,6 +69,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
     let (shared, rx) = Home::new(HomeParts {
         id: spec.id,
         owner: spec.owner,
+        owner_stream: spec.owner_stream,
         runtime: spec.runtime,
         memory: spec.memory,
         classes: spec.classes,
@@ -387,6 +390,7 @@ impl<R: Runtime> PoolActor<R> {
             }
             // `handle` booked the notes before dispatching.
             PoolMsg::Books => {}
+            PoolMsg::Lend { class, reply } => self.on_lend(class, reply).await,
             PoolMsg::Wake => {
                 self.shared.woke();
                 self.serve_waiters().await;
