@@ -50,6 +50,9 @@ pub(crate) struct Home<R: Runtime, B> {
     /// The owner stream itself (kept alive by the router), for ordering another stream's
     /// work after its own when memory of this pool serves that stream (see `miss::borrow`).
     pub(crate) owner_stream: Option<R::Stream>,
+    /// Whether a request of this stream's pool that finds no room borrows memory other
+    /// streams' pools hold (`EngineBuilder::lend_between_streams`).
+    pub(crate) lends: bool,
     pub(crate) runtime: Arc<R>,
     /// Where the pool's fresh memory comes from.
     pub(crate) memory: Arc<dyn MemorySource>,
@@ -108,6 +111,7 @@ pub(crate) struct HomeParts<R: Runtime, B> {
     pub(crate) id: PoolId,
     pub(crate) owner: Option<StreamId>,
     pub(crate) owner_stream: Option<R::Stream>,
+    pub(crate) lends: bool,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -136,6 +140,7 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             id: parts.id,
             owner: parts.owner,
             owner_stream: parts.owner_stream,
+            lends: parts.lends,
             runtime: parts.runtime,
             memory: parts.memory,
             ready: ReadyQueues::new(parts.classes, parts.shards),

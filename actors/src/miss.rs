@@ -3,8 +3,8 @@
 //! It asks the pool actor (one round trip); on "need room" — fresh memory would pass the cap,
 //! or the memory source is out of memory — the requesting task (never an actor, so no actor
 //! ever waits on another) first runs the free-memory callbacks, if any are attached, on a
-//! blocking thread, and asks again if one of them freed something (once per request); a
-//! request of a stream's pool then borrows a block of memory another stream's pool holds,
+//! blocking thread, and asks again if one of them freed something (once per request); where
+//! the engine lends between streams, a request of a stream's pool then borrows a block of memory another stream's pool holds,
 //! handed over by ordering its stream after the other's queued work (no driver call, no
 //! waiting: `hand_over`); failing that, it empties the cache of every pool and asks again. If it still does not
 //! fit, the pool queues it, first come first served (see the pool actor's `waiters`), and the
@@ -131,9 +131,10 @@ fn make_room_blocking<R: Runtime>(pool: &Pool<R>) {
     }
 }
 
-/// The other streams' pools of the allocator, for a stream's pool (none for another pool).
+/// The other streams' pools of the allocator, for a stream's pool of an engine that lends
+/// between streams (see `EngineBuilder::lend_between_streams`; none otherwise).
 fn lenders<R: Runtime>(pool: &Pool<R>) -> Vec<Arc<Pool<R>>> {
-    if pool.owner_stream.is_none() {
+    if !pool.lends || pool.owner_stream.is_none() {
         return Vec::new();
     }
     pool.budget

@@ -50,6 +50,8 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) owner: Option<StreamId>,
     /// The owner stream itself, for a stream's pool (see `Home::owner_stream`).
     pub(crate) owner_stream: Option<R::Stream>,
+    /// Whether stream pools lend each other memory (see `Home::lends`).
+    pub(crate) lends: bool,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -70,6 +72,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         id: spec.id,
         owner: spec.owner,
         owner_stream: spec.owner_stream,
+        lends: spec.lends,
         runtime: spec.runtime,
         memory: spec.memory,
         classes: spec.classes,
