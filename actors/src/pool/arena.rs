@@ -351,7 +351,9 @@ impl<R: Runtime> Arena<R> {
             .into_iter()
             .map(|(used, first, n)| (n, used, first))
             .collect();
-        idle.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        // Ties (units cut for one piece were used last at the same tick) go by address, so
+        // that the same requests move the same memory every time.
+        idle.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         let mut out = Vec::new();
         let mut budget = max;
         for (at, len) in self.runs(need) {
