@@ -167,6 +167,8 @@ pub struct Report {
     pub peak_reserved: u64,
     /// Requests that needed fresh memory (host allocations made).
     pub fresh: u64,
+    /// Idle memory moved to where a request needed it instead (no memory taken).
+    pub moved: u64,
     /// Wall time per request, allocation and free together, in nanoseconds.
     pub ns_per_request: f64,
 }
@@ -239,6 +241,7 @@ pub fn replay_device(trace: &Trace, file: &str, policy_name: &str) -> Result<Rep
             peak_live: trace.peak_live_bytes(),
             peak_reserved: stats.reserved_bytes.all.peak.max(0) as u64,
             fresh: stats.num_device_alloc.max(0) as u64,
+            moved: pool.runtime().device_remaps(0).unwrap_or(0),
             ns_per_request: elapsed.as_nanos() as f64 / requests.max(1) as f64,
         })
     })
@@ -285,6 +288,7 @@ pub fn replay_trace(trace: &Trace, file: &str, policy_name: &str) -> Result<Repo
             peak_live: trace.peak_live_bytes(),
             peak_reserved: stats.allocated_bytes.peak.max(0) as u64,
             fresh: stats.num_host_alloc.max(0) as u64,
+            moved: stats.num_host_remaps.max(0) as u64,
             ns_per_request: elapsed.as_nanos() as f64 / requests.max(1) as f64,
         })
     })
@@ -321,11 +325,12 @@ pub fn run(args: &[String], mut out: impl FnMut(&str)) -> Result<Vec<Report>, Re
                 replay_trace(trace, name, p)?
             };
             out(&format!(
-                "  {:<8} peak reserved {:>9.1} MiB = {:.3}x peak live, {} fresh allocations, {:.0} ns per request",
+                "  {:<8} peak reserved {:>9.1} MiB = {:.3}x peak live, {} fresh allocations, {} moved, {:.0} ns per request",
                 r.policy,
                 r.peak_reserved as f64 / (1u64 << 20) as f64,
                 r.reserved_over_peak(),
                 r.fresh,
+                r.moved,
                 r.ns_per_request
             ));
             reports.push(r);

@@ -12,7 +12,7 @@
 //!
 //! ```text
 //! cargo run --release --example serve -- [--requests N] [--concurrency N] [--streams N]
-//!     [--max-mib N] [--device-max-mib N]
+//!     [--max-mib N] [--device-max-mib N] [--lend]
 //! ```
 //!
 //! - `--requests N` (default 20000), `--concurrency N` request tasks (default 64),
@@ -26,6 +26,8 @@
 //!   about 100 MiB, since each stream's pool keeps blocks of every size it has served. At 48 MiB it empties its caches
 //!   now and then to stay under the cap, and a few requests wait for room (the table counts
 //!   both); the lower the cap, the more of each.
+//! - `--lend`: under the device cap, a stream's pool borrows memory other streams' pools
+//!   hold before every cache is emptied (`DeviceBuilder::lend_between_streams`).
 //! - `PINPOOL_DEVICE_CONF` (e.g. `expandable_segments:False,max_split_size_mb:64`) sets the
 //!   device allocator's layout.
 //!
@@ -68,6 +70,8 @@ struct Args {
     /// The pinned allocator's size policy (`None`: the builder's, from `PINPOOL_CONF` or the
     /// default).
     policy: Option<SizePolicyChoice>,
+    /// Stream pools lend each other memory under the device cap.
+    lend: bool,
 }
 
 /// The smallest pinned cap that the largest request fits under (its input and result).
@@ -92,7 +96,9 @@ impl Args {
     /// layout `PINPOOL_DEVICE_CONF` asks for.
     fn device<R: DeviceRuntime>(&self, runtime: Arc<R>) -> Result<DeviceAllocator<R>, String> {
         let config = DeviceConfig::from_env().map_err(|e| format!("{DEVICE_ENV_VAR}: {e}"))?;
-        let mut b = DeviceBuilder::new(runtime).config(&config);
+        let mut b = DeviceBuilder::new(runtime)
+            .config(&config)
+            .lend_between_streams(self.lend);
         if self.device_max_mib > 0 {
             b = b.max_bytes((self.device_max_mib as usize) << 20);
         }
@@ -130,6 +136,7 @@ fn parse_args() -> Result<Args, String> {
         max_mib: 40,
         device_max_mib: 48,
         policy: None,
+        lend: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -145,6 +152,7 @@ fn parse_args() -> Result<Args, String> {
             "--streams" => a.streams = value("--streams")?.max(1) as usize,
             "--max-mib" => a.max_mib = value("--max-mib")?,
             "--device-max-mib" => a.device_max_mib = value("--device-max-mib")?,
+            "--lend" => a.lend = true,
             "--policy" => {
                 let name = it.next().ok_or("--policy needs a value")?;
                 a.policy = Some(SizePolicyChoice::from_name(&name).ok_or_else(|| {
@@ -158,10 +166,11 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 println!(
                     "usage: serve [--requests N] [--concurrency N] [--streams N] [--max-mib N] \
-                     [--device-max-mib N] [--policy NAME]\n\
+                     [--device-max-mib N] [--policy NAME] [--lend]\n\
                      --max-mib caps reserved pinned memory (default 40; 0 for none): requests\n\
                      over the cap wait for buffers to come back instead of failing\n\
                      --device-max-mib caps reserved device memory (default 48; 0 for none)\n\
+                     --lend: under the device cap, stream pools lend each other memory\n\
                      --policy sets the pinned allocator's size policy (default, tiered, pow2,\n\
                      bestfit, bestfit_segments; default: PINPOOL_CONF's, else the default)\n\
                      {DEVICE_ENV_VAR} sets the device allocator's layout \
@@ -694,6 +703,12 @@ async fn serve_sim(args: Args) {
         elapsed,
         ("early reuses detected", sim.violations().to_string()),
     );
+    if args.lend {
+        println!(
+            "device blocks handed over between streams (stream waits): {}",
+            sim.stream_waits()
+        );
+    }
     if sim.violations() > 0 || failed {
         for v in sim.violation_log().iter().take(5) {
             eprintln!("violation: {v:?}");

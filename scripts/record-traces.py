@@ -3,8 +3,8 @@
 
     python3 scripts/record-traces.py OUT_DIR [NAME ...]
 
-Needs a CUDA GPU and PyTorch. Each workload is built from `torch.nn` alone (random weights, no
-downloads), run once to warm up, then once more while PyTorch's allocator history records every
+Needs a CUDA GPU and PyTorch. Each workload is built from `torch.nn` alone (random weights from
+a fixed seed, no downloads: it runs offline), run once to warm up, then once more while PyTorch's allocator history records every
 request (`torch.cuda.memory._record_memory_history`). The requests of that run become
 `OUT_DIR/<name>.trace.gz`:
 
@@ -115,11 +115,67 @@ def decoder_serving_mix():
     return run
 
 
+class _Block(nn.Module):
+    """A pre-norm GPT-2 block whose attention keeps a key/value cache that grows by one
+    position a step (`torch.cat`, as simple generation loops do)."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x, cache):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, -1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x, (k, v)
+
+
+def gpt2_decode_kv_small():
+    """A GPT-2-like decoder (6 layers, d=1024) generating token by token with a key/value
+    cache, for requests of batch 1 to 4: mostly small requests, a small peak."""
+    d, vocab, layers = 1024, 16384, 6
+    emb = nn.Embedding(vocab, d).to(DEV)
+    pos = nn.Embedding(1024, d).to(DEV)
+    blocks = nn.ModuleList(_Block(d, 16) for _ in range(layers)).to(DEV)
+    ln, head = nn.LayerNorm(d).to(DEV), nn.Linear(d, vocab).to(DEV)
+    # (batch, prompt length, new tokens): about 18 000 requests (some 100 a token), and a
+    # peak of about 20 MiB (the caches of the batch of 4 at 88 positions).
+    requests = [(2, 96, 64), (4, 48, 40), (1, 160, 48), (3, 32, 32)]
+
+    def step(tok, start, caches):
+        x = emb(tok) + pos(torch.arange(start, start + tok.shape[1], device=DEV))
+        new = []
+        for blk, cache in zip(blocks, caches):
+            x, c = blk(x, cache)
+            new.append(c)
+        return head(ln(x[:, -1])).argmax(-1, keepdim=True), new
+
+    def run():
+        with torch.no_grad():
+            for batch, prompt, steps in requests:
+                tok = torch.randint(0, vocab, (batch, prompt), device=DEV)
+                nxt, caches = step(tok, 0, [None] * layers)
+                for i in range(steps):
+                    nxt, caches = step(nxt, prompt + i, caches)
+                del caches, nxt
+
+    return run
+
+
 WORKLOADS = {
     "vit_infer_b16": vit_infer_b16,
     "cnn_train_b64": cnn_train_b64,
     "lstm_train_b32_s128": lstm_train_b32_s128,
     "decoder_serving_mix": decoder_serving_mix,
+    "gpt2_decode_kv_small": gpt2_decode_kv_small,
 }
 
 

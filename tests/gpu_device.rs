@@ -807,3 +807,74 @@ async fn buffers_shared_across_streams_by_many_tasks_are_never_overwritten_early
     );
     drop(check);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_device_memory_moved_to_a_new_place_holds_what_is_written_there() {
+    let test = "idle_device_memory_moved_to_a_new_place_holds_what_is_written_there";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let (s, _) = two_streams(&rt);
+    let a = pool.alloc(8 * MIB, &s).await.unwrap();
+    let b = pool.alloc(8 * MIB, &s).await.unwrap();
+    memset(&s, a.device_ptr(), 1, 8 * MIB);
+    memset(&s, b.device_ptr(), 2, 8 * MIB);
+    drop(a);
+    // Over the reserve cap: the granules `a` left move past `b` (`cuMemMap` of their handles
+    // at the new place), and what is missing is mapped fresh.
+    let c = pool.alloc(12 * MIB, &s).await.unwrap();
+    memset(&s, c.device_ptr(), 3, 12 * MIB);
+    assert!(read_back(&s, c.device_ptr(), 12 * MIB)
+        .iter()
+        .all(|&x| x == 3));
+    assert!(read_back(&s, b.device_ptr(), 8 * MIB)
+        .iter()
+        .all(|&x| x == 2));
+    drop((b, c));
+    pool.empty_cache().await.unwrap();
+    assert_eq!(
+        pool.reserved_bytes(0).unwrap(),
+        0,
+        "moved memory went back whole"
+    );
+    println!("gpu device_moved_memory data=intact reserved_after_empty=0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_lent_between_streams_is_used_by_the_borrower_only_after_the_lenders_kernel() {
+    let test = "a_block_lent_between_streams_is_used_by_the_borrower_only_after_the_lenders_kernel";
+    if !cuda_available() {
+        println!("{test}: skipped: no CUDA driver/GPU");
+        return;
+    }
+    let pool = DeviceAllocator::builder()
+        .cuda()
+        .expect("cuda_available() but the GPU did not start")
+        .max_bytes(16 * MIB)
+        .lend_between_streams(true)
+        .build()
+        .expect("allocator");
+    let rt = pool.runtime().clone();
+    let (a, b) = two_streams(&rt);
+    let kernels = Kernels::load(&a);
+    let size = 12 * MIB;
+    let x = pool.alloc(size, &a).await.unwrap();
+    let ptr = x.device_ptr();
+    // A: 300 ms of work, then a write of the block; freed on its own stream meanwhile.
+    kernels.spin(&a, 300);
+    memset(&a, ptr, 1, size);
+    drop(x);
+    // B finds no room under the cap and borrows A's block, without waiting for A.
+    let t0 = Instant::now();
+    let y = pool.try_alloc(size, &b).await.unwrap();
+    let took_ms = t0.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(y.device_ptr(), ptr, "A's block, lent to B");
+    assert!(
+        !stream_done(&rt, &a),
+        "the borrow did not wait for A's work"
+    );
+    memset(&b, ptr, 2, size);
+    let back = read_back(&b, ptr, size);
+    assert!(back.iter().all(|&v| v == 2), "A's write landed after B's");
+    a.synchronize().unwrap();
+    println!("gpu device_lent_between_streams borrow_ms={took_ms:.3} data=ordered");
+}

@@ -56,6 +56,9 @@ pub(crate) trait Member: Send + Sync {
     /// Asks the pool to empty its cache; the reply comes on the receiver (`None`: the pool
     /// has stopped).
     fn ask_to_empty(&self) -> Option<flume::Receiver<EmptyReport>>;
+    /// The pool itself, for a pool of the same allocator that knows its concrete type (a
+    /// stream's pool borrowing memory from another's).
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
 }
 
 /// The cap value that means "no limit".
@@ -306,6 +309,9 @@ mod loom_models {
         fn nudge(&self) {}
         fn ask_to_empty(&self) -> Option<flume::Receiver<EmptyReport>> {
             None
+        }
+        fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+            self
         }
     }
 

@@ -47,6 +47,12 @@ pub(crate) struct Home<R: Runtime, B> {
     /// it needs no event. `None`: every recorded stream needs an event (host memory, which
     /// the CPU may write the moment a block is handed out, and capture pools).
     pub(crate) owner: Option<StreamId>,
+    /// The owner stream itself (kept alive by the router), for ordering another stream's
+    /// work after its own when memory of this pool serves that stream (see `miss::borrow`).
+    pub(crate) owner_stream: Option<R::Stream>,
+    /// Whether a request of this stream's pool that finds no room borrows memory other
+    /// streams' pools hold (`EngineBuilder::lend_between_streams`).
+    pub(crate) lends: bool,
     pub(crate) runtime: Arc<R>,
     /// Where the pool's fresh memory comes from.
     pub(crate) memory: Arc<dyn MemorySource>,
@@ -104,6 +110,8 @@ pub(crate) struct Home<R: Runtime, B> {
 pub(crate) struct HomeParts<R: Runtime, B> {
     pub(crate) id: PoolId,
     pub(crate) owner: Option<StreamId>,
+    pub(crate) owner_stream: Option<R::Stream>,
+    pub(crate) lends: bool,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -131,6 +139,8 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
         let home = Arc::new(Home {
             id: parts.id,
             owner: parts.owner,
+            owner_stream: parts.owner_stream,
+            lends: parts.lends,
             runtime: parts.runtime,
             memory: parts.memory,
             ready: ReadyQueues::new(parts.classes, parts.shards),
@@ -239,9 +249,10 @@ impl<R: Runtime, B> Home<R, B> {
     }
 
     /// Moves the memory of the `granule` bytes mapped at `from` in a reserved `range` to `to`
-    /// on this thread (see `MemorySource::remap`), and keeps the books: reserved bytes and
-    /// the budget stay as they are (no memory is taken or given back); the history shows the
-    /// granule unmapped at `from` and mapped at `to`.
+    /// on this thread (see `MemorySource::remap_run`: one granule, or the run of one map
+    /// call), and keeps the books: reserved bytes and the budget stay as they are (no memory
+    /// is taken or given back); the history shows the run unmapped at `from` and mapped at
+    /// `to`.
     pub(crate) fn move_now(
         &self,
         range: &Region,
@@ -249,7 +260,7 @@ impl<R: Runtime, B> Home<R, B> {
         to: usize,
         granule: usize,
     ) -> Result<(), RuntimeError> {
-        let res = self.memory.remap(range, from, to);
+        let res = self.memory.remap_run(range, from, to, granule);
         match &res {
             Ok(()) => {
                 self.history
@@ -357,5 +368,9 @@ impl<R: Runtime, B: Send + 'static> Member for Home<R, B> {
             reply: tx,
         };
         self.mailbox.send(msg).is_ok().then_some(rx)
+    }
+
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
     }
 }

@@ -155,7 +155,7 @@ impl<R: Runtime> Lease<R> {
 }
 
 /// Marks the block as used by work on `stream` (see [`Lease::record_stream`]).
-fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) -> Result<(), Error> {
+pub(crate) fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) -> Result<(), Error> {
     let rt = &*b.pool.runtime;
     let id = rt.stream_id(stream);
     if !rt.owns_stream(stream) {

@@ -146,6 +146,13 @@ pub(crate) enum PoolMsg<B> {
         target: StreamId,
         reply: Reply<RestoreReply<B>>,
     },
+    /// Lend a block of `class` out of memory the pool holds (its ready blocks, then free
+    /// mapped memory), taking no fresh memory and giving none back: for another stream's
+    /// pool that found no room (see `miss::borrow`). `None`: nothing fits.
+    Lend {
+        class: SizeClass,
+        reply: Reply<Option<Box<B>>>,
+    },
     /// Look at the queued requests again: room was made, or one was cancelled.
     Wake,
     /// Book the splits and merges threads noted (sent every `NOTE_BATCH` notes of a thread,

@@ -211,11 +211,31 @@ pub trait MemorySource: Send + Sync + 'static {
     /// undefined. No memory is taken or given back, so it costs a fraction of an unmap
     /// and a map (pinned host memory is not pinned again). All or nothing: on failure
     /// `from` stays mapped and `to` unmapped. Offered where [`MemorySource::remaps`] says
-    /// so, by sources that unmap granule by granule ([`MemorySource::unmaps_granules`]);
-    /// nothing may use the granule at `from` any more. May block for milliseconds.
+    /// so (for a source that unmaps only whole map calls, `from` was mapped by a call of
+    /// its own of one granule); nothing may use the granule at `from` any more. May block
+    /// for milliseconds.
     fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
         let _ = (range, from, to);
         Err(unsupported("remap"))
+    }
+
+    /// [`MemorySource::remap`] for `len` bytes: moves the memory mapped at `from` (for a
+    /// source that unmaps only whole map calls, exactly the run of one earlier map call) to
+    /// the unmapped `[to, to + len)` of the same `range`. No memory is taken or given back.
+    /// All or nothing. Offered where [`MemorySource::remaps`] says so; nothing may use the
+    /// memory at `from` any more (a source whose `unmap` waits for queued device work waits
+    /// here too). The default moves one granule with `remap` and refuses other lengths.
+    fn remap_run(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        if Some(len) != self.granularity() {
+            return Err(unsupported("remap_run"));
+        }
+        self.remap(range, from, to)
     }
 
     /// Bytes the source could still give, as its driver reports them (`None`: it cannot

@@ -3,8 +3,10 @@
 //! It asks the pool actor (one round trip); on "need room" — fresh memory would pass the cap,
 //! or the memory source is out of memory — the requesting task (never an actor, so no actor
 //! ever waits on another) first runs the free-memory callbacks, if any are attached, on a
-//! blocking thread, and asks again if one of them freed something (once per request); then it
-//! empties the cache of every pool and asks again. If it still does not
+//! blocking thread, and asks again if one of them freed something (once per request); where
+//! the engine lends between streams, a request of a stream's pool then borrows a block of memory another stream's pool holds,
+//! handed over by ordering its stream after the other's queued work (no driver call, no
+//! waiting: `hand_over`); failing that, it empties the cache of every pool and asks again. If it still does not
 //! fit, the pool queues it, first come first served (see the pool actor's `waiters`), and the
 //! request waits for its reply, up to its timeout. Cancel-safe: a dropped request tells its
 //! pool to forget it, and a block sent to it meanwhile goes back.
@@ -130,6 +132,103 @@ fn make_room_blocking<R: Runtime>(pool: &Pool<R>) {
     }
 }
 
+/// The other streams' pools of the allocator, for a stream's pool of an engine that lends
+/// between streams (see `EngineBuilder::lend_between_streams`; none otherwise).
+fn lenders<R: Runtime>(pool: &Pool<R>) -> Vec<Arc<Pool<R>>> {
+    if !pool.lends || pool.owner_stream.is_none() {
+        return Vec::new();
+    }
+    pool.budget
+        .pools()
+        .into_iter()
+        .filter_map(|m| m.as_any().downcast::<Pool<R>>().ok())
+        .filter(|p| p.owner_stream.is_some() && !std::ptr::eq(Arc::as_ptr(p), pool))
+        .collect()
+}
+
+/// Asks `lender` for a block of `class` out of memory it holds (see `PoolMsg::Lend`).
+fn ask_to_lend<R: Runtime>(
+    lender: &Pool<R>,
+    class: SizeClass,
+) -> Option<flume::Receiver<Option<Box<Block<R>>>>> {
+    let (tx, rx) = flume::bounded(1);
+    lender
+        .mailbox
+        .send(PoolMsg::Lend { class, reply: tx })
+        .ok()?;
+    Some(rx)
+}
+
+/// Hands a block another stream's pool lent over to the stream of `pool`, without the
+/// driver and without waiting: the stream is made to wait for an event recorded now on
+/// the lender's stream, after every piece of work queued there so far (which includes all
+/// work that used the block: it was freed before it was lent), and the block is marked as
+/// used by the stream, so that its free waits for the stream's work before the block goes
+/// back to its own pool (invariant 1). A block that cannot be handed over (a stream
+/// captures, or the runtime cannot order streams) goes back to its pool.
+fn hand_over<R: Runtime>(pool: &Pool<R>, mut block: Box<Block<R>>) -> Option<Box<Block<R>>> {
+    let rt = &pool.runtime;
+    let ordered = match (pool.owner_stream.as_ref(), block.pool.owner_stream.as_ref()) {
+        (Some(to), Some(from))
+            if !rt.is_capturing(from).unwrap_or(true) && !rt.is_capturing(to).unwrap_or(true) =>
+        {
+            rt.record_event(from).ok().is_some_and(|event| {
+                let waited = rt.stream_wait_event(to, &event);
+                rt.release_event(event);
+                waited.is_ok()
+            })
+        }
+        _ => false,
+    };
+    // The borrower's own stream is of the block's runtime: recording it cannot be refused.
+    match pool.owner_stream.as_ref().filter(|_| ordered) {
+        Some(to) if crate::lease::record(&mut block, to).is_ok() => {
+            tracing::debug!(
+                from = ?block.pool.owner,
+                to = ?pool.owner,
+                bytes = block.size,
+                "block handed over between streams"
+            );
+            Some(block)
+        }
+        _ => {
+            let home = block.pool.clone();
+            let _ = home.mailbox.send(PoolMsg::Home(block));
+            None
+        }
+    }
+}
+
+/// Borrows a block of `class` from another stream's pool (see [`hand_over`]), from a task.
+async fn borrow<R: Runtime>(pool: &Pool<R>, class: SizeClass) -> Option<Box<Block<R>>> {
+    for lender in lenders(pool) {
+        let Some(rx) = ask_to_lend(&lender, class) else {
+            continue;
+        };
+        if let Ok(Some(block)) = rx.recv_async().await {
+            if let Some(b) = hand_over(pool, block) {
+                return Some(b);
+            }
+        }
+    }
+    None
+}
+
+/// [`borrow`] for plain threads.
+fn borrow_blocking<R: Runtime>(pool: &Pool<R>, class: SizeClass) -> Option<Box<Block<R>>> {
+    for lender in lenders(pool) {
+        let Some(rx) = ask_to_lend(&lender, class) else {
+            continue;
+        };
+        if let Ok(Some(block)) = rx.recv() {
+            if let Some(b) = hand_over(pool, block) {
+                return Some(b);
+            }
+        }
+    }
+    None
+}
+
 /// Runs the free-memory callbacks, from a task: on a blocking thread of the tokio runtime
 /// (inline where there is none: the future is then not polled by a tokio executor). Whether
 /// one of them freed something.
@@ -188,6 +287,10 @@ pub(crate) async fn miss_async<R: Runtime>(
                     if callbacks_due(pool, &mut callbacks_ran) && free_memory(pool).await {
                         // Something was freed: it may be cached now, or room made.
                         continue;
+                    }
+                    // Memory another stream's pool holds serves it without the driver.
+                    if let Some(block) = borrow(pool, class).await {
+                        return Ok(block);
                     }
                     make_room(pool).await;
                     ask.emptied = true;
@@ -252,6 +355,9 @@ pub(crate) fn miss_blocking<R: Runtime>(
                 // A blocking miss runs on a thread that may block: the callbacks run here.
                 if callbacks_due(pool, &mut callbacks_ran) && pool.budget.free_memory.run() {
                     continue;
+                }
+                if let Some(block) = borrow_blocking(pool, class) {
+                    return Ok(block);
                 }
                 make_room_blocking(pool);
                 ask.emptied = true;

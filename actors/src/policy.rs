@@ -111,8 +111,9 @@ pub struct Carving {
     /// (see `Arena::place`): fewer granules mapped for the same blocks.
     pub pack_granules: bool,
     /// Where the memory source unmaps only whole map calls, runs of at least this many
-    /// bytes are mapped by one call (fast: one piece of memory) and shorter runs granule by
-    /// granule (each granule can go back on its own).
+    /// bytes are mapped by one call (fast: one piece of memory) and shorter runs in units of
+    /// a power of two granules that each go back, or move, on their own (a small share of
+    /// the pool's peak, and of the run).
     pub map_whole_from: usize,
     /// Threads split ready blocks up to this size for their requests without the pool actor
     /// (the pool's split limit), and in an expandable range merge ready blocks that lie

@@ -251,7 +251,9 @@ impl<R: Runtime> Router<R> {
         if let Some((p, _)) = self.streams.get(&stream) {
             return p.clone();
         }
-        let pool = start_pool((self.factory)(PoolId::DEFAULT, Some(stream)));
+        let mut spec = (self.factory)(PoolId::DEFAULT, Some(stream));
+        spec.owner_stream = Some(keep.clone());
+        let pool = start_pool(spec);
         self.streams.insert(stream, (pool.clone(), keep));
         tracing::debug!(stream = stream.0, "stream pool made");
         self.publish();

@@ -114,6 +114,23 @@ pub trait Runtime: Send + Sync + 'static {
         Ok(false)
     }
 
+    /// Makes work enqueued on `stream` from now on wait until `event` has completed, without
+    /// the calling thread waiting (CUDA: `cuStreamWaitEvent`): what lets memory that work on
+    /// one stream used serve work on another at once. Never called for an event recorded
+    /// during capture, nor for a capturing stream. The default refuses: the caller then
+    /// does without.
+    fn stream_wait_event(
+        &self,
+        stream: &Self::Stream,
+        event: &Self::Event,
+    ) -> Result<(), RuntimeError> {
+        let _ = (stream, event);
+        Err(RuntimeError::new(
+            "stream_wait_event",
+            "not supported by this runtime",
+        ))
+    }
+
     /// Whether `event` has completed. Never called for an event recorded during capture.
     fn query_event(&self, event: &Self::Event) -> Result<bool, RuntimeError>;
 

@@ -6,7 +6,9 @@
 //! size policy asks: whole segments from `cuMemAlloc` / `cuMemFree`, or runs mapped into one
 //! reserved device address range per pool with CUDA's virtual memory calls (`cuMemCreate`
 //! and `cuMemMap` for a whole run at once, `cuMemSetAccess` for this device; a run is
-//! unmapped whole, so `unmaps_granules` is false). Memory goes back only after the device
+//! unmapped whole, so `unmaps_granules` is false, and can be moved whole to another place of
+//! its range with `remap_run`, its handle mapped again). Memory goes back, or moves, only
+//! after the device
 //! is synchronised: a block freed on its own stream is reusable by that stream at once, but
 //! work queued on it may still run. Every call binds the device's context
 //! and runs in relaxed capture mode on the calling (blocking) thread, so that it neither
@@ -224,6 +226,35 @@ impl MemorySource for CudaDeviceMemory {
         // SAFETY: the engine unmaps exactly the run of one earlier `map` call, once no block
         // touches it and the work queued on it has run (synchronised just above).
         unsafe { vmm::unmap(range, offset, size, size) }
+    }
+
+    fn remaps(&self) -> bool {
+        true
+    }
+
+    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
+        let granule = self.granule("cuMemMap")?;
+        self.remap_run(range, from, to, granule)
+    }
+
+    fn remap_run(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
+        self.granules_of("cuMemMap", range, from, len)?;
+        self.granules_of("cuMemMap", range, to, len)?;
+        let _relaxed = self.enter()?;
+        // The memory leaves `from`: the work queued on it must have run, as for an unmap.
+        self.synchronize("cuMemUnmap")?;
+        // SAFETY: the engine moves exactly the run of one earlier `map` call (one handle of
+        // `len` bytes), once no block touches it and its queued work has run (synchronised
+        // just above), to whole unmapped granules of the same reserved range (shapes checked
+        // above).
+        unsafe { vmm::remap(range, from, to, len, self.location()) }
     }
 
     fn free_bytes(&self) -> Option<usize> {

@@ -482,6 +482,21 @@ impl Runtime for CudaRuntime {
         }
     }
 
+    fn stream_wait_event(
+        &self,
+        stream: &Self::Stream,
+        event: &Self::Event,
+    ) -> Result<(), RuntimeError> {
+        bind(stream.context()).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
+        // SAFETY: the `Arc<CudaStream>` keeps the stream alive and `event` is a live event
+        // owned by its `PooledEvent`; the driver orders the stream's later work after it.
+        let r = unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), event.cu_event(), 0) };
+        match r {
+            CUresult::CUDA_SUCCESS => Ok(()),
+            error => Err(runtime_error("cuStreamWaitEvent", DriverError(error))),
+        }
+    }
+
     fn query_event(&self, event: &Self::Event) -> Result<bool, RuntimeError> {
         let _relaxed = relaxed()?;
         // SAFETY: `event` is a live event owned by its `PooledEvent`.

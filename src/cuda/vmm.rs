@@ -295,11 +295,12 @@ pub(crate) unsafe fn unmap(
 
 /// Moves the memory of the `granule` bytes mapped at `from` in `range` to `to`: maps the same
 /// handle at `to` (a handle may be mapped at two places), grants access there, then unmaps
-/// `from`. All or nothing: on failure `from` stays mapped and `to` unmapped.
+/// `from`. All or nothing: on failure `from` stays mapped and `to` unmapped. `granule` is
+/// the handle's size: one granule, or the run of a device map call made as one unit.
 ///
 /// # Safety
-/// `range` came from [`reserve`]; `from` is one granule mapped by [`map`] that nothing uses
-/// any more; `to` is a whole granule of the range, unmapped.
+/// `range` came from [`reserve`]; `from` is one mapping of a `granule`-byte handle made by
+/// [`map`] that nothing uses any more; `to` is whole granules of the range, unmapped.
 pub(crate) unsafe fn remap(
     range: &HostMemory,
     from: usize,

@@ -49,6 +49,7 @@ pub struct DeviceBuilder<R: DeviceRuntime> {
     handle: Option<tokio::runtime::Handle>,
     shards: Option<usize>,
     policy: Option<Arc<dyn SizePolicy>>,
+    lend_between_streams: bool,
 }
 
 impl<R: DeviceRuntime> DeviceBuilder<R> {
@@ -62,6 +63,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             handle: None,
             shards: None,
             policy: None,
+            lend_between_streams: false,
         }
     }
 
@@ -75,6 +77,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             handle: self.handle,
             shards: self.shards,
             policy: self.policy,
+            lend_between_streams: self.lend_between_streams,
         }
     }
 
@@ -110,6 +113,16 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     /// `fraction` is in (0, 1].
     pub fn memory_fraction(mut self, fraction: f64) -> Self {
         self.cap = Cap::Fraction(fraction);
+        self
+    }
+
+    /// Under the cap (or with the device out of memory), a stream's request first borrows
+    /// memory another stream's pool holds, before every cache is emptied (default: off):
+    /// no driver call and no waiting, the requesting stream ordered after the lender's
+    /// queued work with an event (`cuStreamWaitEvent`), and the block back in its own pool
+    /// once the borrower's work on it has run. See `EngineBuilder::lend_between_streams`.
+    pub fn lend_between_streams(mut self, on: bool) -> Self {
+        self.lend_between_streams = on;
         self
     }
 
@@ -186,6 +199,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             let mut b = EngineBuilder::new(self.runtime.clone(), self.runtime.device_memory(d)?)
                 .policy(policy)
                 .stream_ordered(true)
+                .lend_between_streams(self.lend_between_streams)
                 .device_stats(config.max_split_size.unwrap_or(usize::MAX))
                 .handle(handle.clone());
             if let Some(l) = limit {

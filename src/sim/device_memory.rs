@@ -10,7 +10,9 @@
 //! allocation or a mapping that would pass it fails as out of memory, the way the driver's
 //! `cuMemAlloc` does. Expandable memory follows CUDA's virtual memory calls: a reserved
 //! range is mapped in 2 MiB granules, and what one `map` call mapped is unmapped whole, in
-//! one call (as `cuMemUnmap` needs: `unmaps_granules` is false). Giving memory back waits
+//! one call (as `cuMemUnmap` needs: `unmaps_granules` is false); what one call mapped can
+//! move whole to unmapped granules of the same range (`remap_run`: the same memory mapped
+//! again elsewhere, no memory taken or given back). Giving memory back, or moving it, waits
 //! for every stream of the device first (as `cuMemFree` does); a stream that never gets
 //! there, or a free of memory still used by a live graph, is recorded as a violation; a free
 //! of memory it never gave out is refused and recorded.
@@ -275,6 +277,43 @@ impl MemorySource for SimDeviceMemory {
         }
         self.give(size);
         self.state().frees.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn remaps(&self) -> bool {
+        true
+    }
+
+    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
+        self.remap_run(range, from, to, GRANULE)
+    }
+
+    fn remap_run(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemMap";
+        self.shared.faults.check(FaultPoint::DeviceAlloc)?;
+        let alloc = self.reserved(OP, range)?;
+        // The memory leaves `from`: the work queued on it must have run, as for an unmap.
+        self.synchronize(OP);
+        if !alloc.set_mapped_call(to, len, true) {
+            return Err(RuntimeError::new(
+                OP,
+                format!("{len} bytes at offset {to:#x} are not whole unmapped granules"),
+            ));
+        }
+        if !alloc.set_mapped_call(from, len, false) {
+            alloc.set_mapped_call(to, len, false);
+            return Err(RuntimeError::new(
+                OP,
+                format!("{len} bytes at offset {from:#x} are not one mapped call's granules"),
+            ));
+        }
+        self.state().remaps.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
 

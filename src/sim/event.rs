@@ -32,6 +32,11 @@ impl EventState {
         }
     }
 
+    /// Whether the worker has reached the marker.
+    pub(crate) fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
     /// Called by the worker when it reaches the marker (never for captured markers).
     pub(crate) fn complete(&self) {
         if self.captured.is_none() {

@@ -70,6 +70,8 @@ pub(crate) struct Shared {
     total_host_frees: AtomicU64,
     /// Granules moved by `MemorySource::remap`.
     host_remaps: AtomicU64,
+    /// Waits of one stream on another's event (`Runtime::stream_wait_event`).
+    stream_waits: AtomicU64,
     events_recorded: AtomicU64,
     events_released: AtomicU64,
     violations: AtomicU64,
@@ -114,6 +116,8 @@ pub(crate) struct DeviceState {
     /// Allocations and map calls made, and given back.
     allocs: AtomicU64,
     frees: AtomicU64,
+    /// Map calls' memory moved to another place of its range (`MemorySource::remap_run`).
+    remaps: AtomicU64,
     /// The queues of the device's streams, so that giving memory back can wait for every
     /// stream of the device first, as `cuMemFree` does (weak: streams end on their own).
     streams: ArcSwap<Vec<(StreamId, flume::WeakSender<worker::Op>)>>,
@@ -279,6 +283,7 @@ impl SimRuntimeBuilder {
                 total_host_allocs: AtomicU64::new(0),
                 total_host_frees: AtomicU64::new(0),
                 host_remaps: AtomicU64::new(0),
+                stream_waits: AtomicU64::new(0),
                 events_recorded: AtomicU64::new(0),
                 events_released: AtomicU64::new(0),
                 violations: AtomicU64::new(0),
@@ -296,6 +301,7 @@ impl SimRuntimeBuilder {
                         used: AtomicUsize::new(0),
                         allocs: AtomicU64::new(0),
                         frees: AtomicU64::new(0),
+                        remaps: AtomicU64::new(0),
                         streams: ArcSwap::from_pointee(Vec::new()),
                     })
                     .collect(),
@@ -420,6 +426,19 @@ impl SimRuntime {
         ))
     }
 
+    /// Map calls' memory moved to another place of its range on device `ordinal`
+    /// (`MemorySource::remap_run`: no memory taken or given back), `None` past the last
+    /// device.
+    pub fn device_remaps(&self, ordinal: usize) -> Option<u64> {
+        Some(
+            self.shared
+                .devices
+                .get(ordinal)?
+                .remaps
+                .load(Ordering::SeqCst),
+        )
+    }
+
     /// A new stream on device `ordinal` (`SimError::NoSuchDevice` past the last device).
     pub fn stream_on(&self, ordinal: usize) -> Result<SimStream, SimError> {
         if ordinal >= self.device_count() {
@@ -459,6 +478,12 @@ impl SimRuntime {
     /// Successful `host_free` calls so far.
     pub fn total_host_frees(&self) -> u64 {
         self.shared.total_host_frees.load(Ordering::SeqCst)
+    }
+
+    /// How often a stream was made to wait for another stream's event
+    /// (`Runtime::stream_wait_event`) so far.
+    pub fn stream_waits(&self) -> u64 {
+        self.shared.stream_waits.load(Ordering::SeqCst)
     }
 
     /// Granules of expandable host memory moved with `MemorySource::remap` so far.
@@ -767,6 +792,14 @@ impl Runtime for SimRuntime {
             .map_err(|e| e.into_runtime("stream_idle"))?;
         self.shared.faults.check(FaultPoint::QueryStream)?;
         Ok(stream.is_idle())
+    }
+
+    fn stream_wait_event(&self, stream: &SimStream, event: &SimEvent) -> Result<(), RuntimeError> {
+        const OP: &str = "stream_wait_event";
+        self.check_stream(stream).map_err(|e| e.into_runtime(OP))?;
+        stream.wait_event(event).map_err(|e| e.into_runtime(OP))?;
+        self.shared.stream_waits.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
     fn query_event(&self, event: &SimEvent) -> Result<bool, RuntimeError> {

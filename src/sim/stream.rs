@@ -29,6 +29,8 @@ struct StreamInner {
     tx: flume::Sender<Op>,
     progress: Arc<Progress>,
     capture: Arc<CaptureState>,
+    /// The last event of another stream this stream was made to wait for.
+    awaited: arc_swap::ArcSwapOption<EventState>,
 }
 
 /// A simulated stream: operations run strictly in order on the stream's own thread.
@@ -114,6 +116,7 @@ impl SimStream {
                 tx,
                 progress,
                 capture: Arc::new(CaptureState::new(id)),
+                awaited: arc_swap::ArcSwapOption::empty(),
             }),
         };
         (stream, started)
@@ -243,7 +246,7 @@ impl SimStream {
     pub fn fill_device(&self, dst: u64, len: usize, byte: u8) -> Result<(), SimError> {
         let dst = self.device_range(dst, len)?;
         self.submit(|capture| {
-            let expect = capture.is_none().then(|| dst.snapshot_for()).flatten();
+            let expect = capture.is_none().then(|| self.snapshot_of(&dst)).flatten();
             Ok(Work::FillDevice { dst, byte, expect })
         })
     }
@@ -287,7 +290,7 @@ impl SimStream {
     fn submit_copy(&self, src: HostRange, dst: HostRange) -> Result<(), SimError> {
         self.submit(|capture| {
             let (src_expect, dst_expect) = if capture.is_none() {
-                (src.snapshot_for(), dst.snapshot_for())
+                (self.snapshot_of(&src), self.snapshot_of(&dst))
             } else {
                 (None, None)
             };
@@ -402,6 +405,45 @@ impl SimStream {
         state
             .map(|state| SimEvent { state })
             .ok_or(SimError::ThreadGone("pinpool-sim-stream"))
+    }
+
+    /// Makes the work enqueued from now on wait for `event` (of another stream) to
+    /// complete, as `cuStreamWaitEvent` does; refused for an event recorded during capture
+    /// (it never completes) and while this stream captures.
+    pub(crate) fn wait_event(&self, event: &SimEvent) -> Result<(), SimError> {
+        if event.was_captured() || self.is_capturing() {
+            return Err(SimError::CapturedEventQueried {
+                stream: event.stream_id().0,
+            });
+        }
+        if event.stream_id() == self.inner.id {
+            // Stream order already puts later work after it.
+            return Ok(());
+        }
+        let state = Arc::clone(&event.state);
+        self.inner.awaited.store(Some(Arc::clone(&state)));
+        self.submit(|_| Ok(Work::WaitEvent(state)))
+    }
+
+    /// Whether this stream still waits for another stream's event. Device memory that an
+    /// operation enqueued meanwhile touches is not checked against other streams' writes:
+    /// the wait orders the writes the other stream made before its event ahead of the
+    /// operation, and they may still come after the operation's snapshot.
+    fn awaiting(&self) -> bool {
+        self.inner
+            .awaited
+            .load()
+            .as_ref()
+            .is_some_and(|s| !s.is_done())
+    }
+
+    /// The snapshot an operation of this stream enqueued now checks `range` against (see
+    /// [`Self::awaiting`]).
+    fn snapshot_of(&self, range: &HostRange) -> Option<worker::Expect> {
+        if range.device().is_some() && self.awaiting() {
+            return None;
+        }
+        range.snapshot_for()
     }
 
     /// Queues or captures the operation `build` makes (it is told whether it is captured).

@@ -194,6 +194,8 @@ pub(crate) enum Work {
     },
     /// An event marker.
     Event(Arc<EventState>),
+    /// Waits until an event of another stream has completed (`cuStreamWaitEvent`).
+    WaitEvent(Arc<EventState>),
     /// A graph replay.
     Launch(Arc<[Work]>),
 }
@@ -368,6 +370,11 @@ impl Worker {
                 });
             }
             Work::Event(state) => state.complete(),
+            Work::WaitEvent(state) => {
+                while !state.is_done() {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
             Work::Launch(graph) => {
                 for w in graph.iter() {
                     self.jitter();

@@ -29,6 +29,7 @@ pub struct EngineBuilder<R: Runtime> {
     max_bytes: Option<usize>,
     alloc_timeout: Option<Duration>,
     stream_ordered: bool,
+    lend_between_streams: bool,
     device_stats: Option<usize>,
 }
 
@@ -45,6 +46,7 @@ impl<R: Runtime> EngineBuilder<R> {
             max_bytes: None,
             alloc_timeout: None,
             stream_ordered: false,
+            lend_between_streams: false,
             device_stats: None,
         }
     }
@@ -78,6 +80,19 @@ impl<R: Runtime> EngineBuilder<R> {
     /// stream-ordered (the CPU may write a block the moment it is handed out).
     pub fn stream_ordered(mut self, on: bool) -> Self {
         self.stream_ordered = on;
+        self
+    }
+
+    /// With [`Self::stream_ordered`] pools: a request that finds no room under the cap (or
+    /// the driver out of memory) first borrows a block of memory another stream's pool holds
+    /// (cached, or free in its mapped memory) before every cache is emptied (default: off).
+    /// The block is handed over without the driver and without waiting: the requesting
+    /// stream is made to wait for an event recorded on the lender's stream
+    /// ([`crate::Runtime::stream_wait_event`]), and the block goes back to its own pool once
+    /// the borrower's work on it has run. Needs a runtime that can order one stream after
+    /// another's event; elsewhere nothing is borrowed.
+    pub fn lend_between_streams(mut self, on: bool) -> Self {
+        self.lend_between_streams = on;
         self
     }
 
@@ -138,6 +153,8 @@ impl<R: Runtime> EngineBuilder<R> {
             move |id: PoolId, owner: Option<StreamId>| PoolSpec {
                 id,
                 owner,
+                owner_stream: None,
+                lends: self.lend_between_streams && self.stream_ordered,
                 runtime: runtime.clone(),
                 memory: memory.clone(),
                 classes,

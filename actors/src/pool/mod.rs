@@ -48,6 +48,10 @@ use crate::spawn::spawn_named;
 pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) id: PoolId,
     pub(crate) owner: Option<StreamId>,
+    /// The owner stream itself, for a stream's pool (see `Home::owner_stream`).
+    pub(crate) owner_stream: Option<R::Stream>,
+    /// Whether stream pools lend each other memory (see `Home::lends`).
+    pub(crate) lends: bool,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -67,6 +71,8 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
     let (shared, rx) = Home::new(HomeParts {
         id: spec.id,
         owner: spec.owner,
+        owner_stream: spec.owner_stream,
+        lends: spec.lends,
         runtime: spec.runtime,
         memory: spec.memory,
         classes: spec.classes,
@@ -387,6 +393,7 @@ impl<R: Runtime> PoolActor<R> {
             }
             // `handle` booked the notes before dispatching.
             PoolMsg::Books => {}
+            PoolMsg::Lend { class, reply } => self.on_lend(class, reply).await,
             PoolMsg::Wake => {
                 self.shared.woke();
                 self.serve_waiters().await;

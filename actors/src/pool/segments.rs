@@ -49,7 +49,7 @@ const REFILL_RANGES: usize = 16;
 pub(super) struct Segments<R: Runtime> {
     carver: Carver<Arc<Seg<R>>>,
     /// The peak of live bytes seen at misses (the requested block included).
-    peak_live: usize,
+    pub(super) peak_live: usize,
     /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
     /// address: their bytes and their blocks' records, for snapshots.
     lent: BTreeMap<usize, (usize, MetaRef)>,
@@ -636,6 +636,30 @@ impl<R: Runtime> PoolActor<R> {
         Some(self.block_for(class, piece, seg).ok_or_else(|| {
             Error::Runtime(RuntimeError::new("carve", "arena piece outside its range"))
         }))
+    }
+
+    /// A block of `class` out of memory the pool holds, taking no fresh memory and giving
+    /// none back: a ready block of the class, else (under a carving layout, after the ready
+    /// blocks are taken back) the best-fitting free range of mapped memory.
+    pub(super) fn lend(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        if let Some(b) = self.shared.ready.take(class) {
+            return Some(b);
+        }
+        self.carved.as_ref()?;
+        self.absorb_ready();
+        let segs = self.carved.as_mut()?;
+        let in_arena = segs.arena.as_mut().and_then(|a| {
+            let p = a.place_mapped(class.size, usize::MAX)?;
+            Some((p, a.segment.clone()))
+        });
+        let (piece, seg) = match in_arena {
+            Some(found) => found,
+            None => {
+                let p = segs.carver.place(class.size, |_| true)?;
+                (p, segs.carver.payload(p.seg)?.clone())
+            }
+        };
+        self.block_for(class, piece, seg)
     }
 
     /// Bytes of a granule of the pool's expandable range (0 without one).

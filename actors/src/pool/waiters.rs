@@ -74,6 +74,20 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
+    /// Lends a block of `class` out of memory the pool holds, for another stream's pool
+    /// (see `PoolMsg::Lend`); nothing while the pool closes.
+    pub(super) async fn on_lend(
+        &mut self,
+        class: SizeClass,
+        reply: crate::mailbox::Reply<Option<Box<Block<R>>>>,
+    ) {
+        let lent = if self.closing { None } else { self.lend(class) };
+        if let Err(flume::SendError(Some(block))) = reply.send(lent) {
+            // The borrower stopped waiting: the block is ready for someone else.
+            self.take_back(block).await;
+        }
+    }
+
     /// Counts a failure at the cap and describes it.
     fn out_of_room(&self, requested: usize, cause: OomCause) -> Error {
         self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
