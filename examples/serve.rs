@@ -231,9 +231,9 @@ struct Counters {
 }
 
 /// Bytes held now, and the most held at once. A buffer counts from just after the allocator
-/// lent it to just before it goes back, so the peak here is at most the allocator's exact
-/// in-use peak, and equal to it unless another task took or gave back a buffer in that
-/// instant.
+/// lent it to just before it goes back, so the peak here is at most the allocator's in-use
+/// peak. The allocator's peaks are kept per thread and summed (no shared write on the cached
+/// path), so they are upper bounds; the line printed at the end says how far apart they are.
 #[derive(Default)]
 struct Held {
     now: AtomicU64,

@@ -90,6 +90,8 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) size: usize,
     /// Index of the size class.
     pub(crate) class: usize,
+    /// Stats shard the block is charged to while active.
+    pub(crate) shard: usize,
     /// Allocated while its stream was capturing: never given events, kept if used.
     pub(crate) during_capture: bool,
     /// Streams recorded since the block was lent.
@@ -120,6 +122,7 @@ impl<R: Runtime> Block<R> {
             memory,
             size: memory.size,
             class,
+            shard: 0,
             during_capture: false,
             streams: Vec::new(),
             events: Events::new(),
@@ -226,14 +229,6 @@ impl<R: Runtime> Block<R> {
         Ok(())
     }
 
-    /// The free of a buffer no stream used, already booked as inactive: back to the ready
-    /// queue.
-    #[inline]
-    pub(crate) fn release_idle(self: Box<Self>) {
-        debug_assert!(self.streams.is_empty());
-        give_back(self);
-    }
-
     /// The free of a buffer: back to the ready queue when no stream used the block, or when
     /// every stream that did has run all its work (see [`idle_probe`]); parked in the freeing
     /// thread's shard with one event per busy stream otherwise (to be queried inline by that
@@ -244,8 +239,8 @@ impl<R: Runtime> Block<R> {
     /// for ever.
     pub(crate) fn release(mut self: Box<Self>) {
         if self.streams.is_empty() {
-            self.pool.stats.deactivate(self.size);
-            self.release_idle();
+            self.pool.stats.deactivate(self.shard, self.size);
+            give_back(self);
             return;
         }
         let mut keep = self.during_capture;
@@ -277,7 +272,7 @@ impl<R: Runtime> Block<R> {
                 rt.release_event(e);
             }
             let stats = &self.pool.stats;
-            stats.deactivate(self.size);
+            stats.deactivate(self.shard, self.size);
             stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
             stats
                 .kept_bytes
@@ -444,7 +439,7 @@ impl<R: Runtime> Block<R> {
             self.memory.addr(),
             self.size,
         );
-        self.pool.stats.deactivate(self.size);
+        self.pool.stats.deactivate(self.shard, self.size);
     }
 
     /// A block whose events have all completed becomes reusable.
@@ -489,6 +484,7 @@ impl<R: Runtime> Block<R> {
             memory: self.memory,
             size: self.size,
             class: self.class,
+            shard: self.shard,
             during_capture: self.during_capture,
             streams: std::mem::take(&mut self.streams),
             events: std::mem::replace(&mut self.events, Events::new()),
@@ -581,6 +577,7 @@ impl<R: Runtime> Pool<R> {
         b.memory = memory;
         b.size = memory.size;
         b.class = class;
+        b.shard = 0;
         b.during_capture = false;
         b.state = BlockState::InUse;
         b.freed = false;

@@ -25,7 +25,6 @@ use arc_swap::ArcSwap;
 
 use crate::free_memory::FreeMemoryCallbacks;
 use crate::loom::{fence, AtomicUsize};
-use crate::stats::Tally;
 
 /// What `empty_cache` did to one pool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -82,8 +81,6 @@ pub(crate) struct Budget {
     peak: AtomicUsize,
     /// What a request runs when no cached block fits and there is no room (see `miss`).
     pub(crate) free_memory: FreeMemoryCallbacks,
-    /// The exact books of what requests hold, in every pool.
-    pub(crate) tally: Arc<Tally>,
     /// This budget's place in the order in which a request for several buffers takes the
     /// turns of the budgets it spans (unique in the process).
     pub(crate) id: u64,
@@ -118,7 +115,6 @@ impl Budget {
             pools: ArcSwap::from_pointee(Vec::new()),
             peak: AtomicUsize::new(0),
             free_memory: FreeMemoryCallbacks::default(),
-            tally: Arc::default(),
             id: NEXT_BUDGET.fetch_add(1, Ordering::Relaxed),
             turn: tokio::sync::Semaphore::new(1),
             returns: AtomicU64::new(0),

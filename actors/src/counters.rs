@@ -1,6 +1,6 @@
 //! Counters: the plain statistics reports are made of ([`Stat`], [`DurationStat`]), and the
-//! atomic cells that keep them when one actor writes them ([`AtomicStat`], [`AtomicDuration`]).
-//! What requests hold is kept exactly elsewhere (`stats::Tally`).
+//! atomic cells that keep them — written by one actor ([`AtomicStat`], [`AtomicDuration`]) or
+//! on the cached path by one thread shard each ([`ShardStat`]).
 
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::Duration;
@@ -100,6 +100,83 @@ impl AtomicStat {
     pub(crate) fn reset_accumulated(&self) {
         self.allocated.store(0, Relaxed);
         self.freed.store(0, Relaxed);
+    }
+}
+
+/// A statistic of the cached path, kept in one thread shard. The thread that owns the shard
+/// (see [`crate::shard::ThreadSlot`]) changes `allocated` and `freed` with plain loads and
+/// stores; other threads add to `remote_allocated`/`remote_freed` atomically. `current` is
+/// derived, and `reset_accumulated` records baselines instead of writing the owner's counters.
+#[derive(Debug, Default)]
+pub(crate) struct ShardStat {
+    allocated: AtomicI64,
+    freed: AtomicI64,
+    remote_allocated: AtomicI64,
+    remote_freed: AtomicI64,
+    peak: AtomicI64,
+    base_allocated: AtomicI64,
+    base_freed: AtomicI64,
+}
+
+impl ShardStat {
+    #[inline]
+    fn totals(&self) -> (i64, i64) {
+        (
+            self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed),
+            self.freed.load(Relaxed) + self.remote_freed.load(Relaxed),
+        )
+    }
+
+    #[inline]
+    fn note_peak(&self) {
+        let (a, f) = self.totals();
+        let now = a - f;
+        if now > self.peak.load(Relaxed) {
+            self.peak.fetch_max(now, Relaxed);
+        }
+    }
+
+    /// Adds `n`; `owner` says whether the calling thread owns the shard.
+    #[inline]
+    pub(crate) fn increase(&self, n: i64, owner: bool) {
+        if owner {
+            self.allocated
+                .store(self.allocated.load(Relaxed) + n, Relaxed);
+        } else {
+            self.remote_allocated.fetch_add(n, Relaxed);
+        }
+        self.note_peak();
+    }
+
+    /// Removes `n`; `owner` says whether the calling thread owns the shard.
+    #[inline]
+    pub(crate) fn decrease(&self, n: i64, owner: bool) {
+        if owner {
+            self.freed.store(self.freed.load(Relaxed) + n, Relaxed);
+        } else {
+            self.remote_freed.fetch_add(n, Relaxed);
+        }
+    }
+
+    pub(crate) fn read(&self) -> Stat {
+        let (a, f) = self.totals();
+        Stat {
+            current: a - f,
+            peak: self.peak.load(Relaxed),
+            allocated: a - self.base_allocated.load(Relaxed),
+            freed: f - self.base_freed.load(Relaxed),
+        }
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        let (a, f) = self.totals();
+        self.peak.store(a - f, Relaxed);
+    }
+
+    pub(crate) fn reset_accumulated(&self) {
+        let (a, f) = self.totals();
+        self.base_allocated.store(a, Relaxed);
+        self.base_freed.store(f, Relaxed);
     }
 }
 

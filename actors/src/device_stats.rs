@@ -8,14 +8,16 @@
 //! 2 MiB.
 //!
 //! The counters a request changes (allocations and active blocks, their bytes, the bytes
-//! requested) are kept exactly in the allocator's books (`stats::Tally`); segment counters,
-//! here, are written by the pool actor (and by blocking threads it waits for). Only pools
-//! built with device statistics pay for them.
+//! requested) live in per-thread shards like the host statistics, so that a device pool's
+//! cached path writes only its own thread's cache lines (invariant 5); segment counters are
+//! written by the pool actor (and by blocking threads it waits for). Only pools built with
+//! device statistics pay for them.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
-use crate::counters::{AtomicStat, Stat};
+use crate::counters::{AtomicStat, ShardStat, Stat};
+use crate::shard::CachePadded;
 
 /// Blocks up to this size are in PyTorch's small pool.
 pub const SMALL_BLOCK: usize = 1 << 20;
@@ -104,31 +106,23 @@ pub struct DeviceStats {
 }
 
 impl DeviceStats {
-    /// Makes the reserved peak of a device's total exact: `reserved_peak` (all pools
-    /// together, counted where memory is taken). Summed over pools, the segment peaks of
-    /// the small and large pools are upper bounds (each pool peaked at its own time), capped
-    /// by it. (Allocated, active and requested peaks are exact as they come.)
+    /// Makes the peaks of a device's total exact where they can be: the reserved peak is
+    /// `reserved_peak` (all pools together, counted where memory is taken), and no byte
+    /// peak exceeds it. Summed over pools and thread shards, the other peaks are upper
+    /// bounds (each part peaked at its own time).
     pub(crate) fn exact_peaks(&mut self, reserved_peak: i64) {
         let r = &mut self.reserved_bytes;
         r.all.peak = reserved_peak.max(r.all.current);
         let bound = r.all.peak;
         r.cap_peaks(bound);
-        self.inactive_split_bytes.cap_peaks(bound);
-    }
-
-    /// Sets the bytes of reserved memory that no active block uses, now, from the reserved
-    /// and active bytes (peaks are not tracked). Blocks and segments fall in the pools by
-    /// different sizes, so the small pool's part is taken as it comes and the large pool's is
-    /// the rest of the total.
-    pub(crate) fn derive_inactive(&mut self) {
-        let (r, a) = (&self.reserved_bytes, &self.active_bytes);
-        let total = (r.all.current - a.all.current).max(0);
-        let small = (r.small_pool.current - a.small_pool.current).clamp(0, total);
-        let mut inactive = StatArray::default();
-        inactive.all.current = total;
-        inactive.small_pool.current = small;
-        inactive.large_pool.current = total - small;
-        self.inactive_split_bytes = inactive;
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.active_bytes,
+            &mut self.requested_bytes,
+            &mut self.inactive_split_bytes,
+        ] {
+            s.cap_peaks(bound);
+        }
     }
 
     /// Adds another pool's report into this one (for a device's total over its pools).
@@ -213,7 +207,7 @@ impl DeviceStats {
 
 /// Which pool a block of `bytes` is in: 0 small, 1 large.
 #[inline]
-pub(crate) fn block_pool(bytes: usize) -> usize {
+fn block_pool(bytes: usize) -> usize {
     usize::from(bytes > SMALL_BLOCK)
 }
 
@@ -222,28 +216,74 @@ fn segment_pool(bytes: usize) -> usize {
     usize::from(bytes > SMALL_SEGMENT)
 }
 
-/// The device counters of one engine pool that its actor writes: segments and reserved
-/// bytes.
+/// A shard's counters of one pool.
+#[derive(Debug, Default)]
+struct PoolShard {
+    allocation: ShardStat,
+    allocated_bytes: ShardStat,
+    requested_bytes: ShardStat,
+    active: ShardStat,
+    active_bytes: ShardStat,
+    oversize: ShardStat,
+}
+
+/// The device counters of one engine pool.
 #[derive(Debug)]
 pub(crate) struct Detail {
+    shards: Box<[CachePadded<[PoolShard; 2]>]>,
     segment: [AtomicStat; 2],
     reserved: [AtomicStat; 2],
     oversize_segments: AtomicStat,
     /// Free ranges inside segments that lend blocks, as the pool actor last counted them.
     pub(crate) free_ranges: AtomicI64,
     /// Blocks above this are oversize.
-    pub(crate) max_split: usize,
+    max_split: usize,
 }
 
 impl Detail {
-    pub(crate) fn new(max_split: usize) -> Self {
+    pub(crate) fn new(shards: usize, max_split: usize) -> Self {
         Self {
+            shards: (0..shards).map(|_| CachePadded::default()).collect(),
             segment: Default::default(),
             reserved: Default::default(),
             oversize_segments: AtomicStat::default(),
             free_ranges: AtomicI64::new(0),
             max_split,
         }
+    }
+
+    /// A block of `bytes` for a request of `requested` was handed out (charged to `shard`).
+    #[inline]
+    pub(crate) fn lent(&self, shard: usize, owner: bool, bytes: usize, requested: usize) {
+        let p = &self.shards[shard][block_pool(bytes)];
+        p.allocation.increase(1, owner);
+        p.allocated_bytes.increase(bytes as i64, owner);
+        p.requested_bytes.increase(requested as i64, owner);
+        p.active.increase(1, owner);
+        p.active_bytes.increase(bytes as i64, owner);
+        if bytes > self.max_split {
+            p.oversize.increase(1, owner);
+        }
+    }
+
+    /// Its user freed it (it may still wait on events).
+    #[inline]
+    pub(crate) fn freed(&self, shard: usize, owner: bool, bytes: usize, requested: usize) {
+        let p = &self.shards[shard][block_pool(bytes)];
+        p.allocation.decrease(1, owner);
+        p.allocated_bytes.decrease(bytes as i64, owner);
+        p.requested_bytes.decrease(requested as i64, owner);
+        if bytes > self.max_split {
+            p.oversize.decrease(1, owner);
+        }
+    }
+
+    /// It became reusable (or kept).
+    #[inline]
+    pub(crate) fn deactivated(&self, shard: usize, owner: bool, bytes: usize) {
+        let p = &self.shards[shard][block_pool(bytes)];
+        p.active.decrease(1, owner);
+        p.active_bytes.decrease(bytes as i64, owner);
     }
 
     /// A segment of `bytes` was taken (`taken`) or given back.
@@ -264,20 +304,49 @@ impl Detail {
         }
     }
 
-    /// The segment counters; what requests hold is left at zero (see `stats::Tally`).
     pub(crate) fn read(&self) -> DeviceStats {
+        let mut parts: [[Stat; 2]; 6] = Default::default();
+        for shard in self.shards.iter() {
+            for (p, ps) in shard.iter().enumerate() {
+                parts[0][p].add(&ps.allocation.read());
+                parts[1][p].add(&ps.allocated_bytes.read());
+                parts[2][p].add(&ps.requested_bytes.read());
+                parts[3][p].add(&ps.active.read());
+                parts[4][p].add(&ps.active_bytes.read());
+                parts[5][p].add(&ps.oversize.read());
+            }
+        }
         let segment = [self.segment[0].read(), self.segment[1].read()];
         let reserved = [self.reserved[0].read(), self.reserved[1].read()];
+        // Reserved bytes that no active block uses, now (peaks are not tracked). Blocks and
+        // segments fall in the pools by different sizes, so the small pool's part is taken
+        // as it comes and the large pool's is the rest of the total.
+        let active_all = parts[4][0].current + parts[4][1].current;
+        let total = (reserved[0].current + reserved[1].current - active_all).max(0);
+        let small = (reserved[0].current - parts[4][0].current).clamp(0, total);
+        let mut inactive = [Stat::default(); 2];
+        inactive[0].current = small;
+        inactive[1].current = total - small;
+        let ranges = self.free_ranges.load(Relaxed);
+        let mut oversize = parts[5][0];
+        oversize.add(&parts[5][1]);
         DeviceStats {
+            allocation: StatArray::from_parts(parts[0]),
             segment: StatArray::from_parts(segment),
+            active: StatArray::from_parts(parts[3]),
             inactive_split: StatArray {
                 all: Stat {
-                    current: self.free_ranges.load(Relaxed),
+                    current: ranges,
                     ..Stat::default()
                 },
                 ..StatArray::default()
             },
+            allocated_bytes: StatArray::from_parts(parts[1]),
             reserved_bytes: StatArray::from_parts(reserved),
+            active_bytes: StatArray::from_parts(parts[4]),
+            inactive_split_bytes: StatArray::from_parts(inactive),
+            requested_bytes: StatArray::from_parts(parts[2]),
+            oversize_allocations: oversize,
             oversize_segments: self.oversize_segments.read(),
             max_split_size: (self.max_split < usize::MAX).then_some(self.max_split as i64),
             ..DeviceStats::default()
@@ -285,6 +354,20 @@ impl Detail {
     }
 
     pub(crate) fn reset_peak(&self) {
+        for shard in self.shards.iter() {
+            for p in shard.iter() {
+                for s in [
+                    &p.allocation,
+                    &p.allocated_bytes,
+                    &p.requested_bytes,
+                    &p.active,
+                    &p.active_bytes,
+                    &p.oversize,
+                ] {
+                    s.reset_peak();
+                }
+            }
+        }
         for s in self.segment.iter().chain(&self.reserved) {
             s.reset_peak();
         }
@@ -292,6 +375,20 @@ impl Detail {
     }
 
     pub(crate) fn reset_accumulated(&self) {
+        for shard in self.shards.iter() {
+            for p in shard.iter() {
+                for s in [
+                    &p.allocation,
+                    &p.allocated_bytes,
+                    &p.requested_bytes,
+                    &p.active,
+                    &p.active_bytes,
+                    &p.oversize,
+                ] {
+                    s.reset_accumulated();
+                }
+            }
+        }
         for s in self.segment.iter().chain(&self.reserved) {
             s.reset_accumulated();
         }

@@ -147,11 +147,7 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             parked: Parked::new(parts.shards),
             mailbox: Mailbox::new(tx),
             poller: parts.poller,
-            stats: PoolStats::new(
-                parts.device_stats,
-                parts.budget.tally.clone(),
-                !parts.id.is_default(),
-            ),
+            stats: PoolStats::new(parts.shards, parts.device_stats),
             divert: AtomicU8::new(0),
             budget: parts.budget,
             queued: AtomicUsize::new(0),

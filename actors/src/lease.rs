@@ -36,7 +36,7 @@ impl<R: Runtime> Lease<R> {
         let pool = &block.pool;
         pool.history
             .on_alloc(pool.id, pool.owner, block.memory.addr(), block.size, len);
-        block.pool.stats.lend(block.size, len);
+        block.shard = block.pool.stats.lend(block.size, len);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
         block.meta.lent(len);
@@ -258,14 +258,8 @@ impl<R: Runtime> Drop for Lease<R> {
                 self.len,
                 || b.streams.first().map(|(s, _)| *s),
             );
-            if b.streams.is_empty() {
-                // No stream used it: reusable at once, booked as one change.
-                b.pool.stats.freed_idle(b.size, self.len);
-                b.release_idle();
-            } else {
-                b.pool.stats.freed(b.size, self.len);
-                b.release();
-            }
+            b.pool.stats.freed(b.shard, b.size, self.len);
+            b.release();
         }
     }
 }

@@ -1,36 +1,19 @@
-//! Statistics with the meaning of `torch.cuda.host_memory_stats()`, and the exact books of
-//! what requests hold.
+//! Statistics with the meaning of `torch.cuda.host_memory_stats()`.
 //!
 //! Host allocations (`allocations`, `allocated_bytes`, timings) are written only by their
-//! pool actor. What requests hold (active blocks and bytes; with device statistics also
-//! allocations, allocated and requested bytes, oversize blocks, each over PyTorch's small
-//! and large pools) changes on the cached path, and is kept in the allocator's [`Tally`]:
-//! one book for the whole allocator, one for the default pool with its stream pools, one for
-//! each capture pool. A change is applied by the thread whose turn it is, in one order for
-//! every book, so `current` and `peak` are exact (as under PyTorch's allocator mutex): a
-//! peak is the most held at once, not a sum of parts that peaked at different times.
-//!
-//! The turn is one flag taken with one compare-and-swap; a thread that finds it taken does
-//! not wait: it queues its change, and whoever takes the turn next applies the queued changes
-//! first, in the order they were queued. So a change is ordered after every change completed
-//! before it began, and nothing ever waits on the cached path. The price is that the flag's
-//! cache line is written by every thread that allocates or frees, so threads of one
-//! allocator no longer keep entirely to their own lines there (see invariant 5 in the design
-//! document). Readers take the turn (waiting for it) and apply what is queued before they
-//! read.
-//!
-//! The tally also keeps each pool's own bytes in use, for its actor's heuristics and
-//! out-of-memory reports.
+//! pool actor. Active requests and bytes change on the cached path, so they live in
+//! per-thread shards: a block's counters are charged to the shard of the thread that took it,
+//! and credited back to the same shard when it becomes reusable. `current` is exact at
+//! quiescent points; `peak` is the sum of the shards' peaks (for bytes, capped by the reserved
+//! peak), an upper bound of the true peak
+//! that is exact when one thread does the work (PyTorch sums per-bucket peaks the same way).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
-use crossbeam_queue::SegQueue;
-
-use crate::counters::{AtomicDuration, AtomicStat, DurationStat, Stat};
-use crate::device_stats::{block_pool, Detail, DeviceStats, StatArray};
-use crate::shard::CachePadded;
+use crate::counters::{AtomicDuration, AtomicStat, DurationStat, ShardStat, Stat};
+use crate::device_stats::{Detail, DeviceStats};
+use crate::shard::{CachePadded, ThreadSlot};
 
 /// A statistics report for one pool or for the whole allocator.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -141,405 +124,11 @@ impl HostStats {
     }
 }
 
-/// What a request changed, as the books apply it.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Change {
-    kind: Kind,
-    /// Size of the block.
-    bytes: i64,
-    /// Bytes the user asked for.
-    requested: i64,
-    /// Whether the block is above `max_split_size`.
-    oversize: bool,
-    /// Whether the pool keeps device statistics (allocations, requested bytes, oversize).
-    detail: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    /// Lent: allocated and active.
-    Lend,
-    /// Freed by its user; active until reusable.
-    Free,
-    /// Reusable (or kept) again.
-    Deactivate,
-    /// Freed by its user and reusable at once (the cached path's free).
-    FreeIdle,
-}
-
-/// The quantities a book keeps, each over all blocks, small-pool and large-pool blocks.
-const ALLOCATION: usize = 0;
-const ALLOCATED_BYTES: usize = 1;
-const REQUESTED_BYTES: usize = 2;
-const ACTIVE: usize = 3;
-const ACTIVE_BYTES: usize = 4;
-/// Blocks above `max_split_size` (kept over all blocks only).
-const OVERSIZE: usize = 5;
-const QUANTITIES: usize = 6;
-
-/// One quantity's counters in a book. Written only by the thread whose turn it is (plain
-/// loads and stores in atomics: the turn orders them).
+/// One thread shard's active counters.
 #[derive(Debug, Default)]
-struct Cell {
-    current: AtomicI64,
-    peak: AtomicI64,
-    allocated: AtomicI64,
-    freed: AtomicI64,
-}
-
-impl Cell {
-    #[inline]
-    fn add(&self, n: i64) {
-        let now = self.current.load(Relaxed) + n;
-        self.current.store(now, Relaxed);
-        self.allocated
-            .store(self.allocated.load(Relaxed) + n, Relaxed);
-        if now > self.peak.load(Relaxed) {
-            self.peak.store(now, Relaxed);
-        }
-    }
-
-    #[inline]
-    fn remove(&self, n: i64) {
-        self.current.store(self.current.load(Relaxed) - n, Relaxed);
-        self.freed.store(self.freed.load(Relaxed) + n, Relaxed);
-    }
-
-    fn read(&self) -> Stat {
-        Stat {
-            current: self.current.load(Relaxed),
-            peak: self.peak.load(Relaxed),
-            allocated: self.allocated.load(Relaxed),
-            freed: self.freed.load(Relaxed),
-        }
-    }
-
-    fn reset_peak(&self) {
-        self.peak.store(self.current.load(Relaxed), Relaxed);
-    }
-
-    fn reset_accumulated(&self) {
-        self.allocated.store(0, Relaxed);
-        self.freed.store(0, Relaxed);
-    }
-}
-
-/// The exact counters of one group of pools (see [`Tally`]): for each quantity, over all
-/// blocks (`[0]`), the small pool (`[1]`) and the large pool (`[2]`).
-#[derive(Debug, Default)]
-pub(crate) struct Book {
-    cells: [[Cell; 3]; QUANTITIES],
-}
-
-impl Book {
-    #[inline]
-    fn up(&self, q: usize, part: usize, n: i64) {
-        self.cells[q][0].add(n);
-        self.cells[q][part].add(n);
-    }
-
-    #[inline]
-    fn down(&self, q: usize, part: usize, n: i64) {
-        self.cells[q][0].remove(n);
-        self.cells[q][part].remove(n);
-    }
-
-    #[inline]
-    fn apply(&self, c: &Change) {
-        if !c.detail {
-            // Host statistics: active blocks and bytes over all blocks only.
-            let [blocks, bytes] = [&self.cells[ACTIVE][0], &self.cells[ACTIVE_BYTES][0]];
-            match c.kind {
-                Kind::Lend => {
-                    blocks.add(1);
-                    bytes.add(c.bytes);
-                }
-                Kind::Deactivate | Kind::FreeIdle => {
-                    blocks.remove(1);
-                    bytes.remove(c.bytes);
-                }
-                Kind::Free => {}
-            }
-            return;
-        }
-        let part = 1 + block_pool(c.bytes as usize);
-        match c.kind {
-            Kind::Lend => {
-                self.up(ACTIVE, part, 1);
-                self.up(ACTIVE_BYTES, part, c.bytes);
-                self.up(ALLOCATION, part, 1);
-                self.up(ALLOCATED_BYTES, part, c.bytes);
-                self.up(REQUESTED_BYTES, part, c.requested);
-                if c.oversize {
-                    self.cells[OVERSIZE][0].add(1);
-                }
-            }
-            Kind::Free | Kind::FreeIdle => {
-                self.down(ALLOCATION, part, 1);
-                self.down(ALLOCATED_BYTES, part, c.bytes);
-                self.down(REQUESTED_BYTES, part, c.requested);
-                if c.oversize {
-                    self.cells[OVERSIZE][0].remove(1);
-                }
-                if c.kind == Kind::FreeIdle {
-                    self.down(ACTIVE, part, 1);
-                    self.down(ACTIVE_BYTES, part, c.bytes);
-                }
-            }
-            Kind::Deactivate => {
-                self.down(ACTIVE, part, 1);
-                self.down(ACTIVE_BYTES, part, c.bytes);
-            }
-        }
-    }
-
-    fn array(&self, q: usize) -> StatArray {
-        StatArray {
-            all: self.cells[q][0].read(),
-            small_pool: self.cells[q][1].read(),
-            large_pool: self.cells[q][2].read(),
-        }
-    }
-
-    /// Active blocks and their bytes (`active_requests`, `active_bytes` of [`HostStats`]).
-    fn host(&self) -> (Stat, Stat) {
-        (
-            self.cells[ACTIVE][0].read(),
-            self.cells[ACTIVE_BYTES][0].read(),
-        )
-    }
-
-    /// Writes what requests hold into a device report; the inactive bytes follow from the
-    /// report's reserved bytes.
-    fn device(&self, s: &mut DeviceStats) {
-        s.allocation = self.array(ALLOCATION);
-        s.allocated_bytes = self.array(ALLOCATED_BYTES);
-        s.requested_bytes = self.array(REQUESTED_BYTES);
-        s.active = self.array(ACTIVE);
-        s.active_bytes = self.array(ACTIVE_BYTES);
-        s.oversize_allocations = self.cells[OVERSIZE][0].read();
-        s.derive_inactive();
-    }
-
-    fn reset_peak(&self) {
-        self.cells.iter().flatten().for_each(Cell::reset_peak);
-    }
-
-    fn reset_accumulated(&self) {
-        self.cells
-            .iter()
-            .flatten()
-            .for_each(Cell::reset_accumulated);
-    }
-
-    /// Makes this book a copy of `o`.
-    fn copy_from(&self, o: &Book) {
-        for (a, b) in self.cells.iter().flatten().zip(o.cells.iter().flatten()) {
-            for (x, y) in [
-                (&a.current, &b.current),
-                (&a.peak, &b.peak),
-                (&a.allocated, &b.allocated),
-                (&a.freed, &b.freed),
-            ] {
-                x.store(y.load(Relaxed), Relaxed);
-            }
-        }
-    }
-}
-
-/// What the tally keeps of one pool: its bytes in use, and for a capture pool its own
-/// group book (written, like the tally's books, only by the thread whose turn it is).
-#[derive(Debug, Default)]
-pub(crate) struct PoolBook {
-    live: AtomicI64,
-    own: Option<Book>,
-}
-
-/// A change waiting for the turn, with its pool.
-struct Queued {
-    pool: Arc<PoolBook>,
-    change: Change,
-}
-
-/// The allocator's exact books of what requests hold: the whole allocator, the default
-/// pool with its stream pools, and (in each capture pool's [`PoolBook`]) each capture pool.
-/// Every change goes to the allocator's book and its group's, one at a time: by the thread
-/// that takes the turn, or, when the turn is taken, queued for the next taker.
-pub(crate) struct Tally {
-    turn: CachePadded<AtomicBool>,
-    queued: SegQueue<Queued>,
-    /// Whether a capture pool was ever made: until then the default group is the whole
-    /// allocator, and `total` is not written (it is a copy of `default_group` from then on).
-    split: AtomicBool,
-    total: Book,
-    default_group: Book,
-}
-
-impl std::fmt::Debug for Tally {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tally")
-            .field("queued", &self.queued.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Default for Tally {
-    fn default() -> Self {
-        Self {
-            turn: CachePadded(AtomicBool::new(false)),
-            queued: SegQueue::new(),
-            split: AtomicBool::new(false),
-            total: Book::default(),
-            default_group: Book::default(),
-        }
-    }
-}
-
-impl Tally {
-    #[inline]
-    fn try_turn(&self) -> bool {
-        !self.turn.load(Relaxed)
-            && self
-                .turn
-                .compare_exchange(false, true, Ordering::Acquire, Relaxed)
-                .is_ok()
-    }
-
-    #[inline]
-    fn end_turn(&self) {
-        self.turn.store(false, Ordering::Release);
-    }
-
-    /// Applies the queued changes, in the order they were queued (the turn is held).
-    #[inline]
-    fn settle(&self) {
-        if self.queued.is_empty() {
-            return;
-        }
-        while let Some(q) = self.queued.pop() {
-            self.apply(&q.pool, &q.change);
-        }
-    }
-
-    /// Applies a change of `pool` (the turn is held).
-    #[inline]
-    fn apply(&self, pool: &PoolBook, c: &Change) {
-        let live = match c.kind {
-            Kind::Lend => c.bytes,
-            Kind::Deactivate | Kind::FreeIdle => -c.bytes,
-            Kind::Free => 0,
-        };
-        pool.live.store(pool.live.load(Relaxed) + live, Relaxed);
-        match &pool.own {
-            Some(own) => {
-                own.apply(c);
-                self.total.apply(c);
-            }
-            None => {
-                self.default_group.apply(c);
-                if self.split.load(Relaxed) {
-                    self.total.apply(c);
-                }
-            }
-        }
-    }
-
-    /// Books a change of `pool`. Never waits.
-    #[inline]
-    pub(crate) fn record(&self, pool: &Arc<PoolBook>, change: Change) {
-        if self.try_turn() {
-            // What was queued before this change began comes first.
-            self.settle();
-            self.apply(pool, &change);
-            self.end_turn();
-            return;
-        }
-        self.queue(pool, change);
-    }
-
-    /// Queues a change for the thread whose turn it is.
-    #[cold]
-    #[inline(never)]
-    fn queue(&self, pool: &Arc<PoolBook>, change: Change) {
-        self.queued.push(Queued {
-            pool: pool.clone(),
-            change,
-        });
-        // The holder may have ended its turn before it saw this change.
-        if self.try_turn() {
-            self.settle();
-            self.end_turn();
-        }
-    }
-
-    /// Runs `f` with the turn held, after every queued change is applied (waits for the
-    /// turn: for readers and the pool actors, never for the cached path).
-    fn with_turn<T>(&self, f: impl FnOnce(&Self) -> T) -> T {
-        let mut spins = 0u32;
-        while !self.try_turn() {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-        self.settle();
-        let out = f(self);
-        self.end_turn();
-        out
-    }
-
-    /// The book of the whole allocator (the turn is held).
-    fn total(&self) -> &Book {
-        if self.split.load(Relaxed) {
-            &self.total
-        } else {
-            &self.default_group
-        }
-    }
-
-    /// The book of a capture pool, made now; from now on the allocator's book is kept apart
-    /// from the default group's.
-    fn capture_pool(&self) -> Arc<PoolBook> {
-        self.with_turn(|t| {
-            if !t.split.load(Relaxed) {
-                t.total.copy_from(&t.default_group);
-                t.split.store(true, Relaxed);
-            }
-        });
-        Arc::new(PoolBook {
-            live: AtomicI64::new(0),
-            own: Some(Book::default()),
-        })
-    }
-
-    /// The allocator's active blocks and bytes.
-    pub(crate) fn host_total(&self) -> (Stat, Stat) {
-        self.with_turn(|t| t.total().host())
-    }
-
-    /// Writes the allocator's totals of what requests hold into a device report.
-    pub(crate) fn device_total(&self, s: &mut DeviceStats) {
-        self.with_turn(|t| t.total().device(s))
-    }
-
-    /// Starts the peaks of the allocator's book and the default group's over from the
-    /// values now.
-    pub(crate) fn reset_peak(&self) {
-        self.with_turn(|t| {
-            t.total.reset_peak();
-            t.default_group.reset_peak();
-        })
-    }
-
-    /// Zeroes the accumulated counts of the allocator's book and the default group's.
-    pub(crate) fn reset_accumulated(&self) {
-        self.with_turn(|t| {
-            t.total.reset_accumulated();
-            t.default_group.reset_accumulated();
-        })
-    }
+pub(crate) struct ActiveShard {
+    pub(crate) requests: ShardStat,
+    pub(crate) bytes: ShardStat,
 }
 
 /// The books of one pool.
@@ -557,19 +146,16 @@ pub(crate) struct PoolStats {
     pub(crate) num_ooms: AtomicI64,
     /// Granules moved within the expandable range (see `MemorySource::remap`).
     pub(crate) remaps: AtomicI64,
-    /// The allocator's exact books.
-    tally: Arc<Tally>,
-    /// What the tally keeps of this pool.
-    book: Arc<PoolBook>,
+    active: Box<[CachePadded<ActiveShard>]>,
+    mask: usize,
     /// Device statistics, for pools built with them (`None`: host statistics only).
     detail: Option<Detail>,
 }
 
 impl PoolStats {
-    /// The books of a pool, booking what requests hold in `tally` (in its default group, or
-    /// with `own_group` in a book of the pool's own); with `device`, device statistics too,
-    /// blocks above `device` bytes counting as oversize.
-    pub(crate) fn new(device: Option<usize>, tally: Arc<Tally>, own_group: bool) -> Self {
+    /// The books of a pool with `shards` thread shards; with `device`, device statistics
+    /// too, blocks above `device` bytes counting as oversize.
+    pub(crate) fn new(shards: usize, device: Option<usize>) -> Self {
         Self {
             allocations: AtomicStat::default(),
             allocated_bytes: AtomicStat::default(),
@@ -582,57 +168,48 @@ impl PoolStats {
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
             remaps: AtomicI64::new(0),
-            book: if own_group {
-                tally.capture_pool()
-            } else {
-                Arc::default()
-            },
-            tally,
-            detail: device.map(Detail::new),
+            active: (0..shards).map(|_| CachePadded::default()).collect(),
+            mask: shards - 1,
+            detail: device.map(|max_split| Detail::new(shards, max_split)),
         }
     }
 
+    /// A block of `bytes` was lent for a request of `requested` bytes: it became active,
+    /// charged to the calling thread's shard; returns the shard, to be credited when the
+    /// block is freed and when it becomes reusable.
     #[inline]
-    fn change(&self, kind: Kind, bytes: usize, requested: usize) -> Change {
-        Change {
-            kind,
-            bytes: bytes as i64,
-            requested: requested as i64,
-            oversize: self.detail.as_ref().is_some_and(|d| bytes > d.max_split),
-            detail: self.detail.is_some(),
+    pub(crate) fn lend(&self, bytes: usize, requested: usize) -> usize {
+        let me = ThreadSlot::current(self.mask);
+        let s = &self.active[me.shard];
+        s.requests.increase(1, me.owns);
+        s.bytes.increase(bytes as i64, me.owns);
+        if let Some(d) = &self.detail {
+            d.lent(me.shard, me.owns, bytes, requested);
+        }
+        me.shard
+    }
+
+    /// The user of a block of `bytes` charged to `shard` freed it (device statistics only:
+    /// it stays active until it is reusable).
+    #[inline]
+    pub(crate) fn freed(&self, shard: usize, bytes: usize, requested: usize) {
+        if let Some(d) = &self.detail {
+            let me = ThreadSlot::current(self.mask);
+            d.freed(shard, me.owns && me.shard == shard, bytes, requested);
         }
     }
 
-    /// A block of `bytes` was lent for a request of `requested` bytes: it became active.
+    /// A block of `bytes` charged to `shard` became reusable (or kept).
     #[inline]
-    pub(crate) fn lend(&self, bytes: usize, requested: usize) {
-        self.tally
-            .record(&self.book, self.change(Kind::Lend, bytes, requested));
-    }
-
-    /// The user of a block of `bytes` freed it (device statistics only: it stays active
-    /// until it is reusable).
-    #[inline]
-    pub(crate) fn freed(&self, bytes: usize, requested: usize) {
-        if self.detail.is_some() {
-            self.tally
-                .record(&self.book, self.change(Kind::Free, bytes, requested));
+    pub(crate) fn deactivate(&self, shard: usize, bytes: usize) {
+        let me = ThreadSlot::current(self.mask);
+        let owner = me.owns && me.shard == shard;
+        let s = &self.active[shard];
+        s.requests.decrease(1, owner);
+        s.bytes.decrease(bytes as i64, owner);
+        if let Some(d) = &self.detail {
+            d.deactivated(shard, owner, bytes);
         }
-    }
-
-    /// A block of `bytes` became reusable (or kept).
-    #[inline]
-    pub(crate) fn deactivate(&self, bytes: usize) {
-        self.tally
-            .record(&self.book, self.change(Kind::Deactivate, bytes, 0));
-    }
-
-    /// The user of a block of `bytes` freed it and it is reusable at once: [`Self::freed`]
-    /// and [`Self::deactivate`] in one change.
-    #[inline]
-    pub(crate) fn freed_idle(&self, bytes: usize, requested: usize) {
-        self.tally
-            .record(&self.book, self.change(Kind::FreeIdle, bytes, requested));
     }
 
     /// A segment of `bytes` was taken from the memory source (`taken`) or given back
@@ -650,9 +227,7 @@ impl PoolStats {
         }
     }
 
-    /// Device statistics of this pool's memory (segments, reserved bytes and counts; what
-    /// requests hold is the group's, filled in by [`Self::fill_group_device`] or the
-    /// allocator's by [`Tally::device_total`]). `None` for a pool built without them.
+    /// Device statistics (`None` for a pool built without them).
     pub(crate) fn read_device(&self) -> Option<DeviceStats> {
         let d = self.detail.as_ref()?;
         let mut s = d.read();
@@ -664,38 +239,29 @@ impl PoolStats {
         Some(s)
     }
 
-    /// Writes what the requests of this pool's group hold into a device report.
-    pub(crate) fn fill_group_device(&self, s: &mut DeviceStats) {
-        self.tally
-            .with_turn(|t| self.book.own.as_ref().unwrap_or(&t.default_group).device(s))
-    }
-
-    /// The active blocks and bytes of this pool's group.
-    pub(crate) fn group_host(&self) -> (Stat, Stat) {
-        self.tally
-            .with_turn(|t| self.book.own.as_ref().unwrap_or(&t.default_group).host())
-    }
-
-    /// The allocator's exact books.
-    pub(crate) fn tally(&self) -> &Tally {
-        &self.tally
-    }
-
-    /// Bytes of this pool's active blocks now.
+    /// Bytes of active blocks now, summed over the shards.
     pub(crate) fn active_bytes_now(&self) -> i64 {
-        self.tally.with_turn(|_| self.book.live.load(Relaxed))
+        self.active.iter().map(|s| s.bytes.read().current).sum()
     }
 
-    /// This pool's host books, without what requests hold (zero here: it is kept by group,
-    /// see [`Self::group_host`] and [`Tally::host_total`]).
     pub(crate) fn read(&self) -> HostStats {
+        let mut active_requests = Stat::default();
+        let mut active_bytes = Stat::default();
+        for s in self.active.iter() {
+            active_requests.add(&s.requests.read());
+            active_bytes.add(&s.bytes.read());
+        }
         let allocations = self.allocations.read();
         let allocated_bytes = self.allocated_bytes.read();
+        // Active bytes never exceed reserved bytes: a tighter bound on the summed peaks.
+        active_bytes.peak = active_bytes
+            .peak
+            .min(allocated_bytes.peak.max(active_bytes.current));
         HostStats {
             allocations,
             allocated_bytes,
-            active_requests: Stat::default(),
-            active_bytes: Stat::default(),
+            active_requests,
+            active_bytes,
             num_host_alloc: allocations.allocated,
             num_host_free: allocations.freed,
             num_host_remaps: self.remaps.load(Relaxed),
@@ -711,13 +277,12 @@ impl PoolStats {
         }
     }
 
-    /// Starts this pool's peaks over (a capture pool's group book's too; the allocator's and
-    /// the default group's are [`Tally::reset_peak`]'s).
     pub(crate) fn reset_peak(&self) {
         self.allocations.reset_peak();
         self.allocated_bytes.reset_peak();
-        if let Some(g) = &self.book.own {
-            self.tally.with_turn(|_| g.reset_peak());
+        for s in self.active.iter() {
+            s.requests.reset_peak();
+            s.bytes.reset_peak();
         }
         if let Some(d) = &self.detail {
             d.reset_peak();
@@ -731,8 +296,9 @@ impl PoolStats {
         self.host_free_time.reset();
         self.num_alloc_retries.store(0, Relaxed);
         self.num_ooms.store(0, Relaxed);
-        if let Some(g) = &self.book.own {
-            self.tally.with_turn(|_| g.reset_accumulated());
+        for s in self.active.iter() {
+            s.requests.reset_accumulated();
+            s.bytes.reset_accumulated();
         }
         if let Some(d) = &self.detail {
             d.reset_accumulated();

@@ -35,10 +35,6 @@ impl<R: Runtime> Engine<R> {
         for p in self.all_pools() {
             s.merge(&p.stats.read());
         }
-        let default = self.default_pool();
-        (s.active_requests, s.active_bytes) = default.stats.tally().host_total();
-        // Every pool reserves in the one budget: its peak is the exact peak of the sum.
-        s.allocated_bytes.peak = (default.budget.peak() as i64).max(s.allocated_bytes.current);
         s.limit_bytes = self.max_bytes().map(|l| l as i64);
         s
     }
@@ -55,10 +51,8 @@ impl<R: Runtime> Engine<R> {
             }
         }
         if let Some(t) = &mut total {
-            let default = self.default_pool();
-            default.stats.tally().device_total(t);
             t.limit_bytes = self.max_bytes().map(|l| l as i64);
-            t.exact_peaks(default.budget.peak() as i64);
+            t.exact_peaks(self.default_pool().budget.peak() as i64);
         }
         total
     }
@@ -71,14 +65,12 @@ impl<R: Runtime> Engine<R> {
             for p in self.default_pools() {
                 s.merge(&p.stats.read());
             }
-            (s.active_requests, s.active_bytes) = self.default_pool().stats.group_host();
             s.limit_bytes = limit;
             return Some(s);
         }
         let table = self.inner.table.load();
         table.pools.iter().find(|(p, _)| *p == id).map(|(_, p)| {
             let mut s = p.stats.read();
-            (s.active_requests, s.active_bytes) = p.stats.group_host();
             s.limit_bytes = limit;
             s
         })
@@ -90,7 +82,6 @@ impl<R: Runtime> Engine<R> {
         let table = self.inner.table.load();
         let (_, pool) = table.pools.iter().find(|(p, _)| *p == id)?;
         let mut s = pool.stats.read_device()?;
-        pool.stats.fill_group_device(&mut s);
         s.limit_bytes = self.max_bytes().map(|l| l as i64);
         Some(s)
     }
@@ -117,9 +108,7 @@ impl<R: Runtime> Engine<R> {
     /// Sets every peak to the current value.
     pub fn reset_peak_stats(&self) {
         self.all_pools().iter().for_each(|p| p.stats.reset_peak());
-        let default = self.default_pool();
-        default.stats.tally().reset_peak();
-        default.budget.reset_peak();
+        self.default_pool().budget.reset_peak();
     }
 
     /// Zeroes the accumulated counts (`allocated`, `freed`, timings, retries, OOMs).
@@ -127,7 +116,6 @@ impl<R: Runtime> Engine<R> {
         self.all_pools()
             .iter()
             .for_each(|p| p.stats.reset_accumulated());
-        self.default_pool().stats.tally().reset_accumulated();
     }
 
     /// Where every pool's reserved bytes are (default pool first). Meant for checks at

@@ -247,8 +247,8 @@ impl<R: Runtime> PoolActor<R> {
                 .on_free(pool.id, pool.owner, b.memory.addr(), b.size, len, || {
                     b.streams.first().map(|(s, _)| *s)
                 });
-            stats.freed(b.size, len);
-            stats.deactivate(b.size);
+            stats.freed(b.shard, b.size, len);
+            stats.deactivate(b.shard, b.size);
             b.streams.clear();
             blocks.push(b);
         }
