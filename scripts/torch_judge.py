@@ -802,12 +802,21 @@ def pinpool_tests():
         assert pinpool_torch.memory_allocated(1) >= 4 * MIB
 
     def t_cudnn_benchmark_conv():
+        # PyTorch 2.11's pluggable-allocator front does not implement cacheInfo, which the
+        # cuDNN autotuner asks for: with any external allocator, cudnn.benchmark raises. This
+        # case pins that documented behaviour (docs/torch.md); it fails once PyTorch supports it.
         torch.backends.cudnn.benchmark = True
         try:
             conv = torch.nn.Conv2d(64, 64, 3, padding=1).cuda()
             x = torch.randn(16, 64, 56, 56, device="cuda", requires_grad=True)
-            conv(x).sum().backward()
+            try:
+                conv(x).sum().backward()
+            except RuntimeError as e:
+                if "cacheInfo" in str(e):
+                    return "cudnn.benchmark raises with a pluggable allocator (PyTorch's limitation)"
+                raise
             torch.cuda.synchronize()
+            raise AssertionError("cudnn.benchmark ran: PyTorch supports it now; update docs/torch.md")
         finally:
             torch.backends.cudnn.benchmark = False
 

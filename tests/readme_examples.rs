@@ -16,7 +16,6 @@ type Result<T = (), E = Box<dyn StdError>> = std::result::Result<T, E>;
 /// "A short example": a buffer recorded on a stream, freed, and taken again from the cache.
 /// (The README leaves `record_stream`'s result unchecked; the stream is the pool's own.)
 #[rustfmt::skip]
-#[allow(unused_must_use)]
 mod short_example {
     use pinpool::PinnedAllocator;
 
@@ -27,7 +26,7 @@ mod short_example {
 
         let mut buf = pool.alloc(1 << 20).await?; // fresh pinned memory the first time
         buf.fill(0);
-        buf.record_stream(&stream); // reuse waits for this stream's work
+        buf.record_stream(&stream)?; // reuse waits for this stream's work
         drop(buf); // back to the pool, ordered by an event
 
         let again = pool.alloc(1 << 20).await?; // cached path once the event completed
@@ -99,7 +98,6 @@ mod on_a_gpu {
 /// calls block on a miss, hence the multi-thread runtime. (The README leaves
 /// `record_stream`'s result unchecked; the stream is the pool's own.)
 #[rustfmt::skip]
-#[allow(unused_must_use)]
 #[tokio::test(flavor = "multi_thread")]
 async fn readme_device_memory_stream_ordered_reuse() -> Result {
     use pinpool::DeviceAllocator;
@@ -109,7 +107,7 @@ async fn readme_device_memory_stream_ordered_reuse() -> Result {
     let stream = pool.runtime().stream();                   // on a GPU: pool.runtime().context().new_stream()?
     let other = pool.runtime().stream();
     let mut buf = pool.alloc(1 << 20, &stream).await?;      // on the stream's device
-    buf.record_stream(&other);                              // work on another stream uses it too
+    buf.record_stream(&other)?;                             // work on another stream uses it too
     drop(buf);                                              // reusable once `other`'s work is done
     let ptr = pool.raw_alloc_with_stream(4096, &stream)?;   // raw pointers, as PyTorch's raw_alloc
     pool.raw_delete(ptr)?;                                  // unknown or freed twice: Error::UnknownPointer
