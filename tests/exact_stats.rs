@@ -57,8 +57,11 @@ struct Truth {
     large_blocks: i64,
 }
 
+/// A held block: (bytes, requested bytes, small pool).
+type HeldBlock = (usize, usize, bool);
+
 fn truth(held: &Held) -> Truth {
-    let max = |f: &dyn Fn(&(usize, usize, bool)) -> Option<usize>| {
+    let max = |f: &dyn Fn(&HeldBlock) -> Option<usize>| {
         held.iter()
             .map(|phase| phase.iter().filter_map(f).sum::<usize>() as i64)
             .max()
