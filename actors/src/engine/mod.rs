@@ -346,8 +346,26 @@ impl<R: Runtime> Engine<R> {
         stream: Option<&R::Stream>,
         wait: Wait,
     ) -> Result<Lease<R>, Error> {
-        let (pool, class, during_capture) = match self.step(size, stream)? {
-            Step::Ready(lease) => return Ok(lease),
+        let (pool, class, during_capture) = match self.missed(size, stream).await? {
+            Ok(lease) => return Ok(lease),
+            Err(miss) => miss,
+        };
+        let block = miss_async(&pool, class, size, wait)
+            .await
+            .map_err(|e| pool.oom(e))?;
+        Ok(Lease::new(block, size, during_capture, self.inner.id))
+    }
+
+    /// The cached path's answer for a request: a lease, or the pool (started first, for a
+    /// stream-ordered engine's first request on a stream), class and capture flag its miss
+    /// goes to.
+    async fn missed(
+        &self,
+        size: usize,
+        stream: Option<&R::Stream>,
+    ) -> Result<Result<Lease<R>, (Arc<Pool<R>>, SizeClass, bool)>, Error> {
+        Ok(Err(match self.step(size, stream)? {
+            Step::Ready(lease) => return Ok(Ok(lease)),
             Step::Miss {
                 pool,
                 class,
@@ -367,11 +385,7 @@ impl<R: Runtime> Engine<R> {
                 let pool = rx.recv_async().await.map_err(|_| Error::Shutdown)?;
                 (pool, class, during_capture)
             }
-        };
-        let block = miss_async(&pool, class, size, wait)
-            .await
-            .map_err(|e| pool.oom(e))?;
-        Ok(Lease::new(block, size, during_capture, self.inner.id))
+        }))
     }
 
     /// One try for one buffer of a request for several (see [`many`]): the cached path, then
@@ -383,33 +397,11 @@ impl<R: Runtime> Engine<R> {
         stream: Option<&R::Stream>,
         empty: bool,
     ) -> Result<Lease<R>, Tried> {
-        let (pool, class, during_capture) = match self.step(size, stream).map_err(Tried::Failed)? {
-            Step::Ready(lease) => return Ok(lease),
-            Step::Miss {
-                pool,
-                class,
-                during_capture,
-            } => (pool, class, during_capture),
-            Step::NewStream {
-                stream,
-                keep,
-                class,
-                during_capture,
-            } => {
-                let rx = self
-                    .call_router(|reply| RouterMsg::StreamPool {
-                        stream,
-                        keep,
-                        reply,
-                    })
-                    .map_err(Tried::Failed)?;
-                let pool = rx
-                    .recv_async()
-                    .await
-                    .map_err(|_| Tried::Failed(Error::Shutdown))?;
-                (pool, class, during_capture)
-            }
-        };
+        let (pool, class, during_capture) =
+            match self.missed(size, stream).await.map_err(Tried::Failed)? {
+                Ok(lease) => return Ok(lease),
+                Err(miss) => miss,
+            };
         match miss_once(&pool, class, size, empty).await {
             Ok(block) => Ok(Lease::new(block, size, during_capture, self.inner.id)),
             Err(Tried::Failed(e)) => Err(Tried::Failed(pool.oom(e))),
