@@ -4,11 +4,13 @@
 //! Owns the protocol that keeps such requests live under the caps without hold-and-wait: a
 //! request never waits while it holds memory. It tries to take every buffer without waiting
 //! (`Engine::try_once`: the cached path, then the pool actor, never queued); if one finds
-//! no room, every buffer it took goes back before it waits. Waiting is first come first
-//! served: a request takes the turn of each budget it spans (`Budget::turn`, a fair queue),
+//! no room, every buffer it took goes back before it waits. While a request waits for room
+//! under a budget (`Budget::under_pressure`), a new request does not try: it queues behind.
+//! Otherwise it tries first, and queues only when it finds no room. Waiting is first come
+//! first served: a request takes the turn of each budget it spans (`Budget::turn`, a fair queue),
 //! in one global order (`Budget::id`), so that two requests spanning the same budgets never
 //! hold each other's turn; the request holding every turn it needs is the head, the only
-//! one that tries and waits. The head waits for blocks to come home to a pool actor under
+//! queued one that makes room and waits. The head waits for blocks to come home to a pool actor under
 //! its budgets (`Budget::returns`: the blocks it gave back itself are not counted, so it
 //! does not wake itself), or for a cap to change, then tries again, with room made (every
 //! cache emptied) when there is none. A request larger than a cap, its buffers together,
@@ -63,7 +65,9 @@ impl<'a, R: Runtime> Want<'a, R> {
 ///
 /// It never waits while it holds memory: a try that finds no room for one buffer gives back
 /// every buffer it took before the request waits, so requests that share caps cannot
-/// deadlock, whatever they ask for and in whatever order. Waiting requests queue for the
+/// deadlock, whatever they ask for and in whatever order. A request tries at once unless
+/// another waits for room under one of its budgets; one that finds no room queues. Waiting
+/// requests queue for the
 /// turn of every budget they span (pinned memory, each device), in one global order; the
 /// one at the head tries again whenever a block comes home under one of its budgets or a cap
 /// changes. The liveness rule: no request waits for ever while the bytes it needs are free,
@@ -104,12 +108,15 @@ pub async fn alloc_many<R: Runtime>(
         Wait::Default => budgets.iter().filter_map(|b| b.default_timeout).min(),
         Wait::Upto(d) => Some(d),
     };
-    // Nobody waits under these budgets: a try at once, room made if need be (the cached
-    // path, as a rule). Otherwise others came first, and this request queues behind them
-    // (unless it may not wait: then one try).
-    let nobody_waits = budgets.iter().all(|b| b.turn.available_permits() > 0);
+    // Nobody waits for room under these budgets: a try at once, without making room (the
+    // cached path, as a rule); a request that finds no room queues, and makes room only at
+    // the head. Requests queued for the turn that have not yet found no room do not stop
+    // it: making every request queue behind a head that is merely trying builds a convoy,
+    // one task wake-up per request, under load. Otherwise a request waits for room, and
+    // this one queues behind it (unless it may not wait: then one try, room made first).
+    let nobody_waits = budgets.iter().all(|b| !b.under_pressure());
     if nobody_waits || wait == Wait::Never {
-        if let Ok(leases) = try_all(wants, &order, true).await? {
+        if let Ok(leases) = try_all(wants, &order, wait == Wait::Never).await? {
             return Ok(leases);
         }
         if wait == Wait::Never {
