@@ -95,3 +95,25 @@ pub(crate) fn off_runtime<T>(f: impl FnOnce() -> T) -> T {
     let _reset = Reset(OFF_RUNTIME.with(|c| c.replace(true)));
     f()
 }
+
+/// Drives `work` to its end on the calling thread, parking it while the future waits: for
+/// futures whose waits block the thread themselves (they are ready when first polled), and
+/// for any other that is woken from elsewhere. Never an executor's thread: the caller has
+/// decided with [`may_block`] that the thread may block.
+pub(crate) fn run_here<F: std::future::Future>(work: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut work = std::pin::pin!(work);
+    loop {
+        if let std::task::Poll::Ready(out) = work.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::park();
+    }
+}

@@ -10,12 +10,18 @@
 //! fit, the pool queues it, first come first served (see the pool actor's `waiters`), and the
 //! request waits for its reply, up to its timeout. Cancel-safe: a dropped request tells its
 //! pool to forget it, and a block sent to it meanwhile goes back.
+//!
+//! The loop is written once (`miss_with`), over who waits (`Waiter`): a task awaits each
+//! reply; a blocked thread waits for it in place, and lends itself to run the pool actor's
+//! memory-source calls.
 
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::block::{Block, Pool};
+use crate::blocking::run_here;
 use crate::budget::{Budget, EmptyReport};
 use crate::error::{Error, OomCause};
 use crate::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
@@ -118,17 +124,105 @@ fn ask_all_to_empty<R: Runtime>(pool: &Pool<R>) -> Vec<flume::Receiver<EmptyRepo
         .collect()
 }
 
-/// Empties every pool's cache and waits for them all, from a task.
-async fn make_room<R: Runtime>(pool: &Pool<R>) {
-    for rx in ask_all_to_empty(pool) {
-        let _ = rx.recv_async().await;
+/// Who waits for a miss: a task, which awaits, or a thread, which blocks (and may lend itself
+/// to run the memory source's calls). The miss loop ([`miss_with`]) is written once over it:
+/// a thread's waits are done by the time their futures are first polled, so
+/// [`crate::blocking::run_here`] drives the loop on the thread without an executor.
+trait Waiter: Sync {
+    /// Whether the requesting thread runs the memory source's calls for the pool actor
+    /// ([`Ask::lends`]): a task must not block its executor.
+    fn lends(&self) -> bool;
+    /// The pool actor's answer to a miss.
+    fn answer<B: Send>(
+        &self,
+        rx: &flume::Receiver<Answer<B>>,
+    ) -> impl Future<Output = Result<MissReply<B>, Stop>> + Send;
+    /// Another actor's reply (an emptied cache's report, a lent block); `None` when it is gone.
+    fn recv<T: Send>(&self, rx: &flume::Receiver<T>) -> impl Future<Output = Option<T>> + Send;
+    /// Runs the free-memory callbacks: whether one of them freed something.
+    fn free_memory(&self, budget: &Arc<Budget>) -> impl Future<Output = bool> + Send;
+}
+
+/// Why an answer did not come.
+enum Stop {
+    /// The pool actor is gone.
+    Shutdown,
+    /// The request's deadline passed.
+    TimedOut,
+}
+
+/// A task: it awaits every reply.
+struct Task;
+
+impl Waiter for Task {
+    fn lends(&self) -> bool {
+        false
+    }
+
+    async fn answer<B: Send>(&self, rx: &flume::Receiver<Answer<B>>) -> Result<MissReply<B>, Stop> {
+        answer_async(rx).await.map_err(|_| Stop::Shutdown)
+    }
+
+    async fn recv<T: Send>(&self, rx: &flume::Receiver<T>) -> Option<T> {
+        rx.recv_async().await.ok()
+    }
+
+    /// On a blocking thread of the tokio runtime (inline where there is none: the future is
+    /// then not polled by a tokio executor).
+    fn free_memory(&self, budget: &Arc<Budget>) -> impl Future<Output = bool> + Send {
+        let budget = budget.clone();
+        async move {
+            match tokio::runtime::Handle::try_current() {
+                Ok(handle) => handle
+                    .spawn_blocking(move || budget.free_memory.run())
+                    .await
+                    .unwrap_or(false),
+                Err(_) => budget.free_memory.run(),
+            }
+        }
     }
 }
 
-/// [`make_room`] for plain threads.
-fn make_room_blocking<R: Runtime>(pool: &Pool<R>) {
+/// A thread outside the runtime's executors: it blocks for every reply, until `deadline`.
+/// Without a deadline it lends itself to the pool actor, and spins a little before it parks
+/// (see [`recv_spinning`]); a request with a deadline keeps it: the memory source's calls,
+/// whose length nobody knows, run elsewhere.
+struct Thread {
+    deadline: Option<Instant>,
+}
+
+impl Waiter for Thread {
+    fn lends(&self) -> bool {
+        self.deadline.is_none()
+    }
+
+    fn answer<B: Send>(
+        &self,
+        rx: &flume::Receiver<Answer<B>>,
+    ) -> impl Future<Output = Result<MissReply<B>, Stop>> + Send {
+        std::future::ready(match self.deadline {
+            Some(at) => answer_by(rx, at).map_err(|e| match e {
+                flume::RecvTimeoutError::Timeout => Stop::TimedOut,
+                flume::RecvTimeoutError::Disconnected => Stop::Shutdown,
+            }),
+            None => recv_spinning(rx).map_err(|_| Stop::Shutdown),
+        })
+    }
+
+    fn recv<T: Send>(&self, rx: &flume::Receiver<T>) -> impl Future<Output = Option<T>> + Send {
+        std::future::ready(rx.recv().ok())
+    }
+
+    /// Here: a blocking miss runs on a thread that may block.
+    fn free_memory(&self, budget: &Arc<Budget>) -> impl Future<Output = bool> + Send {
+        std::future::ready(budget.free_memory.run())
+    }
+}
+
+/// Empties every pool's cache and waits for them all.
+async fn make_room<R: Runtime, W: Waiter>(pool: &Pool<R>, waiter: &W) {
     for rx in ask_all_to_empty(pool) {
-        let _ = rx.recv();
+        let _ = waiter.recv(&rx).await;
     }
 }
 
@@ -199,48 +293,23 @@ fn hand_over<R: Runtime>(pool: &Pool<R>, mut block: Box<Block<R>>) -> Option<Box
     }
 }
 
-/// Borrows a block of `class` from another stream's pool (see [`hand_over`]), from a task.
-async fn borrow<R: Runtime>(pool: &Pool<R>, class: SizeClass) -> Option<Box<Block<R>>> {
+/// Borrows a block of `class` from another stream's pool (see [`hand_over`]).
+async fn borrow<R: Runtime, W: Waiter>(
+    pool: &Pool<R>,
+    class: SizeClass,
+    waiter: &W,
+) -> Option<Box<Block<R>>> {
     for lender in lenders(pool) {
         let Some(rx) = ask_to_lend(&lender, class) else {
             continue;
         };
-        if let Ok(Some(block)) = rx.recv_async().await {
+        if let Some(Some(block)) = waiter.recv(&rx).await {
             if let Some(b) = hand_over(pool, block) {
                 return Some(b);
             }
         }
     }
     None
-}
-
-/// [`borrow`] for plain threads.
-fn borrow_blocking<R: Runtime>(pool: &Pool<R>, class: SizeClass) -> Option<Box<Block<R>>> {
-    for lender in lenders(pool) {
-        let Some(rx) = ask_to_lend(&lender, class) else {
-            continue;
-        };
-        if let Ok(Some(block)) = rx.recv() {
-            if let Some(b) = hand_over(pool, block) {
-                return Some(b);
-            }
-        }
-    }
-    None
-}
-
-/// Runs the free-memory callbacks, from a task: on a blocking thread of the tokio runtime
-/// (inline where there is none: the future is then not polled by a tokio executor). Whether
-/// one of them freed something.
-async fn free_memory<R: Runtime>(pool: &Pool<R>) -> bool {
-    let budget = pool.budget.clone();
-    match tokio::runtime::Handle::try_current() {
-        Ok(handle) => handle
-            .spawn_blocking(move || budget.free_memory.run())
-            .await
-            .unwrap_or(false),
-        Err(_) => budget.free_memory.run(),
-    }
 }
 
 /// Whether a request that was refused for want of room should run the free-memory callbacks
@@ -253,159 +322,180 @@ fn callbacks_due<R: Runtime>(pool: &Pool<R>, ran: &mut bool) -> bool {
     true
 }
 
-/// A miss, from a task: ask the pool; on "need room" empty every cache and ask again, this
-/// time queueing when it still does not fit (unless `wait` says not to).
+/// What a miss may do besides asking the pool actor.
+#[derive(Clone, Copy)]
+struct Plan {
+    /// Bytes the user asked for.
+    requested: usize,
+    /// Queue in the pool when there is no room even after room was made.
+    queue: bool,
+    /// On "need room": run the free-memory callbacks (once), borrow from another stream's
+    /// pool, empty every cache, and ask again. Without: no room is the answer.
+    make_room: bool,
+    /// Not an out-of-memory of its own when it finds no room (one buffer of several).
+    quiet: bool,
+}
+
+/// How a miss ended without a block.
+enum Missed {
+    /// No room, after room was made if the plan says so.
+    NoRoom,
+    /// The thread's deadline passed.
+    TimedOut,
+    /// A final error.
+    Failed(Error),
+}
+
+/// The miss loop, once for tasks and threads: ask the pool; on "need room" make room as
+/// `plan` says and ask again, queueing this time when the plan says so. Cancel-safe: a
+/// dropped request tells its pool to forget it, and a block sent to it meanwhile goes back.
+async fn miss_with<R: Runtime, W: Waiter>(
+    pool: &Arc<Pool<R>>,
+    class: SizeClass,
+    plan: Plan,
+    waiter: &W,
+) -> Result<Box<Block<R>>, Missed> {
+    let mut ask = Ask {
+        requested: plan.requested,
+        wait: plan.queue,
+        emptied: false,
+        shard: pool.ready.my_shard(),
+        lends: waiter.lends(),
+        quiet: plan.quiet,
+    };
+    let mut callbacks_ran = false;
+    loop {
+        let rx = send_miss(pool, class, ask).map_err(Missed::Failed)?;
+        let mut pending = Pending { pool, armed: true };
+        let reply = match waiter.answer(&rx).await {
+            Ok(reply) => reply,
+            Err(stop) => {
+                // Dropping `rx` hands back a block sent in the meantime; `pending` tells the
+                // pool to forget the request.
+                drop(rx);
+                drop(pending);
+                return Err(match stop {
+                    Stop::Shutdown => Missed::Failed(Error::Shutdown),
+                    Stop::TimedOut => Missed::TimedOut,
+                });
+            }
+        };
+        pending.armed = false;
+        match reply {
+            Ok(block) => return Ok(block),
+            Err(Refused::Failed(e)) => return Err(Missed::Failed(e)),
+            Err(Refused::NeedRoom) if plan.make_room && !ask.emptied => {
+                if callbacks_due(pool, &mut callbacks_ran) && waiter.free_memory(&pool.budget).await
+                {
+                    // Something was freed: it may be cached now, or room made.
+                    continue;
+                }
+                // Memory another stream's pool holds serves it without the driver.
+                if let Some(block) = borrow(pool, class, waiter).await {
+                    return Ok(block);
+                }
+                make_room(pool, waiter).await;
+                ask.emptied = true;
+            }
+            Err(Refused::NeedRoom) => return Err(Missed::NoRoom),
+        }
+    }
+}
+
+/// A miss of a request for one buffer: ask the pool; on "need room" make room and ask
+/// again, this time queueing when it still does not fit (unless `wait` says not to).
+/// No room in the end is an out-of-memory.
+fn settle<R: Runtime>(
+    pool: &Pool<R>,
+    requested: usize,
+    timeout: Option<Duration>,
+    missed: Result<Box<Block<R>>, Missed>,
+) -> Result<Box<Block<R>>, Error> {
+    missed.map_err(|m| match m {
+        Missed::NoRoom => no_room(pool, requested),
+        Missed::TimedOut => timed_out(pool, requested, timeout.unwrap_or_default()),
+        Missed::Failed(e) => e,
+    })
+}
+
+/// The plan of a request for one buffer that waits as `wait` says, and how long it may.
+fn plan_for<R: Runtime>(
+    pool: &Pool<R>,
+    class: SizeClass,
+    requested: usize,
+    wait: Wait,
+) -> Result<(Plan, Option<Duration>), Error> {
+    check_cap(pool, class, requested)?;
+    let timeout = wait.resolve(&pool.budget);
+    let plan = Plan {
+        requested,
+        queue: timeout.is_some(),
+        make_room: true,
+        quiet: false,
+    };
+    Ok((plan, timeout.flatten()))
+}
+
+/// A miss of a request for one buffer, from a task (see [`settle`]).
 pub(crate) async fn miss_async<R: Runtime>(
     pool: &Arc<Pool<R>>,
     class: SizeClass,
     requested: usize,
     wait: Wait,
 ) -> Result<Box<Block<R>>, Error> {
-    check_cap(pool, class, requested)?;
-    let timeout = wait.resolve(&pool.budget);
-    let may_wait = timeout.is_some();
-    let work = async {
-        let mut ask = Ask {
-            requested,
-            wait: may_wait,
-            emptied: false,
-            shard: pool.ready.my_shard(),
-            // A task must not block its executor: the pool runs its calls elsewhere.
-            lends: false,
-            quiet: false,
-        };
-        let mut callbacks_ran = false;
-        loop {
-            let rx = send_miss(pool, class, ask)?;
-            let mut pending = Pending { pool, armed: true };
-            let reply = answer_async(&rx).await;
-            pending.armed = false;
-            match reply.map_err(|_| Error::Shutdown)? {
-                Ok(block) => return Ok(block),
-                Err(Refused::Failed(e)) => return Err(e),
-                Err(Refused::NeedRoom) if !ask.emptied => {
-                    if callbacks_due(pool, &mut callbacks_ran) && free_memory(pool).await {
-                        // Something was freed: it may be cached now, or room made.
-                        continue;
-                    }
-                    // Memory another stream's pool holds serves it without the driver.
-                    if let Some(block) = borrow(pool, class).await {
-                        return Ok(block);
-                    }
-                    make_room(pool).await;
-                    ask.emptied = true;
-                }
-                Err(Refused::NeedRoom) => return Err(no_room(pool, requested)),
-            }
-        }
-    };
-    match timeout.flatten() {
+    let (plan, timeout) = plan_for(pool, class, requested, wait)?;
+    let work = miss_with(pool, class, plan, &Task);
+    let missed = match timeout {
         Some(d) => match tokio::time::timeout(d, work).await {
             Ok(r) => r,
-            Err(_) => Err(timed_out(pool, requested, d)),
+            Err(_) => Err(Missed::TimedOut),
         },
         None => work.await,
-    }
+    };
+    settle(pool, requested, timeout, missed)
 }
 
-/// [`miss_async`] for plain threads.
+/// [`miss_async`] for plain threads: the same loop, run on the calling thread.
 pub(crate) fn miss_blocking<R: Runtime>(
     pool: &Arc<Pool<R>>,
     class: SizeClass,
     requested: usize,
     wait: Wait,
 ) -> Result<Box<Block<R>>, Error> {
-    check_cap(pool, class, requested)?;
-    let timeout = wait.resolve(&pool.budget);
-    let deadline = timeout.flatten().map(|d| Instant::now() + d);
-    let mut ask = Ask {
-        requested,
-        wait: timeout.is_some(),
-        emptied: false,
-        shard: pool.ready.my_shard(),
-        // A request with a deadline keeps it: the memory source's calls, whose length
-        // nobody knows, run elsewhere.
-        lends: deadline.is_none(),
-        quiet: false,
+    let (plan, timeout) = plan_for(pool, class, requested, wait)?;
+    let thread = Thread {
+        deadline: timeout.map(|d| Instant::now() + d),
     };
-    let mut callbacks_ran = false;
-    loop {
-        let rx = send_miss(pool, class, ask)?;
-        let mut pending = Pending { pool, armed: true };
-        let reply = match deadline {
-            Some(at) => match answer_by(&rx, at) {
-                Ok(r) => r,
-                Err(flume::RecvTimeoutError::Timeout) => {
-                    // Dropping `rx` hands back a block sent in the meantime; `pending` tells
-                    // the pool to forget the request.
-                    drop(rx);
-                    drop(pending);
-                    let d = timeout.flatten().unwrap_or_default();
-                    return Err(timed_out(pool, requested, d));
-                }
-                Err(flume::RecvTimeoutError::Disconnected) => return Err(Error::Shutdown),
-            },
-            None => recv_spinning(&rx).map_err(|_| Error::Shutdown)?,
-        };
-        pending.armed = false;
-        match reply {
-            Ok(block) => return Ok(block),
-            Err(Refused::Failed(e)) => return Err(e),
-            Err(Refused::NeedRoom) if !ask.emptied => {
-                // A blocking miss runs on a thread that may block: the callbacks run here.
-                if callbacks_due(pool, &mut callbacks_ran) && pool.budget.free_memory.run() {
-                    continue;
-                }
-                if let Some(block) = borrow_blocking(pool, class) {
-                    return Ok(block);
-                }
-                make_room_blocking(pool);
-                ask.emptied = true;
-            }
-            Err(Refused::NeedRoom) => return Err(no_room(pool, requested)),
-        }
-    }
+    let missed = run_here(miss_with(pool, class, plan, &thread));
+    settle(pool, requested, timeout, missed)
 }
 
 /// One try for one buffer of a request for several (see `engine::many`), from a task: ask
-/// the pool; on "need room", when `empty` says so, run the free-memory callbacks (once) and
-/// empty every cache, and ask once more. Never queued and never counted as an out-of-memory:
-/// no room is [`Tried::NoRoom`], and the request waits or fails as a whole. What the
-/// runtime itself refuses once the caches were emptied (no cap in the way) is a final,
-/// counted error, as for `try_alloc`. Cancel-safe as [`miss_async`] is.
+/// the pool; on "need room", when `empty` says so, make room as a single request does and
+/// ask once more. Never queued and never counted as an out-of-memory: no room is
+/// [`Tried::NoRoom`], and the request waits or fails as a whole. What the runtime itself
+/// refuses once the caches were emptied (no cap in the way) is a final, counted error, as
+/// for `try_alloc`. Cancel-safe as [`miss_async`] is.
 pub(crate) async fn miss_once<R: Runtime>(
     pool: &Arc<Pool<R>>,
     class: SizeClass,
     requested: usize,
     empty: bool,
 ) -> Result<Box<Block<R>>, Tried> {
-    let mut ask = Ask {
+    let plan = Plan {
         requested,
-        wait: false,
-        emptied: false,
-        shard: pool.ready.my_shard(),
-        lends: false,
+        queue: false,
+        make_room: empty,
         quiet: true,
     };
-    let mut callbacks_ran = false;
-    loop {
-        let rx = send_miss(pool, class, ask).map_err(Tried::Failed)?;
-        let mut pending = Pending { pool, armed: true };
-        let reply = answer_async(&rx).await;
-        pending.armed = false;
-        match reply.map_err(|_| Tried::Failed(Error::Shutdown))? {
-            Ok(block) => return Ok(block),
-            Err(Refused::Failed(e)) => return Err(Tried::Failed(e)),
-            Err(Refused::NeedRoom) if empty && !ask.emptied => {
-                if callbacks_due(pool, &mut callbacks_ran) && free_memory(pool).await {
-                    continue;
-                }
-                make_room(pool).await;
-                ask.emptied = true;
-            }
-            Err(Refused::NeedRoom) => return Err(Tried::NoRoom),
-        }
-    }
+    miss_with(pool, class, plan, &Task)
+        .await
+        .map_err(|m| match m {
+            Missed::NoRoom => Tried::NoRoom,
+            // A task's wait has no deadline of its own (the request's is around it).
+            Missed::TimedOut => Tried::NoRoom,
+            Missed::Failed(e) => Tried::Failed(e),
+        })
 }
 
 /// How one try of [`miss_once`] failed.
