@@ -117,3 +117,15 @@ pub(crate) fn run_here<F: std::future::Future>(work: F) -> F::Output {
         std::thread::park();
     }
 }
+
+/// The blocking call `call` (its name, and the async call to use instead) as a thin adapter
+/// over its async form `work`: decided by [`may_block`], then driven to its end on this
+/// thread by [`run_here`]. For async calls that wait only on actors' replies (no tokio
+/// timer or task of their own).
+pub fn call<F: std::future::Future>(
+    call: (&'static str, &'static str),
+    work: F,
+) -> Result<F::Output, Error> {
+    let blocking = may_block(call.0, call.1)?;
+    Ok(blocking.run(|| run_here(work)))
+}

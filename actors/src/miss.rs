@@ -21,7 +21,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::block::{Block, Pool};
-use crate::blocking::run_here;
 use crate::budget::{Budget, EmptyReport};
 use crate::error::{Error, OomCause};
 use crate::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
@@ -127,7 +126,7 @@ fn ask_all_to_empty<R: Runtime>(pool: &Pool<R>) -> Vec<flume::Receiver<EmptyRepo
 /// Who waits for a miss: a task, which awaits, or a thread, which blocks (and may lend itself
 /// to run the memory source's calls). The miss loop ([`miss_with`]) is written once over it:
 /// a thread's waits are done by the time their futures are first polled, so
-/// [`crate::blocking::run_here`] drives the loop on the thread without an executor.
+/// [`crate::blocking::run_here`] drives the request on the thread without an executor.
 trait Waiter: Sync {
     /// Whether the requesting thread runs the memory source's calls for the pool actor
     /// ([`Ask::lends`]): a task must not block its executor.
@@ -418,13 +417,33 @@ fn settle<R: Runtime>(
     })
 }
 
-/// The plan of a request for one buffer that waits as `wait` says, and how long it may.
-fn plan_for<R: Runtime>(
-    pool: &Pool<R>,
+/// Who waits for a request: a task, or a thread outside the runtime's executors that may
+/// block (see [`crate::blocking::may_block`]), whose waits are done in place. A thread drives
+/// the request's future with [`crate::blocking::run_here`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Who {
+    Task,
+    Thread,
+}
+
+impl Who {
+    /// An actor's reply; `None` when the actor is gone.
+    pub(crate) async fn recv<T: Send>(self, rx: &flume::Receiver<T>) -> Option<T> {
+        match self {
+            Who::Task => Task.recv(rx).await,
+            Who::Thread => Thread { deadline: None }.recv(rx).await,
+        }
+    }
+}
+
+/// A miss of a request for one buffer, waited for by `who` (see [`settle`]).
+pub(crate) async fn miss<R: Runtime>(
+    pool: &Arc<Pool<R>>,
     class: SizeClass,
     requested: usize,
     wait: Wait,
-) -> Result<(Plan, Option<Duration>), Error> {
+    who: Who,
+) -> Result<Box<Block<R>>, Error> {
     check_cap(pool, class, requested)?;
     let timeout = wait.resolve(&pool.budget);
     let plan = Plan {
@@ -433,40 +452,25 @@ fn plan_for<R: Runtime>(
         make_room: true,
         quiet: false,
     };
-    Ok((plan, timeout.flatten()))
-}
-
-/// A miss of a request for one buffer, from a task (see [`settle`]).
-pub(crate) async fn miss_async<R: Runtime>(
-    pool: &Arc<Pool<R>>,
-    class: SizeClass,
-    requested: usize,
-    wait: Wait,
-) -> Result<Box<Block<R>>, Error> {
-    let (plan, timeout) = plan_for(pool, class, requested, wait)?;
-    let work = miss_with(pool, class, plan, &Task);
-    let missed = match timeout {
-        Some(d) => match tokio::time::timeout(d, work).await {
-            Ok(r) => r,
-            Err(_) => Err(Missed::TimedOut),
-        },
-        None => work.await,
+    let timeout = timeout.flatten();
+    let missed = match who {
+        Who::Task => {
+            let work = miss_with(pool, class, plan, &Task);
+            match timeout {
+                Some(d) => match tokio::time::timeout(d, work).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Missed::TimedOut),
+                },
+                None => work.await,
+            }
+        }
+        Who::Thread => {
+            let thread = Thread {
+                deadline: timeout.map(|d| Instant::now() + d),
+            };
+            miss_with(pool, class, plan, &thread).await
+        }
     };
-    settle(pool, requested, timeout, missed)
-}
-
-/// [`miss_async`] for plain threads: the same loop, run on the calling thread.
-pub(crate) fn miss_blocking<R: Runtime>(
-    pool: &Arc<Pool<R>>,
-    class: SizeClass,
-    requested: usize,
-    wait: Wait,
-) -> Result<Box<Block<R>>, Error> {
-    let (plan, timeout) = plan_for(pool, class, requested, wait)?;
-    let thread = Thread {
-        deadline: timeout.map(|d| Instant::now() + d),
-    };
-    let missed = run_here(miss_with(pool, class, plan, &thread));
     settle(pool, requested, timeout, missed)
 }
 
@@ -475,7 +479,7 @@ pub(crate) fn miss_blocking<R: Runtime>(
 /// ask once more. Never queued and never counted as an out-of-memory: no room is
 /// [`Tried::NoRoom`], and the request waits or fails as a whole. What the runtime itself
 /// refuses once the caches were emptied (no cap in the way) is a final, counted error, as
-/// for `try_alloc`. Cancel-safe as [`miss_async`] is.
+/// for `try_alloc`. Cancel-safe as [`miss`] is.
 pub(crate) async fn miss_once<R: Runtime>(
     pool: &Arc<Pool<R>>,
     class: SizeClass,

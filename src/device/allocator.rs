@@ -11,7 +11,6 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use pinpool_actors::blocking::may_block;
 use pinpool_actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
     Inventory, Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
@@ -357,12 +356,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// [`DeviceAllocator::empty_cache`] for threads outside the tokio runtime
     /// ([`Error::WouldDeadlock`] where blocking would deadlock).
     pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
-        may_block("empty_cache_blocking", "empty_cache().await")?;
-        let mut total = EmptyReport::default();
-        for e in self.inner.devices.iter() {
-            total.merge(&e.empty_cache_blocking()?);
-        }
-        Ok(total)
+        pinpool_actors::blocking::call(
+            ("empty_cache_blocking", "empty_cache().await"),
+            self.empty_cache(),
+        )?
     }
 
     /// Statistics of device `device`, with the keys of `torch.cuda.memory_stats()`.

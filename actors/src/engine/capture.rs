@@ -2,7 +2,7 @@
 //! [`crate::router`]).
 
 use super::Engine;
-use crate::blocking::may_block;
+use crate::blocking;
 use crate::error::Error;
 use crate::pool_id::PoolId;
 use crate::router::{RouterMsg, StreamFilter};
@@ -45,30 +45,33 @@ impl<R: Runtime> Engine<R> {
         id: PoolId,
         filter: StreamFilter<R>,
     ) -> Result<(), Error> {
-        let blocking = may_block(
-            "begin_allocate_to_pool_blocking",
-            "begin_allocate_to_pool(..).await",
-        )?;
-        let rx = self.call_router(|reply| RouterMsg::Begin { id, filter, reply })?;
-        blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?
+        blocking::call(
+            (
+                "begin_allocate_to_pool_blocking",
+                "begin_allocate_to_pool(..).await",
+            ),
+            self.begin_allocate_to_pool(id, filter),
+        )?
     }
 
     /// [`Engine::end_allocate_to_pool`] for threads outside the tokio runtime
     /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn end_allocate_to_pool_blocking(&self, id: PoolId) -> Result<(), Error> {
-        let blocking = may_block(
-            "end_allocate_to_pool_blocking",
-            "end_allocate_to_pool(..).await",
-        )?;
-        let rx = self.call_router(|reply| RouterMsg::End { id, reply })?;
-        blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?
+        blocking::call(
+            (
+                "end_allocate_to_pool_blocking",
+                "end_allocate_to_pool(..).await",
+            ),
+            self.end_allocate_to_pool(id),
+        )?
     }
 
     /// [`Engine::release_pool`] for threads outside the tokio runtime
     /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn release_pool_blocking(&self, id: PoolId) -> Result<(), Error> {
-        let blocking = may_block("release_pool_blocking", "release_pool(..).await")?;
-        let rx = self.call_router(|reply| RouterMsg::Release { id, reply })?;
-        blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?
+        blocking::call(
+            ("release_pool_blocking", "release_pool(..).await"),
+            self.release_pool(id),
+        )?
     }
 }

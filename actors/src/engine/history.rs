@@ -4,7 +4,6 @@
 use std::sync::Arc;
 
 use super::Engine;
-use crate::blocking::may_block;
 use crate::error::Error;
 use crate::observe::ObserverMsg;
 use crate::runtime::Runtime;
@@ -50,11 +49,7 @@ impl<R: Runtime> Engine<R> {
     /// [`Engine::history`](crate::Engine::history) for threads outside the tokio runtime
     /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn history_blocking(&self) -> Result<History, Error> {
-        let blocking = may_block("history_blocking", "history().await")?;
-        let rx = self.recorder().read()?;
-        let mut h = blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?;
-        h.enabled = self.recorder().is_on();
-        Ok(h)
+        crate::blocking::call(("history_blocking", "history().await"), self.history())?
     }
 
     /// Calls `f` for every trace entry recorded while history is on, from the observer task

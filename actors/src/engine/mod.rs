@@ -32,7 +32,7 @@ use std::time::Duration;
 use flume::Sender;
 
 use crate::block::{Block, Pool};
-use crate::blocking::may_block;
+use crate::blocking::{may_block, run_here};
 use crate::budget::Budget;
 use crate::budget::EmptyReport;
 use crate::error::Error;
@@ -40,7 +40,7 @@ use crate::history::Recorder;
 use crate::lease::Lease;
 use crate::mailbox::{PollerMsg, PoolMsg, Reply};
 use crate::memory::MemorySource;
-use crate::miss::{miss_async, miss_blocking, miss_once, Tried, Wait};
+use crate::miss::{miss, miss_once, Tried, Wait, Who};
 use crate::policy::{SizeClass, SizePolicy};
 use crate::router::{RouterMsg, Routes};
 use crate::runtime::{Runtime, StreamId};
@@ -346,25 +346,39 @@ impl<R: Runtime> Engine<R> {
         stream: Option<&R::Stream>,
         wait: Wait,
     ) -> Result<Lease<R>, Error> {
-        let (pool, class, during_capture) = match self.missed(size, stream).await? {
+        let step = self.step(size, stream)?;
+        self.serve(step, size, wait, Who::Task).await
+    }
+
+    /// Serves a request past the cached path's step, `who` waiting: a hit is the lease; a
+    /// miss goes to its pool (started first for a new stream), waiting for room as `wait`
+    /// says.
+    async fn serve(
+        &self,
+        step: Step<R>,
+        size: usize,
+        wait: Wait,
+        who: Who,
+    ) -> Result<Lease<R>, Error> {
+        let (pool, class, during_capture) = match self.route(step, who).await? {
             Ok(lease) => return Ok(lease),
             Err(miss) => miss,
         };
-        let block = miss_async(&pool, class, size, wait)
+        let block = miss(&pool, class, size, wait, who)
             .await
             .map_err(|e| pool.oom(e))?;
         Ok(Lease::new(block, size, during_capture, self.inner.id))
     }
 
     /// The cached path's answer for a request: a lease, or the pool (started first, for a
-    /// stream-ordered engine's first request on a stream), class and capture flag its miss
-    /// goes to.
-    async fn missed(
+    /// stream-ordered engine's first request on a stream, `who` waiting for the router),
+    /// class and capture flag its miss goes to.
+    async fn route(
         &self,
-        size: usize,
-        stream: Option<&R::Stream>,
+        step: Step<R>,
+        who: Who,
     ) -> Result<Result<Lease<R>, (Arc<Pool<R>>, SizeClass, bool)>, Error> {
-        Ok(Err(match self.step(size, stream)? {
+        Ok(Err(match step {
             Step::Ready(lease) => return Ok(Ok(lease)),
             Step::Miss {
                 pool,
@@ -382,7 +396,7 @@ impl<R: Runtime> Engine<R> {
                     keep,
                     reply,
                 })?;
-                let pool = rx.recv_async().await.map_err(|_| Error::Shutdown)?;
+                let pool = who.recv(&rx).await.ok_or(Error::Shutdown)?;
                 (pool, class, during_capture)
             }
         }))
@@ -397,8 +411,9 @@ impl<R: Runtime> Engine<R> {
         stream: Option<&R::Stream>,
         empty: bool,
     ) -> Result<Lease<R>, Tried> {
+        let step = self.step(size, stream).map_err(Tried::Failed)?;
         let (pool, class, during_capture) =
-            match self.missed(size, stream).await.map_err(Tried::Failed)? {
+            match self.route(step, Who::Task).await.map_err(Tried::Failed)? {
                 Ok(lease) => return Ok(lease),
                 Err(miss) => miss,
             };
@@ -442,33 +457,12 @@ impl<R: Runtime> Engine<R> {
         call: (&'static str, &'static str),
     ) -> Result<Lease<R>, Error> {
         // Only a request the cached path cannot serve blocks: the thread is looked at then.
-        let (pool, class, during_capture, blocking) = match self.step(size, stream)? {
+        let step = match self.step(size, stream)? {
             Step::Ready(lease) => return Ok(lease),
-            Step::Miss {
-                pool,
-                class,
-                during_capture,
-            } => (pool, class, during_capture, may_block(call.0, call.1)?),
-            Step::NewStream {
-                stream,
-                keep,
-                class,
-                during_capture,
-            } => {
-                let blocking = may_block(call.0, call.1)?;
-                let rx = self.call_router(|reply| RouterMsg::StreamPool {
-                    stream,
-                    keep,
-                    reply,
-                })?;
-                let pool = blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?;
-                (pool, class, during_capture, blocking)
-            }
+            step => step,
         };
-        let block = blocking
-            .run(|| miss_blocking(&pool, class, size, wait))
-            .map_err(|e| pool.oom(e))?;
-        Ok(Lease::new(block, size, during_capture, self.inner.id))
+        let blocking = may_block(call.0, call.1)?;
+        blocking.run(|| run_here(self.serve(step, size, wait, Who::Thread)))
     }
 
     /// Allocates `size` bytes in the default pool. Under a memory cap, waits for room (up
@@ -598,17 +592,10 @@ impl<R: Runtime> Engine<R> {
     /// [`Engine::empty_cache`] for threads outside the tokio runtime
     /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
     pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
-        let blocking = may_block("empty_cache_blocking", "empty_cache().await")?;
-        let mut report = EmptyReport::default();
-        for rx in self.ask_default_pools_to_empty()? {
-            report.merge(&blocking.run(|| rx.recv()).map_err(|_| Error::Shutdown)?);
-        }
-        let released = self.call_router(|reply| RouterMsg::EmptyReleased { reply })?;
-        let released = blocking
-            .run(|| released.recv())
-            .map_err(|_| Error::Shutdown)?;
-        report.merge(&released);
-        Ok(report)
+        crate::blocking::call(
+            ("empty_cache_blocking", "empty_cache().await"),
+            self.empty_cache(),
+        )?
     }
 
     /// Asks the default pool and every stream pool to empty their caches; the replies come
