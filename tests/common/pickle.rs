@@ -2,8 +2,6 @@
 //! PyTorch's memory visualizer (`MemoryViz.js`) reads, so that a test fails on any opcode
 //! that reader would refuse. Written apart from the crate's writer, so that a test checks
 //! the bytes, not the writer against itself.
-#![allow(dead_code)]
-
 use std::fmt;
 
 /// A value read back.
