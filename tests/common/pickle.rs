@@ -7,13 +7,21 @@ use std::fmt;
 /// A value read back.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Py {
+    /// Python's `None`.
     None,
+    /// `True` or `False`.
     Bool(bool),
+    /// An int, of any width the opcodes carry.
     Int(i128),
+    /// A float.
     Float(f64),
+    /// A str (a pickled unicode string).
     Str(String),
+    /// A list.
     List(Vec<Py>),
+    /// A tuple.
     Tuple(Vec<Py>),
+    /// A dict, its items in the order they were set.
     Dict(Vec<(Py, Py)>),
 }
 
@@ -49,6 +57,7 @@ impl Py {
         }
     }
 
+    /// The value of an int; panics (the test fails) otherwise.
     pub fn int(&self) -> i128 {
         match self {
             Py::Int(i) => *i,
@@ -56,6 +65,7 @@ impl Py {
         }
     }
 
+    /// The text of a str; panics (the test fails) otherwise.
     pub fn str(&self) -> &str {
         match self {
             Py::Str(s) => s,
@@ -63,6 +73,7 @@ impl Py {
         }
     }
 
+    /// The value of a bool; panics (the test fails) otherwise.
     pub fn bool(&self) -> bool {
         match self {
             Py::Bool(b) => *b,
