@@ -220,20 +220,20 @@ async fn the_page_renders_in_headless_chromium_with_the_plot_visible() {
 mod png {
     use std::io::Read;
 
-    pub struct Image {
-        pub width: usize,
-        pub height: usize,
+    pub(super) struct Image {
+        pub(super) width: usize,
+        pub(super) height: usize,
         channels: usize,
         pixels: Vec<u8>,
     }
 
-    pub fn rgb(hex: &str) -> [u8; 3] {
+    pub(super) fn rgb(hex: &str) -> [u8; 3] {
         let v = u32::from_str_radix(hex.trim_start_matches('#'), 16).unwrap();
         [(v >> 16) as u8, (v >> 8) as u8, v as u8]
     }
 
     impl Image {
-        pub fn count_near(&self, c: [u8; 3], tolerance: i32) -> usize {
+        pub(super) fn count_near(&self, c: [u8; 3], tolerance: i32) -> usize {
             self.pixels
                 .chunks(self.channels)
                 .filter(|p| (0..3).all(|i| (p[i] as i32 - c[i] as i32).abs() <= tolerance))
@@ -241,7 +241,7 @@ mod png {
         }
     }
 
-    pub fn decode(bytes: &[u8]) -> Image {
+    pub(super) fn decode(bytes: &[u8]) -> Image {
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "a PNG file");
         let mut pos = 8;
         let (mut width, mut height, mut channels) = (0, 0, 0);
