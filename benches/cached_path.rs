@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
 use pinpool::{BestFit, PinnedAllocator, SizePolicy, TieredPowerOfTwo};
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -109,5 +109,12 @@ fn record(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, pair, threads, record);
+/// Every benchmark of this file, with the settings of the command line.
+fn benches() {
+    let mut c = Criterion::default().configure_from_args();
+    pair(&mut c);
+    threads(&mut c);
+    record(&mut c);
+}
+
 criterion_main!(benches);

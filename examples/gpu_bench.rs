@@ -528,8 +528,8 @@ mod gpu {
                 percentile(&mut lat, 0.99)
             );
         }
-        // SAFETY: the marker is no longer recorded anywhere; `dev` is idle after the sync.
         stream.synchronize()?;
+        // SAFETY: the marker is no longer recorded anywhere; `dev` is idle after the sync.
         unsafe {
             result::event::destroy(marker)?;
             result::free_sync(dev)?;

@@ -50,7 +50,7 @@ fn policy_names(device: bool) -> Vec<&'static str> {
 }
 
 /// The host policy called `name`.
-pub fn policy(name: &str) -> Option<Arc<dyn SizePolicy>> {
+pub(crate) fn policy(name: &str) -> Option<Arc<dyn SizePolicy>> {
     SizePolicyChoice::from_name(name).map(SizePolicyChoice::policy)
 }
 
@@ -62,7 +62,7 @@ fn device_config(name: &str) -> Option<DeviceConfig> {
 
 /// What went wrong.
 #[derive(Debug)]
-pub enum ReplayError {
+pub(crate) enum ReplayError {
     /// The command line.
     Usage(String),
     /// A trace could not be read (the message names the file and line).
@@ -93,17 +93,17 @@ impl std::error::Error for ReplayError {}
 
 /// What a command line asks for.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Args {
+pub(crate) struct Args {
     /// Replay through device memory (`--device`).
-    pub device: bool,
+    pub(crate) device: bool,
     /// Policy names to run, in order.
-    pub policies: Vec<String>,
+    pub(crate) policies: Vec<String>,
     /// Trace files.
-    pub files: Vec<PathBuf>,
+    pub(crate) files: Vec<PathBuf>,
 }
 
 /// Parses the arguments after the program name.
-pub fn parse_args(args: &[String]) -> Result<Args, ReplayError> {
+pub(crate) fn parse_args(args: &[String]) -> Result<Args, ReplayError> {
     let mut policies = Vec::new();
     let mut files = Vec::new();
     let mut device = false;
@@ -154,28 +154,28 @@ pub fn parse_args(args: &[String]) -> Result<Args, ReplayError> {
 
 /// The outcome of replaying one trace under one policy.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Report {
+pub(crate) struct Report {
     /// The file's name (without its directory).
-    pub file: String,
+    pub(crate) file: String,
     /// The policy's name.
-    pub policy: String,
+    pub(crate) policy: String,
     /// Allocation requests replayed.
-    pub requests: usize,
+    pub(crate) requests: usize,
     /// Peak live requested bytes.
-    pub peak_live: u64,
+    pub(crate) peak_live: u64,
     /// Peak reserved (pinned) bytes.
-    pub peak_reserved: u64,
+    pub(crate) peak_reserved: u64,
     /// Requests that needed fresh memory (host allocations made).
-    pub fresh: u64,
+    pub(crate) fresh: u64,
     /// Idle memory moved to where a request needed it instead (no memory taken).
-    pub moved: u64,
+    pub(crate) moved: u64,
     /// Wall time per request, allocation and free together, in nanoseconds.
-    pub ns_per_request: f64,
+    pub(crate) ns_per_request: f64,
 }
 
 impl Report {
     /// Peak reserved bytes over peak live requested bytes.
-    pub fn reserved_over_peak(&self) -> f64 {
+    pub(crate) fn reserved_over_peak(&self) -> f64 {
         if self.peak_live == 0 {
             return 1.0;
         }
@@ -183,7 +183,7 @@ impl Report {
     }
 
     /// The summary line.
-    pub fn line(&self) -> String {
+    pub(crate) fn line(&self) -> String {
         format!(
             "replay {} policy={} reserved_over_peak={:.3} fresh={} ns_per_request={:.0}",
             self.file,
@@ -197,7 +197,11 @@ impl Report {
 
 /// Replays `trace` (named `file` in the report) through a fresh device allocator on a
 /// simulated device, with the device policy `policy_name`.
-pub fn replay_device(trace: &Trace, file: &str, policy_name: &str) -> Result<Report, ReplayError> {
+pub(crate) fn replay_device(
+    trace: &Trace,
+    file: &str,
+    policy_name: &str,
+) -> Result<Report, ReplayError> {
     let config = device_config(policy_name)
         .ok_or_else(|| ReplayError::Usage(format!("unknown device policy {policy_name:?}")))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -248,7 +252,11 @@ pub fn replay_device(trace: &Trace, file: &str, policy_name: &str) -> Result<Rep
 }
 
 /// Replays `trace` (named `file` in the report) through a fresh allocator with `policy`.
-pub fn replay_trace(trace: &Trace, file: &str, policy_name: &str) -> Result<Report, ReplayError> {
+pub(crate) fn replay_trace(
+    trace: &Trace,
+    file: &str,
+    policy_name: &str,
+) -> Result<Report, ReplayError> {
     let policy = policy(policy_name)
         .ok_or_else(|| ReplayError::Usage(format!("unknown policy {policy_name:?}")))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -295,14 +303,14 @@ pub fn replay_trace(trace: &Trace, file: &str, policy_name: &str) -> Result<Repo
 }
 
 /// The name a report gives a path: its file name.
-pub fn file_name(path: &Path) -> String {
+pub(crate) fn file_name(path: &Path) -> String {
     path.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| path.display().to_string())
 }
 
 /// Runs a whole command line, printing details as it goes; returns every report.
-pub fn run(args: &[String], mut out: impl FnMut(&str)) -> Result<Vec<Report>, ReplayError> {
+pub(crate) fn run(args: &[String], mut out: impl FnMut(&str)) -> Result<Vec<Report>, ReplayError> {
     let args = parse_args(args)?;
     // Read every file first, so that a malformed one fails before any work is done.
     let traces = args

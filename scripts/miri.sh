@@ -26,8 +26,8 @@ miri() {
 }
 
 # The engine's paths end to end: ready slots across threads, parked blocks, typed views,
-# carved pieces, plan arena views (tests/unsafe_paths.rs).
-miri -p pinpool --test unsafe_paths
+# carved pieces, plan arena views (tests/robustness/unsafe_paths.rs).
+miri -p pinpool --test robustness -- unsafe_paths::
 # The simulated runtime's host ranges.
 miri -p pinpool --lib -- sim::memory:: sim::tests::
 if $quick; then

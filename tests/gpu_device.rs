@@ -16,8 +16,7 @@ use cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream};
 use pinpool::cuda::{cuda_available, stream_id, CudaRuntime};
 use pinpool::{DeviceAllocator, DeviceBuffer, Error, HistoryContext, OomReport, PoolId, Runtime};
 
-#[path = "common/pickle.rs"]
-mod pickle_reader;
+use pinpool_testkit::pickle as pickle_reader;
 
 #[path = "common/kernels.rs"]
 mod kernels;

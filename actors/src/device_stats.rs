@@ -20,9 +20,9 @@ use crate::counters::{AtomicStat, ShardStat, Stat};
 use crate::shard::CachePadded;
 
 /// Blocks up to this size are in PyTorch's small pool.
-pub const SMALL_BLOCK: usize = 1 << 20;
+pub(crate) const SMALL_BLOCK: usize = 1 << 20;
 /// Segments up to this size are small-pool segments.
-pub const SMALL_SEGMENT: usize = 2 << 20;
+pub(crate) const SMALL_SEGMENT: usize = 2 << 20;
 
 /// One statistic over PyTorch's pools: the aggregate, the small pool and the large pool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use cudarc::driver::{result, sys, CudaStream};
 /// Two kernels, written in PTX so that no compiler is needed at run time: `spin` runs for
 /// `ns` nanoseconds of the GPU's global timer; `copy_bytes` copies `n` bytes, one thread a
 /// byte.
-pub const KERNELS: &str = r#"
+pub(crate) const KERNELS: &str = r#"
 .version 7.0
 .target sm_70
 .address_size 64
@@ -58,13 +58,13 @@ DONE:
 "#;
 
 /// The two kernels, loaded into the stream's context.
-pub struct Kernels {
+pub(crate) struct Kernels {
     spin: sys::CUfunction,
     copy: sys::CUfunction,
 }
 
 impl Kernels {
-    pub fn load(stream: &Arc<CudaStream>) -> Self {
+    pub(crate) fn load(stream: &Arc<CudaStream>) -> Self {
         stream.context().bind_to_thread().unwrap();
         let ptx = CString::new(KERNELS).unwrap();
         // SAFETY: `ptx` is a NUL-terminated PTX text; the module stays loaded for the
@@ -80,7 +80,7 @@ impl Kernels {
     }
 
     /// Keeps `stream` busy for `ms` milliseconds of GPU time.
-    pub fn spin(&self, stream: &Arc<CudaStream>, ms: u64) {
+    pub(crate) fn spin(&self, stream: &Arc<CudaStream>, ms: u64) {
         let mut ns = ms * 1_000_000;
         let mut params = [&mut ns as *mut u64 as *mut c_void];
         stream.context().bind_to_thread().unwrap();
@@ -99,7 +99,7 @@ impl Kernels {
     }
 
     /// Copies `n` bytes from `src` to `dst` (device addresses) with a kernel on `stream`.
-    pub fn copy(&self, stream: &Arc<CudaStream>, mut dst: u64, mut src: u64, mut n: u64) {
+    pub(crate) fn copy(&self, stream: &Arc<CudaStream>, mut dst: u64, mut src: u64, mut n: u64) {
         let mut params = [
             &mut dst as *mut u64 as *mut c_void,
             &mut src as *mut u64 as *mut c_void,

@@ -2,20 +2,26 @@
 //! PyTorch's memory visualizer (`MemoryViz.js`) reads, so that a test fails on any opcode
 //! that reader would refuse. Written apart from the crate's writer, so that a test checks
 //! the bytes, not the writer against itself.
-#![allow(dead_code)]
-
 use std::fmt;
 
 /// A value read back.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Py {
+    /// Python's `None`.
     None,
+    /// `True` or `False`.
     Bool(bool),
+    /// An int, of any width the opcodes carry.
     Int(i128),
+    /// A float.
     Float(f64),
+    /// A str (a pickled unicode string).
     Str(String),
+    /// A list.
     List(Vec<Py>),
+    /// A tuple.
     Tuple(Vec<Py>),
+    /// A dict, its items in the order they were set.
     Dict(Vec<(Py, Py)>),
 }
 
@@ -51,6 +57,7 @@ impl Py {
         }
     }
 
+    /// The value of an int; panics (the test fails) otherwise.
     pub fn int(&self) -> i128 {
         match self {
             Py::Int(i) => *i,
@@ -58,6 +65,7 @@ impl Py {
         }
     }
 
+    /// The text of a str; panics (the test fails) otherwise.
     pub fn str(&self) -> &str {
         match self {
             Py::Str(s) => s,
@@ -65,6 +73,7 @@ impl Py {
         }
     }
 
+    /// The value of a bool; panics (the test fails) otherwise.
     pub fn bool(&self) -> bool {
         match self {
             Py::Bool(b) => *b,

@@ -20,7 +20,7 @@
 //! or held by blocks that will come back. Free or cached bytes are found by the head's
 //! next try (which empties the caches); a block that comes back wakes the head. The
 //! requests behind the head hold nothing, so a head can only be kept waiting by buffers
-//! held elsewhere. Checked by `tests/liveness.rs`.
+//! held elsewhere. Checked by `tests/limits/liveness.rs`.
 //!
 //! Cancel-safe: dropping the future at any await gives back every buffer taken so far,
 //! leaves the turn queues (tokio's semaphore forgets a dropped waiter), and unregisters it

@@ -1,0 +1,141 @@
+//! The expandable range of a stream's device pool on a memory source that unmaps only whole
+//! map calls (CUDA's `cuMemUnmap`, and the simulated device): a run of granules is mapped
+//! in a few units of a power of two granules rather than granule by granule, and memory
+//! no block touches moves whole into the places a new block needs
+//! (`MemorySource::remap_run`) before fresh memory is taken over the reserve cap or the
+//! memory limit, rather than going back to the driver and being mapped again. Whatever
+//! moved still goes back whole when the cache is emptied.
+
+use std::sync::Arc;
+
+use pinpool::sim::SimRuntime;
+use pinpool::{DeviceAllocator, DeviceBuilder};
+
+const MIB: usize = 1 << 20;
+
+fn device_pool(cap: Option<usize>) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let mut b = DeviceBuilder::new(Arc::new(sim.clone()));
+    if let Some(c) = cap {
+        b = b.max_bytes(c);
+    }
+    (b.build().expect("allocator builds inside a runtime"), sim)
+}
+
+fn map_calls(sim: &SimRuntime) -> u64 {
+    sim.device_calls(0).unwrap().0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_block_is_mapped_in_a_few_units_not_granule_by_granule() {
+    let (pool, sim) = device_pool(None);
+    let s = sim.stream();
+    let block = pool.alloc(96 * MIB, &s).await.unwrap();
+    // 48 granules of 2 MiB: units of at least an eighth of the run.
+    assert!(map_calls(&sim) <= 12, "{} map calls", map_calls(&sim));
+    assert_eq!(sim.device_used(0), Some(96 * MIB));
+    s.fill_device(block.device_ptr(), 96 * MIB, 7).unwrap();
+    s.synchronize().unwrap();
+    drop(block);
+    pool.empty_cache().await.unwrap();
+    assert_eq!(sim.device_used(0), Some(0), "every unit went back whole");
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_the_reserve_cap_idle_memory_moves_where_a_new_block_needs_it() {
+    let (pool, sim) = device_pool(None);
+    let s = sim.stream();
+    let a = pool.alloc(8 * MIB, &s).await.unwrap();
+    let b = pool.alloc(8 * MIB, &s).await.unwrap();
+    s.fill_device(a.device_ptr(), 8 * MIB, 1).unwrap();
+    drop(a);
+    let before = map_calls(&sim);
+    // 12 MiB fit in no free range: 6 granules past `b`, where the 4 idle granules `a`
+    // left move (the cap is the peak of live bytes, 20 MiB) and 2 are mapped fresh.
+    let c = pool.alloc(12 * MIB, &s).await.unwrap();
+    assert!(sim.device_remaps(0).unwrap() > 0, "idle memory moved");
+    assert!(
+        map_calls(&sim) - before <= 2,
+        "{} map calls for the new block",
+        map_calls(&sim) - before
+    );
+    assert_eq!(
+        sim.device_used(0),
+        Some(20 * MIB),
+        "nothing idle left mapped"
+    );
+    s.fill_device(c.device_ptr(), 12 * MIB, 2).unwrap();
+    s.synchronize().unwrap();
+    drop((b, c));
+    pool.empty_cache().await.unwrap();
+    assert_eq!(sim.device_used(0), Some(0), "moved memory went back whole");
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_a_memory_limit_idle_memory_moves_instead_of_going_back_and_coming_again() {
+    // The range is as large as the limit: 32 MiB.
+    let (pool, sim) = device_pool(Some(32 * MIB));
+    let s = sim.stream();
+    let a = pool.alloc(12 * MIB, &s).await.unwrap();
+    let b = pool.alloc(4 * MIB, &s).await.unwrap();
+    drop(a);
+    let before = map_calls(&sim);
+    let frees = sim.device_calls(0).unwrap().1;
+    // 7 granules past `b`: the 6 idle ones `a` left move there, 1 is mapped.
+    let c = pool.alloc(14 * MIB, &s).await.unwrap();
+    assert!(sim.device_remaps(0).unwrap() > 0, "idle memory moved");
+    assert_eq!(sim.device_calls(0).unwrap().1, frees, "nothing went back");
+    assert!(
+        map_calls(&sim) - before <= 2,
+        "only what did not move was mapped"
+    );
+    assert_eq!(pool.reserved_bytes(0).unwrap(), 18 * MIB);
+    s.fill_device(c.device_ptr(), 14 * MIB, 3).unwrap();
+    s.synchronize().unwrap();
+    drop((b, c));
+    pool.empty_cache().await.unwrap();
+    assert_eq!(sim.device_used(0), Some(0));
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_loop_of_mixed_large_blocks_makes_few_map_calls_within_its_peak() {
+    let (pool, sim) = device_pool(None);
+    let s = sim.stream();
+    let sizes = [
+        24 * MIB,
+        40 * MIB,
+        6 * MIB,
+        18 * MIB,
+        64 * MIB,
+        10 * MIB,
+        33 * MIB,
+    ];
+    let mut held = std::collections::VecDeque::new();
+    let (mut live, mut peak) = (0usize, 0usize);
+    for step in 0..140 {
+        let size = sizes[(step * 5) % sizes.len()];
+        let b = pool.alloc(size, &s).await.unwrap();
+        s.fill_device(b.device_ptr(), 4096, step as u8).unwrap();
+        live += size;
+        peak = peak.max(live);
+        held.push_back(b);
+        if held.len() > 3 {
+            let old = held.pop_front().unwrap();
+            live -= old.len();
+            drop(old);
+        }
+    }
+    s.synchronize().unwrap();
+    let reserved = pool.stats(0).unwrap().reserved_bytes.all.peak as usize;
+    // Granule by granule, each new place of a block was as many map calls as it had
+    // granules (hundreds here).
+    assert!(map_calls(&sim) <= 80, "{} map calls", map_calls(&sim));
+    assert!(
+        reserved as f64 <= peak as f64 * 1.10,
+        "reserved {reserved} for a peak of {peak}"
+    );
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}

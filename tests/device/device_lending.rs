@@ -1,0 +1,147 @@
+//! Under a cap, stream pools lend each other memory (`DeviceBuilder::lend_between_streams`):
+//! a request that finds no room takes a block another stream's pool holds instead of
+//! emptying every cache, with no driver call and no waiting on the host. The requesting
+//! stream is ordered after the lender's queued work by an event, so work on the block on the
+//! new stream never runs before the old stream's work on it; and the block goes back to its
+//! own pool only after the borrower's work on it has run.
+
+use std::sync::Arc;
+
+use pinpool::sim::SimRuntime;
+use pinpool::{DeviceAllocator, DeviceBuilder, Error, Runtime};
+use pinpool_testkit::all_bytes_are;
+
+const MIB: usize = 1 << 20;
+/// The cap: room for one 12 MiB block, not for two (and an expandable range: at least 8
+/// granules of 2 MiB).
+const CAP: usize = 16 * MIB;
+const BLOCK: usize = 12 * MIB;
+
+fn lending_pool(lend: bool) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .max_bytes(CAP)
+        .lend_between_streams(lend)
+        .build()
+        .expect("allocator builds inside a runtime");
+    (pool, sim)
+}
+
+#[test]
+fn a_stream_made_to_wait_for_another_streams_event_runs_its_later_work_after_that_event() {
+    let sim = SimRuntime::new();
+    let (a, b) = (sim.stream(), sim.stream());
+    let mem = sim.host_alloc(4096).unwrap();
+    let hold = a.hold();
+    a.write_host(mem.ptr.as_ptr(), 4096, 1).unwrap();
+    let event = sim.record_event(&a).unwrap();
+    sim.stream_wait_event(&b, &event).unwrap();
+    sim.release_event(event);
+    b.write_host(mem.ptr.as_ptr(), 4096, 2).unwrap();
+    // B's write waits for A's, which waits for the hold.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert!(!b.is_idle(), "B waits for A's event");
+    drop(hold);
+    b.synchronize().unwrap();
+    a.synchronize().unwrap();
+    let read = sim.host_read(mem.ptr.as_ptr(), 4096).unwrap();
+    assert!(all_bytes_are(&read, 2), "B's write came last");
+    assert_eq!(sim.stream_waits(), 1);
+    assert_eq!(sim.violations(), 0);
+    sim.host_free(mem).unwrap();
+}
+
+#[test]
+fn waiting_for_an_event_recorded_during_capture_is_refused() {
+    let sim = SimRuntime::new();
+    let (a, b) = (sim.stream(), sim.stream());
+    a.begin_capture().unwrap();
+    let event = sim.record_event(&a).unwrap();
+    assert!(sim.stream_wait_event(&b, &event).is_err());
+    sim.release_event(event);
+    a.end_capture().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_lent_between_streams_runs_the_borrowers_work_after_the_lenders() {
+    let (pool, sim) = lending_pool(true);
+    let (a, b) = (sim.stream(), sim.stream());
+    let host = sim.host_alloc(BLOCK).unwrap();
+
+    // A writes its block, but its stream is held: the write is still queued when A frees it.
+    let x = pool.alloc(BLOCK, &a).await.unwrap();
+    let addr = x.device_ptr();
+    let hold = a.hold();
+    a.fill_device(addr, BLOCK, 1).unwrap();
+    drop(x);
+    let maps = sim.device_calls(0).unwrap().0;
+
+    // B finds no room under the cap: it borrows A's block, without the driver.
+    let y = pool.try_alloc(BLOCK, &b).await.unwrap();
+    assert_eq!(y.device_ptr(), addr, "A's block, lent to B");
+    assert_eq!(sim.device_calls(0).unwrap().0, maps, "no map call");
+    b.fill_device(y.device_ptr(), BLOCK, 2).unwrap();
+    b.copy_dtoh(y.device_ptr(), host.ptr.as_ptr(), BLOCK)
+        .unwrap();
+
+    drop(hold);
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    let read = sim.host_read(host.ptr.as_ptr(), BLOCK).unwrap();
+    assert!(all_bytes_are(&read, 2), "B read its own bytes");
+    // A's queued write ran before B's: what is left in the block is B's.
+    b.copy_dtoh(y.device_ptr(), host.ptr.as_ptr(), BLOCK)
+        .unwrap();
+    b.synchronize().unwrap();
+    let read = sim.host_read(host.ptr.as_ptr(), BLOCK).unwrap();
+    assert!(all_bytes_are(&read, 2), "A's write did not land after B's");
+    assert_eq!(sim.stream_waits(), 1, "B waited for A's event");
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+    drop(y);
+    sim.host_free(host).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lent_block_goes_back_to_its_own_pool_only_after_the_borrowers_work_has_run() {
+    let (pool, sim) = lending_pool(true);
+    let (a, b) = (sim.stream(), sim.stream());
+    let x = pool.alloc(BLOCK, &a).await.unwrap();
+    let addr = x.device_ptr();
+    drop(x);
+    let y = pool.try_alloc(BLOCK, &b).await.unwrap();
+    assert_eq!(y.device_ptr(), addr);
+
+    // B's work on the block is still queued when B frees it.
+    let hold = b.hold();
+    b.fill_device(addr, BLOCK, 3).unwrap();
+    drop(y);
+    let err = pool.try_alloc(BLOCK, &a).await.unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
+
+    drop(hold);
+    b.synchronize().unwrap();
+    let z = loop {
+        match pool.try_alloc(BLOCK, &a).await {
+            Ok(z) => break z,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(1)).await,
+        }
+    };
+    assert_eq!(z.device_ptr(), addr, "back in A's pool, for A");
+    a.fill_device(z.device_ptr(), BLOCK, 4).unwrap();
+    a.synchronize().unwrap();
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_lending_a_request_over_the_cap_takes_memory_from_the_driver_again() {
+    let (pool, sim) = lending_pool(false);
+    let (a, b) = (sim.stream(), sim.stream());
+    let x = pool.alloc(BLOCK, &a).await.unwrap();
+    let addr = x.device_ptr();
+    drop(x);
+    let maps = sim.device_calls(0).unwrap().0;
+    let y = pool.try_alloc(BLOCK, &b).await.unwrap();
+    assert_ne!(y.device_ptr(), addr, "B's own memory");
+    assert!(sim.device_calls(0).unwrap().0 > maps, "mapped again");
+    assert_eq!(sim.stream_waits(), 0);
+}

@@ -1,0 +1,366 @@
+//! The blocking API where blocking would deadlock: on a thread that runs a current-thread
+//! runtime's tasks, every `*_blocking` call is `Error::WouldDeadlock` at once, naming the
+//! async call to use, and changes nothing; on a multi-thread runtime's worker it works (it
+//! blocks inside `block_in_place`); outside any runtime it blocks as before.
+//!
+//! Each scenario runs on a thread of its own behind a watchdog, so that a regression fails
+//! the test instead of hanging the suite.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use pinpool::plan::{PlanSessionError, Planner};
+use pinpool::sim::SimRuntime;
+use pinpool::{DeviceAllocator, DeviceBuilder, Error, HistoryContext, TraceAction};
+use pinpool_testkit::{current_thread, multi_thread, sim_pool};
+
+/// Runs `scenario` on a thread of its own; fails the test if it has not finished within
+/// `limit` (it hung), and re-raises its panic if it panicked.
+fn within<T: Send + 'static>(limit: Duration, scenario: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        let out = scenario();
+        let _ = tx.send(());
+        out
+    });
+    match rx.recv_timeout(limit) {
+        Ok(()) => thread.join().expect("the scenario panicked"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => match thread.join() {
+            Ok(out) => out,
+            Err(panic) => std::panic::resume_unwind(panic),
+        },
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!(
+                "the scenario hung for {limit:?}: a blocking call waited on actors that cannot run"
+            )
+        }
+    }
+}
+
+fn assert_would_deadlock<T>(result: Result<T, Error>, call: &str, use_instead: &str) {
+    match result {
+        Err(Error::WouldDeadlock {
+            call: c,
+            use_instead: u,
+        }) => {
+            assert_eq!(c, call);
+            assert_eq!(u, use_instead);
+        }
+        Err(other) => panic!("{call}: expected WouldDeadlock, got {other}"),
+        Ok(_) => panic!("{call}: expected WouldDeadlock, got a value"),
+    }
+}
+
+fn assert_plan_would_deadlock<T>(result: Result<T, PlanSessionError>, call: &str) {
+    match result {
+        Err(PlanSessionError::Alloc(Error::WouldDeadlock { call: c, .. })) => assert_eq!(c, call),
+        Err(other) => panic!("{call}: expected WouldDeadlock, got {other}"),
+        Ok(_) => panic!("{call}: expected WouldDeadlock, got a value"),
+    }
+}
+
+fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
+    (pool, sim)
+}
+
+#[test]
+fn alloc_blocking_after_a_cached_allocation_on_a_current_thread_runtime_is_a_typed_error_not_a_hang(
+) {
+    within(Duration::from_secs(20), || {
+        current_thread().block_on(async {
+            let (pool, sim) = sim_pool();
+            let first = pool.alloc(4096).await.unwrap();
+            drop(first);
+            assert_eq!(pool.alloc(4096).await.unwrap().len(), 4096, "cached");
+            let allocs = sim.total_host_allocs();
+            assert_would_deadlock(
+                pool.alloc_blocking(1 << 20),
+                "alloc_blocking",
+                "alloc(..).await",
+            );
+            assert_eq!(sim.total_host_allocs(), allocs, "nothing was asked for");
+            // A request the cached path serves never blocks: it is served (the check costs
+            // the cached path nothing).
+            assert_eq!(pool.alloc_blocking(4096).unwrap().len(), 4096);
+            // The allocator is untouched and the async call works.
+            assert_eq!(pool.alloc(1 << 20).await.unwrap().len(), 1 << 20);
+        })
+    });
+}
+
+#[test]
+fn every_blocking_call_of_the_pinned_allocator_is_refused_on_a_current_thread_runtime() {
+    within(Duration::from_secs(20), || {
+        current_thread().block_on(async {
+            let (pool, sim) = sim_pool();
+            let s = sim.stream();
+            assert_would_deadlock(
+                pool.alloc_blocking_on(64, &s),
+                "alloc_blocking_on",
+                "alloc_on(..).await",
+            );
+            assert_would_deadlock(
+                pool.alloc_blocking_timeout(64, Duration::from_secs(1)),
+                "alloc_blocking_timeout",
+                "alloc_timeout(..).await",
+            );
+            assert_would_deadlock(
+                pool.empty_cache_blocking(),
+                "empty_cache_blocking",
+                "empty_cache().await",
+            );
+            assert_would_deadlock(
+                pool.history_blocking(),
+                "history_blocking",
+                "history().await",
+            );
+            let id = pool.new_pool_id();
+            assert_would_deadlock(
+                pool.begin_allocate_to_pool_blocking(id, |_| true),
+                "begin_allocate_to_pool_blocking",
+                "begin_allocate_to_pool(..).await",
+            );
+            assert_would_deadlock(
+                pool.end_allocate_to_pool_blocking(id),
+                "end_allocate_to_pool_blocking",
+                "end_allocate_to_pool(..).await",
+            );
+            assert_would_deadlock(
+                pool.release_pool_blocking(id),
+                "release_pool_blocking",
+                "release_pool(..).await",
+            );
+            // Nothing happened: no memory, and no capture began (the async calls see the
+            // pool as never begun).
+            assert_eq!(sim.total_host_allocs(), 0);
+            assert_eq!(pool.release_pool(id).await, Err(Error::UnknownPool(id)));
+        })
+    });
+}
+
+#[test]
+fn every_blocking_call_of_the_device_allocator_is_refused_on_a_current_thread_runtime() {
+    within(Duration::from_secs(20), || {
+        current_thread().block_on(async {
+            let (pool, sim) = device_pool();
+            let s = sim.stream();
+            assert_would_deadlock(
+                pool.alloc_blocking(64, &s),
+                "alloc_blocking",
+                "alloc(..).await",
+            );
+            assert_would_deadlock(
+                pool.try_alloc_blocking(64, &s),
+                "try_alloc_blocking",
+                "try_alloc(..).await",
+            );
+            assert_would_deadlock(
+                pool.alloc_blocking_timeout(64, &s, Duration::from_secs(1)),
+                "alloc_blocking_timeout",
+                "alloc_timeout(..).await",
+            );
+            assert_would_deadlock(
+                pool.raw_alloc_with_stream(64, &s),
+                "raw_alloc_with_stream",
+                "alloc(..).await",
+            );
+            assert_would_deadlock(
+                pool.empty_cache_blocking(),
+                "empty_cache_blocking",
+                "empty_cache().await",
+            );
+            assert_would_deadlock(
+                pool.history_blocking(0),
+                "history_blocking",
+                "history().await",
+            );
+            assert_eq!(pool.stats(0).unwrap().num_device_alloc, 0);
+            assert_eq!(sim.device_used(0), Some(0));
+        })
+    });
+}
+
+#[test]
+fn the_plan_sessions_blocking_calls_are_refused_on_a_current_thread_runtime() {
+    within(Duration::from_secs(20), || {
+        current_thread().block_on(async {
+            let (pool, _sim) = sim_pool();
+            let rec = pool.record_plan().unwrap();
+            assert_plan_would_deadlock(rec.alloc_blocking(100), "alloc_blocking");
+            let a = rec.alloc(100).await.unwrap();
+            drop(a);
+            let plan = rec.finish().plan_with(Planner::Greedy).unwrap();
+            let validator = pool.validate_plan(&plan).unwrap();
+            assert_plan_would_deadlock(validator.alloc_blocking(100), "alloc_blocking");
+            drop(validator);
+            assert_plan_would_deadlock(pool.serve_plan_blocking(&plan), "serve_plan_blocking");
+            let mut session = pool.serve_plan(&plan).await.unwrap();
+            assert_plan_would_deadlock(session.alloc_blocking(100), "ArenaSession::alloc_blocking");
+            assert_plan_would_deadlock(session.reset_blocking(), "ArenaSession::reset_blocking");
+            // The session goes on as if the refused calls had not been made.
+            let b = session.alloc(100).await.unwrap();
+            assert!(b.is_served());
+            drop(b);
+            session.reset().await.unwrap();
+        })
+    });
+}
+
+#[test]
+fn a_task_spawned_on_a_current_thread_runtime_is_refused_too() {
+    within(Duration::from_secs(20), || {
+        current_thread().block_on(async {
+            let (pool, _sim) = sim_pool();
+            let p = pool.clone();
+            let result = tokio::spawn(async move { p.alloc_blocking(1 << 20).map(|b| b.len()) })
+                .await
+                .unwrap();
+            assert_would_deadlock(result, "alloc_blocking", "alloc(..).await");
+        })
+    });
+}
+
+#[test]
+fn a_spawn_blocking_thread_of_a_current_thread_runtime_is_refused_and_can_block_on_the_async_call()
+{
+    // tokio cannot tell this thread from the one that runs the runtime's tasks, so the rule
+    // refuses it too; `Handle::block_on` of the async call is the way from here.
+    within(Duration::from_secs(20), || {
+        current_thread().block_on(async {
+            let (pool, _sim) = sim_pool();
+            let p = pool.clone();
+            let (refused, len) = tokio::task::spawn_blocking(move || {
+                let refused = p.alloc_blocking(1 << 20).map(|b| b.len());
+                let handle = tokio::runtime::Handle::current();
+                let len = handle.block_on(p.alloc(1 << 20)).map(|b| b.len());
+                (refused, len)
+            })
+            .await
+            .unwrap();
+            assert_would_deadlock(refused, "alloc_blocking", "alloc(..).await");
+            assert_eq!(len.unwrap(), 1 << 20);
+        })
+    });
+}
+
+#[test]
+fn a_plain_thread_may_block_while_a_current_thread_runtime_runs_the_actors() {
+    within(Duration::from_secs(20), || {
+        current_thread().block_on(async {
+            let (pool, sim) = sim_pool();
+            let p = pool.clone();
+            let thread = std::thread::spawn(move || {
+                let b = p.alloc_blocking(1 << 20)?;
+                p.empty_cache_blocking()?;
+                p.history_blocking()?;
+                Ok::<_, Error>(b.len())
+            });
+            let len = tokio::task::spawn_blocking(move || thread.join().unwrap())
+                .await
+                .unwrap();
+            assert_eq!(len.unwrap(), 1 << 20);
+            assert_eq!(sim.total_host_allocs(), 1);
+        })
+    });
+}
+
+#[test]
+fn a_callback_on_a_current_thread_runtime_may_call_the_blocking_api() {
+    within(Duration::from_secs(20), || {
+        current_thread().block_on(async {
+            let (pool, _sim) = sim_pool();
+            let done = Arc::new(AtomicUsize::new(0));
+            let (p, d) = (pool.clone(), done.clone());
+            pool.attach_trace_tracker(move |e| {
+                if e.action == TraceAction::Alloc && d.load(Ordering::Relaxed) == 0 {
+                    let b = p.alloc_blocking(1 << 20).expect("alloc from a callback");
+                    drop(b);
+                    p.history_blocking().expect("history from a callback");
+                    d.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            pool.record_history(true, 1000, HistoryContext::None)
+                .unwrap();
+            drop(pool.alloc(4096).await.unwrap());
+            pinpool_testkit::eventually("the callback finished", || {
+                done.load(Ordering::Relaxed) > 0
+            })
+            .await;
+        })
+    });
+}
+
+#[test]
+fn on_a_multi_thread_runtime_every_blocking_call_works_from_a_worker_even_with_one_worker() {
+    // With one worker, a blocking call on it that did not hand the worker's tasks over
+    // would starve the actors, which run on that same worker.
+    within(Duration::from_secs(30), || {
+        let rt = multi_thread(1);
+        rt.block_on(async {
+            let (pool, sim) = sim_pool();
+            let p = pool.clone();
+            let s = sim.stream();
+            tokio::spawn(async move {
+                let id = p.new_pool_id();
+                for size in [4096, 1 << 20, 3 << 20] {
+                    let b = p.alloc_blocking(size).unwrap();
+                    assert_eq!(b.len(), size);
+                }
+                drop(p.alloc_blocking_on(1 << 16, &s).unwrap());
+                drop(
+                    p.alloc_blocking_timeout(5 << 20, Duration::from_secs(5))
+                        .unwrap(),
+                );
+                p.begin_allocate_to_pool_blocking(id, |_| true).unwrap();
+                drop(p.alloc_blocking_on(1 << 16, &s).unwrap());
+                p.end_allocate_to_pool_blocking(id).unwrap();
+                p.release_pool_blocking(id).unwrap();
+                p.empty_cache_blocking().unwrap();
+                p.record_history(true, 100, HistoryContext::None).unwrap();
+                drop(p.alloc_blocking(64).unwrap());
+                assert!(!p.history_blocking().unwrap().entries.is_empty());
+
+                let (_, recording) = p
+                    .record_plan_with_blocking(|rec| drop(rec.alloc_blocking(100).unwrap()))
+                    .unwrap();
+                let plan = recording.plan_with(Planner::Greedy).unwrap();
+                let mut session = p.serve_plan_blocking(&plan).unwrap();
+                assert!(session.alloc_blocking(100).unwrap().is_served());
+                session.reset_blocking().unwrap();
+            })
+            .await
+            .unwrap();
+            drop(pool);
+            pinpool_testkit::eventually("all memory given back", || sim.live_bytes() == 0).await;
+        });
+    });
+}
+
+#[test]
+fn on_a_multi_thread_runtime_the_device_allocators_blocking_calls_work_from_a_worker() {
+    within(Duration::from_secs(30), || {
+        let rt = multi_thread(1);
+        rt.block_on(async {
+            let (pool, sim) = device_pool();
+            let p = pool.clone();
+            tokio::spawn(async move {
+                let s = sim.stream();
+                drop(p.alloc_blocking(1 << 20, &s).unwrap());
+                drop(p.try_alloc_blocking(3 << 20, &s).unwrap());
+                drop(
+                    p.alloc_blocking_timeout(5 << 20, &s, Duration::from_secs(5))
+                        .unwrap(),
+                );
+                let ptr = p.raw_alloc_with_stream(1 << 16, &s).unwrap();
+                p.raw_delete(ptr).unwrap();
+                p.empty_cache_blocking().unwrap();
+                p.history_blocking(0).unwrap();
+            })
+            .await
+            .unwrap();
+        });
+    });
+}
