@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Barrier};
 
 use pinpool::sim::{SimRuntime, SimStream};
-use pinpool::{DeviceAllocator, Error, PoolId};
+use pinpool::{BlockStatus, DeviceAllocator, Error, PoolId};
 use pinpool_torch::abi;
 use pinpool_torch::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
 use pinpool_torch::pool_id;
@@ -243,10 +243,24 @@ fn allocations_land_on_the_device_asked_for() {
 #[test]
 fn the_legacy_default_stream_has_one_pool_under_both_its_names() {
     let s = setup();
-    let p = s.plugin.alloc(MIB, 0, LEGACY_STREAM).unwrap();
-    s.plugin.free(p, 0, LEGACY_STREAM).unwrap();
-    // `cudaStreamLegacy` (1) is the same stream as the null handle.
-    assert_eq!(s.plugin.alloc(MIB, 0, 1).unwrap(), p);
+    // `cudaStreamLegacy` (1) is the same stream as the null handle: both buffers come from
+    // the one pool of that stream.
+    let a = s.plugin.alloc(MIB, 0, LEGACY_STREAM).unwrap();
+    let b = s.plugin.alloc(MIB, 0, 1).unwrap();
+    let snap = s._rt.block_on(s.plugin.allocator().snapshot()).unwrap();
+    let streams: std::collections::BTreeSet<_> = snap
+        .segments
+        .iter()
+        .filter(|seg| seg.blocks.iter().any(|b| b.state == BlockStatus::InUse))
+        .map(|seg| seg.stream)
+        .collect();
+    assert_eq!(streams.len(), 1, "{streams:?}");
+    assert_eq!(
+        streams.first(),
+        Some(&Some(s.stream(0, LEGACY_STREAM).id().0))
+    );
+    s.plugin.free(a, 0, LEGACY_STREAM).unwrap();
+    s.plugin.free(b, 0, 1).unwrap();
 }
 
 #[test]
