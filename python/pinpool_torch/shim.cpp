@@ -53,13 +53,15 @@ static std::string last_error() {
 extern "C" void* pinpool_shim_alloc(size_t size, int device, cudaStream_t stream) {
   void* p = alloc_impl(size, device, stream);
   if (p == nullptr && size != 0) {
-    std::string why = last_error();
+    // The message is put together without iostreams: c10's message builder (an
+    // std::ostringstream compiled into this library) crashed in PyTorch's process.
+    std::string msg = "CUDA out of memory: tried to allocate " + std::to_string(size) +
+                      " bytes on device " + std::to_string(device) + " (" + last_error() + ")";
 #ifdef PINPOOL_WITH_C10
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory: tried to allocate ", size,
-                     " bytes on device ", device, " (", why, ")");
+    throw c10::OutOfMemoryError(
+        c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
 #else
-    throw std::runtime_error("CUDA out of memory: tried to allocate " + std::to_string(size) +
-                             " bytes on device " + std::to_string(device) + " (" + why + ")");
+    throw std::runtime_error(msg);
 #endif
   }
   return p;
