@@ -52,9 +52,9 @@ pub(crate) trait Member: Send + Sync {
     fn set_pressure(&self, on: bool);
     /// Asks the pool to look at its queued requests again (room was made somewhere).
     fn nudge(&self);
-    /// Asks the pool to empty its cache; the reply comes on the receiver (`None`: the pool
-    /// has stopped).
-    fn ask_to_empty(&self) -> Option<flume::Receiver<EmptyReport>>;
+    /// Asks the pool to give back up to `upto` bytes of its cache (`usize::MAX`: all of
+    /// it); the reply comes on the receiver (`None`: the pool has stopped).
+    fn ask_to_empty(&self, upto: usize) -> Option<flume::Receiver<EmptyReport>>;
     /// The pool itself, for a pool of the same allocator that knows its concrete type (a
     /// stream's pool borrowing memory from another's).
     fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
@@ -303,7 +303,7 @@ mod loom_models {
             self.0.store(on, Ordering::SeqCst);
         }
         fn nudge(&self) {}
-        fn ask_to_empty(&self) -> Option<flume::Receiver<EmptyReport>> {
+        fn ask_to_empty(&self, _upto: usize) -> Option<flume::Receiver<EmptyReport>> {
             None
         }
         fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {

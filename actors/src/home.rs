@@ -356,11 +356,12 @@ impl<R: Runtime, B: Send + 'static> Member for Home<R, B> {
         Home::nudge(self);
     }
 
-    fn ask_to_empty(&self) -> Option<Receiver<EmptyReport>> {
+    fn ask_to_empty(&self, upto: usize) -> Option<Receiver<EmptyReport>> {
         let (tx, rx) = flume::bounded(1);
         let msg = PoolMsg::EmptyCache {
             include_kept: false,
             forget: false,
+            upto,
             reply: tx,
         };
         self.mailbox.send(msg).is_ok().then_some(rx)

@@ -130,6 +130,9 @@ pub(crate) enum PoolMsg<B> {
         /// learned from requests, and goes on as a fresh pool would. Not when another pool
         /// needs room (the requests go on as before).
         forget: bool,
+        /// Bytes to give back: `usize::MAX` for everything cached; less when another pool
+        /// needs that much room (least recently used memory first).
+        upto: usize,
         reply: Reply<EmptyReport>,
     },
     /// Count what the pool holds (for checking invariant 2 at quiescent points).

@@ -112,15 +112,23 @@ fn timed_out<R: Runtime>(pool: &Pool<R>, requested: usize, timeout: Duration) ->
     Error::Timeout { requested, timeout }
 }
 
-/// Counts an empty-and-retry, and asks every pool of the allocator to empty its cache;
-/// returns the replies to wait for.
-fn ask_all_to_empty<R: Runtime>(pool: &Pool<R>) -> Vec<flume::Receiver<EmptyReport>> {
-    pool.stats.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
+/// Asks every pool of the allocator to give back up to `upto` bytes of its cache
+/// (`usize::MAX`: all of it); returns the replies to wait for.
+fn ask_all_to_empty<R: Runtime>(pool: &Pool<R>, upto: usize) -> Vec<flume::Receiver<EmptyReport>> {
     pool.budget
         .pools()
         .iter()
-        .filter_map(|p| p.ask_to_empty())
+        .filter_map(|p| p.ask_to_empty(upto))
         .collect()
+}
+
+/// The room a block of `class` lacks under the cap now: the bytes reserved past the cap
+/// once it is taken (`None` without a cap, or when the cap is not what is in the way: the
+/// memory source refused, and every cache must go).
+fn shortfall<R: Runtime>(pool: &Pool<R>, class: SizeClass) -> Option<usize> {
+    let limit = pool.budget.limit()?;
+    let over = (pool.budget.reserved() + class.size).checked_sub(limit)?;
+    (over > 0).then_some(over)
 }
 
 /// Who waits for a miss: a task, which awaits, or a thread, which blocks (and may lend itself
@@ -218,9 +226,10 @@ impl Waiter for Thread {
     }
 }
 
-/// Empties every pool's cache and waits for them all.
-async fn make_room<R: Runtime, W: Waiter>(pool: &Pool<R>, waiter: &W) {
-    for rx in ask_all_to_empty(pool) {
+/// Asks every pool to give back up to `upto` bytes of its cache (`usize::MAX`: all of it)
+/// and waits for them all.
+async fn make_room<R: Runtime, W: Waiter>(pool: &Pool<R>, upto: usize, waiter: &W) {
+    for rx in ask_all_to_empty(pool, upto) {
         let _ = waiter.recv(&rx).await;
     }
 }
@@ -363,6 +372,10 @@ async fn miss_with<R: Runtime, W: Waiter>(
         quiet: plan.quiet,
     };
     let mut callbacks_ran = false;
+    // Room is made in two steps: first only what the cap lacks, from every pool's least
+    // recently used memory (what the others cache stays, rather than be given back and
+    // taken again), then, if that was not enough, every cache.
+    let mut partly = false;
     loop {
         let rx = send_miss(pool, class, ask).map_err(Missed::Failed)?;
         let mut pending = Pending { pool, armed: true };
@@ -393,8 +406,20 @@ async fn miss_with<R: Runtime, W: Waiter>(
                 if let Some(block) = borrow(pool, class, waiter).await {
                     return Ok(block);
                 }
-                make_room(pool, waiter).await;
-                ask.emptied = true;
+                if !partly {
+                    // One empty-and-retry per request, in one step or two.
+                    pool.stats.num_alloc_retries.fetch_add(1, Ordering::Relaxed);
+                }
+                match shortfall(pool, class).filter(|_| !partly) {
+                    Some(over) => {
+                        partly = true;
+                        make_room(pool, over, waiter).await;
+                    }
+                    None => {
+                        make_room(pool, usize::MAX, waiter).await;
+                        ask.emptied = true;
+                    }
+                }
             }
             Err(Refused::NeedRoom) => return Err(Missed::NoRoom),
         }

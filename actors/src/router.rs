@@ -309,6 +309,7 @@ impl<R: Runtime> Router<R> {
                 .send(PoolMsg::EmptyCache {
                     include_kept: true,
                     forget: true,
+                    upto: usize::MAX,
                     reply: tx,
                 })
                 .is_err()

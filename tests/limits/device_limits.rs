@@ -209,3 +209,32 @@ async fn a_request_larger_than_the_cap_is_refused_at_once_as_one_that_can_never_
     .await;
     assert!(pool.try_alloc(4 * MIB, &s).await.is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn room_made_under_the_cap_is_what_the_cap_lacks_and_the_rest_stays_cached() {
+    let (pool, sim) = capped_device_pool(16 * MIB);
+    let (a, b) = (sim.stream(), sim.stream());
+    // Stream a's pool caches 12 MiB in six blocks.
+    let blocks: Vec<_> = {
+        let mut v = Vec::new();
+        for _ in 0..6 {
+            v.push(pool.alloc(2 * MIB, &a).await.unwrap());
+        }
+        v
+    };
+    drop(blocks);
+    assert_eq!(pool.reserved_bytes(0).unwrap(), 12 * MIB);
+    let before = pool.stats(0).unwrap();
+    // Stream b needs 8 MiB: 4 MiB over the cap, so stream a gives back 4 MiB, not 12.
+    let big = pool.alloc(8 * MIB, &b).await.unwrap();
+    let after = pool.stats(0).unwrap();
+    assert_eq!(pool.reserved_bytes(0).unwrap(), 16 * MIB);
+    assert_eq!(after.num_alloc_retries - before.num_alloc_retries, 1);
+    // What stream a still caches serves it again without fresh memory.
+    let again = pool.alloc(2 * MIB, &a).await.unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().num_device_alloc,
+        after.num_device_alloc
+    );
+    drop((big, again));
+}

@@ -607,6 +607,7 @@ impl<R: Runtime> Engine<R> {
             let msg = PoolMsg::EmptyCache {
                 include_kept: false,
                 forget: true,
+                upto: usize::MAX,
                 reply: tx,
             };
             if pool.mailbox.send(msg).is_ok() {

@@ -89,7 +89,7 @@ impl<R: Runtime> PoolActor<R> {
         (n + sn, bytes + sbytes)
     }
 
-    async fn free_whole_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
+    pub(super) async fn free_whole_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
         if blocks.is_empty() {
             return (0, 0);
         }
@@ -159,6 +159,59 @@ impl<R: Runtime> PoolActor<R> {
             freed_bytes = bytes,
             reserved_after,
             "cache emptied"
+        );
+        EmptyReport {
+            freed_blocks: n,
+            freed_bytes: bytes,
+            reserved_after,
+        }
+    }
+
+    /// Gives back up to `upto` bytes of what the pool caches, for another pool that needs
+    /// that much room under the cap, and keeps the rest cached (what would only be mapped
+    /// again): the ready blocks are taken back (coalesced where the layout carves), then idle
+    /// memory of the expandable range goes, least recently used first, then wholly free
+    /// segments, then cached blocks of layouts that do not carve. Whole map calls, segments
+    /// and blocks go, so a little more than `upto` may.
+    pub(super) async fn give_back_some(&mut self, upto: usize) -> EmptyReport {
+        if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
+            self.flush_events().await;
+        }
+        let blocks = self.shared.ready.drain();
+        let mut rest = self.absorb_all(blocks);
+        let (mut n, mut bytes) = self.unmap_idle(upto).await;
+        if bytes < upto {
+            let (sn, sbytes) = self.give_back_free_segments_upto(upto - bytes).await;
+            n += sn;
+            bytes += sbytes;
+        }
+        if bytes < upto && !rest.is_empty() {
+            // Largest first: the fewest blocks for the bytes.
+            rest.sort_unstable_by_key(|b| b.size);
+            let mut going = Vec::new();
+            let mut planned = bytes;
+            while planned < upto {
+                let Some(b) = rest.pop() else {
+                    break;
+                };
+                planned += b.memory.size;
+                going.push(b);
+            }
+            let (bn, bbytes) = self.free_whole_blocks(going).await;
+            n += bn;
+            bytes += bbytes;
+        }
+        for b in rest {
+            self.shared.ready.put(b);
+        }
+        let reserved_after = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+        tracing::debug!(
+            pool = %self.shared.id,
+            upto,
+            freed_blocks = n,
+            freed_bytes = bytes,
+            reserved_after,
+            "cache partly emptied to make room"
         );
         EmptyReport {
             freed_blocks: n,

@@ -358,9 +358,14 @@ impl<R: Runtime> PoolActor<R> {
             PoolMsg::EmptyCache {
                 include_kept,
                 forget,
+                upto,
                 reply,
             } => {
-                let report = self.empty_cache(include_kept, forget).await;
+                let report = if upto == usize::MAX {
+                    self.empty_cache(include_kept, forget).await
+                } else {
+                    self.give_back_some(upto).await
+                };
                 let _ = reply.send(report);
             }
             PoolMsg::Inventory { reply } => {

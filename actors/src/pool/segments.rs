@@ -718,6 +718,24 @@ impl<R: Runtime> PoolActor<R> {
         (n + an, bytes + abytes)
     }
 
+    /// Gives back wholly free separate segments until `upto` bytes went (see
+    /// `give_back_some`). Returns (segments, bytes) given back.
+    pub(super) async fn give_back_free_segments_upto(&mut self, upto: usize) -> (usize, usize) {
+        let Some(segs) = self.carved.as_mut() else {
+            return (0, 0);
+        };
+        let mut left = upto;
+        let gone = segs.carver.remove_free_segments(|size| {
+            if left == 0 {
+                return true;
+            }
+            left = left.saturating_sub(size);
+            false
+        });
+        let gone = gone.into_iter().map(|(g, _)| g).collect();
+        self.host_free_segments(gone).await
+    }
+
     /// Gives segments taken out of the carvers back to the runtime on a blocking thread. A
     /// segment the runtime refuses to free is held back (never reused, counted as kept) and
     /// tried again with the kept blocks. Returns (segments, bytes) given back.
