@@ -346,8 +346,10 @@ impl<R: Runtime> Engine<R> {
         stream: Option<&R::Stream>,
         wait: Wait,
     ) -> Result<Lease<R>, Error> {
-        let step = self.step(size, stream)?;
-        self.serve(step, size, wait, Who::Task).await
+        match self.step(size, stream)? {
+            Step::Ready(lease) => Ok(lease),
+            step => self.serve(step, size, wait, Who::Task).await,
+        }
     }
 
     /// Serves a request past the cached path's step, `who` waiting: a hit is the lease; a
@@ -364,7 +366,9 @@ impl<R: Runtime> Engine<R> {
             Ok(lease) => return Ok(lease),
             Err(miss) => miss,
         };
-        let block = miss(&pool, class, size, wait, who)
+        // Boxed: the miss's state (the loop, both kinds of waiting, the timeout) is large,
+        // and held inline it would make every request's future, hits included, that large.
+        let block = Box::pin(miss(&pool, class, size, wait, who))
             .await
             .map_err(|e| pool.oom(e))?;
         Ok(Lease::new(block, size, during_capture, self.inner.id))
