@@ -129,3 +129,37 @@ pub fn call<F: std::future::Future>(
     let blocking = may_block(call.0, call.1)?;
     Ok(blocking.run(|| run_here(work)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_here_returns_what_a_ready_future_gives() {
+        assert_eq!(run_here(async { 7 }), 7);
+    }
+
+    #[test]
+    fn run_here_parks_until_a_future_is_woken_from_another_thread() {
+        let (tx, rx) = flume::bounded::<u32>(1);
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            tx.send(42).unwrap();
+        });
+        assert_eq!(run_here(async { rx.recv_async().await.unwrap() }), 42);
+        sender.join().unwrap();
+    }
+
+    #[test]
+    fn call_refuses_a_current_thread_runtimes_thread_and_runs_elsewhere() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let refused = rt.block_on(async { call(("x_blocking", "x().await"), async { 1 }) });
+        assert!(
+            matches!(refused, Err(Error::WouldDeadlock { .. })),
+            "{refused:?}"
+        );
+        assert_eq!(call(("x_blocking", "x().await"), async { 1 }), Ok(1));
+    }
+}
