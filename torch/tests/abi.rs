@@ -505,3 +505,22 @@ fn without_cuda_the_exported_symbols_fail_softly() {
     pinpool_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
     pinpool_empty_cache();
 }
+
+#[test]
+fn reset_peak_stats_brings_the_allocated_peak_down_to_what_is_allocated_now() {
+    let s = setup();
+    let big = s.plugin.alloc(64 * MIB, 0, LEGACY_STREAM).unwrap();
+    s.plugin.free(big, 0, LEGACY_STREAM).unwrap();
+    let peak = |s: &Setup| {
+        s.plugin
+            .allocator()
+            .stats(0)
+            .unwrap()
+            .allocated_bytes
+            .all
+            .peak
+    };
+    assert!(peak(&s) >= (64 * MIB) as i64);
+    s.plugin.reset_peak_stats(0).unwrap();
+    assert!(peak(&s) < (64 * MIB) as i64, "{}", peak(&s));
+}
