@@ -47,7 +47,10 @@
 //! no pointer table), `dev_pair_with_record_raw_ns` (the record loop through raw pointers and
 //! `raw_record_stream`), `dev_mixed_sizes_fresh` (device allocations made during the mixed
 //! sizes loop), `dev_async_pair_ns` (`alloc().await` of a cached size in a tokio
-//! task) and `dev_replay_fresh trace=NAME` (device allocations during the second run).
+//! task), `dev_replay_fresh trace=NAME` (device allocations during the second run) and
+//! `dev_replay_warm_driver_calls_per_pass trace=NAME` (memory taken from and given back to the
+//! driver per pass over three more passes with the cache kept: a repeated stream's steady
+//! state).
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};
@@ -136,6 +139,9 @@ enum Step {
 }
 
 /// A trace ready to replay.
+/// Passes of each trace replayed warm (the cache kept) after the two cold ones.
+const WARM_PASSES: u64 = 3;
+
 struct Replay {
     steps: Vec<Step>,
     /// Slots the allocations use.
@@ -541,6 +547,33 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
                 pool.raw_delete(std::mem::take(p))?;
             }
         }
+        // Warm passes, the cache kept: what a repeated stream (training steps, a serving
+        // loop) costs the driver once the pool has learned it.
+        let before = pool.stats(0)?;
+        for _ in 0..WARM_PASSES {
+            for step in &trace.steps {
+                match *step {
+                    Step::Alloc {
+                        slot,
+                        bytes,
+                        stream,
+                    } => {
+                        live[slot] = pool.raw_alloc_with_stream(bytes, &streams[&stream])?;
+                    }
+                    Step::Free { slot } => pool.raw_delete(std::mem::take(&mut live[slot]))?,
+                }
+            }
+            for p in live.iter_mut() {
+                pool.raw_delete(std::mem::take(p))?;
+            }
+        }
+        let after = pool.stats(0)?;
+        let calls = (after.num_device_alloc - before.num_device_alloc)
+            + (after.num_device_free - before.num_device_free);
+        println!(
+            "pinpool dev_replay_warm_driver_calls_per_pass trace={base} {:.1}",
+            calls as f64 / WARM_PASSES as f64
+        );
         Ok(())
     }
 
