@@ -426,9 +426,8 @@ async fn miss_with<R: Runtime, W: Waiter>(
     }
 }
 
-/// A miss of a request for one buffer: ask the pool; on "need room" make room and ask
-/// again, this time queueing when it still does not fit (unless `wait` says not to).
-/// No room in the end is an out-of-memory.
+/// The error of a request for one buffer whose miss ended without a block: no room in the
+/// end is an out-of-memory, a passed deadline a timeout (both counted in `num_ooms`).
 fn settle<R: Runtime>(
     pool: &Pool<R>,
     requested: usize,
@@ -461,7 +460,9 @@ impl Who {
     }
 }
 
-/// A miss of a request for one buffer, waited for by `who` (see [`settle`]).
+/// A miss of a request for one buffer, waited for by `who`: ask the pool; on "need room"
+/// make room and ask again, this time queueing when it still does not fit (unless `wait`
+/// says not to), up to the wait's timeout (see [`settle`] for how it fails).
 pub(crate) async fn miss<R: Runtime>(
     pool: &Arc<Pool<R>>,
     class: SizeClass,
