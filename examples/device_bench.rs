@@ -48,9 +48,9 @@
 //! `raw_record_stream`), `dev_mixed_sizes_fresh` (device allocations made during the mixed
 //! sizes loop), `dev_async_pair_ns` (`alloc().await` of a cached size in a tokio
 //! task), `dev_replay_fresh trace=NAME` (device allocations during the second run) and
-//! `dev_replay_warm_driver_calls_per_pass trace=NAME` (memory taken from and given back to the
-//! driver per pass over three more passes with the cache kept: a repeated stream's steady
-//! state).
+//! `dev_replay_warm_driver_calls_per_pass trace=NAME` (memory taken from, given back to and
+//! moved within the driver's mappings, per pass over three more passes with the cache kept: a
+//! repeated stream's steady state).
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};
@@ -569,7 +569,8 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         }
         let after = pool.stats(0)?;
         let calls = (after.num_device_alloc - before.num_device_alloc)
-            + (after.num_device_free - before.num_device_free);
+            + (after.num_device_free - before.num_device_free)
+            + (after.num_device_remaps - before.num_device_remaps);
         println!(
             "pinpool dev_replay_warm_driver_calls_per_pass trace={base} {:.1}",
             calls as f64 / WARM_PASSES as f64

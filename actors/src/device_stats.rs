@@ -95,6 +95,10 @@ pub struct DeviceStats {
     pub num_device_alloc: i64,
     /// Calls that gave memory back.
     pub num_device_free: i64,
+    /// Map calls moved whole to other places of the expandable range instead of memory
+    /// given back and taken again (pinpool's own; not among `torch.cuda.memory_stats()`'s
+    /// keys).
+    pub num_device_remaps: i64,
     /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:
     /// blocks wait on events instead, and the wait for the device's queued work before
     /// memory goes back to the driver is part of each of `num_device_free`'s calls).
@@ -146,6 +150,7 @@ impl DeviceStats {
         self.oversize_segments.add(&o.oversize_segments);
         self.num_device_alloc += o.num_device_alloc;
         self.num_device_free += o.num_device_free;
+        self.num_device_remaps += o.num_device_remaps;
         self.num_sync_all_streams += o.num_sync_all_streams;
         self.max_split_size = self.max_split_size.or(o.max_split_size);
         self.limit_bytes = self.limit_bytes.or(o.limit_bytes);

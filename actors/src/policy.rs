@@ -405,10 +405,7 @@ impl Default for DeviceFit {
                 large_round: 2 << 20,
                 max_cached_size: usize::MAX,
                 split_ratio: 3,
-                // A little over the peak of live bytes: placements differ from one pass
-                // of a repeated request stream to the next, and with the cap at the peak
-                // itself idle memory goes back and is mapped again on every pass.
-                reserve_cap_permille: Some(1050),
+                reserve_cap_permille: Some(1000),
                 fill_permille: 500,
                 expandable: true,
                 arena_reserve: 1 << 40,
@@ -449,7 +446,7 @@ impl DeviceFit {
         self
     }
 
-    /// The reserve cap as a multiple of the peak of live bytes (default 1.05; at least 1):
+    /// The reserve cap as a multiple of the peak of live bytes (default 1.0; at least 1):
     /// before fresh memory would take reserved bytes above it, free memory goes back.
     pub fn reserve_cap(mut self, times_peak_live: f64) -> Self {
         let permille = (times_peak_live.max(1.0) * 1000.0).min(u32::MAX as f64);

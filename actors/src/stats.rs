@@ -236,6 +236,7 @@ impl PoolStats {
         let allocations = self.allocations.read();
         s.num_device_alloc = allocations.allocated;
         s.num_device_free = allocations.freed;
+        s.num_device_remaps = self.remaps.load(Relaxed);
         Some(s)
     }
 
