@@ -490,6 +490,37 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         Ok(())
     }
 
+    /// Plays `trace` once: each trace stream on a stream of its own (made at its first use
+    /// and kept in `streams`), the pointers in `live` (what the trace leaves allocated
+    /// stays there).
+    fn play(
+        &self,
+        trace: &Replay,
+        streams: &mut BTreeMap<u64, R::Stream>,
+        live: &mut [u64],
+    ) -> Result<()> {
+        let pool = &self.pool;
+        for step in &trace.steps {
+            match *step {
+                Step::Alloc {
+                    slot,
+                    bytes,
+                    stream,
+                } => {
+                    let s = match streams.entry(stream) {
+                        std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::btree_map::Entry::Vacant(e) => {
+                            e.insert((self.new_stream)()?)
+                        }
+                    };
+                    live[slot] = pool.raw_alloc_with_stream(bytes, s)?;
+                }
+                Step::Free { slot } => pool.raw_delete(std::mem::take(&mut live[slot]))?,
+            }
+        }
+        Ok(())
+    }
+
     fn replay(&self, base: &str, trace: &Replay) -> Result<()> {
         let pool = &self.pool;
         let mut streams: BTreeMap<u64, R::Stream> = BTreeMap::new();
@@ -500,24 +531,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
             pool.reset_peak_stats(0)?;
             let fresh0 = self.fresh_count()?;
             let t0 = Instant::now();
-            for step in &trace.steps {
-                match *step {
-                    Step::Alloc {
-                        slot,
-                        bytes,
-                        stream,
-                    } => {
-                        let s = match streams.entry(stream) {
-                            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-                            std::collections::btree_map::Entry::Vacant(e) => {
-                                e.insert((self.new_stream)()?)
-                            }
-                        };
-                        live[slot] = pool.raw_alloc_with_stream(bytes, s)?;
-                    }
-                    Step::Free { slot } => pool.raw_delete(std::mem::take(&mut live[slot]))?,
-                }
-            }
+            self.play(trace, &mut streams, &mut live)?;
             let ns = ns_per(t0, trace.lines);
             let stats = pool.stats(0)?;
             if rep == 1 {
@@ -551,18 +565,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         // loop) costs the driver once the pool has learned it.
         let before = pool.stats(0)?;
         for _ in 0..WARM_PASSES {
-            for step in &trace.steps {
-                match *step {
-                    Step::Alloc {
-                        slot,
-                        bytes,
-                        stream,
-                    } => {
-                        live[slot] = pool.raw_alloc_with_stream(bytes, &streams[&stream])?;
-                    }
-                    Step::Free { slot } => pool.raw_delete(std::mem::take(&mut live[slot]))?,
-                }
-            }
+            self.play(trace, &mut streams, &mut live)?;
             for p in live.iter_mut() {
                 pool.raw_delete(std::mem::take(p))?;
             }

@@ -89,7 +89,7 @@ impl<R: Runtime> PoolActor<R> {
         (n + sn, bytes + sbytes)
     }
 
-    pub(super) async fn free_whole_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
+    async fn free_whole_blocks(&mut self, blocks: Vec<Box<Block<R>>>) -> (usize, usize) {
         if blocks.is_empty() {
             return (0, 0);
         }
@@ -136,14 +136,24 @@ impl<R: Runtime> PoolActor<R> {
         (n + rn, bytes + rbytes)
     }
 
-    /// Frees every cached block (and the kept ones with `include_kept`); with `forget`, the
-    /// pool's layout also forgets what it learned from requests (see `Segments::forget`).
-    pub(super) async fn empty_cache(&mut self, include_kept: bool, forget: bool) -> EmptyReport {
+    /// Frees the cached blocks — up to `upto` bytes of them (`usize::MAX`: all), and the kept
+    /// ones too with `include_kept` — and with `forget`, the pool's layout also forgets what
+    /// it learned from requests (see `Segments::forget`).
+    pub(super) async fn empty_cache(
+        &mut self,
+        include_kept: bool,
+        forget: bool,
+        upto: usize,
+    ) -> EmptyReport {
         if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
             self.flush_events().await;
         }
         let blocks = self.shared.ready.drain();
-        let (mut n, mut bytes) = self.free_blocks(blocks).await;
+        let (mut n, mut bytes) = if upto == usize::MAX {
+            self.free_blocks(blocks).await
+        } else {
+            self.give_back_some(blocks, upto).await
+        };
         if include_kept {
             let (kn, kb) = self.free_kept().await;
             n += kn;
@@ -155,6 +165,7 @@ impl<R: Runtime> PoolActor<R> {
         }
         tracing::debug!(
             pool = %self.shared.id,
+            upto,
             freed_blocks = n,
             freed_bytes = bytes,
             reserved_after,
@@ -169,15 +180,12 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Gives back up to `upto` bytes of what the pool caches, for another pool that needs
     /// that much room under the cap, and keeps the rest cached (what would only be mapped
-    /// again): the ready blocks are taken back (coalesced where the layout carves), then idle
-    /// memory of the expandable range goes, least recently used first, then wholly free
-    /// segments, then cached blocks of layouts that do not carve. Whole map calls, segments
-    /// and blocks go, so a little more than `upto` may.
-    pub(super) async fn give_back_some(&mut self, upto: usize) -> EmptyReport {
-        if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
-            self.flush_events().await;
-        }
-        let blocks = self.shared.ready.drain();
+    /// again): `blocks` (the ready ones) are taken back (coalesced where the layout carves),
+    /// then idle memory of the expandable range goes, least recently used first, then wholly
+    /// free segments, then cached blocks of layouts that do not carve. Whole map calls,
+    /// segments and blocks go, so a little more than `upto` may. Returns (calls or blocks,
+    /// bytes) given back.
+    async fn give_back_some(&mut self, blocks: Vec<Box<Block<R>>>, upto: usize) -> (usize, usize) {
         let mut rest = self.absorb_all(blocks);
         let (mut n, mut bytes) = self.unmap_idle(upto).await;
         if bytes < upto {
@@ -204,19 +212,6 @@ impl<R: Runtime> PoolActor<R> {
         for b in rest {
             self.shared.ready.put(b);
         }
-        let reserved_after = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
-        tracing::debug!(
-            pool = %self.shared.id,
-            upto,
-            freed_blocks = n,
-            freed_bytes = bytes,
-            reserved_after,
-            "cache partly emptied to make room"
-        );
-        EmptyReport {
-            freed_blocks: n,
-            freed_bytes: bytes,
-            reserved_after,
-        }
+        (n, bytes)
     }
 }

@@ -361,11 +361,7 @@ impl<R: Runtime> PoolActor<R> {
                 upto,
                 reply,
             } => {
-                let report = if upto == usize::MAX {
-                    self.empty_cache(include_kept, forget).await
-                } else {
-                    self.give_back_some(upto).await
-                };
+                let report = self.empty_cache(include_kept, forget, upto).await;
                 let _ = reply.send(report);
             }
             PoolMsg::Inventory { reply } => {
@@ -409,7 +405,7 @@ impl<R: Runtime> PoolActor<R> {
                     .divert
                     .fetch_or(DIVERT_CLOSING, Ordering::Release);
                 self.drop_waiters();
-                self.empty_cache(true, true).await;
+                self.empty_cache(true, true, usize::MAX).await;
             }
         }
     }
