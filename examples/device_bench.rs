@@ -564,13 +564,20 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         // Warm passes, the cache kept: what a repeated stream (training steps, a serving
         // loop) costs the driver once the pool has learned it.
         let before = pool.stats(0)?;
+        let t0 = Instant::now();
         for _ in 0..WARM_PASSES {
             self.play(trace, &mut streams, &mut live)?;
             for p in live.iter_mut() {
                 pool.raw_delete(std::mem::take(p))?;
             }
         }
+        let ns = ns_per(t0, trace.lines * WARM_PASSES);
         let after = pool.stats(0)?;
+        println!(
+            "pinpool dev_replay_warm_misses_per_pass trace={base} {:.1}",
+            (after.num_misses - before.num_misses) as f64 / WARM_PASSES as f64
+        );
+        println!("pinpool dev_replay_warm_ns_per_request trace={base} {ns:.1}");
         let calls = (after.num_device_alloc - before.num_device_alloc)
             + (after.num_device_free - before.num_device_free)
             + (after.num_device_remaps - before.num_device_remaps);

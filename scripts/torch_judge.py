@@ -18,6 +18,8 @@ part, each with its own timeout, and compares what they write:
             the peak of the driver's used memory (sampled by a thread through NVML, or
             cudaMemGetInfo without it) above the level before the model, and the median step
             time; a table with ratios against the best of PyTorch's three.
+            PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen,
+            resnet50_train, vit_b_16_infer) limits a bench worker to those models.
 
 Usage: torch_judge.py --lib LIB --out DIR [--budget SECONDS]
        torch_judge.py --worker PART --mode MODE --lib LIB --out DIR   (internal)
@@ -466,7 +468,11 @@ def worker_bench(mode, rec):
         else:
             torch.cuda.reset_peak_memory_stats()
 
+    only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
+
     def measure(name, build, step, warmup, steps):
+        if only and name not in only:
+            return
         empty()
         try:
             reset_allocator_peak()

@@ -99,6 +99,10 @@ pub struct DeviceStats {
     /// given back and taken again (pinpool's own; not among `torch.cuda.memory_stats()`'s
     /// keys).
     pub num_device_remaps: i64,
+    /// Times a request asked the pool actor for a block, the cached path having found none
+    /// (again after room was made; pinpool's own, not among `torch.cuda.memory_stats()`'s
+    /// keys).
+    pub num_misses: i64,
     /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:
     /// blocks wait on events instead, and the wait for the device's queued work before
     /// memory goes back to the driver is part of each of `num_device_free`'s calls).
@@ -151,6 +155,7 @@ impl DeviceStats {
         self.num_device_alloc += o.num_device_alloc;
         self.num_device_free += o.num_device_free;
         self.num_device_remaps += o.num_device_remaps;
+        self.num_misses += o.num_misses;
         self.num_sync_all_streams += o.num_sync_all_streams;
         self.max_split_size = self.max_split_size.or(o.max_split_size);
         self.limit_bytes = self.limit_bytes.or(o.limit_bytes);

@@ -49,6 +49,9 @@ pub struct HostStats {
     pub num_alloc_retries: i64,
     /// Requests that failed for want of memory.
     pub num_ooms: i64,
+    /// Times a request asked the pool actor for a block, the cached path having found none
+    /// (again after room was made; pinpool's own count).
+    pub num_misses: i64,
     /// The cap on reserved bytes of the whole allocator, if one is set.
     pub limit_bytes: Option<i64>,
 }
@@ -63,6 +66,7 @@ impl HostStats {
         self.num_host_alloc += o.num_host_alloc;
         self.num_host_free += o.num_host_free;
         self.num_host_remaps += o.num_host_remaps;
+        self.num_misses += o.num_misses;
         self.host_alloc_time.merge(&o.host_alloc_time);
         self.host_free_time.merge(&o.host_free_time);
         self.waiting_blocks += o.waiting_blocks;
@@ -114,6 +118,7 @@ impl HostStats {
             ("kept_bytes", self.kept_bytes),
             ("num_alloc_retries", self.num_alloc_retries),
             ("num_ooms", self.num_ooms),
+            ("num_misses", self.num_misses),
         ] {
             m.insert(k.to_string(), v);
         }
@@ -146,6 +151,8 @@ pub(crate) struct PoolStats {
     pub(crate) num_ooms: AtomicI64,
     /// Granules moved within the expandable range (see `MemorySource::remap`).
     pub(crate) remaps: AtomicI64,
+    /// Requests the pool actor answered.
+    pub(crate) misses: AtomicI64,
     active: Box<[CachePadded<ActiveShard>]>,
     mask: usize,
     /// Device statistics, for pools built with them (`None`: host statistics only).
@@ -168,6 +175,7 @@ impl PoolStats {
             num_alloc_retries: AtomicI64::new(0),
             num_ooms: AtomicI64::new(0),
             remaps: AtomicI64::new(0),
+            misses: AtomicI64::new(0),
             active: (0..shards).map(|_| CachePadded::default()).collect(),
             mask: shards - 1,
             detail: device.map(|max_split| Detail::new(shards, max_split)),
@@ -237,6 +245,7 @@ impl PoolStats {
         s.num_device_alloc = allocations.allocated;
         s.num_device_free = allocations.freed;
         s.num_device_remaps = self.remaps.load(Relaxed);
+        s.num_misses = self.misses.load(Relaxed);
         Some(s)
     }
 
@@ -274,6 +283,7 @@ impl PoolStats {
             kept_bytes: self.kept_bytes.load(Relaxed),
             num_alloc_retries: self.num_alloc_retries.load(Relaxed),
             num_ooms: self.num_ooms.load(Relaxed),
+            num_misses: self.misses.load(Relaxed),
             limit_bytes: None,
         }
     }
@@ -297,6 +307,7 @@ impl PoolStats {
         self.host_free_time.reset();
         self.num_alloc_retries.store(0, Relaxed);
         self.num_ooms.store(0, Relaxed);
+        self.misses.store(0, Relaxed);
         for s in self.active.iter() {
             s.requests.reset_accumulated();
             s.bytes.reset_accumulated();

@@ -5,9 +5,9 @@
 //! the actor books every split so that the parts coalesce and all memory goes back.
 //!
 //! To show that no actor is involved, the allocators here run their actors on a
-//! current-thread runtime that is driven only during set-up: once nothing drives it, a request
-//! that needed an actor would never be answered (each such request runs on a thread of its
-//! own and must answer within a deadline).
+//! current-thread runtime that is driven only during set-up, and the pool's count of the
+//! requests that asked its actor (`num_misses`) must not move. A blocking request that does
+//! ask the actor runs it in place while its task is idle, so it is answered too.
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -21,8 +21,21 @@ const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 
 /// Runs `f` on a thread of its own and returns its result, or `None` when it has not
-/// answered within a few seconds (it waits on an actor that nothing runs).
-fn without_actors<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+/// answered within a few seconds (it waits on an actor that nothing runs). Fails if a
+/// request asked the pool actor meanwhile (`misses` reads the pool's count).
+fn without_actors<T: Send + 'static>(
+    misses: impl Fn() -> i64,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let before = misses();
+    let out = on_a_thread(f);
+    assert_eq!(misses(), before, "a request asked the pool actor");
+    out
+}
+
+/// Runs `f` on a thread of its own and returns its result, or `None` when it has not
+/// answered within a few seconds.
+fn on_a_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(f());
@@ -53,33 +66,31 @@ fn a_device_request_whose_class_is_empty_splits_a_larger_ready_block_without_the
     // The first 1 MiB block is ready (its drop above), the only ready block; nothing runs
     // the actors from here on.
     let (p, st) = (pool.clone(), s.clone());
-    let parts = without_actors(move || {
-        let head = p.raw_alloc_with_stream(4 * KIB, &st).unwrap();
-        let tail = p.raw_alloc_with_stream(MIB - 4 * KIB, &st).unwrap();
-        (head, tail)
-    })
+    let parts = without_actors(
+        || pool.stats(0).unwrap().num_misses,
+        move || {
+            let head = p.raw_alloc_with_stream(4 * KIB, &st).unwrap();
+            let tail = p.raw_alloc_with_stream(MIB - 4 * KIB, &st).unwrap();
+            (head, tail)
+        },
+    )
     .expect("both parts served without the pool actor");
     assert_eq!(
         parts,
         (big, big + 4 * KIB as u64),
         "head and tail of one block"
     );
-    // A request that no ready block serves waits for the actor.
-    let (tx, third) = mpsc::channel();
+    // A request that no ready block serves is a miss: with the actor's task idle, the
+    // requesting thread runs the actor in place (books the splits, cuts the block), still
+    // with nothing driving the runtime.
     let (p, st) = (pool.clone(), s.clone());
-    std::thread::spawn(move || {
-        let _ = tx.send(p.raw_alloc_with_stream(4 * KIB, &st));
-    });
-    assert!(third.recv_timeout(Duration::from_millis(300)).is_err());
-    // Once the actor runs again, it serves it and books the splits: the parts coalesce and
-    // all the memory goes back to the device.
+    let misses = pool.stats(0).unwrap().num_misses;
+    let third = on_a_thread(move || p.raw_alloc_with_stream(4 * KIB, &st).unwrap())
+        .expect("a blocking miss served in place");
+    assert!(third != parts.0 && third != parts.1);
+    assert_eq!(pool.stats(0).unwrap().num_misses, misses + 1);
+    // The parts coalesce and all the memory goes back to the device.
     rt.block_on(async {
-        let third = loop {
-            match third.try_recv() {
-                Ok(r) => break r.unwrap(),
-                Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
-            }
-        };
         for p in [parts.0, parts.1, third] {
             pool.raw_delete(p).unwrap();
         }
@@ -105,8 +116,11 @@ fn after_a_miss_the_thread_gets_the_free_mapped_ranges_and_its_next_requests_nee
         (a, b)
     });
     let (p, st) = (pool.clone(), s.clone());
-    let c = without_actors(move || p.raw_alloc_with_stream(200 * KIB, &st).unwrap())
-        .expect("served from the ranges handed over at the miss");
+    let c = without_actors(
+        || pool.stats(0).unwrap().num_misses,
+        move || p.raw_alloc_with_stream(200 * KIB, &st).unwrap(),
+    )
+    .expect("served from the ranges handed over at the miss");
     assert_eq!(c, b.device_ptr() + 100 * KIB as u64);
     rt.block_on(async {
         drop((a, b));
@@ -128,14 +142,17 @@ fn a_pinned_request_under_bestfit_splits_a_larger_ready_block_without_the_pool_a
         b.as_ptr() as usize
     });
     let p = pool.clone();
-    let head = without_actors(move || {
-        let b = p.alloc_blocking(8 * KIB).unwrap();
-        let at = b.as_ptr() as usize;
-        // Freed into this thread's ready slot: the same size again is the cached path.
-        drop(b);
-        let again = p.alloc_blocking(8 * KIB).unwrap().as_ptr() as usize;
-        (at, again)
-    })
+    let head = without_actors(
+        || pool.stats().num_misses,
+        move || {
+            let b = p.alloc_blocking(8 * KIB).unwrap();
+            let at = b.as_ptr() as usize;
+            // Freed into this thread's ready slot: the same size again is the cached path.
+            drop(b);
+            let again = p.alloc_blocking(8 * KIB).unwrap().as_ptr() as usize;
+            (at, again)
+        },
+    )
     .expect("served without the pool actor");
     // Cut out of the freed 512 KiB block, or out of the free memory after it that the actor
     // handed over at the miss; the same block again from the thread's slot.
@@ -176,18 +193,21 @@ fn a_pinned_request_under_bestfit_merges_the_threads_freed_neighbours_without_th
         blocks.next().unwrap(),
     );
     let p = pool.clone();
-    let (merged, again) = without_actors(move || {
-        // Freed on this thread: two ready 512 KiB blocks in its shard, neither large enough
-        // for 1 MiB on its own.
-        drop((b, c));
-        let merged = p.alloc_blocking(MIB).unwrap();
-        let at = merged.as_ptr() as usize;
-        // The merged block is an ordinary ready block once freed: the same size again is
-        // the cached path.
-        drop(merged);
-        let again = p.alloc_blocking(MIB).unwrap();
-        (at, again)
-    })
+    let (merged, again) = without_actors(
+        || pool.stats().num_misses,
+        move || {
+            // Freed on this thread: two ready 512 KiB blocks in its shard, neither large enough
+            // for 1 MiB on its own.
+            drop((b, c));
+            let merged = p.alloc_blocking(MIB).unwrap();
+            let at = merged.as_ptr() as usize;
+            // The merged block is an ordinary ready block once freed: the same size again is
+            // the cached path.
+            drop(merged);
+            let again = p.alloc_blocking(MIB).unwrap();
+            (at, again)
+        },
+    )
     .expect("served from the merged neighbours without the pool actor");
     assert_eq!(merged, addrs[1], "the two freed blocks, merged in place");
     assert_eq!(again.as_ptr() as usize, addrs[1]);
@@ -215,16 +235,19 @@ fn merged_neighbours_keep_the_books_of_the_pieces_still_lent() {
     });
     let last = held.pop().unwrap();
     let p = pool.clone();
-    let kept = without_actors(move || {
-        // Free the 2nd to 5th: the thread merges them (1 MiB) for a 768 KiB request, and the
-        // rest of the merged block goes back to its ready queues.
-        let mut it = held.into_iter();
-        let first = it.next().unwrap();
-        let sixth = it.next_back().unwrap();
-        drop(it);
-        let r = p.alloc_blocking(768 * KIB).unwrap();
-        (first, sixth, r)
-    })
+    let kept = without_actors(
+        || pool.stats().num_misses,
+        move || {
+            // Free the 2nd to 5th: the thread merges them (1 MiB) for a 768 KiB request, and the
+            // rest of the merged block goes back to its ready queues.
+            let mut it = held.into_iter();
+            let first = it.next().unwrap();
+            let sixth = it.next_back().unwrap();
+            drop(it);
+            let r = p.alloc_blocking(768 * KIB).unwrap();
+            (first, sixth, r)
+        },
+    )
     .expect("served without the pool actor");
     let (first, sixth, r) = kept;
     let base = first.as_ptr() as usize;
@@ -295,18 +318,21 @@ fn a_split_whose_rest_would_be_a_sliver_lends_the_whole_block_and_keeps_it_for_t
     let at = freed.as_ptr() as usize;
     drop(freed);
     let p = pool.clone();
-    let served = without_actors(move || {
-        // 480 KiB leaves 32 KiB of the 512 KiB block: less than an eighth, so the request
-        // takes the whole block rather than cut a sliver off it.
-        let b = p.alloc_blocking(480 * KIB).unwrap();
-        let first = (b.as_ptr() as usize, b.len(), b.capacity());
-        drop(b);
-        // Freed, the block is filed under the request's class: the same size again is the
-        // cached path.
-        let b = p.alloc_blocking(480 * KIB).unwrap();
-        let again = (b.as_ptr() as usize, b.capacity());
-        (first, again, b)
-    })
+    let served = without_actors(
+        || pool.stats().num_misses,
+        move || {
+            // 480 KiB leaves 32 KiB of the 512 KiB block: less than an eighth, so the request
+            // takes the whole block rather than cut a sliver off it.
+            let b = p.alloc_blocking(480 * KIB).unwrap();
+            let first = (b.as_ptr() as usize, b.len(), b.capacity());
+            drop(b);
+            // Freed, the block is filed under the request's class: the same size again is the
+            // cached path.
+            let b = p.alloc_blocking(480 * KIB).unwrap();
+            let again = (b.as_ptr() as usize, b.capacity());
+            (first, again, b)
+        },
+    )
     .expect("served without the pool actor");
     assert_eq!(served.0, (at, 480 * KIB, 512 * KIB));
     assert_eq!(served.1, (at, 512 * KIB));
@@ -344,8 +370,11 @@ fn a_freed_large_piece_of_the_expandable_range_stays_on_the_cached_path() {
     let at = big.as_ptr() as usize;
     drop(big);
     let p = pool.clone();
-    let again = without_actors(move || p.alloc_blocking(3 * MIB).unwrap())
-        .expect("served from the ready queues without the pool actor");
+    let again = without_actors(
+        || pool.stats().num_misses,
+        move || p.alloc_blocking(3 * MIB).unwrap(),
+    )
+    .expect("served from the ready queues without the pool actor");
     assert_eq!(again.as_ptr() as usize, at);
     rt.block_on(async {
         drop((first, again, last));

@@ -26,6 +26,7 @@ impl<R: Runtime> PoolActor<R> {
             // Dropped before the pool got to it.
             return;
         }
+        self.shared.stats.misses.fetch_add(1, Ordering::Relaxed);
         self.prune();
         if !self.waiters.is_empty() {
             // Others came first: no overtaking.
