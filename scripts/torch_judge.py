@@ -470,6 +470,18 @@ def worker_bench(mode, rec):
 
     only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
 
+    def pinpool_counts():
+        """pinpool's counts of driver calls and of requests that asked a pool actor."""
+        if mode != "pinpool":
+            return None
+        import pinpool_torch
+
+        st = pinpool_torch.memory_stats()
+        return {
+            "driver_calls": st["num_device_alloc"] + st["num_device_free"] + st.get("num_device_remaps", 0),
+            "misses": st.get("num_misses", 0),
+        }
+
     def measure(name, build, step, warmup, steps):
         if only and name not in only:
             return
@@ -484,13 +496,20 @@ def worker_bench(mode, rec):
         try:
             state = build()
             times = []
+            counts = None
             for i in range(warmup + steps):
+                if i == warmup:
+                    counts = pinpool_counts()
                 torch.cuda.synchronize()
                 s = time.perf_counter()
                 step(state, i)
                 torch.cuda.synchronize()
                 if i >= warmup:
                     times.append(time.perf_counter() - s)
+            per_step = {}
+            if counts is not None:
+                after = pinpool_counts()
+                per_step = {k: round((after[k] - counts[k]) / max(steps, 1), 1) for k in counts}
             time.sleep(0.01)
             peak = max(sampler.peak, sampler.now())
             try:
@@ -506,6 +525,7 @@ def worker_bench(mode, rec):
                     "min_ms": round(1000 * min(times), 3),
                     "steps": len(times),
                     "allocator_peak_reserved_mib": None if reserved is None else round(reserved / MIB, 1),
+                    **{f"{k}_per_step": v for k, v in per_step.items()},
                     "seconds": round(time.time() - t0, 1),
                 },
             )

@@ -502,7 +502,8 @@ impl<R: Runtime> Block<R> {
 
 /// Puts a block that is ready for reuse back where requests find it: its pool's ready
 /// queue, or its pool actor once the pool is closing or requests wait for room, or when the
-/// block is too large to cache or a large piece of a segment.
+/// block is too large to cache; a large piece of a segment goes back into its range at the
+/// actor's next look (`Home::home_quietly`).
 #[inline]
 pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     keepalive::ensure(&block.pool);
@@ -511,8 +512,14 @@ pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     // its next call, so the pool outlives this function even after the block (and the
     // reference it carries) has moved into a queue and been taken by another thread.
     let pool = unsafe { &*pool };
-    if pool.divert.load(Ordering::Acquire) != 0 || pool.wants_home(&block) {
+    let divert = pool.divert.load(Ordering::Acquire);
+    if divert != 0 || pool.wants_home(&block) {
         block.state = BlockState::InUse;
+        if divert == 0 && block.size <= pool.max_cached_size {
+            // A large piece: no message, no actor woken.
+            pool.home_quietly(block);
+            return;
+        }
         if let Err(flume::SendError(PoolMsg::Home(b))) = pool.mailbox.send(PoolMsg::Home(block)) {
             b.orphaned();
         }
@@ -608,7 +615,7 @@ impl<R: Runtime> Pool<R> {
         if !self.mailbox.is_closed() {
             return;
         }
-        for b in self.ready.drain() {
+        for b in self.ready.drain().into_iter().chain(self.homed()) {
             b.orphaned();
         }
     }

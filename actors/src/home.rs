@@ -99,6 +99,12 @@ pub(crate) struct Home<R: Runtime, B> {
     /// queue: a splitting thread and the booking actor never wait on one lock (a channel's
     /// lock, taken by both for every note, was a tenth of the mixed sizes loop).
     notes: SegQueue<Note>,
+    /// Large pieces freed while nothing diverts frees to the actor (see
+    /// `Pool::large_piece`), for the actor to take back into their range at its next look
+    /// (`PoolActor::book_notes`): such a free sends no message, so it wakes no actor, and the
+    /// next thread to miss finds the actor idle and runs it in place. Lock-free, like
+    /// `notes`; drained when the pool closes or its actor is gone.
+    homing: SegQueue<Box<B>>,
     /// Block records the actor took back into its free ranges, for the next blocks cut or
     /// split to reuse instead of allocating (see `Pool::recycle`). Emptied when the actor
     /// stops (each holds its pool). Lock-free, like `notes`: threads splitting blocks and
@@ -176,6 +182,7 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             },
             thread_merges: matches!(parts.layout, BlockLayout::Carved(c) if c.expandable),
             notes: SegQueue::new(),
+            homing: SegQueue::new(),
             shells: ArrayQueue::new(SHELLS),
             policy: parts.policy,
         });
@@ -270,6 +277,47 @@ impl<R: Runtime, B> Home<R, B> {
         res
     }
 
+    /// The first half of a move on this thread (see `MemorySource::alias_run`): the run
+    /// mapped at `from` is mapped at `to` too, and counted as moved; reserved bytes and the
+    /// budget stay as they are. The history shows it mapped at `to` now, and unmapped at
+    /// `from` when [`Self::unalias_now`] ends the move.
+    pub(crate) fn alias_now(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let res = self.memory.alias_run(range, from, to, len);
+        match &res {
+            Ok(()) => {
+                self.history
+                    .on_segment_map(self.id, self.owner, &range.part(to, len));
+                self.stats.remaps.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(error = %e, "mapping memory at a second place failed"),
+        }
+        res
+    }
+
+    /// The second half of a move (see [`Self::alias_now`]): the mapping at `offset` ends.
+    pub(crate) fn unalias_now(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+        wait: bool,
+    ) -> Result<(), RuntimeError> {
+        let res = self.memory.unalias_run(range, offset, len, wait);
+        match &res {
+            Ok(()) => self
+                .history
+                .on_segment_unmap(self.id, self.owner, &range.part(offset, len)),
+            Err(e) => tracing::error!(error = %e, bytes = len, "ending a moved mapping failed"),
+        }
+        res
+    }
+
     /// Unmaps `[offset, offset + len)` of a reserved `range` on this thread and keeps the
     /// books (stats, history, the budget). The caller strikes the granules and counts map
     /// calls.
@@ -323,6 +371,17 @@ impl<R: Runtime, B> Home<R, B> {
         // Those queued now: a thread that keeps splitting does not keep the actor booking.
         let queued = self.notes.len();
         std::iter::from_fn(|| self.notes.pop()).take(queued)
+    }
+
+    /// Sends a freed large piece home without a message (see `homing`).
+    pub(crate) fn home_quietly(&self, block: Box<B>) {
+        self.homing.push(block);
+    }
+
+    /// The large pieces sent home quietly since the last look.
+    pub(crate) fn homed(&self) -> impl Iterator<Item = Box<B>> + '_ {
+        let queued = self.homing.len();
+        std::iter::from_fn(|| self.homing.pop()).take(queued)
     }
 
     /// The addresses of segments given back since the last look (for the actor's registry).

@@ -238,6 +238,44 @@ pub trait MemorySource: Send + Sync + 'static {
         self.remap(range, from, to)
     }
 
+    /// Whether [`MemorySource::alias_run`] and [`MemorySource::unalias_run`] are offered
+    /// (false, the default).
+    fn aliases(&self) -> bool {
+        false
+    }
+
+    /// Maps the memory mapped at `from` (for a source that unmaps only whole map calls,
+    /// exactly the run of one earlier map call) at the unmapped `[to, to + len)` of the same
+    /// `range` too, without waiting for the work queued on `from`: until
+    /// [`MemorySource::unalias_run`] ends the mapping at `from`, both places map the same
+    /// memory. The first half of a move whose second half waits for that work to have run
+    /// (the caller knows when: an event). No memory is taken. All or nothing.
+    fn alias_run(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let _ = (range, from, to, len);
+        Err(unsupported("alias_run"))
+    }
+
+    /// Ends the mapping at `[offset, offset + len)` of memory that
+    /// [`MemorySource::alias_run`] mapped elsewhere too. No memory goes back. With `wait`
+    /// it first waits for the device's queued work (as `unmap` does); without, the caller
+    /// knows that no queued work uses the place any more.
+    fn unalias_run(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+        wait: bool,
+    ) -> Result<(), RuntimeError> {
+        let _ = (range, offset, len, wait);
+        Err(unsupported("unalias_run"))
+    }
+
     /// Bytes the source could still give, as its driver reports them (`None`: it cannot
     /// tell; pinned host memory). Out-of-memory reports carry it.
     fn free_bytes(&self) -> Option<usize> {

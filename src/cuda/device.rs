@@ -257,6 +257,46 @@ impl MemorySource for CudaDeviceMemory {
         unsafe { vmm::remap(range, from, to, len, self.location()) }
     }
 
+    fn aliases(&self) -> bool {
+        true
+    }
+
+    fn alias_run(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
+        self.granules_of("cuMemMap", range, from, len)?;
+        self.granules_of("cuMemMap", range, to, len)?;
+        let _relaxed = self.enter()?;
+        // SAFETY: the engine aliases exactly the run of one earlier `map` call (one handle of
+        // `len` bytes) to whole unmapped granules of the same reserved range (shapes checked
+        // above); `from` stays mapped.
+        unsafe { vmm::alias(range, from, to, len, self.location()) }
+    }
+
+    fn unalias_run(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+        wait: bool,
+    ) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
+        self.granules_of("cuMemUnmap", range, offset, len)?;
+        let _relaxed = self.enter()?;
+        if wait {
+            self.synchronize("cuMemUnmap")?;
+        }
+        // SAFETY: the engine ends exactly one mapping that `alias_run` left behind, once
+        // the work queued on it has run (an event it recorded completed, or synchronised
+        // just above); the handle stays mapped at the place it moved to, so no memory goes.
+        unsafe { vmm::unmap(range, offset, len, len) }
+    }
+
     fn free_bytes(&self) -> Option<usize> {
         bind(&self.ctx).ok()?;
         result::mem_get_info().ok().map(|(free, _)| free)

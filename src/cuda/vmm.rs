@@ -308,6 +308,35 @@ pub(crate) unsafe fn remap(
     granule: usize,
     location: Location,
 ) -> Result<(), RuntimeError> {
+    // SAFETY: as the caller promised.
+    unsafe { alias(range, from, to, granule, location) }?;
+    let base = range.ptr.as_ptr() as usize as sys::CUdeviceptr;
+    // SAFETY: `from` is mapped and unused (caller's promise); its memory stays mapped at
+    // `to`.
+    let moved = check("cuMemUnmap", unsafe {
+        sys::cuMemUnmap(base + from as sys::CUdeviceptr, granule)
+    });
+    if moved.is_err() {
+        // SAFETY: `to` was mapped just above and nothing has used it.
+        unsafe { sys::cuMemUnmap(base + to as sys::CUdeviceptr, granule) };
+    }
+    moved
+}
+
+/// Maps the memory of the `len` bytes mapped at `from` in `range` at `to` too (a handle may
+/// be mapped at two places), readable and writable there; `from` stays mapped. All or
+/// nothing.
+///
+/// # Safety
+/// `range` came from [`reserve`]; `from` is one mapping of a `len`-byte handle made by
+/// [`map`]; `to` is whole granules of the range, unmapped.
+pub(crate) unsafe fn alias(
+    range: &HostMemory,
+    from: usize,
+    to: usize,
+    len: usize,
+    location: Location,
+) -> Result<(), RuntimeError> {
     let base = range.ptr.as_ptr() as usize as sys::CUdeviceptr;
     let (from, to) = (
         base + from as sys::CUdeviceptr,
@@ -318,21 +347,16 @@ pub(crate) unsafe fn remap(
     })?;
     let res = (|| {
         // SAFETY: `to` is unmapped space of the reserved range (caller's promise) and `h`
-        // is a live handle of one granule.
-        check("cuMemMap", unsafe { sys::cuMemMap(to, granule, 0, h, 0) })?;
-        let moved = set_access(to, granule, location).and_then(|()| {
-            // SAFETY: `from` is mapped and unused (caller's promise); its memory stays
-            // mapped at `to`.
-            check("cuMemUnmap", unsafe { sys::cuMemUnmap(from, granule) })
-        });
-        if moved.is_err() {
+        // is a live handle of `len` bytes.
+        check("cuMemMap", unsafe { sys::cuMemMap(to, len, 0, h, 0) })?;
+        let access = set_access(to, len, location);
+        if access.is_err() {
             // SAFETY: `to` was mapped just above and nothing has used it.
-            unsafe { sys::cuMemUnmap(to, granule) };
+            unsafe { sys::cuMemUnmap(to, len) };
         }
-        moved
+        access
     })();
-    // SAFETY: `h` was retained above; the mapping (at `to`, or still at `from`) holds the
-    // memory.
+    // SAFETY: `h` was retained above; the mappings hold the memory.
     unsafe { sys::cuMemRelease(h) };
     res
 }

@@ -317,6 +317,58 @@ impl MemorySource for SimDeviceMemory {
         Ok(())
     }
 
+    fn aliases(&self) -> bool {
+        true
+    }
+
+    fn alias_run(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemMap";
+        self.shared.faults.check(FaultPoint::DeviceAlloc)?;
+        let alloc = self.reserved(OP, range)?;
+        if !alloc.all_mapped(from, len) {
+            return Err(RuntimeError::new(
+                OP,
+                format!("{len} bytes at offset {from:#x} are not mapped"),
+            ));
+        }
+        if !alloc.set_mapped_call(to, len, true) {
+            return Err(RuntimeError::new(
+                OP,
+                format!("{len} bytes at offset {to:#x} are not whole unmapped granules"),
+            ));
+        }
+        self.state().remaps.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn unalias_run(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+        wait: bool,
+    ) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemUnmap";
+        let alloc = self.reserved(OP, range)?;
+        if wait {
+            self.synchronize(OP);
+        }
+        // Work still queued on the place finds it unmapped when it runs: a violation.
+        if !alloc.set_mapped_call(offset, len, false) {
+            return Err(RuntimeError::new(
+                OP,
+                format!("{len} bytes at offset {offset:#x} are not one mapped call's granules"),
+            ));
+        }
+        Ok(())
+    }
+
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
         const OP: &str = "cuMemAddressFree";
         let alloc = self.reserved(OP, &range)?;

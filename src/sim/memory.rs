@@ -339,7 +339,7 @@ impl HostAllocation {
 
     /// Whether every granule touched by `[offset, offset + len)` is mapped (heap memory
     /// always is).
-    fn all_mapped(&self, offset: usize, len: usize) -> bool {
+    pub(crate) fn all_mapped(&self, offset: usize, len: usize) -> bool {
         match &self.backing {
             Backing::Heap(_) => true,
             #[cfg(unix)]

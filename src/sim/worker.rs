@@ -136,6 +136,13 @@ impl HostRange {
             .then(|| "changed between enqueue and execution".to_owned())
     }
 
+    /// Whether the range's granules are all mapped now (always, outside reserved ranges).
+    fn mapped(&self) -> bool {
+        self._owner
+            .as_ref()
+            .map_or(true, |o| o.all_mapped(self.addr - o.addr(), self.len))
+    }
+
     fn device_write(&self, stream: StreamId, write: impl FnOnce(&[AtomicU8])) {
         match &self._owner {
             Some(owner) => {
@@ -305,6 +312,21 @@ impl Worker {
         }
     }
 
+    /// Reports work that runs on memory unmapped since it was enqueued (given back, or moved
+    /// away, before the work queued on it had run).
+    fn check_mapped(&self, range: &HostRange, what: &str) {
+        if !range.mapped() {
+            self.shared.report(
+                ViolationKind::FreedWhileInUse,
+                Some(self.stream),
+                format!(
+                    "{what} ({} bytes at {:#x}, operation #{}) ran on unmapped memory",
+                    range.len, range.addr, self.executed
+                ),
+            );
+        }
+    }
+
     fn execute(&mut self, work: &Work) {
         self.executed += 1;
         match work {
@@ -359,6 +381,7 @@ impl Worker {
                 });
             }
             Work::FillDevice { dst, byte, expect } => {
+                self.check_mapped(dst, "device-writing kernel destination");
                 self.check(
                     dst,
                     expect,

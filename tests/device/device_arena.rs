@@ -7,6 +7,7 @@
 //! moved still goes back whole when the cache is emptied.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use pinpool::sim::SimRuntime;
 use pinpool::{DeviceAllocator, DeviceBuilder};
@@ -68,6 +69,44 @@ async fn over_the_reserve_cap_idle_memory_moves_where_a_new_block_needs_it() {
     s.fill_device(c.device_ptr(), 12 * MIB, 2).unwrap();
     s.synchronize().unwrap();
     drop((b, c));
+    pool.empty_cache().await.unwrap();
+    assert_eq!(sim.device_used(0), Some(0), "moved memory went back whole");
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_waits_for_no_queued_work_and_its_old_place_stays_mapped_until_that_work_ran() {
+    let (pool, sim) = device_pool(None);
+    let s = sim.stream();
+    let a = pool.alloc(8 * MIB, &s).await.unwrap();
+    let b = pool.alloc(8 * MIB, &s).await.unwrap();
+    // Work on `a` that has not run when `a` is freed: its stream may reuse it at once.
+    let hold = s.hold();
+    s.fill_device(a.device_ptr(), 8 * MIB, 1).unwrap();
+    drop(a);
+    // `a`'s idle memory moves into the place `c` needs while the stream is still held.
+    let c = tokio::time::timeout(Duration::from_secs(2), pool.alloc(12 * MIB, &s))
+        .await
+        .expect("the move waited for the device's queued work")
+        .unwrap();
+    assert!(sim.device_remaps(0).unwrap() > 0, "idle memory moved");
+    assert_eq!(
+        sim.device_used(0),
+        Some(20 * MIB),
+        "memory mapped at two places is taken once"
+    );
+    // A miss while that work is still queued does not end the move.
+    let e = pool.alloc(4 * MIB, &s).await.unwrap();
+    // The queued fill runs on `a`'s old place, still mapped.
+    drop(hold);
+    s.synchronize().unwrap();
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+    // Its work done, the next miss ends the move: the old place is free again, and a
+    // block of its size fits there without more memory.
+    let d = pool.alloc(4 * MIB, &s).await.unwrap();
+    s.fill_device(d.device_ptr(), 4 * MIB, 2).unwrap();
+    s.synchronize().unwrap();
+    drop((b, c, d, e));
     pool.empty_cache().await.unwrap();
     assert_eq!(sim.device_used(0), Some(0), "moved memory went back whole");
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());

@@ -125,11 +125,16 @@ impl<R: DeviceRuntime> Plugin<R> {
     }
 
     /// `torch.cuda.memory_stats(device)` as a JSON object with PyTorch's flat keys
-    /// (`allocated_bytes.all.current`, `reserved_bytes.all.peak`, `num_ooms`, …).
+    /// (`allocated_bytes.all.current`, `reserved_bytes.all.peak`, `num_ooms`, …), and
+    /// pinpool's own counts: `num_device_remaps` (map calls moved within a range) and
+    /// `num_misses` (requests that asked a pool actor).
     pub fn memory_stats_json(&self, device: i32) -> Result<String, Error> {
         let stats = self.alloc.stats(self.device(device)?)?;
+        let mut map = stats.to_map();
+        map.insert("num_device_remaps".into(), stats.num_device_remaps);
+        map.insert("num_misses".into(), stats.num_misses);
         let mut out = String::from("{");
-        for (i, (k, v)) in stats.to_map().iter().enumerate() {
+        for (i, (k, v)) in map.iter().enumerate() {
             if i > 0 {
                 out.push_str(", ");
             }

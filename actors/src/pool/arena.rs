@@ -79,6 +79,12 @@ pub(super) struct Arena<R: Runtime> {
     /// each run is mapped by a call of its own and goes back whole, once no lent piece
     /// touches any of its granules.
     whole: bool,
+    /// Places memory moved away from that stay mapped until the work queued on them before
+    /// the move has run (see `PoolActor::move_idle`): each batch of moves with the event
+    /// recorded on the pool's stream at the move; the places are held as lent pieces
+    /// meanwhile, so that nothing is placed or mapped there. (In a mutex only so that the
+    /// actor, which holds events here, may be shared across its awaits.)
+    leaving: std::sync::Mutex<Vec<(Vec<Piece>, R::Event)>>,
 }
 
 /// Granules of `[offset, offset + len)`.
@@ -113,6 +119,53 @@ impl<R: Runtime> Arena<R> {
             next_map: 0,
             clock: 0,
             whole,
+            leaving: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Holds the place `[offset, offset + len)` that memory just moved away from (idle, so
+    /// wholly free) until the move ends; `None` if it is not free (the move must end now).
+    pub(super) fn hold_leaving(&mut self, offset: usize, len: usize) -> Option<Piece> {
+        self.carver.take_exact(self.seg, offset, len)
+    }
+
+    /// Enters a batch of held places memory moved away from, and the event after which no
+    /// queued work uses them.
+    pub(super) fn leave(&mut self, places: Vec<Piece>, event: R::Event) {
+        self.leaving_mut().push((places, event));
+    }
+
+    fn leaving_mut(&mut self) -> &mut Vec<(Vec<Piece>, R::Event)> {
+        self.leaving
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether moves wait to end.
+    pub(super) fn has_leaving(&mut self) -> bool {
+        !self.leaving_mut().is_empty()
+    }
+
+    /// Takes the batches of places whose event `done` says completed.
+    pub(super) fn take_left(
+        &mut self,
+        mut done: impl FnMut(&R::Event) -> bool,
+    ) -> Vec<(Vec<Piece>, R::Event)> {
+        let (left, still): (Vec<_>, Vec<_>) = std::mem::take(self.leaving_mut())
+            .into_iter()
+            .partition(|(_, e)| done(e));
+        *self.leaving_mut() = still;
+        left
+    }
+
+    /// A held place whose mapping has ended goes back to the free ranges.
+    pub(super) fn release_left(&mut self, place: Piece) {
+        if let Err(e) = self.carver.release(place) {
+            tracing::error!(
+                ?e,
+                ?place,
+                "arena place could not be taken back; range leaked"
+            );
         }
     }
 
@@ -749,8 +802,16 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Moves idle memory, at most `n` granules of it, into the places of as many granules of
-    /// `need` (see `Arena::plan_moves` and `MemorySource::remap_run`), and strikes those
-    /// from `need`. Returns how many granules moved.
+    /// `need` (see `Arena::plan_moves`), and strikes those from `need`. Returns how many
+    /// granules moved.
+    ///
+    /// Work the pool's stream queued before may still use the memory at its old place (a
+    /// block freed on its own stream is reusable by that stream at once). Where the source
+    /// maps memory at two places (`MemorySource::alias_run`) and the pool has a stream, the
+    /// memory is mapped at its new place now and its old place is held, still mapped, until
+    /// an event recorded on the stream at the move completes (`retire_moves`): the move never
+    /// waits for the device. Elsewhere each move waits for the device's queued work
+    /// (`MemorySource::remap_run`).
     async fn move_idle(&mut self, need: &mut Vec<usize>, n: usize) -> usize {
         let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
             return 0;
@@ -762,24 +823,111 @@ impl<R: Runtime> PoolActor<R> {
         }
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let job = self.off_executor(move || {
+            let rt = &shared.runtime;
+            let event = match &shared.owner_stream {
+                Some(s) if shared.memory.aliases() && !rt.is_capturing(s).unwrap_or(true) => {
+                    rt.record_event(s).ok()
+                }
+                _ => None,
+            };
+            let bytes = |(f, t, k): (usize, usize, usize)| (f * granule, t * granule, k * granule);
             // A failed move changes nothing: those granules are mapped fresh instead.
-            moves
+            let moved: Vec<_> = moves
                 .into_iter()
-                .filter(|&(f, t, k)| {
-                    shared
-                        .move_now(&segment.memory, f * granule, t * granule, k * granule)
-                        .is_ok()
+                .filter(|&m| {
+                    let (f, t, len) = bytes(m);
+                    match event {
+                        Some(_) => shared.alias_now(&segment.memory, f, t, len).is_ok(),
+                        None => shared.move_now(&segment.memory, f, t, len).is_ok(),
+                    }
                 })
-                .collect::<Vec<_>>()
+                .collect();
+            (moved, event)
         });
-        let moved = job.await.unwrap_or_default();
-        if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
-            for &(f, t, k) in &moved {
-                a.moved(f, t, k);
+        let (moved, event) = job.await.unwrap_or_default();
+        let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) else {
+            return 0;
+        };
+        let mut held = Vec::new();
+        let mut unheld = Vec::new();
+        for &(f, t, k) in &moved {
+            a.moved(f, t, k);
+            if event.is_some() {
+                match a.hold_leaving(f * granule, k * granule) {
+                    Some(place) => held.push(place),
+                    None => unheld.push((f * granule, k * granule)),
+                }
             }
+        }
+        match event {
+            Some(e) if !held.is_empty() => a.leave(held, e),
+            Some(e) => self.shared.runtime.release_event(e),
+            None => {}
+        }
+        if !unheld.is_empty() {
+            // Never expected: an idle place is free. Its move ends now, after the device's
+            // queued work.
+            let (segment, shared) = (a.segment.clone(), self.shared.clone());
+            let _ = self
+                .off_executor(move || {
+                    for (o, l) in unheld {
+                        let _ = shared.unalias_now(&segment.memory, o, l, true);
+                    }
+                })
+                .await;
         }
         need.retain(|g| !moved.iter().any(|&(_, t, k)| (t..t + k).contains(g)));
         moved.iter().map(|m| m.2).sum()
+    }
+
+    /// Ends the moves whose old places no queued work uses any more (their events
+    /// completed; every one with `wait`, once the device's queued work has run): the old
+    /// places are unmapped and go back to the free ranges.
+    pub(super) async fn retire_moves(&mut self, wait: bool) {
+        let rt = self.shared.runtime.clone();
+        let Some(arena) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) else {
+            return;
+        };
+        if !arena.has_leaving() {
+            return;
+        }
+        let left = arena.take_left(|e| wait || rt.query_event(e).unwrap_or(false));
+        if left.is_empty() {
+            return;
+        }
+        let mut places = Vec::new();
+        for (p, e) in left {
+            rt.release_event(e);
+            places.extend(p);
+        }
+        let (segment, shared) = (arena.segment.clone(), self.shared.clone());
+        let ended = self
+            .off_executor(move || {
+                places
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, p)| {
+                        // Waiting once is enough.
+                        let ok = shared
+                            .unalias_now(&segment.memory, p.offset, p.len, wait && i == 0)
+                            .is_ok();
+                        (p, ok)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .unwrap_or_default();
+        let Some(arena) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) else {
+            return;
+        };
+        for (place, ok) in ended {
+            if ok {
+                arena.release_left(place);
+            } else {
+                // Still mapped: held for good rather than mapped again.
+                tracing::error!(?place, "a moved mapping could not end; range leaked");
+            }
+        }
     }
 
     /// Gives a piece whose granules were never mapped back to the arena.
@@ -801,10 +949,20 @@ impl<R: Runtime> PoolActor<R> {
         let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
             return (0, 0);
         };
-        let runs = arena.idle_runs(bytes);
+        let runs = if bytes == 0 {
+            Vec::new()
+        } else {
+            arena.idle_runs(bytes)
+        };
         if runs.is_empty() {
             return (0, 0);
         }
+        // Memory still mapped at a place it moved away from would not go back with the
+        // place it moved to: every move ends first (the unmaps wait for the device anyway).
+        self.retire_moves(true).await;
+        let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
+            return (0, 0);
+        };
         let granule = arena.granule();
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let job = self.off_executor(move || {

@@ -183,6 +183,7 @@ impl<R: Runtime> Drop for PoolActor<R> {
             .fetch_or(DIVERT_CLOSING, Ordering::SeqCst);
         // Blocks already in the mailbox would keep the pool (and the mailbox) alive forever.
         let mut homeless = self.shared.ready.drain();
+        homeless.extend(self.shared.homed());
         let deferred: Vec<_> = self.deferred.drain(..).collect();
         for msg in deferred
             .into_iter()
@@ -224,6 +225,19 @@ impl<R: Runtime> Drop for PoolActor<R> {
         }
         for s in self.refused.drain(..) {
             s.leak();
+        }
+        // Moves not ended: their old places are unmapped here, after the device's work.
+        if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
+            let rt = self.shared.runtime.clone();
+            for (places, e) in a.take_left(|_| true) {
+                rt.release_event(e);
+                for p in places {
+                    let _ = self
+                        .shared
+                        .unalias_now(&a.segment.memory, p.offset, p.len, true);
+                    a.release_left(p);
+                }
+            }
         }
         for mut b in self.kept.drain(..) {
             if let Some(s) = &b.segment {
@@ -350,6 +364,7 @@ impl<R: Runtime> PoolActor<R> {
                         // blocks whose free the runtime refused, are tried again; blocks
                         // parked by freeing threads go to the poller.
                         let mut me = actor.lock().await;
+                        me.book_notes();
                         shared.parked.unpark_all();
                         let blocks = shared.ready.drain();
                         me.free_blocks(blocks).await;

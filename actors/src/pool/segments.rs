@@ -378,7 +378,8 @@ impl<R: Runtime> PoolActor<R> {
     /// `Block::split_off`, `Block::absorb_next`): one piece more or fewer lent from the
     /// segment, the records for snapshots, and the slot lines of the parts' classes to
     /// drain. Done before any block is taken back: a part can only come back after its note
-    /// was sent.
+    /// was sent. Then takes back the large pieces freed since (`Home::home_quietly`): their splits
+    /// were noted before they were freed.
     pub(super) fn book_notes(&mut self) {
         let Some(segs) = self.carved.as_mut() else {
             return;
@@ -387,6 +388,15 @@ impl<R: Runtime> PoolActor<R> {
             match note {
                 Note::Split(s) => segs.book_split(s),
                 Note::Merge(m) => segs.book_merge(m),
+            }
+        }
+        let homed: Vec<_> = self.shared.homed().collect();
+        for mut b in homed {
+            if self.absorb(&mut b) {
+                self.shared.recycle(b);
+            } else {
+                b.state = crate::block::BlockState::Cached;
+                self.shared.ready.put(b);
             }
         }
     }
@@ -600,6 +610,7 @@ impl<R: Runtime> PoolActor<R> {
     /// events (invariant 3) and unmapping idle granules to stay under the reserve cap.
     /// `None` when the arena's range cannot hold the block (separate segments then).
     async fn miss_arena(&mut self, class: SizeClass) -> Option<Result<Box<Block<R>>, Error>> {
+        self.retire_moves(false).await;
         self.absorb_ready();
         let pack = self.carved.as_ref()?.carving.pack_granules;
         let mut placed = self
