@@ -839,6 +839,53 @@ async fn idle_device_memory_moved_to_a_new_place_holds_what_is_written_there() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_under_a_running_kernel_waits_for_nothing_and_the_old_place_outlives_its_work() {
+    let test =
+        "a_move_under_a_running_kernel_waits_for_nothing_and_the_old_place_outlives_its_work";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let (s, _) = two_streams(&rt);
+    let kernels = Kernels::load(&s);
+    let a = pool.alloc(8 * MIB, &s).await.unwrap();
+    let b = pool.alloc(8 * MIB, &s).await.unwrap();
+    memset(&s, b.device_ptr(), 2, 8 * MIB);
+    // `a` is written after 300 ms of other work, and freed at once (its stream may reuse it).
+    kernels.spin(&s, 300);
+    memset(&s, a.device_ptr(), 1, 8 * MIB);
+    drop(a);
+    // Over the reserve cap, `a`'s idle memory moves past `b`: without waiting for the
+    // stream, its old place still mapped for the queued write.
+    let t0 = Instant::now();
+    let c = pool.alloc(12 * MIB, &s).await.unwrap();
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(150),
+        "the move waited {took:?}"
+    );
+    memset(&s, c.device_ptr(), 3, 12 * MIB);
+    // A fault of the queued write would surface here.
+    s.synchronize().unwrap();
+    assert!(read_back(&s, c.device_ptr(), 12 * MIB)
+        .iter()
+        .all(|&x| x == 3));
+    assert!(read_back(&s, b.device_ptr(), 8 * MIB)
+        .iter()
+        .all(|&x| x == 2));
+    drop((b, c));
+    pool.empty_cache().await.unwrap();
+    assert_eq!(
+        pool.reserved_bytes(0).unwrap(),
+        0,
+        "moved memory went back whole"
+    );
+    println!(
+        "gpu device_move_under_kernel alloc_us={} remaps={}",
+        took.as_micros(),
+        pool.stats(0).unwrap().num_device_remaps
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_lent_between_streams_is_used_by_the_borrower_only_after_the_lenders_kernel() {
     let test = "a_block_lent_between_streams_is_used_by_the_borrower_only_after_the_lenders_kernel";
     if !cuda_available() {
