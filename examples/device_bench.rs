@@ -50,7 +50,8 @@
 //! task), `dev_replay_fresh trace=NAME` (device allocations during the second run) and
 //! `dev_replay_warm_driver_calls_per_pass trace=NAME` (memory taken from, given back to and
 //! moved within the driver's mappings, per pass over three more passes with the cache kept: a
-//! repeated stream's steady state).
+//! repeated stream's steady state), and for those passes `dev_replay_warm_ns_per_request` and
+//! `dev_replay_warm_misses_per_pass` (requests the pool actor answered).
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};
