@@ -50,6 +50,12 @@ const UNITS_PER_PEAK: usize = 32;
 /// reserved over peak live 1.06; at a quarter, 1.11).
 const UNITS_PER_RUN: usize = 8;
 
+/// How long a miss looks at the events of moves not ended yet before it places a block
+/// (`PoolActor::retire_moves`): an event whose stream is about to run out of work completes
+/// within microseconds, and an old place taken back in time keeps the layout as tight as
+/// moves that waited would. Longer work is not waited for.
+const MOVE_PATIENCE: std::time::Duration = std::time::Duration::from_micros(50);
+
 /// (offset, bytes) in the range.
 type Range = (usize, usize);
 
@@ -808,9 +814,10 @@ impl<R: Runtime> PoolActor<R> {
     /// Work the pool's stream queued before may still use the memory at its old place (a
     /// block freed on its own stream is reusable by that stream at once). Where the source
     /// maps memory at two places (`MemorySource::alias_run`) and the pool has a stream, the
-    /// memory is mapped at its new place now and its old place is held, still mapped, until
-    /// an event recorded on the stream at the move completes (`retire_moves`): the move never
-    /// waits for the device. Elsewhere each move waits for the device's queued work
+    /// memory is mapped at its new place now; if the stream still has work queued, its old
+    /// place is held, still mapped, until an event recorded on the stream at the move
+    /// completes (`retire_moves`), else its old mapping ends at once. The move never waits
+    /// for the device. Elsewhere each move waits for the device's queued work
     /// (`MemorySource::remap_run`).
     async fn move_idle(&mut self, need: &mut Vec<usize>, n: usize) -> usize {
         let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
@@ -824,27 +831,44 @@ impl<R: Runtime> PoolActor<R> {
         let (segment, shared) = (arena.segment.clone(), self.shared.clone());
         let job = self.off_executor(move || {
             let rt = &shared.runtime;
-            let event = match &shared.owner_stream {
+            // Where the stream has run all its work, no queued work uses the old places:
+            // each move ends at once.
+            let (aliased, event) = match &shared.owner_stream {
                 Some(s) if shared.memory.aliases() && !rt.is_capturing(s).unwrap_or(true) => {
-                    rt.record_event(s).ok()
+                    if rt.stream_idle(s).unwrap_or(false) {
+                        (true, None)
+                    } else {
+                        let event = rt.record_event(s).ok();
+                        (event.is_some(), event)
+                    }
                 }
-                _ => None,
+                _ => (false, None),
             };
             let bytes = |(f, t, k): (usize, usize, usize)| (f * granule, t * granule, k * granule);
+            let mut stuck = Vec::new();
             // A failed move changes nothing: those granules are mapped fresh instead.
             let moved: Vec<_> = moves
                 .into_iter()
                 .filter(|&m| {
                     let (f, t, len) = bytes(m);
-                    match event {
-                        Some(_) => shared.alias_now(&segment.memory, f, t, len).is_ok(),
-                        None => shared.move_now(&segment.memory, f, t, len).is_ok(),
+                    if !aliased {
+                        return shared.move_now(&segment.memory, f, t, len).is_ok();
                     }
+                    if shared.alias_now(&segment.memory, f, t, len).is_err() {
+                        return false;
+                    }
+                    if event.is_none()
+                        && shared.unalias_now(&segment.memory, f, len, false).is_err()
+                    {
+                        // Both places stay mapped: the old one is held for good.
+                        stuck.push((f, len));
+                    }
+                    true
                 })
                 .collect();
-            (moved, event)
+            (moved, event, stuck)
         });
-        let (moved, event) = job.await.unwrap_or_default();
+        let (moved, event, stuck) = job.await.unwrap_or_default();
         let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) else {
             return 0;
         };
@@ -852,7 +876,13 @@ impl<R: Runtime> PoolActor<R> {
         let mut unheld = Vec::new();
         for &(f, t, k) in &moved {
             a.moved(f, t, k);
-            if event.is_some() {
+            if stuck.contains(&(f * granule, k * granule)) {
+                tracing::error!(
+                    offset = f * granule,
+                    "a moved mapping could not end; range leaked"
+                );
+                let _ = a.hold_leaving(f * granule, k * granule);
+            } else if event.is_some() {
                 match a.hold_leaving(f * granule, k * granule) {
                     Some(place) => held.push(place),
                     None => unheld.push((f * granule, k * granule)),
@@ -881,8 +911,9 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Ends the moves whose old places no queued work uses any more (their events
-    /// completed; every one with `wait`, once the device's queued work has run): the old
-    /// places are unmapped and go back to the free ranges.
+    /// completed, looked at for up to `MOVE_PATIENCE`; every one with `wait`, once the
+    /// device's queued work has run): the old places are unmapped and go back to the free
+    /// ranges.
     pub(super) async fn retire_moves(&mut self, wait: bool) {
         let rt = self.shared.runtime.clone();
         let Some(arena) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) else {
@@ -891,7 +922,15 @@ impl<R: Runtime> PoolActor<R> {
         if !arena.has_leaving() {
             return;
         }
-        let left = arena.take_left(|e| wait || rt.query_event(e).unwrap_or(false));
+        let mut left = Vec::new();
+        let t0 = Instant::now();
+        loop {
+            left.extend(arena.take_left(|e| wait || rt.query_event(e).unwrap_or(false)));
+            if !arena.has_leaving() || t0.elapsed() >= MOVE_PATIENCE {
+                break;
+            }
+            std::hint::spin_loop();
+        }
         if left.is_empty() {
             return;
         }
