@@ -555,9 +555,9 @@ impl SizePolicy for DeviceFit {
     }
 }
 
-/// The default: PyTorch's powers of two up to a threshold (512 MiB by default), and above it
-/// sixteen classes per power of two, so that a large request is rounded up by at most 6.25%
-/// instead of up to 100% (PyTorch's `pinned_max_round_threshold_mb` knob, made the default).
+/// PyTorch's powers of two up to a threshold (512 MiB by default), and above it sixteen
+/// classes per power of two, so that a large request is rounded up by at most 6.25% instead
+/// of up to 100% (PyTorch's `pinned_max_round_threshold_mb` knob, always on here).
 /// Requests up to the threshold behave exactly as under [`PowerOfTwo`].
 ///
 /// ```

@@ -1,11 +1,12 @@
 //! Ready blocks of a pool: the cached path (invariant 5).
 //!
 //! Each thread shard has, per size class, one *slot*: an atomic pointer that holds at most
-//! one ready block. A free puts the block into the freeing thread's slot for its class (one
-//! compare-and-swap on a cache line only that thread writes); a request takes it back with
-//! one swap. A slot already full overflows into the shard's flume queue for the class, and an
-//! empty slot and queue make the request look in the other shards' slots and queues before it
-//! asks the pool actor. Slots are shared memory, not thread-locals: the pool actor drains them
+//! one ready block. A free puts the block into the freeing thread's slot for its class when
+//! the slot is empty (a load and a store, on a cache line only the thread that owns the shard
+//! fills; other threads only empty it); a request takes it back with one swap. A slot already
+//! full, or a shard the thread does not own, overflows into the shard's flume queue for the
+//! class, and an empty slot and queue make the request look in the other shards' slots and
+//! queues before it asks the pool actor. Slots are shared memory, not thread-locals: the pool actor drains them
 //! when it empties the cache or shuts down, and a thread that exits leaves nothing behind.
 //! Each shard marks the classes whose queue may hold a block, so that a drain (at a best-fit
 //! miss, say) or a steal looks only at those queues, not at every class of every shard; and
