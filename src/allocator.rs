@@ -246,7 +246,8 @@ impl<R: Runtime> Builder<R> {
         self
     }
 
-    /// Thread shards for the cached path (default: the machine's parallelism).
+    /// Thread shards for the cached path (default: twice the machine's parallelism, rounded up
+    /// to a power of two, at most 64).
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards);
         self
