@@ -1,4 +1,4 @@
-//! `DeviceBuffer`: simulated device memory, the far end of simulated copies.
+//! `SimDeviceBuffer`: simulated device memory, the far end of simulated copies.
 //!
 //! Owns its bytes behind an `Arc<[AtomicU8]>`: stream workers write them when a copy runs,
 //! tests read them after synchronizing. Atomic bytes make the buffer shareable without
@@ -10,25 +10,25 @@ use std::sync::Arc;
 /// A simulated device allocation of fixed length, zeroed at creation. Cloning shares it.
 ///
 /// ```
-/// use pinpool::sim::{DeviceBuffer, SimRuntime};
+/// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 /// use pinpool::Runtime;
 ///
 /// let sim = SimRuntime::new();
 /// let stream = sim.stream();
 /// let host = sim.host_alloc(4).unwrap();
 /// sim.host_write(host.ptr.as_ptr(), &[1, 2, 3, 4]).unwrap();
-/// let dev = DeviceBuffer::new(4);
+/// let dev = SimDeviceBuffer::new(4);
 /// stream.copy_to_device(host.ptr.as_ptr(), 4, &dev).unwrap();
 /// stream.synchronize().unwrap();
 /// assert_eq!(dev.to_vec(), [1, 2, 3, 4]);
 /// sim.host_free(host).unwrap();
 /// ```
 #[derive(Clone)]
-pub struct DeviceBuffer {
+pub struct SimDeviceBuffer {
     bytes: Arc<[AtomicU8]>,
 }
 
-impl DeviceBuffer {
+impl SimDeviceBuffer {
     /// A zeroed buffer of `len` bytes.
     pub fn new(len: usize) -> Self {
         Self {
@@ -66,9 +66,9 @@ impl DeviceBuffer {
     }
 }
 
-impl std::fmt::Debug for DeviceBuffer {
+impl std::fmt::Debug for SimDeviceBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceBuffer")
+        f.debug_struct("SimDeviceBuffer")
             .field("len", &self.len())
             .finish_non_exhaustive()
     }
@@ -80,11 +80,11 @@ mod tests {
 
     #[test]
     fn new_buffer_is_zeroed_and_clones_share_bytes() {
-        let a = DeviceBuffer::new(8);
+        let a = SimDeviceBuffer::new(8);
         assert_eq!(a.to_vec(), [0; 8]);
         let b = a.clone();
         b.fill(9);
         assert_eq!(a.to_vec(), [9; 8]);
-        assert!(DeviceBuffer::new(0).is_empty());
+        assert!(SimDeviceBuffer::new(0).is_empty());
     }
 }

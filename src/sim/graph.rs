@@ -124,13 +124,13 @@ impl CaptureState {
 /// capture are inert in the replay.
 ///
 /// ```
-/// use pinpool::sim::{DeviceBuffer, SimRuntime};
+/// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 /// use pinpool::Runtime;
 ///
 /// let sim = SimRuntime::new();
 /// let stream = sim.stream();
 /// let host = sim.host_alloc(2).unwrap();
-/// let dev = DeviceBuffer::new(2);
+/// let dev = SimDeviceBuffer::new(2);
 /// stream.begin_capture().unwrap();
 /// stream.copy_to_device(host.ptr.as_ptr(), 2, &dev).unwrap();
 /// let graph = stream.end_capture().unwrap();
@@ -181,7 +181,7 @@ impl std::fmt::Debug for SimGraph {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{DeviceBuffer, SimRuntime, ViolationKind};
+    use super::super::{SimDeviceBuffer, SimRuntime, ViolationKind};
     use super::*;
     use pinpool_actors::Runtime;
 
@@ -191,7 +191,7 @@ mod tests {
         let stream = sim.stream();
         let mem = sim.host_alloc(4).unwrap();
         let p = mem.ptr.as_ptr();
-        let dev = DeviceBuffer::new(4);
+        let dev = SimDeviceBuffer::new(4);
         stream.begin_capture().unwrap();
         assert!(stream.is_capturing());
         assert_eq!(sim.is_capturing(&stream), Ok(true));
@@ -221,7 +221,7 @@ mod tests {
         let stream = sim.stream();
         let mem = sim.host_alloc(2).unwrap();
         let p = mem.ptr.as_ptr();
-        let dev = DeviceBuffer::new(2);
+        let dev = SimDeviceBuffer::new(2);
         stream.begin_capture().unwrap();
         stream.copy_to_device(p, 2, &dev).unwrap();
         let graph = stream.end_capture().unwrap();
@@ -289,7 +289,7 @@ mod tests {
         let mem = sim.host_alloc(4).unwrap();
         stream.begin_capture().unwrap();
         stream
-            .copy_to_device(mem.ptr.as_ptr(), 4, &DeviceBuffer::new(4))
+            .copy_to_device(mem.ptr.as_ptr(), 4, &SimDeviceBuffer::new(4))
             .unwrap();
         let graph = stream.end_capture().unwrap();
         sim.host_free(mem).unwrap();

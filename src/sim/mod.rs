@@ -45,7 +45,7 @@ use pinpool_actors::{
     HostMemory, MemoryKind, MemorySource, PinMethod, Region, Runtime, RuntimeError, StreamId,
 };
 
-pub use device::DeviceBuffer;
+pub use device::SimDeviceBuffer;
 pub use device_memory::SimDeviceMemory;
 pub use error::SimError;
 pub use event::SimEvent;
@@ -170,7 +170,7 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 /// The simulated CUDA runtime. Cheap to clone: clones share memory, counters and faults.
 ///
 /// ```
-/// use pinpool::sim::{DeviceBuffer, SimRuntime};
+/// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 /// use pinpool::{PinMethod, Runtime};
 ///
 /// let sim = SimRuntime::new();
@@ -180,7 +180,7 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 ///
 /// // A buffer overwritten while its copy is still queued is early reuse.
 /// let stream = sim.stream();
-/// let dev = DeviceBuffer::new(16);
+/// let dev = SimDeviceBuffer::new(16);
 /// let hold = stream.hold();
 /// stream.copy_to_device(mem.ptr.as_ptr(), 16, &dev).unwrap();
 /// let event = sim.record_event(&stream).unwrap();

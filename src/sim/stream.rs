@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use pinpool_actors::StreamId;
 
-use super::device::DeviceBuffer;
+use super::device::SimDeviceBuffer;
 use super::error::SimError;
 use super::event::{EventState, SimEvent};
 use super::graph::{CaptureState, SimGraph};
@@ -40,13 +40,13 @@ struct StreamInner {
 ///
 /// ```
 /// use std::time::Duration;
-/// use pinpool::sim::{DeviceBuffer, SimRuntime};
+/// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 /// use pinpool::Runtime;
 ///
 /// let sim = SimRuntime::new();
 /// let stream = sim.stream();
 /// let host = sim.host_alloc(3).unwrap();
-/// let dev = DeviceBuffer::new(3);
+/// let dev = SimDeviceBuffer::new(3);
 /// stream.delay(Duration::from_millis(1));
 /// stream.write_host(host.ptr.as_ptr(), 3, 7).unwrap();
 /// stream.copy_to_device(host.ptr.as_ptr(), 3, &dev).unwrap();
@@ -170,7 +170,7 @@ impl SimStream {
         &self,
         src: *const u8,
         len: usize,
-        dst: &DeviceBuffer,
+        dst: &SimDeviceBuffer,
     ) -> Result<(), SimError> {
         check_device(len, dst)?;
         let src = self.host_range(src as usize, len)?;
@@ -189,7 +189,7 @@ impl SimStream {
         &self,
         src: *const u8,
         len: usize,
-        dst: &DeviceBuffer,
+        dst: &SimDeviceBuffer,
     ) -> Result<(), SimError> {
         check_device(len, dst)?;
         // SAFETY: the caller promised the range stays allocated while the op exists.
@@ -205,7 +205,7 @@ impl SimStream {
     /// [`SimError::ForeignHostMemory`] or [`SimError::DeviceOutOfBounds`].
     pub fn copy_to_host(
         &self,
-        src: &DeviceBuffer,
+        src: &SimDeviceBuffer,
         dst: *mut u8,
         len: usize,
     ) -> Result<(), SimError> {
@@ -461,7 +461,7 @@ impl SimStream {
         })
     }
 
-    fn submit_copy_to_device(&self, src: HostRange, dst: &DeviceBuffer) -> Result<(), SimError> {
+    fn submit_copy_to_device(&self, src: HostRange, dst: &SimDeviceBuffer) -> Result<(), SimError> {
         self.submit(|capture| {
             let expect = capture.is_none().then(|| src.snapshot()).flatten();
             Ok(Work::CopyToDevice {
@@ -502,7 +502,7 @@ impl SimStream {
     }
 }
 
-fn check_device(len: usize, buffer: &DeviceBuffer) -> Result<(), SimError> {
+fn check_device(len: usize, buffer: &SimDeviceBuffer) -> Result<(), SimError> {
     if len > buffer.len() {
         return Err(SimError::DeviceOutOfBounds {
             len,
@@ -539,7 +539,7 @@ mod tests {
     fn operations_run_in_enqueue_order() {
         let (sim, stream, mem) = setup(4);
         let p = mem.ptr.as_ptr();
-        let (first, second) = (DeviceBuffer::new(4), DeviceBuffer::new(4));
+        let (first, second) = (SimDeviceBuffer::new(4), SimDeviceBuffer::new(4));
         stream.write_host(p, 4, 1).unwrap();
         stream.copy_to_device(p, 4, &first).unwrap();
         stream.write_host(p, 4, 2).unwrap();
@@ -620,7 +620,7 @@ mod tests {
     fn copy_reads_host_bytes_when_it_runs_not_when_enqueued() {
         let (sim, stream, mem) = setup(4);
         let p = mem.ptr.as_ptr();
-        let dev = DeviceBuffer::new(4);
+        let dev = SimDeviceBuffer::new(4);
         let hold = stream.hold();
         stream.write_host(p, 4, 5).unwrap();
         stream.copy_to_device(p, 4, &dev).unwrap();
@@ -635,7 +635,7 @@ mod tests {
     fn copy_whose_source_was_overwritten_before_it_ran_is_a_violation() {
         let (sim, stream, mem) = setup(8);
         let p = mem.ptr.as_ptr();
-        let dev = DeviceBuffer::new(8);
+        let dev = SimDeviceBuffer::new(8);
         let hold = stream.hold();
         stream.copy_to_device(p, 8, &dev).unwrap();
         sim.host_write(p, &[3; 8]).unwrap();
@@ -659,7 +659,7 @@ mod tests {
         let (sim, stream, mem) = setup(8);
         let p = mem.ptr.as_ptr();
         sim.host_write(p, &[4; 8]).unwrap();
-        let dev = DeviceBuffer::new(8);
+        let dev = SimDeviceBuffer::new(8);
         let hold = stream.hold();
         stream.copy_to_device(p, 8, &dev).unwrap();
         drop(hold);
@@ -675,7 +675,7 @@ mod tests {
     fn host_write_to_a_queued_device_to_host_destination_is_a_violation() {
         let (sim, stream, mem) = setup(4);
         let p = mem.ptr.as_ptr();
-        let dev = DeviceBuffer::new(4);
+        let dev = SimDeviceBuffer::new(4);
         dev.fill(8);
         let hold = stream.hold();
         stream.copy_to_host(&dev, p, 4).unwrap();
@@ -743,7 +743,7 @@ mod tests {
         let (sim, a, mem) = setup(4);
         let b = sim.stream();
         let p = mem.ptr.as_ptr();
-        let dev = DeviceBuffer::new(4);
+        let dev = SimDeviceBuffer::new(4);
         let hold = a.hold();
         a.copy_to_device(p, 4, &dev).unwrap();
         b.write_host(p, 4, 6).unwrap();
@@ -761,19 +761,19 @@ mod tests {
         let p = mem.ptr.as_ptr();
         let local = [0u8; 4];
         assert!(matches!(
-            stream.copy_to_device(local.as_ptr(), 4, &DeviceBuffer::new(4)),
+            stream.copy_to_device(local.as_ptr(), 4, &SimDeviceBuffer::new(4)),
             Err(SimError::ForeignHostMemory { .. })
         ));
         assert!(matches!(
-            stream.copy_to_device(p, 5, &DeviceBuffer::new(8)),
+            stream.copy_to_device(p, 5, &SimDeviceBuffer::new(8)),
             Err(SimError::ForeignHostMemory { .. })
         ));
         assert!(matches!(
-            stream.copy_to_device(p, 4, &DeviceBuffer::new(2)),
+            stream.copy_to_device(p, 4, &SimDeviceBuffer::new(2)),
             Err(SimError::DeviceOutOfBounds { .. })
         ));
         assert!(matches!(
-            stream.copy_to_host(&DeviceBuffer::new(2), p, 4),
+            stream.copy_to_host(&SimDeviceBuffer::new(2), p, 4),
             Err(SimError::DeviceOutOfBounds { .. })
         ));
         assert!(matches!(
@@ -790,7 +790,7 @@ mod tests {
         let local: Vec<std::sync::atomic::AtomicU8> = (0..4)
             .map(|_| std::sync::atomic::AtomicU8::new(1))
             .collect();
-        let dev = DeviceBuffer::new(4);
+        let dev = SimDeviceBuffer::new(4);
         let hold = stream.hold();
         // SAFETY: `local` outlives the copy: the stream is synchronized before it is dropped.
         unsafe {

@@ -187,7 +187,7 @@ fn freeing_memory_with_a_queued_copy_is_a_violation_but_stays_memory_safe() {
     let sim = SimRuntime::new();
     let stream = sim.stream();
     let mem = sim.host_alloc(16).unwrap();
-    let dev = DeviceBuffer::new(16);
+    let dev = SimDeviceBuffer::new(16);
     let hold = stream.hold();
     stream.copy_to_device(mem.ptr.as_ptr(), 16, &dev).unwrap();
     sim.host_free(mem).unwrap();
@@ -207,7 +207,7 @@ fn random_delays_keep_stream_order() {
     let devs: Vec<_> = (0..20u8)
         .map(|i| {
             stream.write_host(p, 1, i).unwrap();
-            let d = DeviceBuffer::new(1);
+            let d = SimDeviceBuffer::new(1);
             stream.copy_to_device(p, 1, &d).unwrap();
             d
         })
@@ -268,7 +268,7 @@ fn expandable_memory_is_live_only_where_mapped_and_misuse_is_refused() {
     assert!(sim.host_write(past, &[2; 8]).is_err());
     // A copy from mapped memory works; from an unmapped granule it is refused.
     let stream = sim.stream();
-    let dev = DeviceBuffer::new(g);
+    let dev = SimDeviceBuffer::new(g);
     stream.copy_to_device(one, 64, &dev).unwrap();
     assert!(stream.copy_to_device(three, 64, &dev).is_err());
     stream.synchronize().unwrap();

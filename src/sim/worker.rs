@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use pinpool_actors::StreamId;
 
-use super::device::DeviceBuffer;
+use super::device::SimDeviceBuffer;
 use super::error::SimError;
 use super::event::EventState;
 use super::memory::{atomic_bytes, checksum, checksum_atomic, HostAllocation};
@@ -170,12 +170,12 @@ pub(crate) enum Work {
     /// Host → device; `expect` is the source checksum at enqueue (None when captured).
     CopyToDevice {
         src: HostRange,
-        dst: DeviceBuffer,
+        dst: SimDeviceBuffer,
         expect: Option<Expect>,
     },
     /// Device → host; `expect` is the destination checksum at enqueue.
     CopyToHost {
-        src: DeviceBuffer,
+        src: SimDeviceBuffer,
         dst: HostRange,
         expect: Option<Expect>,
     },

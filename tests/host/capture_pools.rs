@@ -2,7 +2,7 @@
 //! the capture's pool; a block used by captured work is never reused while the pool lives,
 //! so graph replays read the right bytes; a block never used is reusable.
 
-use pinpool::sim::DeviceBuffer;
+use pinpool::sim::SimDeviceBuffer;
 use pinpool::{Error, PoolId};
 use pinpool_testkit::{assert_books_balance, sim_pool};
 
@@ -97,7 +97,7 @@ async fn a_block_used_by_captured_work_is_kept_and_replays_read_the_right_bytes(
     let (pool, sim) = sim_pool();
     let cap = sim.stream();
     let replay = sim.stream();
-    let dev = DeviceBuffer::new(4096);
+    let dev = SimDeviceBuffer::new(4096);
     let id = pool.new_pool_id();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
@@ -155,7 +155,7 @@ async fn a_block_used_by_captured_work_is_kept_and_replays_read_the_right_bytes(
 async fn a_block_from_before_capture_used_by_captured_work_is_kept_too() {
     let (pool, sim) = sim_pool();
     let cap = sim.stream();
-    let dev = DeviceBuffer::new(64);
+    let dev = SimDeviceBuffer::new(64);
     let mut a = pool.alloc(64).await.unwrap();
     a.fill(3);
     cap.begin_capture().unwrap();

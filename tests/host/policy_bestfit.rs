@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use pinpool::sim::{DeviceBuffer, SimRuntime};
+use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 use pinpool::{BestFit, BlockStatus, Builder, PinnedAllocator, SizePolicy};
 use pinpool_testkit::{assert_books_balance, segments_pool};
 
@@ -70,7 +70,7 @@ async fn a_block_is_never_smaller_than_its_request_even_after_reuse() {
 async fn a_carved_block_whose_copy_is_queued_is_not_coalesced_into_reuse() {
     let (pool, sim) = segments_pool();
     let stream = sim.stream();
-    let dev = DeviceBuffer::new(4096);
+    let dev = SimDeviceBuffer::new(4096);
     let hold = stream.hold();
     let mut a = pool.alloc(4096).await.unwrap();
     let neighbour = pool.alloc(4096).await.unwrap();
@@ -106,7 +106,7 @@ async fn a_carved_block_used_by_captured_work_is_never_reused() {
     let (pool, sim) = segments_pool();
     let cap = sim.stream();
     let replay = sim.stream();
-    let dev = DeviceBuffer::new(4096);
+    let dev = SimDeviceBuffer::new(4096);
     let id = pool.new_pool_id();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use pinpool::sim::DeviceBuffer;
+use pinpool::sim::SimDeviceBuffer;
 use pinpool::Error;
 use pinpool_testkit::{assert_books_balance, eventually, sim_pool};
 
@@ -12,7 +12,7 @@ use pinpool_testkit::{assert_books_balance, eventually, sim_pool};
 async fn a_buffer_whose_copy_is_still_queued_is_not_handed_out_again() {
     let (pool, sim) = sim_pool();
     let stream = sim.stream();
-    let dev = DeviceBuffer::new(4096);
+    let dev = SimDeviceBuffer::new(4096);
 
     let hold = stream.hold();
     let mut a = pool.alloc(4096).await.unwrap();
@@ -53,7 +53,7 @@ async fn a_buffer_whose_copy_is_still_queued_is_not_handed_out_again() {
 async fn a_block_whose_streams_ran_all_their_work_is_reusable_at_its_free_without_an_event() {
     let (pool, sim) = sim_pool();
     let (s1, s2) = (sim.stream(), sim.stream());
-    let dev = DeviceBuffer::new(4096);
+    let dev = SimDeviceBuffer::new(4096);
     let mut a = pool.alloc(4096).await.unwrap();
     a.fill(0xAB);
     s1.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();
@@ -226,7 +226,7 @@ async fn random_stream_delays_never_lead_to_early_reuse() {
         let pool = pool.clone();
         let stream = streams[t % 3].clone();
         tasks.push(tokio::spawn(async move {
-            let dev = DeviceBuffer::new(1 << 12);
+            let dev = SimDeviceBuffer::new(1 << 12);
             for i in 0..150usize {
                 let size = 512 << (i % 4);
                 let mut b = pool.alloc(size).await.unwrap();

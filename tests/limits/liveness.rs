@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pinpool::config::SizePolicyChoice;
-use pinpool::sim::{DeviceBuffer, HoldGuard, SimRuntime, SimStream};
+use pinpool::sim::{HoldGuard, SimDeviceBuffer, SimRuntime, SimStream};
 use pinpool::{BlockLayout, Builder, Error, PinnedAllocator, PinnedBuffer, SizePolicy};
 use proptest::prelude::*;
 use tokio::task::JoinHandle;
@@ -64,7 +64,7 @@ struct Harness {
     granule: usize,
     streams: Vec<SimStream>,
     holds: Vec<Option<HoldGuard>>,
-    dev: DeviceBuffer,
+    dev: SimDeviceBuffer,
     held: Vec<PinnedBuffer<SimRuntime>>,
     /// Freed after a copy on a held stream: address and capacity, by stream. Still lent
     /// until the stream is released.
@@ -97,7 +97,7 @@ impl Harness {
             granule,
             streams,
             holds: (0..STREAMS).map(|_| None).collect(),
-            dev: DeviceBuffer::new(64 << 10),
+            dev: SimDeviceBuffer::new(64 << 10),
             held: Vec::new(),
             queued: vec![Vec::new(); STREAMS],
             waiting: VecDeque::new(),

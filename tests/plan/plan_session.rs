@@ -4,7 +4,7 @@
 use pinpool::plan::{
     check, ArenaPlan, ArenaSession, Mismatch, Plan, PlanSessionError, Planner, Recording,
 };
-use pinpool::sim::{DeviceBuffer, SimRuntime};
+use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 use pinpool::trace::Lifetime;
 use pinpool::PinnedAllocator;
 use pinpool_testkit::{on_plain_thread, sim_pool};
@@ -541,9 +541,9 @@ async fn stream_work_on_served_buffers_is_never_overwritten() {
     assert_eq!(offsets[0], offsets[1], "the plan reuses the bytes");
     let mut session = pool.serve_plan(&plan).await.unwrap();
     let (dev1, dev2, dev3) = (
-        DeviceBuffer::new(4096),
-        DeviceBuffer::new(4096),
-        DeviceBuffer::new(4096),
+        SimDeviceBuffer::new(4096),
+        SimDeviceBuffer::new(4096),
+        SimDeviceBuffer::new(4096),
     );
 
     let hold = stream.hold();
@@ -609,7 +609,7 @@ async fn random_runs_with_queued_copies_see_no_early_reuse() {
                     let byte = (bufs.len() % 200) as u8 + iteration;
                     buf.fill(byte);
                     if size > 0 {
-                        let dev = DeviceBuffer::new(size);
+                        let dev = SimDeviceBuffer::new(size);
                         stream.copy_to_device(buf.as_ptr(), size, &dev).unwrap();
                         buf.record_stream(&stream).unwrap();
                         copies.push((dev, byte, size));
@@ -639,7 +639,7 @@ async fn dropping_the_session_while_buffers_are_alive_keeps_stream_ordering() {
     let plan = record(&pool, &ops).await.plan().unwrap();
     let mut session = pool.serve_plan(&plan).await.unwrap();
     let hold = stream.hold();
-    let dev = DeviceBuffer::new(4096);
+    let dev = SimDeviceBuffer::new(4096);
     let mut a = session.alloc(4096).await.unwrap();
     a.fill(0x5A);
     stream.copy_to_device(a.as_ptr(), 4096, &dev).unwrap();

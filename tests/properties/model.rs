@@ -11,7 +11,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use pinpool::config::SizePolicyChoice;
-use pinpool::sim::{DeviceBuffer, HoldGuard, SimGraph, SimRuntime, SimStream};
+use pinpool::sim::{HoldGuard, SimDeviceBuffer, SimGraph, SimRuntime, SimStream};
 use pinpool::{BestFit, Builder, PinnedAllocator, PinnedBuffer, PoolId, SizePolicy};
 use proptest::prelude::*;
 
@@ -70,7 +70,7 @@ struct Harness {
     streams: Vec<SimStream>,
     holds: Vec<Option<HoldGuard>>,
     cap: SimStream,
-    dev: DeviceBuffer,
+    dev: SimDeviceBuffer,
     live: Vec<Live>,
     /// Freed blocks a held stream still needs: ptr -> streams.
     needed: HashMap<usize, BTreeSet<usize>>,
@@ -78,9 +78,9 @@ struct Harness {
     kept: BTreeSet<usize>,
     capture: Option<PoolId>,
     pool_id: PoolId,
-    graphs: Vec<(SimGraph, DeviceBuffer, u8)>,
+    graphs: Vec<(SimGraph, SimDeviceBuffer, u8)>,
     /// Captured copies of the capture under way: their device buffers and source patterns.
-    graphs_pending: Vec<(DeviceBuffer, u8)>,
+    graphs_pending: Vec<(SimDeviceBuffer, u8)>,
     next_pattern: u8,
 }
 
@@ -111,7 +111,7 @@ impl Harness {
             streams,
             holds: (0..STREAMS).map(|_| None).collect(),
             cap,
-            dev: DeviceBuffer::new(1 << 16),
+            dev: SimDeviceBuffer::new(1 << 16),
             live: Vec::new(),
             needed: HashMap::new(),
             kept: BTreeSet::new(),
@@ -225,7 +225,7 @@ impl Harness {
                 let pattern = self.pattern();
                 buf.fill(pattern);
                 if used {
-                    let dev = DeviceBuffer::new(buf.len());
+                    let dev = SimDeviceBuffer::new(buf.len());
                     self.cap
                         .copy_to_device(buf.as_ptr(), buf.len(), &dev)
                         .unwrap();

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pinpool::sim::{DeviceBuffer, FaultPoint, SimRuntime};
+use pinpool::sim::{FaultPoint, SimDeviceBuffer, SimRuntime};
 use pinpool::{BestFit, Builder, Error, PinnedAllocator, SizePolicy, TieredPowerOfTwo};
 use pinpool_testkit::{assert_books_balance, eventually, eventually_blocking, sim_pool};
 
@@ -59,7 +59,7 @@ async fn out_of_memory_twice_is_reported_as_a_typed_error() {
 async fn a_failed_event_record_keeps_the_block_waiting_until_an_event_can_be_recorded() {
     let (pool, sim) = sim_pool();
     let stream = sim.stream();
-    let dev = DeviceBuffer::new(4096);
+    let dev = SimDeviceBuffer::new(4096);
     let hold = stream.hold();
     let mut a = pool.alloc(4096).await.unwrap();
     a.fill(9);

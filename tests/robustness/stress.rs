@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pinpool::config::SizePolicyChoice;
-use pinpool::sim::{DeviceBuffer, SimRuntime, SimStream};
+use pinpool::sim::{SimDeviceBuffer, SimRuntime, SimStream};
 use pinpool::{Builder, PinnedAllocator, PinnedBuffer};
 
 const SIZES: [usize; 9] = [
@@ -43,7 +43,7 @@ impl Rng {
 struct Worker {
     rng: Rng,
     live: Vec<(PinnedBuffer<SimRuntime>, u8)>,
-    dev: DeviceBuffer,
+    dev: SimDeviceBuffer,
     streams: Vec<SimStream>,
 }
 
@@ -52,7 +52,7 @@ impl Worker {
         Worker {
             rng: Rng(seed | 1),
             live: Vec::new(),
-            dev: DeviceBuffer::new(1 << 12),
+            dev: SimDeviceBuffer::new(1 << 12),
             streams,
         }
     }
