@@ -101,9 +101,8 @@ pub(crate) struct Home<R: Runtime, B> {
     notes: SegQueue<Note>,
     /// Large pieces freed while nothing diverts frees to the actor (see
     /// `Pool::large_piece`), for the actor to take back into their range at its next look
-    /// (`PoolActor::book_notes`): such a free sends no message, so it wakes no actor, and the
-    /// next thread to miss finds the actor idle and runs it in place. Lock-free, like
-    /// `notes`; drained when the pool closes or its actor is gone.
+    /// (`PoolActor::book_notes`): such a free sends no message, so it wakes no actor.
+    /// Lock-free, like `notes`; drained when the pool closes or its actor is gone.
     homing: SegQueue<Box<B>>,
     /// Block records the actor took back into its free ranges, for the next blocks cut or
     /// split to reuse instead of allocating (see `Pool::recycle`). Emptied when the actor

@@ -4,7 +4,7 @@
 //! a pool's [`Mailbox`]: its sender, closed for good when the actor's task is gone.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 
 use flume::{Receiver, SendError, Sender};
 
@@ -210,17 +210,6 @@ pub(crate) struct Mailbox<B> {
     /// Senders between their look at `gone` and the end of their send.
     sending: AtomicUsize,
     gone: AtomicBool,
-    /// The actor, for a thread that runs it in place (see [`Self::send_here`]). Weak: the
-    /// actor holds its pool, and with it this mailbox.
-    here: OnceLock<Weak<dyn ServeHere<B>>>,
-}
-
-/// An actor that a thread may run in place for one message, while its task is idle: one
-/// pool actor's state, which its task and such threads take turns to hold.
-pub(crate) trait ServeHere<B>: Send + Sync {
-    /// Handles `msg` on this thread (after taking in the blocks sent home before it), or
-    /// hands it back when the actor is busy or closing.
-    fn serve_here(&self, msg: PoolMsg<B>) -> Result<(), PoolMsg<B>>;
 }
 
 impl<B> Mailbox<B> {
@@ -229,26 +218,6 @@ impl<B> Mailbox<B> {
             tx,
             sending: AtomicUsize::new(0),
             gone: AtomicBool::new(false),
-            here: OnceLock::new(),
-        }
-    }
-
-    /// Lets threads run the actor in place (see [`Self::send_here`]); set once.
-    pub(crate) fn serve_here_with(&self, actor: Weak<dyn ServeHere<B>>) {
-        let _ = self.here.set(actor);
-    }
-
-    /// Sends `msg`, having the actor handle it on this thread if its task is idle: no
-    /// round trip through the executor. Only for a thread that may block (the actor's
-    /// memory-source calls for it run here), never a runtime's executor thread.
-    pub(crate) fn send_here(&self, msg: PoolMsg<B>) -> Result<(), SendError<PoolMsg<B>>> {
-        let actor = self.here.get().and_then(Weak::upgrade);
-        match actor {
-            Some(actor) if !self.gone.load(SeqCst) => match actor.serve_here(msg) {
-                Ok(()) => Ok(()),
-                Err(msg) => self.send(msg),
-            },
-            _ => self.send(msg),
         }
     }
 

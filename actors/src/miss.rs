@@ -71,26 +71,19 @@ fn check_cap<R: Runtime>(pool: &Pool<R>, class: SizeClass, requested: usize) -> 
     }
 }
 
-/// Sends a miss to the pool actor; a requester that lends its thread (`ask.lends`) has the
-/// actor handle it in place when the actor's task is idle (see `Mailbox::send_here`): the
-/// answer is then waiting by the time this returns.
 fn send_miss<R: Runtime>(
     pool: &Pool<R>,
     class: SizeClass,
     ask: Ask,
 ) -> Result<flume::Receiver<Answer<Block<R>>>, Error> {
     let (tx, rx) = MissTx::pair();
-    let msg = PoolMsg::Miss {
-        class,
-        ask,
-        reply: tx,
-    };
-    let sent = if ask.lends {
-        pool.mailbox.send_here(msg)
-    } else {
-        pool.mailbox.send(msg)
-    };
-    sent.map_err(|_| Error::Shutdown)?;
+    pool.mailbox
+        .send(PoolMsg::Miss {
+            class,
+            ask,
+            reply: tx,
+        })
+        .map_err(|_| Error::Shutdown)?;
     Ok(rx)
 }
 

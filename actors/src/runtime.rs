@@ -68,8 +68,8 @@ pub struct StreamId(pub u64);
 pub trait Runtime: Send + Sync + 'static {
     /// A stream on which device work is enqueued. Cheap to clone (an `Arc`, or an id).
     type Stream: Clone + Send + Sync + 'static;
-    /// An event recorded on a stream.
-    type Event: Send + 'static;
+    /// An event recorded on a stream (shared only to be queried or waited for).
+    type Event: Send + Sync + 'static;
 
     /// A short name for logs and reports, e.g. `"cuda"` or `"sim"`.
     fn name(&self) -> &'static str;

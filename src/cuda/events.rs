@@ -99,6 +99,11 @@ pub struct PooledEvent {
 // `PooledEvent` is its only owner until it goes back to the free list.
 unsafe impl Send for PooledEvent {}
 
+// SAFETY: a shared `PooledEvent` only lends its handle (`raw`), and the driver's calls on an
+// event handle (`cuEventQuery`, `cuStreamWaitEvent`) are safe from several threads at once;
+// recording, destroying and returning it to the pool take the event by value or `&mut`.
+unsafe impl Sync for PooledEvent {}
+
 impl PooledEvent {
     /// The raw driver handle. It stays owned by the pool: do not destroy it.
     pub fn cu_event(&self) -> sys::CUevent {

@@ -5,9 +5,10 @@
 //! the actor books every split so that the parts coalesce and all memory goes back.
 //!
 //! To show that no actor is involved, the allocators here run their actors on a
-//! current-thread runtime that is driven only during set-up, and the pool's count of the
-//! requests that asked its actor (`num_misses`) must not move. A blocking request that does
-//! ask the actor runs it in place while its task is idle, so it is answered too.
+//! current-thread runtime that is driven only during set-up: once nothing drives it, a request
+//! that needed an actor would never be answered (each such request runs on a thread of its
+//! own and must answer within a deadline), and the pool's count of the requests that asked
+//! its actor (`num_misses`) must not move.
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -28,19 +29,13 @@ fn without_actors<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Option<T> {
     let before = misses();
-    let out = on_a_thread(f);
-    assert_eq!(misses(), before, "a request asked the pool actor");
-    out
-}
-
-/// Runs `f` on a thread of its own and returns its result, or `None` when it has not
-/// answered within a few seconds.
-fn on_a_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(f());
     });
-    rx.recv_timeout(Duration::from_secs(5)).ok()
+    let out = rx.recv_timeout(Duration::from_secs(5)).ok();
+    assert_eq!(misses(), before, "a request asked the pool actor");
+    out
 }
 
 fn device_pool(rt: &tokio::runtime::Runtime) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
@@ -80,17 +75,22 @@ fn a_device_request_whose_class_is_empty_splits_a_larger_ready_block_without_the
         (big, big + 4 * KIB as u64),
         "head and tail of one block"
     );
-    // A request that no ready block serves is a miss: with the actor's task idle, the
-    // requesting thread runs the actor in place (books the splits, cuts the block), still
-    // with nothing driving the runtime.
+    // A request that no ready block serves waits for the actor.
+    let (tx, third) = mpsc::channel();
     let (p, st) = (pool.clone(), s.clone());
-    let misses = pool.stats(0).unwrap().num_misses;
-    let third = on_a_thread(move || p.raw_alloc_with_stream(4 * KIB, &st).unwrap())
-        .expect("a blocking miss served in place");
-    assert!(third != parts.0 && third != parts.1);
-    assert_eq!(pool.stats(0).unwrap().num_misses, misses + 1);
-    // The parts coalesce and all the memory goes back to the device.
+    std::thread::spawn(move || {
+        let _ = tx.send(p.raw_alloc_with_stream(4 * KIB, &st));
+    });
+    assert!(third.recv_timeout(Duration::from_millis(300)).is_err());
+    // Once the actor runs again, it serves it and books the splits: the parts coalesce and
+    // all the memory goes back to the device.
     rt.block_on(async {
+        let third = loop {
+            match third.try_recv() {
+                Ok(r) => break r.unwrap(),
+                Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        };
         for p in [parts.0, parts.1, third] {
             pool.raw_delete(p).unwrap();
         }

@@ -88,9 +88,8 @@ pub(super) struct Arena<R: Runtime> {
     /// Places memory moved away from that stay mapped until the work queued on them before
     /// the move has run (see `PoolActor::move_idle`): each batch of moves with the event
     /// recorded on the pool's stream at the move; the places are held as lent pieces
-    /// meanwhile, so that nothing is placed or mapped there. (In a mutex only so that the
-    /// actor, which holds events here, may be shared across its awaits.)
-    leaving: std::sync::Mutex<Vec<(Vec<Piece>, R::Event)>>,
+    /// meanwhile, so that nothing is placed or mapped there.
+    leaving: Vec<(Vec<Piece>, R::Event)>,
 }
 
 /// Granules of `[offset, offset + len)`.
@@ -125,7 +124,7 @@ impl<R: Runtime> Arena<R> {
             next_map: 0,
             clock: 0,
             whole,
-            leaving: std::sync::Mutex::new(Vec::new()),
+            leaving: Vec::new(),
         }
     }
 
@@ -138,18 +137,12 @@ impl<R: Runtime> Arena<R> {
     /// Enters a batch of held places memory moved away from, and the event after which no
     /// queued work uses them.
     pub(super) fn leave(&mut self, places: Vec<Piece>, event: R::Event) {
-        self.leaving_mut().push((places, event));
-    }
-
-    fn leaving_mut(&mut self) -> &mut Vec<(Vec<Piece>, R::Event)> {
-        self.leaving
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.leaving.push((places, event));
     }
 
     /// Whether moves wait to end.
-    pub(super) fn has_leaving(&mut self) -> bool {
-        !self.leaving_mut().is_empty()
+    pub(super) fn has_leaving(&self) -> bool {
+        !self.leaving.is_empty()
     }
 
     /// Takes the batches of places whose event `done` says completed.
@@ -157,10 +150,10 @@ impl<R: Runtime> Arena<R> {
         &mut self,
         mut done: impl FnMut(&R::Event) -> bool,
     ) -> Vec<(Vec<Piece>, R::Event)> {
-        let (left, still): (Vec<_>, Vec<_>) = std::mem::take(self.leaving_mut())
+        let (left, still): (Vec<_>, Vec<_>) = std::mem::take(&mut self.leaving)
             .into_iter()
             .partition(|(_, e)| done(e));
-        *self.leaving_mut() = still;
+        self.leaving = still;
         left
     }
 

@@ -26,7 +26,7 @@ mod waiters;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use flume::{Receiver, Sender};
@@ -37,7 +37,7 @@ use crate::errand::{spawn_or_run, Errand};
 use crate::error::Error;
 use crate::history::Recorder;
 use crate::home::{Home, HomeParts, DIVERT_CLOSING};
-use crate::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView, ServeHere};
+use crate::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
 use crate::memory::{MemoryKind, MemorySource};
 use crate::policy::{BlockLayout, SizePolicy};
 use crate::pool_id::PoolId;
@@ -96,8 +96,6 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         refused: Vec::new(),
         deferred: VecDeque::new(),
         lender: None,
-        here: false,
-        handle: spec.handle.clone(),
     };
     let pool = if spec.id.is_default() {
         "default".to_string()
@@ -112,15 +110,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
             format!("pinpool::device_pool({d}, {pool}, stream {:#x})", s.0)
         }
     };
-    let rx = actor.rx.clone();
-    let actor = Arc::new(tokio::sync::Mutex::new(actor));
-    let weak: Weak<dyn ServeHere<Block<R>>> = Arc::downgrade(&actor) as _;
-    shared.mailbox.serve_here_with(weak);
-    spawn_named(
-        &name,
-        &spec.handle,
-        PoolActor::run(actor, rx, shared.clone()),
-    );
+    spawn_named(&name, &spec.handle, actor.run());
     shared
 }
 
@@ -144,29 +134,6 @@ pub(crate) struct PoolActor<R: Runtime> {
     deferred: VecDeque<PoolMsg<Block<R>>>,
     /// The reply channel of the miss being served, when its requester runs errands.
     lender: Option<MissTx<Block<R>>>,
-    /// Set while a thread runs the actor in place (see [`ServeHere`]): memory-source calls
-    /// run on that thread, which may block.
-    here: bool,
-    /// The runtime the actor's task runs on, entered by a thread that runs it in place.
-    handle: tokio::runtime::Handle,
-}
-
-/// A thread outside the runtime's executors runs the actor in place while its task waits for
-/// mail: it takes the blocks sent home before its message, handles the message, and leaves
-/// other earlier messages to the task (woken for them).
-impl<R: Runtime> ServeHere<Block<R>> for tokio::sync::Mutex<PoolActor<R>> {
-    fn serve_here(&self, msg: PoolMsg<Block<R>>) -> Result<(), PoolMsg<Block<R>>> {
-        let Ok(mut actor) = self.try_lock() else {
-            return Err(msg);
-        };
-        if actor.closing {
-            return Err(msg);
-        }
-        let handle = actor.handle.clone();
-        let _runtime = handle.enter();
-        crate::blocking::run_here(actor.handle_here(msg));
-        Ok(())
-    }
 }
 
 impl<R: Runtime> Drop for PoolActor<R> {
@@ -306,8 +273,6 @@ impl<R: Runtime> PoolActor<R> {
         let handle = tokio::runtime::Handle::current();
         match &self.lender {
             Some(lender) => lender.lend(Errand::new(Box::new(work), handle)),
-            // A thread runs the actor in place: the work runs on it.
-            None if self.here => work(),
             None => spawn_or_run(&handle, work),
         }
         self.lender.is_some()
@@ -335,85 +300,55 @@ impl<R: Runtime> PoolActor<R> {
         OffExecutor { rx, lent }
     }
 
-    /// The actor's task: waits for mail without holding the actor (so that threads may run
-    /// it in place meanwhile), then handles each message holding it.
-    async fn run(
-        actor: Arc<tokio::sync::Mutex<Self>>,
-        rx: Receiver<PoolMsg<Block<R>>>,
-        shared: Arc<Pool<R>>,
-    ) {
+    async fn run(mut self) {
         let mut sweep = CLOSING_SWEEP;
         loop {
-            let mut me = actor.lock().await;
-            if let Some(msg) = me.deferred.pop_front() {
-                me.handle(msg).await;
+            if let Some(msg) = self.deferred.pop_front() {
+                self.handle(msg).await;
                 continue;
             }
-            let closing = me.closing;
-            let pressed = shared.budget.under_pressure() || !me.waiters.is_empty();
-            drop(me);
-            if closing {
-                if shared.stats.allocations.read().current <= 0 {
+            if self.closing {
+                if self.shared.stats.allocations.read().current <= 0 {
                     break;
                 }
-                match tokio::time::timeout(sweep, rx.recv_async()).await {
-                    Ok(Ok(msg)) => actor.lock().await.handle(msg).await,
+                match tokio::time::timeout(sweep, self.rx.recv_async()).await {
+                    Ok(Ok(msg)) => self.handle(msg).await,
                     Ok(Err(_)) => break,
                     Err(_) => {
                         // Blocks that slipped into the ready queues as the pool closed, and
                         // blocks whose free the runtime refused, are tried again; blocks
                         // parked by freeing threads go to the poller.
-                        let mut me = actor.lock().await;
-                        me.book_notes();
-                        shared.parked.unpark_all();
-                        let blocks = shared.ready.drain();
-                        me.free_blocks(blocks).await;
-                        me.free_kept().await;
+                        self.book_notes();
+                        self.shared.parked.unpark_all();
+                        let blocks = self.shared.ready.drain();
+                        self.free_blocks(blocks).await;
+                        self.free_kept().await;
                         sweep = (sweep * 2).min(MAX_CLOSING_SWEEP);
                     }
                 }
-            } else if pressed {
+            } else if self.shared.budget.under_pressure() || !self.waiters.is_empty() {
                 let sweep = tokio::time::Instant::now() + PRESSURE_SWEEP;
-                match tokio::time::timeout_at(sweep, rx.recv_async()).await {
+                match tokio::time::timeout_at(sweep, self.rx.recv_async()).await {
                     Ok(Ok(msg)) => {
-                        let mut me = actor.lock().await;
-                        me.handle(msg).await;
+                        self.handle(msg).await;
                         if tokio::time::Instant::now() >= sweep {
-                            me.relieve().await;
+                            self.relieve().await;
                         }
                     }
                     Ok(Err(_)) => break,
-                    Err(_) => actor.lock().await.relieve().await,
+                    Err(_) => self.relieve().await,
                 }
             } else {
-                match rx.recv_async().await {
-                    Ok(msg) => actor.lock().await.handle(msg).await,
+                match self.rx.recv_async().await {
+                    Ok(msg) => self.handle(msg).await,
                     Err(_) => break,
                 }
             }
         }
-        let mut me = actor.lock().await;
-        me.drop_waiters();
-        me.shared.drop_shells();
-        me.finished = true;
-        tracing::debug!(pool = %me.shared.id, "pool actor stopped");
-    }
-
-    /// One message handled by a thread that runs the actor in place (see [`ServeHere`]):
-    /// the blocks sent home before it are taken in first, other earlier messages wait for
-    /// the task, which is woken for them.
-    async fn handle_here(&mut self, mut msg: PoolMsg<Block<R>>) {
-        if let PoolMsg::Miss { ask, .. } = &mut msg {
-            // The requester is this thread: its calls run here, not as errands.
-            ask.lends = false;
-        }
-        self.here = true;
-        self.take_mail().await;
-        self.handle(msg).await;
-        self.here = false;
-        if !self.deferred.is_empty() {
-            let _ = self.shared.mailbox.send(PoolMsg::Books);
-        }
+        self.drop_waiters();
+        self.shared.drop_shells();
+        self.finished = true;
+        tracing::debug!(pool = %self.shared.id, "pool actor stopped");
     }
 
     async fn handle(&mut self, msg: PoolMsg<Block<R>>) {

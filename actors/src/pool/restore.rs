@@ -180,7 +180,7 @@ impl<R: Runtime> PoolActor<R> {
 
     /// Takes the messages waiting in the mailbox: blocks coming home now, the rest after
     /// the restore.
-    pub(super) async fn take_mail(&mut self) {
+    async fn take_mail(&mut self) {
         self.book_notes();
         while let Ok(msg) = self.rx.try_recv() {
             match msg {
