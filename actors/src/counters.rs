@@ -1,6 +1,7 @@
 //! Counters: the plain statistics reports are made of ([`Stat`], [`DurationStat`]), and the
 //! atomic cells that keep them — written by one actor ([`AtomicStat`], [`AtomicDuration`]) or
-//! on the cached path by one thread shard each ([`ShardStat`]).
+//! on the cached path by one thread shard each ([`ShardStat`], whose peaks the ledger in
+//! [`crate::peaks`] keeps).
 
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::Duration;
@@ -103,37 +104,31 @@ impl AtomicStat {
     }
 }
 
-/// A statistic of the cached path, kept in one thread shard. The thread that owns the shard
-/// (see [`crate::shard::ThreadSlot`]) changes `allocated` and `freed` with plain loads and
-/// stores; other threads add to `remote_allocated`/`remote_freed` atomically. `current` is
-/// derived, and `reset_accumulated` records baselines instead of writing the owner's counters.
+/// A statistic of the cached path, kept in one thread shard (a leaf of
+/// [`crate::peaks::Ledger`]). The thread that owns the shard (see
+/// [`crate::shard::ThreadSlot`]) changes `allocated` and `freed` with plain loads and stores;
+/// other threads add to `remote_allocated`/`remote_freed` atomically. `current` is derived,
+/// and `reset_accumulated` records baselines instead of writing the owner's counters. Its
+/// peak is kept by the ledger's books, from `allowance`.
 #[derive(Debug, Default)]
 pub(crate) struct ShardStat {
     allocated: AtomicI64,
     freed: AtomicI64,
     remote_allocated: AtomicI64,
     remote_freed: AtomicI64,
-    peak: AtomicI64,
+    /// What the ledger lets this count reach without asking it.
+    allowance: AtomicI64,
     base_allocated: AtomicI64,
     base_freed: AtomicI64,
 }
 
 impl ShardStat {
+    /// The count now. Removals are read first: each total only grows, so a change made
+    /// while it reads can make the result too high, never too low.
     #[inline]
-    fn totals(&self) -> (i64, i64) {
-        (
-            self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed),
-            self.freed.load(Relaxed) + self.remote_freed.load(Relaxed),
-        )
-    }
-
-    #[inline]
-    fn note_peak(&self) {
-        let (a, f) = self.totals();
-        let now = a - f;
-        if now > self.peak.load(Relaxed) {
-            self.peak.fetch_max(now, Relaxed);
-        }
+    fn net(&self) -> i64 {
+        let f = self.freed.load(Relaxed) + self.remote_freed.load(Relaxed);
+        self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed) - f
     }
 
     /// Adds `n`; `owner` says whether the calling thread owns the shard.
@@ -145,7 +140,6 @@ impl ShardStat {
         } else {
             self.remote_allocated.fetch_add(n, Relaxed);
         }
-        self.note_peak();
     }
 
     /// Removes `n`; `owner` says whether the calling thread owns the shard.
@@ -158,23 +152,44 @@ impl ShardStat {
         }
     }
 
+    /// Whether the count is within its allowance.
+    #[inline]
+    pub(crate) fn covered(&self) -> bool {
+        self.net() <= self.allowance.load(Relaxed)
+    }
+
+    /// How far the count is above its allowance (negative: slack).
+    pub(crate) fn excess(&self) -> i64 {
+        self.net() - self.allowance.load(Relaxed)
+    }
+
+    pub(crate) fn allowance(&self) -> i64 {
+        self.allowance.load(Relaxed)
+    }
+
+    pub(crate) fn set_allowance(&self, a: i64) {
+        self.allowance.store(a, Relaxed);
+    }
+
+    /// The statistic, with no peak (the ledger's books have it).
     pub(crate) fn read(&self) -> Stat {
-        let (a, f) = self.totals();
+        let (a, f) = (
+            self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed),
+            self.freed.load(Relaxed) + self.remote_freed.load(Relaxed),
+        );
         Stat {
             current: a - f,
-            peak: self.peak.load(Relaxed),
+            peak: 0,
             allocated: a - self.base_allocated.load(Relaxed),
             freed: f - self.base_freed.load(Relaxed),
         }
     }
 
-    pub(crate) fn reset_peak(&self) {
-        let (a, f) = self.totals();
-        self.peak.store(a - f, Relaxed);
-    }
-
     pub(crate) fn reset_accumulated(&self) {
-        let (a, f) = self.totals();
+        let (a, f) = (
+            self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed),
+            self.freed.load(Relaxed) + self.remote_freed.load(Relaxed),
+        );
         self.base_allocated.store(a, Relaxed);
         self.base_freed.store(f, Relaxed);
     }

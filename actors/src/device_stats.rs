@@ -9,14 +9,19 @@
 //!
 //! The counters a request changes (allocations and active blocks, their bytes, the bytes
 //! requested) live in per-thread shards like the host statistics, so that a device pool's
-//! cached path writes only its own thread's cache lines (invariant 5); segment counters are
-//! written by the pool actor (and by blocking threads it waits for). Only pools built with
-//! device statistics pay for them.
+//! cached path writes only its own thread's cache lines (invariant 5); their peaks are the
+//! engine ledger's (see [`crate::peaks`]). Segment counters are written by the pool actor
+//! (and by blocking threads it waits for). Only pools built with device statistics pay for
+//! them.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
-use crate::counters::{AtomicStat, ShardStat, Stat};
+use crate::counters::{AtomicStat, Stat};
+use crate::peaks::{
+    Group, ShardLeaves, ACTIVE, ACTIVE_BYTES, ALL, ALLOCATED_BYTES, ALLOCATION, OVERSIZE,
+    REQUESTED_BYTES,
+};
 use crate::shard::CachePadded;
 
 /// Blocks up to this size are in PyTorch's small pool.
@@ -114,23 +119,37 @@ pub struct DeviceStats {
 }
 
 impl DeviceStats {
-    /// Makes the peaks of a device's total exact where they can be: the reserved peak is
-    /// `reserved_peak` (all pools together, counted where memory is taken), and no byte
-    /// peak exceeds it. Summed over pools and thread shards, the other peaks are upper
-    /// bounds (each part peaked at its own time).
-    pub(crate) fn exact_peaks(&mut self, reserved_peak: i64) {
+    /// Sets the reserved peak of a device's total to `reserved_peak` (all pools together,
+    /// counted where memory is taken), and caps the peaks summed over pools by it (those of
+    /// segments' parts and of inactive bytes: upper bounds, each part peaking at its own
+    /// time).
+    pub(crate) fn set_reserved_peak(&mut self, reserved_peak: i64) {
         let r = &mut self.reserved_bytes;
         r.all.peak = reserved_peak.max(r.all.current);
         let bound = r.all.peak;
         r.cap_peaks(bound);
-        for s in [
-            &mut self.allocated_bytes,
-            &mut self.active_bytes,
-            &mut self.requested_bytes,
-            &mut self.inactive_split_bytes,
+        self.inactive_split_bytes.cap_peaks(bound);
+    }
+
+    /// Sets the peaks of the counts kept in shards to those of `group`'s books.
+    pub(crate) fn set_peaks(&mut self, group: &Group) {
+        for (kind, s) in [
+            (ALLOCATION, &mut self.allocation),
+            (ALLOCATED_BYTES, &mut self.allocated_bytes),
+            (REQUESTED_BYTES, &mut self.requested_bytes),
+            (ACTIVE, &mut self.active),
+            (ACTIVE_BYTES, &mut self.active_bytes),
         ] {
-            s.cap_peaks(bound);
+            for (class, stat) in [
+                (0, &mut s.small_pool),
+                (1, &mut s.large_pool),
+                (ALL, &mut s.all),
+            ] {
+                stat.peak = group.peak(kind, class).max(stat.current);
+            }
         }
+        let o = &mut self.oversize_allocations;
+        o.peak = group.peak(OVERSIZE, ALL).max(o.current);
     }
 
     /// Adds another pool's report into this one (for a device's total over its pools).
@@ -226,21 +245,10 @@ fn segment_pool(bytes: usize) -> usize {
     usize::from(bytes > SMALL_SEGMENT)
 }
 
-/// A shard's counters of one pool.
-#[derive(Debug, Default)]
-struct PoolShard {
-    allocation: ShardStat,
-    allocated_bytes: ShardStat,
-    requested_bytes: ShardStat,
-    active: ShardStat,
-    active_bytes: ShardStat,
-    oversize: ShardStat,
-}
-
-/// The device counters of one engine pool.
+/// The device counters of one engine pool that its actor writes (the counts of the cached
+/// path are leaves of the engine's ledger: see [`crate::peaks`]).
 #[derive(Debug)]
 pub(crate) struct Detail {
-    shards: Box<[CachePadded<[PoolShard; 2]>]>,
     segment: [AtomicStat; 2],
     reserved: [AtomicStat; 2],
     oversize_segments: AtomicStat,
@@ -251,9 +259,8 @@ pub(crate) struct Detail {
 }
 
 impl Detail {
-    pub(crate) fn new(shards: usize, max_split: usize) -> Self {
+    pub(crate) fn new(max_split: usize) -> Self {
         Self {
-            shards: (0..shards).map(|_| CachePadded::default()).collect(),
             segment: Default::default(),
             reserved: Default::default(),
             oversize_segments: AtomicStat::default(),
@@ -262,38 +269,64 @@ impl Detail {
         }
     }
 
-    /// A block of `bytes` for a request of `requested` was handed out (charged to `shard`).
+    /// A block of `bytes` for a request of `requested` was handed out (charged to `shard`);
+    /// returns its class (0 small, 1 large).
     #[inline]
-    pub(crate) fn lent(&self, shard: usize, owner: bool, bytes: usize, requested: usize) {
-        let p = &self.shards[shard][block_pool(bytes)];
-        p.allocation.increase(1, owner);
-        p.allocated_bytes.increase(bytes as i64, owner);
-        p.requested_bytes.increase(requested as i64, owner);
-        p.active.increase(1, owner);
-        p.active_bytes.increase(bytes as i64, owner);
+    pub(crate) fn lent(
+        &self,
+        shard: &ShardLeaves,
+        owner: bool,
+        bytes: usize,
+        requested: usize,
+    ) -> usize {
+        let c = block_pool(bytes);
+        let p = &shard.leaf;
+        p[ALLOCATION][c].increase(1, owner);
+        p[ALLOCATED_BYTES][c].increase(bytes as i64, owner);
+        p[REQUESTED_BYTES][c].increase(requested as i64, owner);
+        p[ACTIVE][c].increase(1, owner);
+        p[ACTIVE_BYTES][c].increase(bytes as i64, owner);
         if bytes > self.max_split {
-            p.oversize.increase(1, owner);
+            p[OVERSIZE][c].increase(1, owner);
         }
+        c
+    }
+
+    /// Whether the counts a block of `bytes` of class `c` raised are within their
+    /// allowances.
+    #[inline]
+    pub(crate) fn covered(&self, shard: &ShardLeaves, c: usize, bytes: usize) -> bool {
+        [
+            ALLOCATION,
+            ALLOCATED_BYTES,
+            REQUESTED_BYTES,
+            ACTIVE,
+            ACTIVE_BYTES,
+        ]
+        .iter()
+        .all(|&k| shard.covered(k, c))
+            && (bytes <= self.max_split || shard.covered(OVERSIZE, c))
     }
 
     /// Its user freed it (it may still wait on events).
     #[inline]
-    pub(crate) fn freed(&self, shard: usize, owner: bool, bytes: usize, requested: usize) {
-        let p = &self.shards[shard][block_pool(bytes)];
-        p.allocation.decrease(1, owner);
-        p.allocated_bytes.decrease(bytes as i64, owner);
-        p.requested_bytes.decrease(requested as i64, owner);
+    pub(crate) fn freed(&self, shard: &ShardLeaves, owner: bool, bytes: usize, requested: usize) {
+        let c = block_pool(bytes);
+        let p = &shard.leaf;
+        p[ALLOCATION][c].decrease(1, owner);
+        p[ALLOCATED_BYTES][c].decrease(bytes as i64, owner);
+        p[REQUESTED_BYTES][c].decrease(requested as i64, owner);
         if bytes > self.max_split {
-            p.oversize.decrease(1, owner);
+            p[OVERSIZE][c].decrease(1, owner);
         }
     }
 
     /// It became reusable (or kept).
     #[inline]
-    pub(crate) fn deactivated(&self, shard: usize, owner: bool, bytes: usize) {
-        let p = &self.shards[shard][block_pool(bytes)];
-        p.active.decrease(1, owner);
-        p.active_bytes.decrease(bytes as i64, owner);
+    pub(crate) fn deactivated(&self, shard: &ShardLeaves, owner: bool, bytes: usize) {
+        let c = block_pool(bytes);
+        shard.leaf[ACTIVE][c].decrease(1, owner);
+        shard.leaf[ACTIVE_BYTES][c].decrease(bytes as i64, owner);
     }
 
     /// A segment of `bytes` was taken (`taken`) or given back.
@@ -314,16 +347,23 @@ impl Detail {
         }
     }
 
-    pub(crate) fn read(&self) -> DeviceStats {
+    /// The statistics, summed over `shards`, with no peaks for the counts kept there (see
+    /// [`DeviceStats::set_peaks`]).
+    pub(crate) fn read(&self, shards: &[CachePadded<ShardLeaves>]) -> DeviceStats {
         let mut parts: [[Stat; 2]; 6] = Default::default();
-        for shard in self.shards.iter() {
-            for (p, ps) in shard.iter().enumerate() {
-                parts[0][p].add(&ps.allocation.read());
-                parts[1][p].add(&ps.allocated_bytes.read());
-                parts[2][p].add(&ps.requested_bytes.read());
-                parts[3][p].add(&ps.active.read());
-                parts[4][p].add(&ps.active_bytes.read());
-                parts[5][p].add(&ps.oversize.read());
+        const KINDS: [usize; 6] = [
+            ALLOCATION,
+            ALLOCATED_BYTES,
+            REQUESTED_BYTES,
+            ACTIVE,
+            ACTIVE_BYTES,
+            OVERSIZE,
+        ];
+        for shard in shards.iter() {
+            for (part, kind) in parts.iter_mut().zip(KINDS) {
+                for (stat, leaf) in part.iter_mut().zip(&shard.leaf[kind]) {
+                    stat.add(&leaf.read());
+                }
             }
         }
         let segment = [self.segment[0].read(), self.segment[1].read()];
@@ -364,20 +404,6 @@ impl Detail {
     }
 
     pub(crate) fn reset_peak(&self) {
-        for shard in self.shards.iter() {
-            for p in shard.iter() {
-                for s in [
-                    &p.allocation,
-                    &p.allocated_bytes,
-                    &p.requested_bytes,
-                    &p.active,
-                    &p.active_bytes,
-                    &p.oversize,
-                ] {
-                    s.reset_peak();
-                }
-            }
-        }
         for s in self.segment.iter().chain(&self.reserved) {
             s.reset_peak();
         }
@@ -385,20 +411,6 @@ impl Detail {
     }
 
     pub(crate) fn reset_accumulated(&self) {
-        for shard in self.shards.iter() {
-            for p in shard.iter() {
-                for s in [
-                    &p.allocation,
-                    &p.allocated_bytes,
-                    &p.requested_bytes,
-                    &p.active,
-                    &p.active_bytes,
-                    &p.oversize,
-                ] {
-                    s.reset_accumulated();
-                }
-            }
-        }
         for s in self.segment.iter().chain(&self.reserved) {
             s.reset_accumulated();
         }

@@ -128,6 +128,8 @@ pub(crate) struct HomeParts<R: Runtime, B> {
     pub(crate) policy: Arc<dyn SizePolicy>,
     /// Keep device statistics, blocks above this many bytes counting as oversize.
     pub(crate) device_stats: Option<usize>,
+    /// The engine's ledger of peaks, and the group of books the pool is counted in.
+    pub(crate) peaks: (Arc<crate::peaks::Ledger>, Arc<crate::peaks::Group>),
 }
 
 impl<R: Runtime, B: Send + 'static> Home<R, B> {
@@ -152,7 +154,12 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             parked: Parked::new(parts.shards),
             mailbox: Mailbox::new(tx),
             poller: parts.poller,
-            stats: PoolStats::new(parts.shards, parts.device_stats),
+            stats: PoolStats::new(
+                parts.shards,
+                parts.device_stats,
+                parts.peaks.0,
+                parts.peaks.1,
+            ),
             divert: AtomicU8::new(0),
             budget: parts.budget,
             queued: AtomicUsize::new(0),

@@ -20,8 +20,9 @@
 //!
 //! 1. Vocabulary: `runtime`, `memory`, `pool_id`, `error`, `blocking` (whether a blocking
 //!    call may block this thread), `shard`, `spawn`, `keepalive`, `policy`, `carve`,
-//!    `counters`, `device_stats`, `stats`, `meta`, `trace`, `snapshot`, `pickle` (a pickle
-//!    writer), `torch_snapshot` (snapshots in PyTorch's pickle layout).
+//!    `counters`, `peaks` (exact peaks of counts kept in thread shards), `device_stats`,
+//!    `stats`, `meta`, `trace`, `snapshot`, `pickle` (a pickle writer), `torch_snapshot`
+//!    (snapshots in PyTorch's pickle layout).
 //! 2. Observation: `observe` (the observer task), `history` (the history actor and the
 //!    recorder the hot paths call), `free_memory` (the user's free-memory callbacks).
 //! 3. Lock-free holders of blocks: `ready` (the cached path), `parked` (freed blocks waiting
@@ -53,6 +54,7 @@ mod keepalive;
 mod policy;
 mod carve;
 mod counters;
+mod peaks;
 mod device_stats;
 mod stats;
 mod meta;

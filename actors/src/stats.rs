@@ -4,16 +4,19 @@
 //! pool actor. Active requests and bytes change on the cached path, so they live in
 //! per-thread shards: a block's counters are charged to the shard of the thread that took it,
 //! and credited back to the same shard when it becomes reusable. `current` is exact at
-//! quiescent points; `peak` is the sum of the shards' peaks (for bytes, capped by the reserved
-//! peak), an upper bound of the true peak
-//! that is exact when one thread does the work (PyTorch sums per-bucket peaks the same way).
+//! quiescent points; `peak` is the most the shards held at once, kept by the engine's
+//! [`crate::peaks::Ledger`] for each group of pools (a capture pool, the default pool with
+//! the stream pools, the whole engine).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
-use crate::counters::{AtomicDuration, AtomicStat, DurationStat, ShardStat, Stat};
+use std::sync::Arc;
+
+use crate::counters::{AtomicDuration, AtomicStat, DurationStat, Stat};
 use crate::device_stats::{Detail, DeviceStats};
-use crate::shard::{CachePadded, ThreadSlot};
+use crate::peaks::{Group, Leaves, Ledger, ALL, BYTES, REQUESTS};
+use crate::shard::ThreadSlot;
 
 /// A statistics report for one pool or for the whole allocator.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -78,6 +81,12 @@ impl HostStats {
         self.limit_bytes = self.limit_bytes.or(o.limit_bytes);
     }
 
+    /// Sets the peaks of the counts kept in shards to those of `group`'s books.
+    pub(crate) fn set_peaks(&mut self, group: &Group) {
+        self.active_requests.peak = group.peak(REQUESTS, ALL).max(self.active_requests.current);
+        self.active_bytes.peak = group.peak(BYTES, ALL).max(self.active_bytes.current);
+    }
+
     /// Bytes cached: reserved, but neither active nor kept.
     pub fn cached_bytes(&self) -> i64 {
         self.allocated_bytes.current - self.active_bytes.current - self.kept_bytes
@@ -129,13 +138,6 @@ impl HostStats {
     }
 }
 
-/// One thread shard's active counters.
-#[derive(Debug, Default)]
-pub(crate) struct ActiveShard {
-    pub(crate) requests: ShardStat,
-    pub(crate) bytes: ShardStat,
-}
-
 /// The books of one pool.
 #[derive(Debug)]
 pub(crate) struct PoolStats {
@@ -153,16 +155,29 @@ pub(crate) struct PoolStats {
     pub(crate) remaps: AtomicI64,
     /// Requests the pool actor answered.
     pub(crate) misses: AtomicI64,
-    active: Box<[CachePadded<ActiveShard>]>,
+    /// The counts of the cached path, shard by shard, registered with `ledger`.
+    leaves: Arc<Leaves>,
+    ledger: Arc<Ledger>,
     mask: usize,
     /// Device statistics, for pools built with them (`None`: host statistics only).
     detail: Option<Detail>,
 }
 
+impl Drop for PoolStats {
+    fn drop(&mut self) {
+        self.ledger.unregister(&self.leaves);
+    }
+}
+
 impl PoolStats {
-    /// The books of a pool with `shards` thread shards; with `device`, device statistics
-    /// too, blocks above `device` bytes counting as oversize.
-    pub(crate) fn new(shards: usize, device: Option<usize>) -> Self {
+    /// The books of a pool with `shards` thread shards, counted in `group` of `ledger`; with
+    /// `device`, device statistics too, blocks above `device` bytes counting as oversize.
+    pub(crate) fn new(
+        shards: usize,
+        device: Option<usize>,
+        ledger: Arc<Ledger>,
+        group: Arc<Group>,
+    ) -> Self {
         Self {
             allocations: AtomicStat::default(),
             allocated_bytes: AtomicStat::default(),
@@ -176,9 +191,10 @@ impl PoolStats {
             num_ooms: AtomicI64::new(0),
             remaps: AtomicI64::new(0),
             misses: AtomicI64::new(0),
-            active: (0..shards).map(|_| CachePadded::default()).collect(),
+            leaves: ledger.register(shards, group),
+            ledger,
             mask: shards - 1,
-            detail: device.map(|max_split| Detail::new(shards, max_split)),
+            detail: device.map(Detail::new),
         }
     }
 
@@ -188,11 +204,18 @@ impl PoolStats {
     #[inline]
     pub(crate) fn lend(&self, bytes: usize, requested: usize) -> usize {
         let me = ThreadSlot::current(self.mask);
-        let s = &self.active[me.shard];
-        s.requests.increase(1, me.owns);
-        s.bytes.increase(bytes as i64, me.owns);
-        if let Some(d) = &self.detail {
-            d.lent(me.shard, me.owns, bytes, requested);
+        let s = &self.leaves.shards[me.shard];
+        s.leaf[REQUESTS][0].increase(1, me.owns);
+        s.leaf[BYTES][0].increase(bytes as i64, me.owns);
+        let covered = match &self.detail {
+            Some(d) => {
+                let class = d.lent(s, me.owns, bytes, requested);
+                me.owns && self.ledger.open() && d.covered(s, class, bytes)
+            }
+            None => me.owns && self.ledger.open(),
+        };
+        if !(covered && s.covered(REQUESTS, 0) && s.covered(BYTES, 0)) {
+            self.ledger.settle(&self.leaves, me);
         }
         me.shard
     }
@@ -203,7 +226,9 @@ impl PoolStats {
     pub(crate) fn freed(&self, shard: usize, bytes: usize, requested: usize) {
         if let Some(d) = &self.detail {
             let me = ThreadSlot::current(self.mask);
-            d.freed(shard, me.owns && me.shard == shard, bytes, requested);
+            let s = &self.leaves.shards[shard];
+            d.freed(s, me.owns && me.shard == shard, bytes, requested);
+            s.note_slack();
         }
     }
 
@@ -212,12 +237,13 @@ impl PoolStats {
     pub(crate) fn deactivate(&self, shard: usize, bytes: usize) {
         let me = ThreadSlot::current(self.mask);
         let owner = me.owns && me.shard == shard;
-        let s = &self.active[shard];
-        s.requests.decrease(1, owner);
-        s.bytes.decrease(bytes as i64, owner);
+        let s = &self.leaves.shards[shard];
+        s.leaf[REQUESTS][0].decrease(1, owner);
+        s.leaf[BYTES][0].decrease(bytes as i64, owner);
         if let Some(d) = &self.detail {
-            d.deactivated(shard, owner, bytes);
+            d.deactivated(s, owner, bytes);
         }
+        s.note_slack();
     }
 
     /// A segment of `bytes` was taken from the memory source (`taken`) or given back
@@ -235,10 +261,12 @@ impl PoolStats {
         }
     }
 
-    /// Device statistics (`None` for a pool built without them).
+    /// Device statistics (`None` for a pool built without them), with the peaks of the
+    /// pool's group.
     pub(crate) fn read_device(&self) -> Option<DeviceStats> {
         let d = self.detail.as_ref()?;
-        let mut s = d.read();
+        let mut s = d.read(&self.leaves.shards);
+        s.set_peaks(&self.leaves.group);
         s.num_alloc_retries = self.num_alloc_retries.load(Relaxed);
         s.num_ooms = self.num_ooms.load(Relaxed);
         let allocations = self.allocations.read();
@@ -251,23 +279,24 @@ impl PoolStats {
 
     /// Bytes of active blocks now, summed over the shards.
     pub(crate) fn active_bytes_now(&self) -> i64 {
-        self.active.iter().map(|s| s.bytes.read().current).sum()
+        self.leaves
+            .shards
+            .iter()
+            .map(|s| s.leaf[BYTES][0].read().current)
+            .sum()
     }
 
+    /// Host statistics, with the peaks of the pool's group.
     pub(crate) fn read(&self) -> HostStats {
         let mut active_requests = Stat::default();
         let mut active_bytes = Stat::default();
-        for s in self.active.iter() {
-            active_requests.add(&s.requests.read());
-            active_bytes.add(&s.bytes.read());
+        for s in self.leaves.shards.iter() {
+            active_requests.add(&s.leaf[REQUESTS][0].read());
+            active_bytes.add(&s.leaf[BYTES][0].read());
         }
         let allocations = self.allocations.read();
         let allocated_bytes = self.allocated_bytes.read();
-        // Active bytes never exceed reserved bytes: a tighter bound on the summed peaks.
-        active_bytes.peak = active_bytes
-            .peak
-            .min(allocated_bytes.peak.max(active_bytes.current));
-        HostStats {
+        let mut s = HostStats {
             allocations,
             allocated_bytes,
             active_requests,
@@ -285,16 +314,15 @@ impl PoolStats {
             num_ooms: self.num_ooms.load(Relaxed),
             num_misses: self.misses.load(Relaxed),
             limit_bytes: None,
-        }
+        };
+        s.set_peaks(&self.leaves.group);
+        s
     }
 
+    /// Starts the peaks of the pool's own books over (the counts' peaks are the ledger's).
     pub(crate) fn reset_peak(&self) {
         self.allocations.reset_peak();
         self.allocated_bytes.reset_peak();
-        for s in self.active.iter() {
-            s.requests.reset_peak();
-            s.bytes.reset_peak();
-        }
         if let Some(d) = &self.detail {
             d.reset_peak();
         }
@@ -308,12 +336,181 @@ impl PoolStats {
         self.num_alloc_retries.store(0, Relaxed);
         self.num_ooms.store(0, Relaxed);
         self.misses.store(0, Relaxed);
-        for s in self.active.iter() {
-            s.requests.reset_accumulated();
-            s.bytes.reset_accumulated();
+        for s in self.leaves.shards.iter() {
+            s.leaf.iter().flatten().for_each(|l| l.reset_accumulated());
         }
         if let Some(d) = &self.detail {
             d.reset_accumulated();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicI64, Ordering::SeqCst};
+    use std::sync::Barrier;
+
+    use super::*;
+    use crate::peaks::Group;
+
+    /// What the threads saw held: counted just after each lend and just before each return
+    /// (a lower bound of the most held at once), and just before each lend and just after each
+    /// return (an upper bound).
+    #[derive(Default)]
+    struct Bracket {
+        lower: AtomicI64,
+        lower_max: AtomicI64,
+        upper: AtomicI64,
+        upper_max: AtomicI64,
+    }
+
+    impl Bracket {
+        fn before_lend(&self, n: i64) {
+            let now = self.upper.fetch_add(n, SeqCst) + n;
+            self.upper_max.fetch_max(now, SeqCst);
+        }
+        fn after_lend(&self, n: i64) {
+            let now = self.lower.fetch_add(n, SeqCst) + n;
+            self.lower_max.fetch_max(now, SeqCst);
+        }
+        fn before_return(&self, n: i64) {
+            self.lower.fetch_sub(n, SeqCst);
+        }
+        fn after_return(&self, n: i64) {
+            self.upper.fetch_sub(n, SeqCst);
+        }
+        fn holds(&self, peak: i64) -> bool {
+            self.lower_max.load(SeqCst) <= peak && peak <= self.upper_max.load(SeqCst)
+        }
+    }
+
+    /// Three pools of one ledger (two in the default group, one a group of its own), fewer
+    /// shards than threads (so some threads share shards and never use slack), blocks of
+    /// random sizes lent and returned by threads at random, and returned by other threads
+    /// than those that took them: every group's peak (bytes and requests) and the engine's
+    /// lie between what the threads saw held, and the books match the allowances.
+    #[test]
+    fn peaks_are_what_the_threads_held_at_once_across_pools_groups_and_shared_shards() {
+        const THREADS: usize = 8;
+        for round in 0..20u64 {
+            let ledger = Arc::new(Ledger::new());
+            let own = Arc::new(Group::new());
+            let pools = [
+                PoolStats::new(4, None, ledger.clone(), ledger.default_group().clone()),
+                PoolStats::new(4, None, ledger.clone(), ledger.default_group().clone()),
+                PoolStats::new(4, None, ledger.clone(), own.clone()),
+            ];
+            // Brackets of bytes: the default group, the own group, the engine; then of
+            // requests of the engine.
+            let brackets: [Bracket; 4] = Default::default();
+            let handoff = crossbeam_queue::SegQueue::<(usize, usize, usize)>::new();
+            let barrier = Barrier::new(THREADS);
+            std::thread::scope(|s| {
+                for t in 0..THREADS as u64 {
+                    let (pools, brackets, handoff, barrier) =
+                        (&pools, &brackets, &handoff, &barrier);
+                    s.spawn(move || {
+                        let mut rng = (round * 131 + t + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                        let mut next = move || {
+                            rng ^= rng << 13;
+                            rng ^= rng >> 7;
+                            rng ^= rng << 17;
+                            rng
+                        };
+                        let touched = |p: usize| [usize::from(p == 2), 2];
+                        let give_back = |(p, shard, bytes): (usize, usize, usize)| {
+                            for b in touched(p) {
+                                brackets[b].before_return(bytes as i64);
+                            }
+                            brackets[3].before_return(1);
+                            pools[p].deactivate(shard, bytes);
+                            for b in touched(p) {
+                                brackets[b].after_return(bytes as i64);
+                            }
+                            brackets[3].after_return(1);
+                        };
+                        let mut held = Vec::new();
+                        barrier.wait();
+                        for _ in 0..3000 {
+                            let r = next();
+                            if held.len() < 4 && r % 3 != 0 {
+                                let p = (r >> 8) as usize % 3;
+                                let bytes = 512 << ((r >> 16) % 8);
+                                for b in touched(p) {
+                                    brackets[b].before_lend(bytes as i64);
+                                }
+                                brackets[3].before_lend(1);
+                                let shard = pools[p].lend(bytes, bytes);
+                                for b in touched(p) {
+                                    brackets[b].after_lend(bytes as i64);
+                                }
+                                brackets[3].after_lend(1);
+                                held.push((p, shard, bytes));
+                            } else if !held.is_empty() {
+                                let i = (r >> 24) as usize % held.len();
+                                let block = held.swap_remove(i);
+                                if r & 1 == 0 {
+                                    handoff.push(block);
+                                } else {
+                                    give_back(block);
+                                }
+                                if let Some(b) = handoff.pop() {
+                                    give_back(b);
+                                }
+                            }
+                        }
+                        held.into_iter().for_each(give_back);
+                        barrier.wait();
+                        while let Some(b) = handoff.pop() {
+                            give_back(b);
+                        }
+                    });
+                }
+            });
+            let (default, mine, engine) = (
+                ledger.default_group().peak(BYTES, ALL),
+                own.peak(BYTES, ALL),
+                ledger.engine().peak(BYTES, ALL),
+            );
+            assert!(brackets[0].holds(default), "default group: {default}");
+            assert!(brackets[1].holds(mine), "own group: {mine}");
+            assert!(brackets[2].holds(engine), "engine: {engine}");
+            let requests = ledger.engine().peak(REQUESTS, ALL);
+            assert!(brackets[3].holds(requests), "engine requests: {requests}");
+            for p in &pools {
+                let s = p.read();
+                assert_eq!(s.active_bytes.current, 0);
+                assert_eq!(s.active_requests.current, 0);
+            }
+            // After a reset, the peaks are what is held now: nothing.
+            ledger.reset_peaks();
+            assert_eq!(ledger.engine().peak(BYTES, ALL), 0);
+            assert_eq!(own.peak(REQUESTS, ALL), 0);
+        }
+    }
+
+    /// Four threads alive at once, each holding a block alone in its own phase: the peak is
+    /// the largest block (the most held at once), not the sum of each shard's own peak.
+    #[test]
+    fn a_peak_is_the_most_held_at_once_not_the_sum_of_the_threads_peaks() {
+        let ledger = Arc::new(Ledger::new());
+        let pool = PoolStats::new(8, None, ledger.clone(), ledger.default_group().clone());
+        let barrier = Barrier::new(4);
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                let (pool, barrier) = (&pool, &barrier);
+                s.spawn(move || {
+                    for phase in 0..4 {
+                        if phase == t {
+                            let shard = pool.lend(1 << (20 + phase), 1);
+                            pool.deactivate(shard, 1 << (20 + phase));
+                        }
+                        barrier.wait();
+                    }
+                });
+            }
+        });
+        assert_eq!(pool.read().active_bytes.peak, 8 << 20);
+        assert_eq!(pool.read().active_requests.peak, 1);
     }
 }

@@ -1,6 +1,4 @@
-//! Statistics a capacity planner can size machines by (the peak tests are ignored until exact
-//! peaks have a design that keeps the cached path free of shared writes; run them with
-//! `--ignored` to see how far the reported peaks are from the truth): a peak is the most the requests held
+//! Statistics a capacity planner can size machines by: a peak is the most the requests held
 //! at once (of the whole allocator, of each pool, of PyTorch's small and large pools), however
 //! many threads hold the bytes and whichever of them held the most at which time; and every
 //! out-of-memory failure is counted.
@@ -155,7 +153,6 @@ fn assert_device_peaks(s: &DeviceStats, t: &Truth, what: &str) {
     }
 }
 
-#[ignore = "exact peaks need a design that keeps the cached path free of shared writes (invariant 5); a single tally per allocator measured too slow"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pinned_peaks_are_the_most_held_at_once_across_threads_not_a_sum_of_each_threads_peak() {
     let (pool, _sim) = sim_pool();
@@ -190,7 +187,6 @@ async fn pinned_peaks_are_the_most_held_at_once_across_threads_not_a_sum_of_each
     assert_eq!(truth(&again).bytes, (8 * MIB + 3 * 256 * KIB) as i64);
 }
 
-#[ignore = "exact peaks need a design that keeps the cached path free of shared writes (invariant 5); a single tally per allocator measured too slow"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_peaks_are_the_most_held_at_once_over_streams_and_threads_for_all_small_and_large() {
     let sim = SimRuntime::new();
@@ -214,7 +210,6 @@ async fn device_peaks_are_the_most_held_at_once_over_streams_and_threads_for_all
     assert_eq!(s.allocation.small_pool.peak, 0);
 }
 
-#[ignore = "exact peaks need a design that keeps the cached path free of shared writes (invariant 5); a single tally per allocator measured too slow"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capture_pools_peaks_are_the_most_its_requests_held_at_once() {
     let sim = SimRuntime::new();
@@ -261,7 +256,7 @@ async fn a_capture_pools_peaks_are_the_most_its_requests_held_at_once() {
 /// Random sizes, held by several threads at random: the peak lies between the most held at
 /// once as counted just after each allocation and just before each free (a lower bound) and
 /// as counted just before each allocation and just after each free (an upper bound).
-#[ignore = "exact peaks need a design that keeps the cached path free of shared writes (invariant 5); a single tally per allocator measured too slow"]
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_random_concurrent_use_peaks_lie_between_what_the_threads_saw_held() {
     const SIZES: [usize; 4] = [4 * KIB, 64 * KIB, MIB, 4 * MIB];

@@ -9,6 +9,7 @@ use super::{Engine, EngineInner};
 use crate::budget::Budget;
 use crate::error::Error;
 use crate::memory::MemorySource;
+use crate::peaks::Ledger;
 use crate::policy::{BestFit, SizePolicy};
 use crate::poller::start_poller;
 use crate::pool::{start_pool, PoolSpec};
@@ -141,6 +142,7 @@ impl<R: Runtime> EngineBuilder<R> {
         let classes = self.policy.num_classes();
         let layout = self.policy.layout();
         let history = crate::history::start(&handle);
+        let ledger = Arc::new(Ledger::new());
         let memory = self.memory.clone();
         let (poller_tx, poller_rx) = flume::unbounded();
         start_poller(poller_rx, &handle);
@@ -150,6 +152,7 @@ impl<R: Runtime> EngineBuilder<R> {
             let handle = handle.clone();
             let history = history.clone();
             let policy = self.policy.clone();
+            let ledger = ledger.clone();
             move |id: PoolId, owner: Option<StreamId>| PoolSpec {
                 id,
                 owner,
@@ -166,6 +169,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 layout,
                 policy: policy.clone(),
                 device_stats: self.device_stats,
+                ledger: ledger.clone(),
             }
         };
         let default = start_pool(spec(PoolId::DEFAULT, None));
@@ -194,6 +198,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 router: router_tx,
                 poller: poller_tx,
                 history,
+                ledger,
             }),
         })
     }

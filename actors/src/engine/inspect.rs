@@ -35,6 +35,7 @@ impl<R: Runtime> Engine<R> {
         for p in self.all_pools() {
             s.merge(&p.stats.read());
         }
+        s.set_peaks(self.inner.ledger.engine());
         s.limit_bytes = self.max_bytes().map(|l| l as i64);
         s
     }
@@ -52,7 +53,8 @@ impl<R: Runtime> Engine<R> {
         }
         if let Some(t) = &mut total {
             t.limit_bytes = self.max_bytes().map(|l| l as i64);
-            t.exact_peaks(self.default_pool().budget.peak() as i64);
+            t.set_peaks(self.inner.ledger.engine());
+            t.set_reserved_peak(self.default_pool().budget.peak() as i64);
         }
         total
     }
@@ -65,6 +67,7 @@ impl<R: Runtime> Engine<R> {
             for p in self.default_pools() {
                 s.merge(&p.stats.read());
             }
+            s.set_peaks(self.inner.ledger.default_group());
             s.limit_bytes = limit;
             return Some(s);
         }
@@ -108,6 +111,7 @@ impl<R: Runtime> Engine<R> {
     /// Sets every peak to the current value.
     pub fn reset_peak_stats(&self) {
         self.all_pools().iter().for_each(|p| p.stats.reset_peak());
+        self.inner.ledger.reset_peaks();
         self.default_pool().budget.reset_peak();
     }
 

@@ -41,6 +41,7 @@ use crate::lease::Lease;
 use crate::mailbox::{PollerMsg, PoolMsg, Reply};
 use crate::memory::MemorySource;
 use crate::miss::{miss, miss_once, Tried, Wait, Who};
+use crate::peaks::Ledger;
 use crate::policy::{SizeClass, SizePolicy};
 use crate::router::{RouterMsg, Routes};
 use crate::runtime::{Runtime, StreamId};
@@ -58,6 +59,8 @@ struct EngineInner<R: Runtime> {
     #[allow(dead_code)]
     poller: Sender<PollerMsg<Block<R>>>,
     history: Arc<Recorder>,
+    /// The peaks of the counts its pools keep in thread shards.
+    ledger: Arc<Ledger>,
     /// The tokio runtime the actors run on.
     handle: tokio::runtime::Handle,
 }

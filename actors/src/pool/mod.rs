@@ -39,6 +39,7 @@ use crate::history::Recorder;
 use crate::home::{Home, HomeParts, DIVERT_CLOSING};
 use crate::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
 use crate::memory::{MemoryKind, MemorySource};
+use crate::peaks::{Group, Ledger};
 use crate::policy::{BlockLayout, SizePolicy};
 use crate::pool_id::PoolId;
 use crate::runtime::{Runtime, StreamId};
@@ -63,6 +64,8 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) layout: BlockLayout,
     pub(crate) policy: Arc<dyn SizePolicy>,
     pub(crate) device_stats: Option<usize>,
+    /// The engine's ledger of peaks.
+    pub(crate) ledger: Arc<Ledger>,
 }
 
 /// Starts a pool actor and returns the pool's home.
@@ -83,6 +86,14 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         layout: spec.layout,
         policy: spec.policy,
         device_stats: spec.device_stats,
+        peaks: {
+            let group = if spec.id.is_default() {
+                spec.ledger.default_group().clone()
+            } else {
+                Arc::new(Group::new())
+            };
+            (spec.ledger, group)
+        },
     });
     let actor = PoolActor {
         shared: shared.clone(),

@@ -1,0 +1,439 @@
+//! Exact peaks of the counts the cached path keeps in thread shards: the ledger of
+//! allowances.
+//!
+//! A count of the cached path (active bytes, blocks handed out, bytes requested, …) is a sum
+//! over thread shards, each written by its thread with plain stores (invariant 5). Its peak
+//! is the most that sum held at once, which no shard sees alone, and which a sum of the
+//! shards' own peaks overstates. So every shard's count (a *leaf*) has an *allowance*: its
+//! thread adds to the count without asking anyone while the count stays within the
+//! allowance, and asks the [`Ledger`] for more when it does not. A *book* is one count of
+//! one group of pools (its small blocks, its large blocks, or all of them); it keeps the sum
+//! of the allowances granted to its leaves and its peak.
+//!
+//! Rules (each book, at every moment):
+//!
+//! 1. The sum of its leaves' counts is at most the sum of their allowances, except by the
+//!    increases of threads on their way into the ledger (an increase is written first, then
+//!    checked).
+//! 2. The sum of its allowances is at most its peak.
+//! 3. Its peak rises only when no leaf of it holds unused allowance (*slack*), and then to
+//!    the sum of the allowances: a sum the leaves held (give or take the requests in flight
+//!    at that moment, counted either way).
+//!
+//! How:
+//!
+//! - One thread at a time changes allowances and books (the ledger's turn).
+//! - A leaf's slack is taken back by its owner thread itself (nobody else adds to an owned
+//!   shard's count without the ledger's turn), or by anyone while increases are frozen: the
+//!   taker sets `frozen`, then makes every thread of the process pass a full barrier
+//!   (`membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`), so that every owner either made its
+//!   increase visible before, or sees `frozen` after its increase and comes to the ledger.
+//!   Where that call is missing, owners pay a full fence on each increase instead.
+//! - A thread that does not own its shard (more live threads than shards) never uses slack:
+//!   each of its increases goes through the ledger.
+//! - A decrease marks its shard as holding slack; the ledger looks for marks before it
+//!   raises a peak, and freezes to take the slack back only where it finds one.
+
+use std::sync::atomic::{
+    compiler_fence, fence, AtomicBool, AtomicI64,
+    Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst},
+};
+use std::sync::{Arc, OnceLock};
+
+use arc_swap::ArcSwap;
+
+use crate::counters::ShardStat;
+use crate::shard::{CachePadded, ThreadSlot};
+
+/// Active requests (host statistics).
+pub(crate) const REQUESTS: usize = 0;
+/// Bytes of active requests (host statistics).
+pub(crate) const BYTES: usize = 1;
+/// Blocks handed out and not yet freed by their users (device statistics).
+pub(crate) const ALLOCATION: usize = 2;
+/// Bytes of `ALLOCATION`.
+pub(crate) const ALLOCATED_BYTES: usize = 3;
+/// Bytes the users asked for, of `ALLOCATION`.
+pub(crate) const REQUESTED_BYTES: usize = 4;
+/// Blocks handed out and not yet reusable.
+pub(crate) const ACTIVE: usize = 5;
+/// Bytes of `ACTIVE`.
+pub(crate) const ACTIVE_BYTES: usize = 6;
+/// Oversize blocks handed out and not yet freed.
+pub(crate) const OVERSIZE: usize = 7;
+/// How many counts a shard keeps.
+pub(crate) const KINDS: usize = 8;
+/// The book of both classes of a count (classes 0 and 1 are PyTorch's small and large pools;
+/// host counts use class 0 only).
+pub(crate) const ALL: usize = 2;
+const BOOKS: usize = KINDS * 3;
+
+fn book(kind: usize, class: usize) -> usize {
+    kind * 3 + class
+}
+
+/// One count of a group: the allowances granted to its leaves, and its peak.
+#[derive(Debug, Default)]
+struct Book {
+    peak: AtomicI64,
+    granted: AtomicI64,
+}
+
+/// The books of a group of pools: one capture pool, the default pool with the stream pools,
+/// or every pool of an engine.
+#[derive(Debug)]
+pub(crate) struct Group {
+    books: [Book; BOOKS],
+}
+
+impl Group {
+    pub(crate) fn new() -> Self {
+        Self {
+            books: std::array::from_fn(|_| Book::default()),
+        }
+    }
+
+    /// The peak of count `kind` in `class` (0, 1 or [`ALL`]).
+    pub(crate) fn peak(&self, kind: usize, class: usize) -> i64 {
+        self.books[book(kind, class)].peak.load(Relaxed)
+    }
+
+    /// Room left under the peaks for `want` (per book).
+    fn fits(&self, want: &[i64; BOOKS]) -> bool {
+        self.books
+            .iter()
+            .zip(want)
+            .all(|(b, &w)| w <= 0 || b.peak.load(Relaxed) - b.granted.load(Relaxed) >= w)
+    }
+
+    /// Grants `want`, raising peaks where it goes above them.
+    fn grant(&self, want: &[i64; BOOKS]) {
+        for (b, &w) in self.books.iter().zip(want) {
+            if w != 0 {
+                let granted = b.granted.load(Relaxed) + w;
+                b.granted.store(granted, Relaxed);
+                if granted > b.peak.load(Relaxed) {
+                    b.peak.store(granted, Relaxed);
+                }
+            }
+        }
+    }
+
+    fn take_back(&self, kind: usize, class: usize, n: i64) {
+        for i in [book(kind, class), book(kind, ALL)] {
+            let b = &self.books[i];
+            b.granted.store(b.granted.load(Relaxed) - n, Relaxed);
+        }
+    }
+
+    fn reset_peaks(&self) {
+        for b in &self.books {
+            b.peak.store(b.granted.load(Relaxed), Relaxed);
+        }
+    }
+}
+
+/// One thread shard's counts in one pool.
+#[derive(Debug, Default)]
+pub(crate) struct ShardLeaves {
+    /// Count `kind` of class `class`: `leaf[kind][class]`.
+    pub(crate) leaf: [[ShardStat; 2]; KINDS],
+    /// Set by a decrease: some count of this shard may be below its allowance.
+    slack: AtomicBool,
+}
+
+impl ShardLeaves {
+    /// Notes a decrease (called after it).
+    #[inline]
+    pub(crate) fn note_slack(&self) {
+        if !self.slack.load(Relaxed) {
+            self.slack.store(true, Release);
+        }
+    }
+
+    /// Whether count `kind` of class `class` is within its allowance.
+    #[inline]
+    pub(crate) fn covered(&self, kind: usize, class: usize) -> bool {
+        self.leaf[kind][class].covered()
+    }
+}
+
+/// One pool's counts, shard by shard, and the group it is counted in.
+#[derive(Debug)]
+pub(crate) struct Leaves {
+    pub(crate) shards: Box<[CachePadded<ShardLeaves>]>,
+    pub(crate) group: Arc<Group>,
+}
+
+/// The allowances and books of one engine (see the module's rules).
+#[derive(Debug)]
+pub(crate) struct Ledger {
+    /// Set while slack is taken back from other threads' shards.
+    frozen: AtomicBool,
+    /// Owners fence each increase (no process-wide barrier is available).
+    fenced: bool,
+    /// One thread at a time changes allowances and books.
+    busy: AtomicBool,
+    /// Every pool of the engine.
+    engine: Group,
+    /// The default pool and the stream pools.
+    default_group: Arc<Group>,
+    /// The pools alive.
+    pools: ArcSwap<Vec<Arc<Leaves>>>,
+}
+
+/// The ledger's turn, given back on drop.
+struct Turn<'a>(&'a AtomicBool);
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Release);
+    }
+}
+
+impl Ledger {
+    pub(crate) fn new() -> Self {
+        Self {
+            frozen: AtomicBool::new(false),
+            fenced: !barrier::available(),
+            busy: AtomicBool::new(false),
+            engine: Group::new(),
+            default_group: Arc::new(Group::new()),
+            pools: ArcSwap::from_pointee(Vec::new()),
+        }
+    }
+
+    /// The books of every pool.
+    pub(crate) fn engine(&self) -> &Group {
+        &self.engine
+    }
+
+    /// The books of the default pool and the stream pools.
+    pub(crate) fn default_group(&self) -> &Arc<Group> {
+        &self.default_group
+    }
+
+    /// Registers a pool's counts, with `shards` shards, counted in `group`.
+    pub(crate) fn register(&self, shards: usize, group: Arc<Group>) -> Arc<Leaves> {
+        let leaves = Arc::new(Leaves {
+            shards: (0..shards).map(|_| CachePadded::default()).collect(),
+            group,
+        });
+        let _turn = self.turn();
+        let mut pools = Vec::clone(&self.pools.load());
+        pools.push(leaves.clone());
+        self.pools.store(Arc::new(pools));
+        leaves
+    }
+
+    /// Takes a pool's counts out of the books (the pool is gone).
+    pub(crate) fn unregister(&self, leaves: &Arc<Leaves>) {
+        let _turn = self.turn();
+        let mut pools = Vec::clone(&self.pools.load());
+        pools.retain(|p| !Arc::ptr_eq(p, leaves));
+        self.pools.store(Arc::new(pools));
+        for shard in leaves.shards.iter() {
+            for (kind, classes) in shard.leaf.iter().enumerate() {
+                for (class, leaf) in classes.iter().enumerate() {
+                    let a = leaf.allowance();
+                    if a != 0 {
+                        leaf.set_allowance(0);
+                        self.engine.take_back(kind, class, a);
+                        leaves.group.take_back(kind, class, a);
+                    }
+                }
+            }
+        }
+    }
+
+    /// After an owner's increases: whether its thread may go on without the ledger (then it
+    /// still checks that its counts are covered).
+    #[inline]
+    pub(crate) fn open(&self) -> bool {
+        if self.fenced {
+            fence(SeqCst);
+        } else {
+            // The other half of the barrier is the process-wide one in `freeze`.
+            compiler_fence(SeqCst);
+        }
+        !self.frozen.load(Acquire)
+    }
+
+    fn turn(&self) -> Turn<'_> {
+        let mut spins = 0u32;
+        while self
+            .busy
+            .compare_exchange_weak(false, true, Acquire, Relaxed)
+            .is_err()
+        {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        Turn(&self.busy)
+    }
+
+    /// Covers the counts of `me`'s shard in `pool` that went above their allowances.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn settle(&self, pool: &Leaves, me: ThreadSlot) {
+        let _turn = self.turn();
+        let shard = &pool.shards[me.shard];
+        let (mut reclaimed, mut stolen) = (false, false);
+        loop {
+            // Each excess is read once: other threads may add to this shard meanwhile, and
+            // what is granted must be what the books count.
+            let mut want = [0i64; BOOKS];
+            let mut excess = [[0i64; 2]; KINDS];
+            let mut short = false;
+            for (kind, classes) in shard.leaf.iter().enumerate() {
+                for (class, leaf) in classes.iter().enumerate() {
+                    let e = leaf.excess();
+                    if e > 0 {
+                        excess[kind][class] = e;
+                        want[book(kind, class)] += e;
+                        want[book(kind, ALL)] += e;
+                        short = true;
+                    }
+                }
+            }
+            if !short {
+                return;
+            }
+            let fits = pool.group.fits(&want) && self.engine.fits(&want);
+            if !fits && me.owns && !reclaimed {
+                reclaimed = true;
+                for p in self.pools.load().iter() {
+                    self.reclaim(p, &p.shards[me.shard]);
+                }
+                continue;
+            }
+            if !fits && !stolen && self.slack_elsewhere(me) {
+                stolen = true;
+                self.steal();
+                continue;
+            }
+            // Within the peaks, or every other leaf is tight: the sum is what was held.
+            for (leaf, e) in shard.leaf.iter().flatten().zip(excess.iter().flatten()) {
+                leaf.set_allowance(leaf.allowance() + e);
+            }
+            pool.group.grant(&want);
+            self.engine.grant(&want);
+            if !me.owns {
+                // Read while others change it, the count may have come out high: whatever
+                // was granted beyond it is slack.
+                shard.note_slack();
+            }
+            return;
+        }
+    }
+
+    /// Sets every peak of the engine's groups to what is held now.
+    pub(crate) fn reset_peaks(&self) {
+        let _turn = self.turn();
+        self.steal();
+        self.engine.reset_peaks();
+        self.default_group.reset_peaks();
+        for p in self.pools.load().iter() {
+            p.group.reset_peaks();
+        }
+    }
+
+    /// Whether a shard other than `me`'s own (when it owns it) may hold slack.
+    fn slack_elsewhere(&self, me: ThreadSlot) -> bool {
+        self.pools.load().iter().any(|p| {
+            p.shards
+                .iter()
+                .enumerate()
+                .any(|(i, s)| !(me.owns && i == me.shard) && s.slack.load(Acquire))
+        })
+    }
+
+    /// Takes back every leaf's slack, increases frozen meanwhile. Holds the turn.
+    fn steal(&self) {
+        self.frozen.store(true, SeqCst);
+        if self.fenced {
+            fence(SeqCst);
+        } else {
+            barrier::process_wide();
+        }
+        for p in self.pools.load().iter() {
+            for s in p.shards.iter() {
+                self.reclaim(p, s);
+            }
+        }
+        self.frozen.store(false, Release);
+    }
+
+    /// Takes back the slack of one shard's leaves: by the shard's owner, or while frozen.
+    /// Holds the turn.
+    fn reclaim(&self, pool: &Leaves, shard: &ShardLeaves) {
+        // Unmark first: a decrease after this point marks the shard again; one before it is
+        // seen by the reads below (the swap reads its mark).
+        shard.slack.swap(false, AcqRel);
+        for (kind, classes) in shard.leaf.iter().enumerate() {
+            for (class, leaf) in classes.iter().enumerate() {
+                let e = leaf.excess();
+                if e < 0 {
+                    leaf.set_allowance(leaf.allowance() + e);
+                    self.engine.take_back(kind, class, -e);
+                    pool.group.take_back(kind, class, -e);
+                }
+            }
+        }
+    }
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The process-wide barrier: `membarrier(2)` on Linux.
+#[cfg(all(target_os = "linux", not(miri), not(pinpool_loom)))]
+mod barrier {
+    use super::OnceLock;
+
+    const REGISTER_PRIVATE_EXPEDITED: libc::c_int = 1 << 4;
+    const PRIVATE_EXPEDITED: libc::c_int = 1 << 3;
+
+    /// Whether the barrier works in this process (registers the process once).
+    pub(super) fn available() -> bool {
+        static REGISTERED: OnceLock<bool> = OnceLock::new();
+        *REGISTERED.get_or_init(|| {
+            // SAFETY: membarrier takes two integers and a flag word; registration changes
+            // nothing but the process's membarrier state.
+            let r =
+                unsafe { libc::syscall(libc::SYS_membarrier, REGISTER_PRIVATE_EXPEDITED, 0, 0) };
+            r == 0
+        })
+    }
+
+    /// Makes every running thread of the process pass a full memory barrier.
+    pub(super) fn process_wide() {
+        loop {
+            // SAFETY: as above; the process registered in `available`, which returned true
+            // before any ledger relied on this call.
+            let r = unsafe { libc::syscall(libc::SYS_membarrier, PRIVATE_EXPEDITED, 0, 0) };
+            if r == 0 {
+                return;
+            }
+            // Only an interrupted call can fail after a registration that succeeded.
+            std::hint::spin_loop();
+        }
+    }
+}
+
+#[cfg(not(all(target_os = "linux", not(miri), not(pinpool_loom))))]
+mod barrier {
+    pub(super) fn available() -> bool {
+        let _ = super::OnceLock::<bool>::new();
+        false
+    }
+
+    pub(super) fn process_wide() {}
+}
