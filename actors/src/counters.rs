@@ -3,7 +3,10 @@
 //! on the cached path by one thread shard each ([`ShardStat`], whose peaks the ledger in
 //! [`crate::peaks`] keeps).
 
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicI64,
+    Ordering::{Relaxed, SeqCst},
+};
 use std::time::Duration;
 
 /// One statistic: its current value, its peak, and the totals added and removed.
@@ -138,7 +141,9 @@ impl ShardStat {
             self.allocated
                 .store(self.allocated.load(Relaxed) + n, Relaxed);
         } else {
-            self.remote_allocated.fetch_add(n, Relaxed);
+            // Sequentially consistent: it is ordered before the looks at the ledger's marks
+            // that follow (see `crate::peaks`).
+            self.remote_allocated.fetch_add(n, SeqCst);
         }
     }
 

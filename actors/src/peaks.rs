@@ -23,14 +23,14 @@
 //! How:
 //!
 //! - One thread at a time changes allowances and books (the ledger's turn).
-//! - A leaf's slack is taken back by its owner thread itself (nobody else adds to an owned
-//!   shard's count without the ledger's turn), or by anyone while increases are frozen: the
-//!   taker sets `frozen`, then makes every thread of the process pass a full barrier
+//! - A leaf's slack is taken back by anyone while increases are frozen: the taker sets
+//!   `frozen`, then makes every thread of the process pass a full barrier
 //!   (`membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`), so that every owner either made its
 //!   increase visible before, or sees `frozen` after its increase and comes to the ledger.
 //!   Where that call is missing, owners pay a full fence on each increase instead.
-//! - A thread that does not own its shard (more live threads than shards) never uses slack:
-//!   each of its increases goes through the ledger.
+//! - A thread that does not own its shard (more live threads than shards) adds with a
+//!   sequentially consistent read-modify-write, then looks at `frozen` and at the shard's
+//!   `reclaiming` mark: the owner takes its own shard's slack back without a freeze, marked.
 //! - A decrease marks its shard as holding slack; the ledger looks for marks before it
 //!   raises a peak, and freezes to take the slack back only where it finds one.
 
@@ -140,6 +140,8 @@ pub(crate) struct ShardLeaves {
     pub(crate) leaf: [[ShardStat; 2]; KINDS],
     /// Set by a decrease: some count of this shard may be below its allowance.
     slack: AtomicBool,
+    /// Set while the owner takes the shard's slack back (see the module's rules).
+    reclaiming: AtomicBool,
 }
 
 impl ShardLeaves {
@@ -246,6 +248,14 @@ impl Ledger {
         }
     }
 
+    /// After the increases of a thread that shares `shard` (made with sequentially
+    /// consistent read-modify-writes): whether it may go on without the ledger (then it
+    /// still checks that its counts are covered).
+    #[inline]
+    pub(crate) fn open_shared(&self, shard: &ShardLeaves) -> bool {
+        !self.frozen.load(SeqCst) && !shard.reclaiming.load(SeqCst)
+    }
+
     /// After an owner's increases: whether its thread may go on without the ledger (then it
     /// still checks that its counts are covered).
     #[inline]
@@ -307,7 +317,13 @@ impl Ledger {
             if !fits && me.owns && !reclaimed {
                 reclaimed = true;
                 for p in self.pools.load().iter() {
-                    self.reclaim(p, &p.shards[me.shard]);
+                    let mine = &p.shards[me.shard];
+                    // Threads sharing the shard look at the mark after adding: each either
+                    // sees it (and comes here) or added before the counts are read.
+                    mine.reclaiming.store(true, SeqCst);
+                    fence(SeqCst);
+                    self.reclaim(p, mine);
+                    mine.reclaiming.store(false, Release);
                 }
                 continue;
             }

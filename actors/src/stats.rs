@@ -207,12 +207,18 @@ impl PoolStats {
         let s = &self.leaves.shards[me.shard];
         s.leaf[REQUESTS][0].increase(1, me.owns);
         s.leaf[BYTES][0].increase(bytes as i64, me.owns);
-        let covered = match &self.detail {
-            Some(d) => {
-                let class = d.lent(s, me.owns, bytes, requested);
-                me.owns && self.ledger.open() && d.covered(s, class, bytes)
-            }
-            None => me.owns && self.ledger.open(),
+        let class = self
+            .detail
+            .as_ref()
+            .map(|d| d.lent(s, me.owns, bytes, requested));
+        let open = if me.owns {
+            self.ledger.open()
+        } else {
+            self.ledger.open_shared(s)
+        };
+        let covered = match (&self.detail, class) {
+            (Some(d), Some(c)) => open && d.covered(s, c, bytes),
+            _ => open,
         };
         if !(covered && s.covered(REQUESTS, 0) && s.covered(BYTES, 0)) {
             self.ledger.settle(&self.leaves, me);
