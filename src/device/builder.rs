@@ -167,7 +167,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         if let Some(t) = c.garbage_collection_threshold {
             p = p.garbage_collection_threshold(t);
         }
-        p
+        p.thread_cache(c.thread_cache)
     }
 
     /// Starts one engine per device.

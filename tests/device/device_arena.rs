@@ -178,3 +178,54 @@ async fn a_replayed_loop_of_mixed_large_blocks_makes_few_map_calls_within_its_pe
     );
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
+
+/// A pool configured as `thread_cache_mb`, and its runtime.
+fn thread_cached_pool(mb: usize) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let config = pinpool::config::DeviceConfig::default().with_thread_cache(mb * MIB);
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .config(&config)
+        .build()
+        .expect("allocator builds inside a runtime");
+    (pool, sim)
+}
+
+/// Takes `sizes` in order on `s`, frees them all, and does it again: the misses (requests
+/// the pool actor answered) of the second round.
+async fn misses_of_a_repeated_round(
+    pool: &DeviceAllocator<SimRuntime>,
+    s: &pinpool::sim::SimStream,
+    sizes: &[usize],
+) -> i64 {
+    for round in 0..2 {
+        let before = pool.stats(0).unwrap().num_misses;
+        let blocks: Vec<_> = {
+            let mut v = Vec::new();
+            for &n in sizes {
+                v.push(pool.alloc(n, s).await.unwrap());
+            }
+            v
+        };
+        drop(blocks);
+        if round == 1 {
+            return pool.stats(0).unwrap().num_misses - before;
+        }
+    }
+    unreachable!()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_thread_cache_a_repeated_round_of_large_requests_is_served_without_the_pool_actor() {
+    let sizes = [8 * MIB, 3 * MIB + 4096, 20 * MIB, 8 * MIB, 5 * MIB];
+    let (cached, sim) = thread_cached_pool(32);
+    let s = sim.stream();
+    assert_eq!(misses_of_a_repeated_round(&cached, &s, &sizes).await, 0);
+    // Without it, every block above 1 MiB went back to the actor, which answers each again.
+    let (plain, sim) = thread_cached_pool(0);
+    let s = sim.stream();
+    assert_eq!(
+        misses_of_a_repeated_round(&plain, &s, &sizes).await,
+        sizes.len() as i64
+    );
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
