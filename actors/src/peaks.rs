@@ -35,7 +35,7 @@
 //!   raises a peak, and freezes to take the slack back only where it finds one.
 
 use std::sync::atomic::{
-    compiler_fence, fence, AtomicBool, AtomicI64,
+    compiler_fence, fence, AtomicBool, AtomicI64, AtomicU64,
     Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst},
 };
 use std::sync::{Arc, OnceLock};
@@ -145,14 +145,6 @@ pub(crate) struct ShardLeaves {
 }
 
 impl ShardLeaves {
-    /// Notes a decrease (called after it).
-    #[inline]
-    pub(crate) fn note_slack(&self) {
-        if !self.slack.load(Relaxed) {
-            self.slack.store(true, Release);
-        }
-    }
-
     /// Whether count `kind` of class `class` is within its allowance.
     #[inline]
     pub(crate) fn covered(&self, kind: usize, class: usize) -> bool {
@@ -164,7 +156,21 @@ impl ShardLeaves {
 #[derive(Debug)]
 pub(crate) struct Leaves {
     pub(crate) shards: Box<[CachePadded<ShardLeaves>]>,
+    /// A bit per shard whose mark was set since the ledger last cleared it: where to look.
+    marked: Box<[AtomicU64]>,
     pub(crate) group: Arc<Group>,
+}
+
+impl Leaves {
+    /// Notes a decrease of a count of `shard` (called after it).
+    #[inline]
+    pub(crate) fn note_slack(&self, shard: usize) {
+        let s = &self.shards[shard];
+        if !s.slack.load(Relaxed) {
+            s.slack.store(true, Release);
+            self.marked[shard / 64].fetch_or(1 << (shard % 64), Release);
+        }
+    }
 }
 
 /// The allowances and books of one engine (see the module's rules).
@@ -219,6 +225,9 @@ impl Ledger {
     pub(crate) fn register(&self, shards: usize, group: Arc<Group>) -> Arc<Leaves> {
         let leaves = Arc::new(Leaves {
             shards: (0..shards).map(|_| CachePadded::default()).collect(),
+            marked: (0..shards.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             group,
         });
         let _turn = self.turn();
@@ -298,7 +307,7 @@ impl Ledger {
             // what is granted must be what the books count.
             let mut want = [0i64; BOOKS];
             let mut excess = [[0i64; 2]; KINDS];
-            let mut short = false;
+            let mut short = [false; KINDS];
             for (kind, classes) in shard.leaf.iter().enumerate() {
                 for (class, leaf) in classes.iter().enumerate() {
                     let e = leaf.excess();
@@ -306,11 +315,11 @@ impl Ledger {
                         excess[kind][class] = e;
                         want[book(kind, class)] += e;
                         want[book(kind, ALL)] += e;
-                        short = true;
+                        short[kind] = true;
                     }
                 }
             }
-            if !short {
+            if !short.contains(&true) {
                 return;
             }
             let fits = pool.group.fits(&want) && self.engine.fits(&want);
@@ -322,7 +331,9 @@ impl Ledger {
                     // sees it (and comes here) or added before the counts are read.
                     mine.reclaiming.store(true, SeqCst);
                     fence(SeqCst);
-                    self.reclaim(p, mine);
+                    // Only the counts that are short: the others keep their slack (taking
+                    // it would only send their next increases here).
+                    self.reclaim(p, mine, &short);
                     mine.reclaiming.store(false, Release);
                 }
                 continue;
@@ -341,7 +352,7 @@ impl Ledger {
             if !me.owns {
                 // Read while others change it, the count may have come out high: whatever
                 // was granted beyond it is slack.
-                shard.note_slack();
+                pool.note_slack(me.shard);
             }
             return;
         }
@@ -361,10 +372,13 @@ impl Ledger {
     /// Whether a shard other than `me`'s own (when it owns it) may hold slack.
     fn slack_elsewhere(&self, me: ThreadSlot) -> bool {
         self.pools.load().iter().any(|p| {
-            p.shards
-                .iter()
-                .enumerate()
-                .any(|(i, s)| !(me.owns && i == me.shard) && s.slack.load(Acquire))
+            p.marked.iter().enumerate().any(|(w, bits)| {
+                let mut bits = bits.load(Acquire);
+                if me.owns && me.shard / 64 == w {
+                    bits &= !(1 << (me.shard % 64));
+                }
+                bits != 0
+            })
         })
     }
 
@@ -377,20 +391,28 @@ impl Ledger {
             barrier::process_wide();
         }
         for p in self.pools.load().iter() {
+            // Unmark first, the bits before the marks: a decrease after this point marks its
+            // shard again (mark, then bit); one before it is seen by the reads below (the swap
+            // reads its mark). At worst a bit outlives its mark, and one more freeze finds
+            // nothing.
+            p.marked.iter().for_each(|w| {
+                w.swap(0, AcqRel);
+            });
             for s in p.shards.iter() {
-                self.reclaim(p, s);
+                s.slack.swap(false, AcqRel);
+                self.reclaim(p, s, &[true; KINDS]);
             }
         }
         self.frozen.store(false, Release);
     }
 
-    /// Takes back the slack of one shard's leaves: by the shard's owner, or while frozen.
-    /// Holds the turn.
-    fn reclaim(&self, pool: &Leaves, shard: &ShardLeaves) {
-        // Unmark first: a decrease after this point marks the shard again; one before it is
-        // seen by the reads below (the swap reads its mark).
-        shard.slack.swap(false, AcqRel);
+    /// Takes back the slack of one shard's leaves of the `kinds` marked: by the shard's
+    /// owner, or while frozen. Holds the turn.
+    fn reclaim(&self, pool: &Leaves, shard: &ShardLeaves, kinds: &[bool; KINDS]) {
         for (kind, classes) in shard.leaf.iter().enumerate() {
+            if !kinds[kind] {
+                continue;
+            }
             for (class, leaf) in classes.iter().enumerate() {
                 let e = leaf.excess();
                 if e < 0 {

@@ -234,7 +234,7 @@ impl PoolStats {
             let me = ThreadSlot::current(self.mask);
             let s = &self.leaves.shards[shard];
             d.freed(s, me.owns && me.shard == shard, bytes, requested);
-            s.note_slack();
+            self.leaves.note_slack(shard);
         }
     }
 
@@ -249,7 +249,7 @@ impl PoolStats {
         if let Some(d) = &self.detail {
             d.deactivated(s, owner, bytes);
         }
-        s.note_slack();
+        self.leaves.note_slack(shard);
     }
 
     /// A segment of `bytes` was taken from the memory source (`taken`) or given back
