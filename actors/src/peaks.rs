@@ -176,8 +176,9 @@ impl Leaves {
 /// The allowances and books of one engine (see the module's rules).
 #[derive(Debug)]
 pub(crate) struct Ledger {
-    /// Set while slack is taken back from other threads' shards.
-    frozen: AtomicBool,
+    /// Set while slack is taken back from other threads' shards (every increase reads it:
+    /// on a line of its own, away from `busy` and the books).
+    frozen: CachePadded<AtomicBool>,
     /// Owners fence each increase (no process-wide barrier is available).
     fenced: bool,
     /// One thread at a time changes allowances and books.
@@ -202,7 +203,7 @@ impl Drop for Turn<'_> {
 impl Ledger {
     pub(crate) fn new() -> Self {
         Self {
-            frozen: AtomicBool::new(false),
+            frozen: CachePadded(AtomicBool::new(false)),
             fenced: !barrier::available(),
             busy: AtomicBool::new(false),
             engine: Group::new(),
