@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pinpool_actors::{
-    BaseAllocation, CacheInfo, EmptyReport, Engine, EngineBuilder, Error, HostStats, Inventory,
+    BaseAllocation, CacheInfo, EmptyReport, Engine, EngineBuilder, Error, HostStats,
     MemorySnapshot, MemorySource, PoolId, Runtime, SizePolicy,
 };
 
@@ -232,7 +232,7 @@ impl<R: Runtime> Builder<R> {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let config: pinpool::config::Config = "size_policy:bestfit".parse()?;
     /// let pool = pinpool::PinnedAllocator::builder().config(&config).build()?;
-    /// assert_eq!(pool.engine().policy().name(), "bestfit");
+    /// assert_eq!(pool.snapshot().await?.config.policy, "bestfit");
     /// # Ok(()) }
     /// ```
     pub fn config(mut self, config: &Config) -> Self {
@@ -299,8 +299,8 @@ pub(crate) fn config_error(error: crate::config::ConfigError) -> Error {
 }
 
 impl<R: Runtime> PinnedAllocator<R> {
-    /// The engine underneath (for tools that need its lower-level calls).
-    pub fn engine(&self) -> &Engine<R> {
+    /// The engine underneath ([`crate::internals::engine`] for tools).
+    pub(crate) fn engine(&self) -> &Engine<R> {
         &self.engine
     }
 
@@ -594,16 +594,6 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// Zeroes the accumulated statistics.
     pub fn reset_accumulated_stats(&self) {
         self.engine.reset_accumulated_stats()
-    }
-
-    /// Where every pool's reserved bytes are; for checks at quiescent points.
-    pub async fn inventory(&self) -> Result<Vec<Inventory>, Error> {
-        self.engine.inventory().await
-    }
-
-    /// A capture pool id that no other call returns (like `torch.cuda.graph_pool_handle()`).
-    pub fn new_pool_id(&self) -> PoolId {
-        PoolId::fresh()
     }
 
     /// Routes allocations made with `alloc_on` for streams that `filter` accepts into the

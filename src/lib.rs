@@ -35,6 +35,7 @@ pub mod config;
 pub mod cuda;
 pub mod device;
 mod history;
+pub mod internals;
 mod memviz;
 pub mod plan;
 pub mod report;
@@ -52,10 +53,14 @@ pub use device::{
 pub use history::ReportError;
 pub use pinpool_actors::FreeMemoryCallback;
 pub use pinpool_actors::{
-    BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
-    DeviceFit, DeviceStats, DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory,
-    MemoryKind, MemorySnapshot, MemorySource, OomCause, Origin, PinMethod, PoolCheckpoint, PoolId,
-    PowerOfTwo, Region, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StatArray,
-    StreamFilter, StreamId, TieredPowerOfTwo, Wait,
+    BaseAllocation, BestFit, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceFit, DeviceStats,
+    DurationStat, EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause,
+    PoolCheckpoint, PoolId, PowerOfTwo, Runtime, RuntimeError, SegmentInfo, SizePolicy, Stat,
+    StatArray, StreamId, TieredPowerOfTwo,
 };
 pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
+
+// The engine's vocabulary that the runtimes here implement: not part of this crate's API
+// (tools reach it in `pinpool_actors`, through [`internals`]).
+#[allow(unused_imports)]
+pub(crate) use pinpool_actors::{HostMemory, MemorySource, Origin, PinMethod, Region};

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use pinpool_actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
-    Inventory, Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
+    Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
 };
 
 use super::buffer::{tie_to_stream, DeviceBuffer};
@@ -129,8 +129,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         &self.inner.devices
     }
 
-    /// The engine of device `device` (for tools that need its lower-level calls).
-    pub fn engine(&self, device: usize) -> Result<&Engine<R>, Error> {
+    /// The engine of device `device` ([`crate::internals::device_engine`] for tools).
+    pub(crate) fn engine(&self, device: usize) -> Result<&Engine<R>, Error> {
         self.inner.devices.get(device).ok_or(Error::NoSuchDevice {
             ordinal: device,
             count: self.inner.devices.len(),
@@ -457,12 +457,6 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             .engine(device)
             .map(|e| e.check_pool_live_allocations(pool, &ptrs));
         async move { check?.await }
-    }
-
-    /// Where every pool of device `device` has its reserved bytes; for checks at quiescent
-    /// points.
-    pub async fn inventory(&self, device: usize) -> Result<Vec<Inventory>, Error> {
-        self.engine(device)?.inventory().await
     }
 
     /// Turns history recording on or off on every device (see

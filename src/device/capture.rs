@@ -20,12 +20,6 @@ use super::allocator::DeviceAllocator;
 use super::runtime::DeviceRuntime;
 
 impl<R: DeviceRuntime> DeviceAllocator<R> {
-    /// A capture pool id that no other call returns (like `torch.cuda.graph_pool_handle()`);
-    /// usable on any device.
-    pub fn new_pool_id(&self) -> PoolId {
-        PoolId::fresh()
-    }
-
     /// Routes the requests of device `device` for streams that `filter` accepts into the
     /// private pool `pool` (made now, or given one more use) until
     /// [`DeviceAllocator::end_allocate_to_pool`]. Call it before the stream begins capturing.
@@ -39,7 +33,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     ///
     /// let pool = DeviceAllocator::builder().build()?;
     /// let stream = pool.runtime().stream();
-    /// let id = pool.new_pool_id(); // torch.cuda.graph_pool_handle()
+    /// let id = pinpool::PoolId::fresh(); // torch.cuda.graph_pool_handle()
     /// let capturing = stream.id();
     /// pool.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
     /// stream.begin_capture()?; // on a GPU: stream.begin_capture(mode)

@@ -132,7 +132,10 @@ pub async fn assert_books_balance(
     sim: &SimRuntime,
     in_use_blocks: usize,
 ) {
-    let inv = pool.inventory().await.expect("inventory");
+    let inv = pinpool::internals::engine(pool)
+        .inventory()
+        .await
+        .expect("inventory");
     let mut reserved = 0;
     let mut in_use = 0;
     for p in &inv {
@@ -161,7 +164,10 @@ pub async fn assert_books_balance(
 pub async fn eventually_nothing_in_use(pool: &PinnedAllocator<SimRuntime>) {
     let start = Instant::now();
     loop {
-        let inv = pool.inventory().await.expect("inventory");
+        let inv = pinpool::internals::engine(pool)
+            .inventory()
+            .await
+            .expect("inventory");
         if inv
             .iter()
             .all(|p| p.in_use_blocks == 0 && p.waiting_blocks == 0)

@@ -39,14 +39,20 @@ async fn the_pinned_builder_keeps_its_policy_and_configuration_when_the_runtime_
         .runtime(Arc::new(SimRuntime::new()))
         .build()
         .unwrap();
-    assert_eq!(policy.engine().policy().name(), "tiered");
+    assert_eq!(
+        pinpool::internals::engine(&policy).policy().name(),
+        "tiered"
+    );
     let config = Config::default().with_size_policy(SizePolicyChoice::Pow2);
     let configured = PinnedAllocator::builder()
         .config(&config)
         .runtime(Arc::new(SimRuntime::new()))
         .build()
         .unwrap();
-    assert_eq!(configured.engine().policy().name(), "pow2");
+    assert_eq!(
+        pinpool::internals::engine(&configured).policy().name(),
+        "pow2"
+    );
 }
 
 #[tokio::test]
@@ -64,7 +70,7 @@ async fn an_explicit_policy_wins_over_the_configurations_size_policy() {
             .build()
             .unwrap(),
     ] {
-        assert_eq!(pool.engine().policy().name(), "tiered");
+        assert_eq!(pinpool::internals::engine(&pool).policy().name(), "tiered");
     }
 }
 

@@ -35,7 +35,7 @@ async fn the_range_grows_by_the_granules_a_block_needs_and_blocks_sit_side_by_si
         2 * GRANULE,
         "only the one more granule it needs"
     );
-    assert_eq!(pool.engine().policy().name(), "bestfit");
+    assert_eq!(pinpool::internals::engine(&pool).policy().name(), "bestfit");
     drop((a, b));
     assert_books_balance(&pool, &sim, 0).await;
 }

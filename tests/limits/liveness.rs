@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use pinpool::config::SizePolicyChoice;
 use pinpool::sim::{HoldGuard, SimDeviceBuffer, SimRuntime, SimStream};
-use pinpool::{BlockLayout, Builder, Error, PinnedAllocator, PinnedBuffer, SizePolicy};
+use pinpool::{Builder, Error, PinnedAllocator, PinnedBuffer, SizePolicy};
+use pinpool_actors::BlockLayout;
 use proptest::prelude::*;
 use tokio::task::JoinHandle;
 

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 
 use pinpool::sim::{SimRuntime, SimStream};
 use pinpool::{
-    BlockLayout, BufferSet, Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, Error,
-    PinnedAllocator, SizePolicy, TakenBuffers,
+    BufferSet, Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, Error, PinnedAllocator,
+    SizePolicy, TakenBuffers,
 };
+use pinpool_actors::BlockLayout;
 use proptest::prelude::*;
 use tokio::task::JoinHandle;
 
@@ -136,8 +137,11 @@ impl Harness {
             .handle(rt.handle().clone())
             .build()
             .unwrap();
-        let host_granule = granule_of(host.engine().policy(), &sim);
-        let dev_granule = granule_of(dev.engine(0).unwrap().policy(), &sim);
+        let host_granule = granule_of(pinpool::internals::engine(&host).policy(), &sim);
+        let dev_granule = granule_of(
+            pinpool::internals::device_engine(&dev, 0).unwrap().policy(),
+            &sim,
+        );
         let streams = (0..STREAMS).map(|_| sim.stream()).collect();
         Harness {
             rt,
@@ -153,8 +157,10 @@ impl Harness {
     }
 
     fn needs(&self, pinned: &[usize], device: &[usize]) -> Needs {
-        let hp = self.host.engine().policy();
-        let dp = self.dev.engine(0).unwrap().policy();
+        let hp = pinpool::internals::engine(&self.host).policy();
+        let dp = pinpool::internals::device_engine(&self.dev, 0)
+            .unwrap()
+            .policy();
         Needs {
             pinned: pinned
                 .iter()

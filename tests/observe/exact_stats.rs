@@ -224,7 +224,7 @@ async fn a_capture_pools_peaks_are_the_most_its_requests_held_at_once() {
     // pool's differ.
     let s0 = sim.stream();
     drop(pool.alloc(64 * MIB, &s0).await.unwrap());
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let ids: Vec<u64> = streams.iter().map(|s| s.id().0).collect();
     pool.begin_allocate_to_pool(0, id, move |s| ids.contains(&s.id().0))
         .await

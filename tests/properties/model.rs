@@ -105,7 +105,7 @@ impl Harness {
         let cap = sim.stream();
         Harness {
             _rt: rt,
-            pool_id: pool.new_pool_id(),
+            pool_id: pinpool::PoolId::fresh(),
             sim,
             pool,
             streams,
@@ -255,7 +255,7 @@ impl Harness {
                 self.pool.release_pool_blocking(self.pool_id).unwrap();
                 self.pool.empty_cache_blocking().unwrap();
                 self.kept.clear();
-                self.pool_id = self.pool.new_pool_id();
+                self.pool_id = pinpool::PoolId::fresh();
             }
             _ => {}
         }
