@@ -107,6 +107,4 @@ pub use snapshot::{
     SegmentInfo,
 };
 pub use stats::HostStats;
-pub use trace::{
-    History, HistoryContext, OomObserver, OomReport, TraceAction, TraceEntry, TraceTracker,
-};
+pub use trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

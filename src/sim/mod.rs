@@ -659,12 +659,12 @@ impl SimRuntime {
     }
 
     /// Reserves an address range for expandable host memory.
-    pub fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub(crate) fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         expandable::reserve(self, size)
     }
 
     /// Maps granules of a reserved range.
-    pub fn host_map(
+    pub(crate) fn host_map(
         &self,
         range: &HostMemory,
         offset: usize,
@@ -674,7 +674,7 @@ impl SimRuntime {
     }
 
     /// Unmaps granules of a reserved range.
-    pub fn host_unmap(
+    pub(crate) fn host_unmap(
         &self,
         range: &HostMemory,
         offset: usize,
@@ -685,7 +685,7 @@ impl SimRuntime {
 
     /// Moves the memory of the granule mapped at `from` of a reserved range to the unmapped
     /// granule at `to` (see `MemorySource::remap`).
-    pub fn host_remap(
+    pub(crate) fn host_remap(
         &self,
         range: &HostMemory,
         from: usize,
@@ -695,7 +695,7 @@ impl SimRuntime {
     }
 
     /// Gives back a reserved range, none of it mapped.
-    pub fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+    pub(crate) fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
         expandable::unreserve(self, range)
     }
 }

@@ -81,7 +81,7 @@ impl Harness {
         let policy = choice.policy();
         let granule = match policy.layout() {
             BlockLayout::Whole => 0,
-            BlockLayout::Carved(c) => c.small_segment.max(sim.host_granularity().unwrap_or(0)),
+            BlockLayout::Carved(c) => c.small_segment().max(sim.host_granularity().unwrap_or(0)),
         };
         let pool = Builder::new(Arc::new(sim.clone()))
             .policy(policy.clone())

@@ -83,7 +83,7 @@ struct Needs {
 fn granule_of(policy: &dyn SizePolicy, sim: &SimRuntime) -> usize {
     match policy.layout() {
         BlockLayout::Whole => 0,
-        BlockLayout::Carved(c) => c.small_segment.max(sim.host_granularity().unwrap_or(0)),
+        BlockLayout::Carved(c) => c.small_segment().max(sim.host_granularity().unwrap_or(0)),
     }
 }
 
