@@ -40,8 +40,8 @@
 #![allow(clippy::vec_box, clippy::boxed_local)]
 
 // 1. Vocabulary.
-pub mod runtime;
-pub mod memory;
+mod runtime;
+mod memory;
 mod pool_id;
 mod error;
 pub mod blocking;

@@ -254,7 +254,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         call: (&'static str, &'static str),
     ) -> Result<DeviceBuffer<R>, Error> {
         let (d, engine) = self.engine_of(stream, size)?;
-        let lease = engine.alloc_blocking_as(size, Some(stream), wait, call)?;
+        let lease = engine.alloc_blocking_with(size, Some(stream), wait, call)?;
         Ok(DeviceBuffer::new(lease, stream.clone(), d))
     }
 
@@ -287,7 +287,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             return Ok(0);
         }
         let (_, engine) = self.engine_of(stream, size)?;
-        let lease = engine.alloc_blocking_as(size, Some(stream), wait, call)?;
+        let lease = engine.alloc_blocking_with(size, Some(stream), wait, call)?;
         // Only a request of 0 bytes gets an empty lease.
         Ok(self.file_raw(lease, stream).unwrap_or(0))
     }
@@ -487,7 +487,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
 
     /// [`DeviceAllocator::history`] for threads outside the tokio runtime.
     pub fn history_blocking(&self, device: usize) -> Result<History, Error> {
-        self.engine(device)?.history_blocking()
+        let engine = self.engine(device)?;
+        pinpool_actors::blocking::call(("history_blocking", "history().await"), engine.history())?
     }
 
     /// The history page of device `device` (see [`crate::report::render_history_html`]).

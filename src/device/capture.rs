@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use pinpool_actors::{DeviceStats, Error, PoolId};
+use pinpool_actors::{blocking, DeviceStats, Error, PoolId};
 
 use super::allocator::DeviceAllocator;
 use super::runtime::DeviceRuntime;
@@ -86,17 +86,34 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         filter: impl Fn(&R::Stream) -> bool + Send + Sync + 'static,
     ) -> Result<(), Error> {
         let engine = self.engine(device)?;
-        engine.begin_allocate_to_pool_blocking(pool, Arc::new(filter))
+        blocking::call(
+            (
+                "begin_allocate_to_pool_blocking",
+                "begin_allocate_to_pool(..).await",
+            ),
+            engine.begin_allocate_to_pool(pool, Arc::new(filter)),
+        )?
     }
 
     /// [`DeviceAllocator::end_allocate_to_pool`] for threads outside the tokio runtime.
     pub fn end_allocate_to_pool_blocking(&self, device: usize, pool: PoolId) -> Result<(), Error> {
-        self.engine(device)?.end_allocate_to_pool_blocking(pool)
+        let engine = self.engine(device)?;
+        blocking::call(
+            (
+                "end_allocate_to_pool_blocking",
+                "end_allocate_to_pool(..).await",
+            ),
+            engine.end_allocate_to_pool(pool),
+        )?
     }
 
     /// [`DeviceAllocator::release_pool`] for threads outside the tokio runtime.
     pub fn release_pool_blocking(&self, device: usize, pool: PoolId) -> Result<(), Error> {
-        self.engine(device)?.release_pool_blocking(pool)
+        let engine = self.engine(device)?;
+        blocking::call(
+            ("release_pool_blocking", "release_pool(..).await"),
+            engine.release_pool(pool),
+        )?
     }
 
     /// The capture pools alive on device `device` (begun, and not yet freed by an
