@@ -254,7 +254,7 @@ async fn end(
 /// Blocks kept for graph replays, over every pool (a round trip to the pools, so that every
 /// block freed before the call is counted).
 async fn kept_blocks(pool: &PinnedAllocator<CudaRuntime>) -> usize {
-    pinpool::internals::engine(&pool)
+    pinpool::internals::engine(pool)
         .inventory()
         .await
         .unwrap()
