@@ -30,7 +30,8 @@ use super::{FaultPoint, Shared, SimError, ViolationKind};
 ///
 /// ```
 /// use pinpool::sim::SimRuntime;
-/// use pinpool::{MemoryKind, MemorySource};
+/// use pinpool::MemoryKind;
+/// use pinpool_actors::MemorySource;
 ///
 /// let sim = SimRuntime::builder().device_capacity(64 << 20).build();
 /// let device = sim.device_memory(0).unwrap();

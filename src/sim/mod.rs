@@ -171,7 +171,8 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 ///
 /// ```
 /// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
-/// use pinpool::{PinMethod, Runtime};
+/// use pinpool::Runtime;
+/// use pinpool_actors::PinMethod;
 ///
 /// let sim = SimRuntime::new();
 /// let mem = sim.host_alloc(1 << 16).unwrap();
