@@ -46,9 +46,8 @@ pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
 pub use buffer_set::{BufferSet, TakenBuffers};
 pub use device::{
-    CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceCopy, DeviceRuntime,
-    IpcExport, IpcHandle, IpcMappedExport, IpcMemory, MappedHandle, IPC_HANDLE_BYTES,
-    MAX_MAPPED_HANDLES,
+    CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcHandle,
+    IpcMemory, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES,
 };
 pub use history::ReportError;
 pub use pinpool_actors::FreeMemoryCallback;

@@ -34,4 +34,6 @@ pub use builder::DeviceBuilder;
 pub use checkpoint::CheckpointDelta;
 pub use ipc::IpcMemory;
 pub use ipc_handle::{IpcHandle, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES};
-pub use runtime::{DeviceCopy, DeviceRuntime, IpcExport, IpcMappedExport};
+pub use runtime::DeviceRuntime;
+#[cfg(feature = "cuda")]
+pub(crate) use runtime::{DeviceCopy, DeviceOps, IpcExport, IpcMappedExport};
