@@ -46,7 +46,7 @@ use pinpool_actors::{
 };
 
 pub use device::SimDeviceBuffer;
-pub use device_memory::SimDeviceMemory;
+pub(crate) use device_memory::SimDeviceMemory;
 pub use error::SimError;
 pub use event::SimEvent;
 pub use fault::{FaultPoint, Faults};
@@ -351,12 +351,6 @@ impl SimRuntime {
         SimRuntimeBuilder::default()
     }
 
-    /// This runtime with random stream delays (see [`set_random_delays`](Self::set_random_delays)).
-    pub fn with_random_delays(self, seed: u64, max: Duration) -> Self {
-        self.set_random_delays(seed, max);
-        self
-    }
-
     /// Sets how long each `host_alloc` sleeps.
     pub fn set_host_alloc_latency(&self, latency: Duration) {
         self.shared
@@ -387,7 +381,7 @@ impl SimRuntime {
 
     /// The memory of device `ordinal`, as a memory source (`SimError::NoSuchDevice` past
     /// the last device).
-    pub fn device_memory(&self, ordinal: usize) -> Result<Arc<SimDeviceMemory>, SimError> {
+    pub(crate) fn device_memory(&self, ordinal: usize) -> Result<Arc<SimDeviceMemory>, SimError> {
         if ordinal >= self.device_count() {
             return Err(SimError::NoSuchDevice {
                 ordinal,
@@ -402,7 +396,7 @@ impl SimRuntime {
 
     /// Whether the devices can access each other's memory (see
     /// [`SimRuntimeBuilder::without_peer_access`]).
-    pub fn peer_access(&self) -> bool {
+    pub(crate) fn peer_access(&self) -> bool {
         self.shared.peer_access
     }
 
@@ -451,7 +445,9 @@ impl SimRuntime {
         SimStream::try_new_on(self, ordinal)
     }
 
-    /// A new stream of this runtime on device 0 (see [`SimStream::new`]).
+    /// A new stream of this runtime on device 0, with its own worker thread. If the OS
+    /// cannot start the thread, the stream is created dead: every later call that can fail
+    /// reports [`SimError::ThreadGone`] ([`SimRuntime::stream_on`] says so at once).
     pub fn stream(&self) -> SimStream {
         SimStream::new(self)
     }
