@@ -33,7 +33,7 @@ mod buffer_set;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod device;
+mod device;
 mod history;
 pub mod internals;
 mod memviz;
@@ -50,7 +50,6 @@ pub use device::{
     IpcMemory, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES,
 };
 pub use history::ReportError;
-pub use pinpool_actors::FreeMemoryCallback;
 pub use pinpool_actors::{
     BaseAllocation, BestFit, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceFit, DeviceStats,
     DurationStat, EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause,

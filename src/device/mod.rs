@@ -1,5 +1,5 @@
 //! Device memory: [`DeviceAllocator`] and [`DeviceBuffer`], the caching allocator of
-//! PyTorch's `CUDACachingAllocator` (seed 002's interface) on pinpool's engine.
+//! PyTorch's `CUDACachingAllocator`, on pinpool's engine.
 //!
 //! One engine per device (its own actors, cap, statistics and history), stream-ordered: each
 //! stream that allocates gets a pool of its own, and a block freed with no other stream
