@@ -15,9 +15,12 @@ For each crate it runs `cargo doc --no-deps -p CRATE` and reads the generated pa
   auto-trait and blanket implementations, methods reached through `Deref`, and a type alias's
   view of the type it names are not counted: they are not promises of their own.
 
-Items re-exported from another crate are counted in every crate whose docs show them (a user
-reaches them there). `#[doc(hidden)]` items are invisible to this count, so hiding an item
-does not make it private: make it `pub(crate)` instead.
+Items re-exported from another crate and inlined in this one's docs are counted in every
+crate whose docs show them (a user reaches them there); the `own` column counts only the
+items (and their members) defined in the crate itself, so that summed over the crates each
+item counts once. A re-export marked `#[doc(no_inline)]` has no page of its own and counts
+only where it is defined. `#[doc(hidden)]` items are invisible to this count, so hiding an
+item does not make it private: make it `pub(crate)` instead.
 """
 
 import argparse
@@ -29,6 +32,8 @@ import sys
 from collections import Counter
 
 CRATES = ["pinpool", "pinpool-actors", "pinpool-torch", "pinpool-testkit"]
+# The crates with a `cuda` feature (what --features applies to).
+FEATURED = ["pinpool", "pinpool-torch"]
 ITEM_KINDS = [
     "structs",
     "enums",
@@ -67,10 +72,12 @@ def target_dir():
 
 
 def count(crate, doc_root, listing):
-    root = os.path.join(doc_root, crate.replace("-", "_"))
+    name_here = crate.replace("-", "_")
+    root = os.path.join(doc_root, name_here)
     html = open(os.path.join(root, "all.html"), encoding="utf-8").read()
     items = Counter()
     members = Counter()
+    own = 0
     pages = []
     for kind in ITEM_KINDS:
         m = re.search(r'<h3 id="%s">.*?<ul class="all-items">(.*?)</ul>' % kind, html, re.S)
@@ -82,30 +89,36 @@ def count(crate, doc_root, listing):
     for dirpath, _, files in os.walk(root):
         if "index.html" in files and dirpath != root:
             items["modules"] += 1
+            own += 1
             if listing:
                 print(f"  module {os.path.relpath(dirpath, root).replace(os.sep, '::')}")
     for kind, href, name in pages:
-        own = Counter()
+        found = Counter()
+        page = open(os.path.join(root, href), encoding="utf-8").read()
+        src = re.search(r'class="src[^"]*" href="(?:\.\./)*src/([^/"]+)/', page)
+        defined_here = src is None or src.group(1) == name_here
         if kind in ("structs", "enums", "unions", "traits"):
-            page = open(os.path.join(root, href), encoding="utf-8").read()
             cut = CUT.search(page)
             if cut:
                 page = page[: cut.start()]
             for anchor, rest in ANCHOR.findall(page):
                 if anchor == "variant" and ".field." in rest:
                     continue
-                own[MEMBER_KINDS[anchor]] += 1
-        members.update(own)
+                found[MEMBER_KINDS[anchor]] += 1
+        members.update(found)
+        if defined_here:
+            own += 1 + sum(found.values())
         if listing:
-            extra = ", ".join(f"{n} {k}" for k, n in sorted(own.items()))
-            print(f"  {kind[:-1]} {name}" + (f" ({extra})" if extra else ""))
-    return items, members
+            extra = ", ".join(f"{n} {k}" for k, n in sorted(found.items()))
+            origin = "" if defined_here else f" [from {src.group(1)}]"
+            print(f"  {kind[:-1]} {name}" + (f" ({extra})" if extra else "") + origin)
+    return items, members, own
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-p", "--package", action="append", help="crate(s) to count (default: all)")
-    ap.add_argument("--features", default="", help="features to document with, e.g. cuda")
+    ap.add_argument("--features", default="", help="features of pinpool and pinpool-torch, e.g. cuda")
     ap.add_argument("--list", action="store_true", help="name every item counted")
     ap.add_argument("--no-build", action="store_true", help="read existing docs")
     args = ap.parse_args()
@@ -113,26 +126,40 @@ def main():
     doc_root = os.path.join(target_dir(), "doc")
     totals = Counter()
     rows = []
+    if not args.no_build:
+        # The engine's docs first: rustdoc links an inlined re-export to its source (what the
+        # `own` column reads) only where the crate that defines it is already documented.
+        # Docs built in another order stay stale until `cargo clean --doc`.
+        subprocess.run(
+            ["cargo", "doc", "--no-deps", "-q", "-p", "pinpool-actors"],
+            check=True,
+            stderr=subprocess.DEVNULL,
+        )
+        cmd = ["cargo", "doc", "--no-deps", "-q"]
+        for crate in CRATES:
+            if crate != "pinpool-actors":
+                cmd += ["-p", crate]
+        if args.features:
+            feats = [f"{c}/{f}" for f in args.features.split(",") for c in FEATURED]
+            cmd += ["--features", ",".join(feats)]
+        subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
     for crate in crates:
-        if not args.no_build:
-            cmd = ["cargo", "doc", "--no-deps", "-q", "-p", crate]
-            if args.features and crate in ("pinpool", "pinpool-torch"):
-                cmd += ["--features", args.features]
-            subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
         if args.list:
             print(crate)
-        items, members = count(crate, doc_root, args.list)
+        items, members, own = count(crate, doc_root, args.list)
         n_items, n_members = sum(items.values()), sum(members.values())
-        rows.append((crate, items, members, n_items, n_members))
+        rows.append((crate, items, members, n_items, n_members, own))
         totals["items"] += n_items
         totals["members"] += n_members
-    print(f"{'crate':<16} {'items':>6} {'members':>8} {'total':>6}   detail")
-    for crate, items, members, n_items, n_members in rows:
+        totals["own"] += own
+    print(f"{'crate':<16} {'items':>6} {'members':>8} {'total':>6} {'own':>6}   detail")
+    for crate, items, members, n_items, n_members, own in rows:
         detail = ", ".join(f"{n} {k}" for k, n in sorted((items + members).items()))
-        print(f"{crate:<16} {n_items:>6} {n_members:>8} {n_items + n_members:>6}   {detail}")
+        total = n_items + n_members
+        print(f"{crate:<16} {n_items:>6} {n_members:>8} {total:>6} {own:>6}   {detail}")
     print(
         f"{'all':<16} {totals['items']:>6} {totals['members']:>8} "
-        f"{totals['items'] + totals['members']:>6}"
+        f"{totals['items'] + totals['members']:>6} {totals['own']:>6}"
     )
 
 

@@ -216,7 +216,7 @@ impl<R: Runtime> Builder<R> {
         }
     }
 
-    /// The size policy (default: the configuration's `size_policy`, [`crate::BestFit`]
+    /// The size policy (default: the configuration's `size_policy`, [`crate::tuning::BestFit`]
     /// unless `PINPOOL_CONF` or [`Builder::config`] names another).
     pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
         self.policy = Some(policy);
@@ -299,7 +299,7 @@ pub(crate) fn config_error(error: crate::config::ConfigError) -> Error {
 }
 
 impl<R: Runtime> PinnedAllocator<R> {
-    /// The engine underneath ([`crate::internals::engine`] for tools).
+    /// The engine underneath ([`crate::tuning::engine`] for tools).
     pub(crate) fn engine(&self) -> &Engine<R> {
         &self.engine
     }

@@ -35,12 +35,12 @@ pub mod config;
 pub mod cuda;
 mod device;
 mod history;
-pub mod internals;
 mod memviz;
 pub mod plan;
 pub mod report;
 pub mod sim;
 pub mod trace;
+pub mod tuning;
 
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
@@ -51,14 +51,13 @@ pub use device::{
 };
 pub use history::ReportError;
 pub use pinpool_actors::{
-    BaseAllocation, BestFit, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceFit, DeviceStats,
-    DurationStat, EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause,
-    PoolCheckpoint, PoolId, PowerOfTwo, Runtime, RuntimeError, SegmentInfo, SizePolicy, Stat,
-    StatArray, StreamId, TieredPowerOfTwo,
+    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceStats, DurationStat,
+    EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause, PoolCheckpoint, PoolId,
+    Runtime, RuntimeError, SegmentInfo, Stat, StatArray, StreamId,
 };
 pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
 
 // The engine's vocabulary that the runtimes here implement: not part of this crate's API
-// (tools reach it in `pinpool_actors`, through [`internals`]).
+// (tools reach it in [`tuning`]).
 #[allow(unused_imports)]
 pub(crate) use pinpool_actors::{HostMemory, MemorySource, Origin, PinMethod, Region};

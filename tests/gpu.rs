@@ -254,7 +254,7 @@ async fn end(
 /// Blocks kept for graph replays, over every pool (a round trip to the pools, so that every
 /// block freed before the call is counted).
 async fn kept_blocks(pool: &PinnedAllocator<CudaRuntime>) -> usize {
-    pinpool::internals::engine(pool)
+    pinpool::tuning::engine(pool)
         .inventory()
         .await
         .unwrap()
@@ -502,7 +502,7 @@ async fn idle_granules_moved_over_the_reserve_cap_are_pinned_memory_that_copies_
         println!("{test}: skipped: no expandable host memory on this driver");
         return;
     };
-    if pinpool::internals::engine(&pool).policy().name() != "bestfit" {
+    if pinpool::tuning::engine(&pool).policy().name() != "bestfit" {
         println!("{test}: skipped: the default policy does not carve an expandable range");
         return;
     }

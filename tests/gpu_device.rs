@@ -96,7 +96,7 @@ async fn a_block_another_streams_kernel_still_reads_is_not_handed_out_until_that
     }
     assert!(!stream_done(&rt, &b), "B finished 300 ms of work at once");
     assert_eq!(
-        pinpool::internals::device_engine(&pool, 0)
+        pinpool::tuning::device_engine(&pool, 0)
             .unwrap()
             .stats()
             .waiting_blocks,
@@ -151,7 +151,7 @@ async fn a_block_freed_on_its_own_busy_stream_is_reused_by_that_stream_at_once_w
         "its own stream did not get the block back"
     );
     assert!(!stream_done(&rt, &a), "the stream's work had already run");
-    let stats = pinpool::internals::device_engine(&pool, 0).unwrap().stats();
+    let stats = pinpool::tuning::device_engine(&pool, 0).unwrap().stats();
     assert_eq!(stats.waiting_blocks, 0, "a block waited on an event");
     a.synchronize().unwrap();
     println!("gpu device_same_stream_reuse ns={ns} events=0");
@@ -248,7 +248,7 @@ async fn cudarc_copies_and_a_kernel_launch_work_on_device_buffers() {
     assert!(!stream_done(&rt, &other), "a recorded stream's copy waited");
     drop(copied);
     assert_eq!(
-        pinpool::internals::device_engine(&pool, 0)
+        pinpool::tuning::device_engine(&pool, 0)
             .unwrap()
             .stats()
             .waiting_blocks,
@@ -403,7 +403,7 @@ async fn two_cuda_graphs_sharing_a_device_pool_replay_the_right_bytes() {
     let g2 = end_capture(&pool, &s, id).await;
     let (pa, pb) = (a.device_ptr(), b.device_ptr());
     drop((a, b)); // the graphs go on using them: kept while the pool lives
-    let kept: usize = pinpool::internals::device_engine(&pool, 0)
+    let kept: usize = pinpool::tuning::device_engine(&pool, 0)
         .unwrap()
         .inventory()
         .await

@@ -216,7 +216,7 @@ fn expandable(test: &str) -> Option<DeviceAllocator<CudaRuntime>> {
         .config(&config)
         .build()
         .unwrap();
-    let engine = pinpool::internals::device_engine(&pool, 0).unwrap();
+    let engine = pinpool::tuning::device_engine(&pool, 0).unwrap();
     let granule = engine.memory().granularity();
     if granule.is_none() {
         println!("{test}: skipped: the device cannot map memory (no expandable segments)");

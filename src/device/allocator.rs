@@ -129,7 +129,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         &self.inner.devices
     }
 
-    /// The engine of device `device` ([`crate::internals::device_engine`] for tools).
+    /// The engine of device `device` ([`crate::tuning::device_engine`] for tools).
     pub(crate) fn engine(&self, device: usize) -> Result<&Engine<R>, Error> {
         self.inner.devices.get(device).ok_or(Error::NoSuchDevice {
             ordinal: device,

@@ -11,9 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pinpool::sim::SimRuntime;
-use pinpool::{
-    BestFit, Builder, DeviceAllocator, DeviceBuilder, PinnedAllocator, TieredPowerOfTwo,
-};
+use pinpool::tuning::{BestFit, TieredPowerOfTwo};
+use pinpool::{Builder, DeviceAllocator, DeviceBuilder, PinnedAllocator};
 
 /// An allocator on a fresh simulated runtime (call inside a tokio runtime), with the
 /// `tiered` size policy (named, not left to the default): one host allocation per block, so
@@ -132,7 +131,7 @@ pub async fn assert_books_balance(
     sim: &SimRuntime,
     in_use_blocks: usize,
 ) {
-    let inv = pinpool::internals::engine(pool)
+    let inv = pinpool::tuning::engine(pool)
         .inventory()
         .await
         .expect("inventory");
@@ -164,7 +163,7 @@ pub async fn assert_books_balance(
 pub async fn eventually_nothing_in_use(pool: &PinnedAllocator<SimRuntime>) {
     let start = Instant::now();
     loop {
-        let inv = pinpool::internals::engine(pool)
+        let inv = pinpool::tuning::engine(pool)
             .inventory()
             .await
             .expect("inventory");

@@ -106,7 +106,7 @@ async fn a_buffer_freed_during_capture_is_never_handed_out_again_while_its_pool_
     pool.end_allocate_to_pool(0, id).await.unwrap();
     drop(b); // allocated during capture: kept too
     pool.empty_cache().await.unwrap();
-    let inventory = pinpool::internals::device_engine(&pool, 0)
+    let inventory = pinpool::tuning::device_engine(&pool, 0)
         .unwrap()
         .inventory()
         .await

@@ -167,7 +167,7 @@ async fn a_users_buffer_in_the_way_is_a_typed_error_and_changes_nothing() {
     s.synchronize().unwrap();
 
     let stats = pool.pool_stats(0, id).unwrap();
-    let inventory = pinpool::internals::device_engine(&pool, 0)
+    let inventory = pinpool::tuning::device_engine(&pool, 0)
         .unwrap()
         .inventory()
         .await
@@ -186,7 +186,7 @@ async fn a_users_buffer_in_the_way_is_a_typed_error_and_changes_nothing() {
     );
     assert_eq!(pool.pool_stats(0, id).unwrap(), stats);
     assert_eq!(
-        pinpool::internals::device_engine(&pool, 0)
+        pinpool::tuning::device_engine(&pool, 0)
             .unwrap()
             .inventory()
             .await

@@ -181,13 +181,13 @@ async fn a_callback_runs_for_the_device_that_is_out_of_memory() {
     assert_eq!(buf.device(), 1);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(
-        pinpool::internals::device_engine(&pool, 1)
+        pinpool::tuning::device_engine(&pool, 1)
             .unwrap()
             .free_memory_callback_calls(),
         1
     );
     assert_eq!(
-        pinpool::internals::device_engine(&pool, 0)
+        pinpool::tuning::device_engine(&pool, 0)
             .unwrap()
             .free_memory_callback_calls(),
         0

@@ -308,7 +308,7 @@ async fn one_allocator_keeps_each_devices_pools_and_statistics_apart() {
     drop((a, d));
     let cached_1 = pool.reserved_bytes(1).unwrap();
     assert!(cached_1 >= 10 * MIB);
-    pinpool::internals::device_engine(&pool, 0)
+    pinpool::tuning::device_engine(&pool, 0)
         .unwrap()
         .empty_cache()
         .await

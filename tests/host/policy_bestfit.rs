@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use pinpool::sim::{SimDeviceBuffer, SimRuntime};
-use pinpool::{BestFit, BlockStatus, Builder, PinnedAllocator, SizePolicy};
+use pinpool::tuning::{BestFit, SizePolicy};
+use pinpool::{BlockStatus, Builder, PinnedAllocator};
 use pinpool_testkit::{assert_books_balance, segments_pool};
 
 #[tokio::test]
@@ -165,7 +166,7 @@ async fn blocks_above_max_cached_size_go_back_to_the_runtime() {
 async fn the_cached_path_serves_a_size_seen_before_from_the_same_block() {
     let (pool, sim) = segments_pool();
     assert_eq!(
-        pinpool::internals::engine(&pool).policy().name(),
+        pinpool::tuning::engine(&pool).policy().name(),
         "bestfit_segments"
     );
     let a = pool.alloc(100_000).await.unwrap();

@@ -53,7 +53,7 @@ async fn a_request_past_the_limit_first_empties_the_cache() {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
         .max_bytes(MIB)
-        .policy(Arc::new(pinpool::TieredPowerOfTwo::default()))
+        .policy(Arc::new(pinpool::tuning::TieredPowerOfTwo::default()))
         .build()
         .expect("builds");
     drop(pool.alloc(512 * KIB).await.unwrap());

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 use pinpool::config::SizePolicyChoice;
 use pinpool::sim::{HoldGuard, SimDeviceBuffer, SimRuntime, SimStream};
-use pinpool::{Builder, Error, PinnedAllocator, PinnedBuffer, SizePolicy};
-use pinpool_actors::BlockLayout;
+use pinpool::tuning::BlockLayout;
+use pinpool::tuning::SizePolicy;
+use pinpool::{Builder, Error, PinnedAllocator, PinnedBuffer};
 use proptest::prelude::*;
 use tokio::task::JoinHandle;
 

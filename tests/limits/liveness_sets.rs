@@ -15,11 +15,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pinpool::sim::{SimRuntime, SimStream};
+use pinpool::tuning::BlockLayout;
+use pinpool::tuning::SizePolicy;
 use pinpool::{
     BufferSet, Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, Error, PinnedAllocator,
-    SizePolicy, TakenBuffers,
+    TakenBuffers,
 };
-use pinpool_actors::BlockLayout;
 use proptest::prelude::*;
 use tokio::task::JoinHandle;
 
@@ -137,9 +138,9 @@ impl Harness {
             .handle(rt.handle().clone())
             .build()
             .unwrap();
-        let host_granule = granule_of(pinpool::internals::engine(&host).policy(), &sim);
+        let host_granule = granule_of(pinpool::tuning::engine(&host).policy(), &sim);
         let dev_granule = granule_of(
-            pinpool::internals::device_engine(&dev, 0).unwrap().policy(),
+            pinpool::tuning::device_engine(&dev, 0).unwrap().policy(),
             &sim,
         );
         let streams = (0..STREAMS).map(|_| sim.stream()).collect();
@@ -157,8 +158,8 @@ impl Harness {
     }
 
     fn needs(&self, pinned: &[usize], device: &[usize]) -> Needs {
-        let hp = pinpool::internals::engine(&self.host).policy();
-        let dp = pinpool::internals::device_engine(&self.dev, 0)
+        let hp = pinpool::tuning::engine(&self.host).policy();
+        let dp = pinpool::tuning::device_engine(&self.dev, 0)
             .unwrap()
             .policy();
         Needs {

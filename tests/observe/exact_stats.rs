@@ -9,9 +9,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Barrier};
 
 use pinpool::sim::{SimRuntime, SimStream};
-use pinpool::{
-    Builder, DeviceAllocator, DeviceBuilder, DeviceStats, Error, PoolId, TieredPowerOfTwo,
-};
+use pinpool::tuning::TieredPowerOfTwo;
+use pinpool::{Builder, DeviceAllocator, DeviceBuilder, DeviceStats, Error, PoolId};
 use pinpool_testkit::{capped_device_pool, sim_pool};
 
 const KIB: usize = 1 << 10;

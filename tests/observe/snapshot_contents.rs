@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use pinpool::sim::SimRuntime;
+use pinpool::tuning::PinMethod;
 use pinpool::{BlockStatus, Builder, Error, MemorySnapshot, PoolId};
-use pinpool_actors::PinMethod;
 use pinpool_testkit::sim_pool;
 
 const KIB: usize = 1 << 10;

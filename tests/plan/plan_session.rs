@@ -148,7 +148,7 @@ async fn recording_captures_sizes_and_lifetimes_in_order_and_ignores_outside_all
     assert_eq!(got, [(1000, 0, 2), (3000, 1, 4), (900, 3, 5)]);
     assert_eq!(
         recording.allocator_id(),
-        pinpool::internals::engine(&pool).id()
+        pinpool::tuning::engine(&pool).id()
     );
 }
 
@@ -432,7 +432,7 @@ async fn a_request_that_departs_from_the_plan_falls_back_to_the_pool() {
 #[tokio::test]
 async fn plan_sessions_do_not_nest() {
     let (pool, _sim) = sim_pool();
-    let id = pinpool::internals::engine(&pool).id();
+    let id = pinpool::tuning::engine(&pool).id();
     let nested = PlanSessionError::Nested { allocator: id };
     let rec = pool.record_plan().unwrap();
     drop(rec.alloc(64).await.unwrap());
@@ -466,8 +466,8 @@ async fn a_plan_for_another_allocator_is_refused() {
     drop(rec.alloc(64).await.unwrap());
     let plan: ArenaPlan = rec.finish().plan().unwrap();
     let foreign = PlanSessionError::ForeignPlan {
-        plan_allocator: pinpool::internals::engine(&pool).id(),
-        allocator: pinpool::internals::engine(&other).id(),
+        plan_allocator: pinpool::tuning::engine(&pool).id(),
+        allocator: pinpool::tuning::engine(&other).id(),
     };
     assert_eq!(other.serve_plan(&plan).await.err(), Some(foreign.clone()));
     assert_eq!(other.validate_plan(&plan).err(), Some(foreign));

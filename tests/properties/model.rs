@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use pinpool::config::SizePolicyChoice;
 use pinpool::sim::{HoldGuard, SimDeviceBuffer, SimGraph, SimRuntime, SimStream};
-use pinpool::{BestFit, Builder, PinnedAllocator, PinnedBuffer, PoolId, SizePolicy};
+use pinpool::tuning::{BestFit, SizePolicy};
+use pinpool::{Builder, PinnedAllocator, PinnedBuffer, PoolId};
 use proptest::prelude::*;
 
 /// Small sizes, and large ones that best fit cuts out of shared segments.

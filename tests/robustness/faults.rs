@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pinpool::sim::{FaultPoint, SimDeviceBuffer, SimRuntime};
-use pinpool::{BestFit, Builder, Error, SizePolicy, TieredPowerOfTwo};
+use pinpool::tuning::{BestFit, SizePolicy, TieredPowerOfTwo};
+use pinpool::{Builder, Error};
 use pinpool_testkit::{assert_books_balance, eventually, eventually_blocking, sim_pool};
 
 #[tokio::test]

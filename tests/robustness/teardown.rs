@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use pinpool::plan::Planner;
 use pinpool::sim::SimRuntime;
-use pinpool::{BestFit, Builder, Error, HistoryContext, PinnedAllocator};
+use pinpool::tuning::BestFit;
+use pinpool::{Builder, Error, HistoryContext, PinnedAllocator};
 use pinpool_testkit::{
     assert_books_balance, eventually, eventually_blocking, multi_thread, sim_pool,
 };
