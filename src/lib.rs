@@ -25,7 +25,9 @@
 //!
 //! Crate layout: the engine (actors, messages, size classes) lives in `pinpool-actors` and
 //! knows nothing of CUDA; this crate implements its [`Runtime`] twice — [`sim`] and, with the
-//! `cuda` feature, `cuda` — and gives it its public face.
+//! `cuda` feature, `cuda` — and gives it its public face. Tuned size policies and the
+//! engine under an allocator, for tools, are in [`tuning`]: they follow the engine crate's
+//! releases.
 
 mod allocator;
 mod buffer;
