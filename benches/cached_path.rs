@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
-use pinpool::{BestFit, PinnedAllocator, SizePolicy, TieredPowerOfTwo};
+use pinpool::tuning::{BestFit, SizePolicy, TieredPowerOfTwo};
+use pinpool::PinnedAllocator;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

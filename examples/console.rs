@@ -128,7 +128,7 @@ async fn main() {
         tick += 1;
         if tick % 5 == 0 {
             // A capture pool now and then, so that a `pinpool::pool(<id>)` task comes and goes.
-            let id = pool.new_pool_id();
+            let id = pinpool::PoolId::fresh();
             let capture = sim.stream();
             let target = capture.id();
             if pool

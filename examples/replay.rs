@@ -30,7 +30,8 @@ use std::time::Instant;
 
 use pinpool::config::{DeviceConfig, SizePolicyChoice};
 use pinpool::trace::{Trace, TraceError, TraceEvent};
-use pinpool::{DeviceAllocator, DeviceBuffer, PinnedAllocator, PinnedBuffer, SizePolicy};
+use pinpool::tuning::SizePolicy;
+use pinpool::{DeviceAllocator, DeviceBuffer, PinnedAllocator, PinnedBuffer};
 
 /// The device layouts `--device` knows, as `PINPOOL_DEVICE_CONF` settings.
 /// `default` is the device allocator's default layout (one expandable range per stream).

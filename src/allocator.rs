@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pinpool_actors::{
-    BaseAllocation, CacheInfo, EmptyReport, Engine, EngineBuilder, Error, HostStats, Inventory,
-    MemorySnapshot, MemorySource, PoolId, Runtime, SizePolicy,
+    blocking, BaseAllocation, CacheInfo, EmptyReport, Engine, EngineBuilder, Error, HostStats,
+    MemorySnapshot, MemorySource, PoolId, Runtime, SizePolicy, Wait,
 };
 
 use crate::buffer::PinnedBuffer;
@@ -216,7 +216,7 @@ impl<R: Runtime> Builder<R> {
         }
     }
 
-    /// The size policy (default: the configuration's `size_policy`, [`crate::BestFit`]
+    /// The size policy (default: the configuration's `size_policy`, [`crate::tuning::BestFit`]
     /// unless `PINPOOL_CONF` or [`Builder::config`] names another).
     pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
         self.policy = Some(policy);
@@ -232,7 +232,7 @@ impl<R: Runtime> Builder<R> {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let config: pinpool::config::Config = "size_policy:bestfit".parse()?;
     /// let pool = pinpool::PinnedAllocator::builder().config(&config).build()?;
-    /// assert_eq!(pool.engine().policy().name(), "bestfit");
+    /// assert_eq!(pool.snapshot().await?.config.policy, "bestfit");
     /// # Ok(()) }
     /// ```
     pub fn config(mut self, config: &Config) -> Self {
@@ -299,8 +299,8 @@ pub(crate) fn config_error(error: crate::config::ConfigError) -> Error {
 }
 
 impl<R: Runtime> PinnedAllocator<R> {
-    /// The engine underneath (for tools that need its lower-level calls).
-    pub fn engine(&self) -> &Engine<R> {
+    /// The engine underneath ([`crate::tuning::engine`] for tools).
+    pub(crate) fn engine(&self) -> &Engine<R> {
         &self.engine
     }
 
@@ -317,7 +317,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// [`Error::Timeout`]). Cancel-safe: dropping the future leaves nothing queued and loses
     /// no memory.
     pub async fn alloc(&self, size: usize) -> Result<PinnedBuffer<R>, Error> {
-        self.engine.alloc(size).await.map(PinnedBuffer::new)
+        self.engine
+            .alloc_with(size, None, Wait::Default)
+            .await
+            .map(PinnedBuffer::new)
     }
 
     /// [`PinnedAllocator::alloc`], waiting at most `timeout` for room under the cap.
@@ -340,7 +343,7 @@ impl<R: Runtime> PinnedAllocator<R> {
         timeout: Duration,
     ) -> Result<PinnedBuffer<R>, Error> {
         self.engine
-            .alloc_timeout(size, timeout)
+            .alloc_with(size, None, Wait::Upto(timeout))
             .await
             .map(PinnedBuffer::new)
     }
@@ -353,7 +356,7 @@ impl<R: Runtime> PinnedAllocator<R> {
         stream: &R::Stream,
     ) -> Result<PinnedBuffer<R>, Error> {
         self.engine
-            .alloc_on(size, stream)
+            .alloc_with(size, Some(stream), Wait::Default)
             .await
             .map(PinnedBuffer::new)
     }
@@ -373,7 +376,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # Ok(()) }
     /// ```
     pub async fn try_alloc(&self, size: usize) -> Result<PinnedBuffer<R>, Error> {
-        self.engine.try_alloc(size).await.map(PinnedBuffer::new)
+        self.engine
+            .alloc_with(size, None, Wait::Never)
+            .await
+            .map(PinnedBuffer::new)
     }
 
     /// [`PinnedAllocator::try_alloc`] for work on `stream` (see [`PinnedAllocator::alloc_on`]).
@@ -383,7 +389,7 @@ impl<R: Runtime> PinnedAllocator<R> {
         stream: &R::Stream,
     ) -> Result<PinnedBuffer<R>, Error> {
         self.engine
-            .try_alloc_on(size, stream)
+            .alloc_with(size, Some(stream), Wait::Never)
             .await
             .map(PinnedBuffer::new)
     }
@@ -416,7 +422,14 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// }
     /// ```
     pub fn alloc_blocking(&self, size: usize) -> Result<PinnedBuffer<R>, Error> {
-        self.engine.alloc_blocking(size).map(PinnedBuffer::new)
+        self.engine
+            .alloc_blocking_with(
+                size,
+                None,
+                Wait::Default,
+                ("alloc_blocking", "alloc(..).await"),
+            )
+            .map(PinnedBuffer::new)
     }
 
     /// [`PinnedAllocator::alloc_blocking`], waiting at most `timeout` for room.
@@ -426,7 +439,12 @@ impl<R: Runtime> PinnedAllocator<R> {
         timeout: Duration,
     ) -> Result<PinnedBuffer<R>, Error> {
         self.engine
-            .alloc_blocking_timeout(size, timeout)
+            .alloc_blocking_with(
+                size,
+                None,
+                Wait::Upto(timeout),
+                ("alloc_blocking_timeout", "alloc_timeout(..).await"),
+            )
             .map(PinnedBuffer::new)
     }
 
@@ -544,7 +562,12 @@ impl<R: Runtime> PinnedAllocator<R> {
         stream: &R::Stream,
     ) -> Result<PinnedBuffer<R>, Error> {
         self.engine
-            .alloc_blocking_on(size, stream)
+            .alloc_blocking_with(
+                size,
+                Some(stream),
+                Wait::Default,
+                ("alloc_blocking_on", "alloc_on(..).await"),
+            )
             .map(PinnedBuffer::new)
     }
 
@@ -568,7 +591,10 @@ impl<R: Runtime> PinnedAllocator<R> {
 
     /// [`PinnedAllocator::empty_cache`] for threads outside the tokio runtime.
     pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
-        self.engine.empty_cache_blocking()
+        blocking::call(
+            ("empty_cache_blocking", "empty_cache().await"),
+            self.engine.empty_cache(),
+        )?
     }
 
     /// Statistics over all pools, with the meaning of `torch.cuda.host_memory_stats()`.
@@ -594,16 +620,6 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// Zeroes the accumulated statistics.
     pub fn reset_accumulated_stats(&self) {
         self.engine.reset_accumulated_stats()
-    }
-
-    /// Where every pool's reserved bytes are; for checks at quiescent points.
-    pub async fn inventory(&self) -> Result<Vec<Inventory>, Error> {
-        self.engine.inventory().await
-    }
-
-    /// A capture pool id that no other call returns (like `torch.cuda.graph_pool_handle()`).
-    pub fn new_pool_id(&self) -> PoolId {
-        PoolId::fresh()
     }
 
     /// Routes allocations made with `alloc_on` for streams that `filter` accepts into the
@@ -636,17 +652,31 @@ impl<R: Runtime> PinnedAllocator<R> {
         pool: PoolId,
         filter: impl Fn(&R::Stream) -> bool + Send + Sync + 'static,
     ) -> Result<(), Error> {
-        self.engine
-            .begin_allocate_to_pool_blocking(pool, Arc::new(filter))
+        blocking::call(
+            (
+                "begin_allocate_to_pool_blocking",
+                "begin_allocate_to_pool(..).await",
+            ),
+            self.engine.begin_allocate_to_pool(pool, Arc::new(filter)),
+        )?
     }
 
     /// [`PinnedAllocator::end_allocate_to_pool`] for threads outside the tokio runtime.
     pub fn end_allocate_to_pool_blocking(&self, pool: PoolId) -> Result<(), Error> {
-        self.engine.end_allocate_to_pool_blocking(pool)
+        blocking::call(
+            (
+                "end_allocate_to_pool_blocking",
+                "end_allocate_to_pool(..).await",
+            ),
+            self.engine.end_allocate_to_pool(pool),
+        )?
     }
 
     /// [`PinnedAllocator::release_pool`] for threads outside the tokio runtime.
     pub fn release_pool_blocking(&self, pool: PoolId) -> Result<(), Error> {
-        self.engine.release_pool_blocking(pool)
+        blocking::call(
+            ("release_pool_blocking", "release_pool(..).await"),
+            self.engine.release_pool(pool),
+        )?
     }
 }

@@ -110,7 +110,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # Ok::<(), pinpool::Error>(())
     /// ```
     pub fn history_blocking(&self) -> Result<History, Error> {
-        self.engine().history_blocking()
+        pinpool_actors::blocking::call(
+            ("history_blocking", "history().await"),
+            self.engine().history(),
+        )?
     }
 
     /// Calls `f` with every trace entry recorded while history is on.

@@ -25,7 +25,9 @@
 //!
 //! Crate layout: the engine (actors, messages, size classes) lives in `pinpool-actors` and
 //! knows nothing of CUDA; this crate implements its [`Runtime`] twice — [`sim`] and, with the
-//! `cuda` feature, `cuda` — and gives it its public face.
+//! `cuda` feature, `cuda` — and gives it its public face. Tuned size policies and the
+//! engine under an allocator, for tools, are in [`tuning`]: they follow the engine crate's
+//! releases.
 
 mod allocator;
 mod buffer;
@@ -33,29 +35,31 @@ mod buffer_set;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod device;
+mod device;
 mod history;
 mod memviz;
 pub mod plan;
 pub mod report;
 pub mod sim;
 pub mod trace;
+pub mod tuning;
 
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
 pub use buffer_set::{BufferSet, TakenBuffers};
 pub use device::{
-    CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceCopy, DeviceRuntime,
-    IpcExport, IpcHandle, IpcMappedExport, IpcMemory, MappedHandle, IPC_HANDLE_BYTES,
-    MAX_MAPPED_HANDLES,
+    CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcHandle,
+    IpcMemory, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES,
 };
 pub use history::ReportError;
-pub use pinpool_actors::FreeMemoryCallback;
 pub use pinpool_actors::{
-    BaseAllocation, BestFit, BlockInfo, BlockLayout, BlockStatus, CacheInfo, Carving, ConfigInfo,
-    DeviceFit, DeviceStats, DurationStat, EmptyReport, Error, HostMemory, HostStats, Inventory,
-    MemoryKind, MemorySnapshot, MemorySource, OomCause, Origin, PinMethod, PoolCheckpoint, PoolId,
-    PowerOfTwo, Region, Runtime, RuntimeError, SegmentInfo, SizeClass, SizePolicy, Stat, StatArray,
-    StreamFilter, StreamId, TieredPowerOfTwo, Wait,
+    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceStats, DurationStat,
+    EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause, PoolCheckpoint, PoolId,
+    Runtime, RuntimeError, SegmentInfo, Stat, StatArray, StreamId,
 };
 pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
+
+// The engine's vocabulary that the runtimes here implement: not part of this crate's API
+// (tools reach it in [`tuning`]).
+#[allow(unused_imports)]
+pub(crate) use pinpool_actors::{HostMemory, MemorySource, Origin, PinMethod, Region};

@@ -9,7 +9,8 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pinpool::config::{Config, DeviceConfig, DEVICE_ENV_VAR, ENV_VAR};
-use pinpool::{DeviceAllocator, Error, PinnedAllocator, TieredPowerOfTwo};
+use pinpool::tuning::TieredPowerOfTwo;
+use pinpool::{DeviceAllocator, Error, PinnedAllocator};
 
 static ENV: Mutex<()> = Mutex::new(());
 
@@ -66,7 +67,7 @@ async fn a_malformed_pinpool_device_conf_fails_the_build_on_the_simulated_runtim
 async fn the_size_policy_of_pinpool_conf_applies_on_the_simulated_runtime() {
     let _env = EnvVar::set(ENV_VAR, Some("size_policy:tiered"));
     let pool = PinnedAllocator::builder().build().unwrap();
-    assert_eq!(pool.engine().policy().name(), "tiered");
+    assert_eq!(pinpool::tuning::engine(&pool).policy().name(), "tiered");
 }
 
 #[tokio::test]
@@ -87,12 +88,12 @@ async fn settings_the_program_gives_win_over_the_environment() {
         .policy(Arc::new(TieredPowerOfTwo::default()))
         .build()
         .unwrap();
-    assert_eq!(policy.engine().policy().name(), "tiered");
+    assert_eq!(pinpool::tuning::engine(&policy).policy().name(), "tiered");
     let config = PinnedAllocator::builder()
         .config(&Config::default())
         .build()
         .unwrap();
-    assert_eq!(config.engine().policy().name(), "bestfit");
+    assert_eq!(pinpool::tuning::engine(&config).policy().name(), "bestfit");
 }
 
 #[tokio::test]
@@ -115,7 +116,7 @@ async fn the_size_policy_of_pinpool_conf_and_the_cap_reach_a_cuda_builder() {
     match PinnedAllocator::builder().max_bytes(64 << 20).cuda(0) {
         Ok(builder) => {
             let pool = builder.build().unwrap();
-            assert_eq!(pool.engine().policy().name(), "tiered");
+            assert_eq!(pinpool::tuning::engine(&pool).policy().name(), "tiered");
             assert_eq!(pool.max_bytes(), Some(64 << 20));
         }
         Err(Error::DeviceUnavailable { message }) => println!("no GPU, skipped: {message}"),

@@ -254,7 +254,8 @@ async fn end(
 /// Blocks kept for graph replays, over every pool (a round trip to the pools, so that every
 /// block freed before the call is counted).
 async fn kept_blocks(pool: &PinnedAllocator<CudaRuntime>) -> usize {
-    pool.inventory()
+    pinpool::tuning::engine(pool)
+        .inventory()
         .await
         .unwrap()
         .iter()
@@ -284,7 +285,7 @@ async fn capture_pools_keep_blocks_that_real_cuda_graphs_read() {
     let mut dev1 = stream.alloc_zeros::<u8>(MIB).unwrap();
     let mut dev2 = stream.alloc_zeros::<u8>(MIB).unwrap();
     stream.synchronize().unwrap();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
 
     // Graph 1.
     begin(&pool, &stream, id).await;
@@ -501,7 +502,7 @@ async fn idle_granules_moved_over_the_reserve_cap_are_pinned_memory_that_copies_
         println!("{test}: skipped: no expandable host memory on this driver");
         return;
     };
-    if pool.engine().policy().name() != "bestfit" {
+    if pinpool::tuning::engine(&pool).policy().name() != "bestfit" {
         println!("{test}: skipped: the default policy does not carve an expandable range");
         return;
     }

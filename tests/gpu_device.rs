@@ -95,7 +95,13 @@ async fn a_block_another_streams_kernel_still_reads_is_not_handed_out_until_that
         others.push(other);
     }
     assert!(!stream_done(&rt, &b), "B finished 300 ms of work at once");
-    assert_eq!(pool.engine(0).unwrap().stats().waiting_blocks, 1);
+    assert_eq!(
+        pinpool::tuning::device_engine(&pool, 0)
+            .unwrap()
+            .stats()
+            .waiting_blocks,
+        1
+    );
     a.synchronize().unwrap();
     drop(others);
 
@@ -145,7 +151,7 @@ async fn a_block_freed_on_its_own_busy_stream_is_reused_by_that_stream_at_once_w
         "its own stream did not get the block back"
     );
     assert!(!stream_done(&rt, &a), "the stream's work had already run");
-    let stats = pool.engine(0).unwrap().stats();
+    let stats = pinpool::tuning::device_engine(&pool, 0).unwrap().stats();
     assert_eq!(stats.waiting_blocks, 0, "a block waited on an event");
     a.synchronize().unwrap();
     println!("gpu device_same_stream_reuse ns={ns} events=0");
@@ -241,7 +247,13 @@ async fn cudarc_copies_and_a_kernel_launch_work_on_device_buffers() {
     other.memcpy_dtod(&copied, &mut theirs).unwrap();
     assert!(!stream_done(&rt, &other), "a recorded stream's copy waited");
     drop(copied);
-    assert_eq!(pool.engine(0).unwrap().stats().waiting_blocks, 1);
+    assert_eq!(
+        pinpool::tuning::device_engine(&pool, 0)
+            .unwrap()
+            .stats()
+            .waiting_blocks,
+        1
+    );
     assert!(other.clone_dtoh(&theirs).unwrap() == expected);
     println!(
         "gpu device_cudarc copies=htod,dtod,dtoh kernel=copy_bytes foreign_stream=synchronous"
@@ -360,7 +372,7 @@ async fn two_cuda_graphs_sharing_a_device_pool_replay_the_right_bytes() {
     let rt = pool.runtime().clone();
     let (s, other) = two_streams(&rt);
     let kernels = Kernels::load(&s);
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
 
     // Graph 1 writes A.
     begin_capture(&pool, &s, id).await;
@@ -391,8 +403,9 @@ async fn two_cuda_graphs_sharing_a_device_pool_replay_the_right_bytes() {
     let g2 = end_capture(&pool, &s, id).await;
     let (pa, pb) = (a.device_ptr(), b.device_ptr());
     drop((a, b)); // the graphs go on using them: kept while the pool lives
-    let kept: usize = pool
-        .inventory(0)
+    let kept: usize = pinpool::tuning::device_engine(&pool, 0)
+        .unwrap()
+        .inventory()
         .await
         .unwrap()
         .iter()
@@ -621,7 +634,7 @@ async fn a_capture_pool_restored_to_a_checkpoint_gets_its_blocks_back_at_their_a
     let rt = pool.runtime().clone();
     let (s, _) = two_streams(&rt);
     let sid = pinpool::cuda::stream_id(&s);
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let route = || {
         let pool = &pool;
         async move {

@@ -17,7 +17,7 @@ use std::time::Duration;
 use cudarc::driver::{result, CudaContext, CudaStream};
 use pinpool::config::DeviceConfig;
 use pinpool::cuda::{cuda_available, device_count, CudaRuntime};
-use pinpool::{DeviceAllocator, DeviceRuntime, Error, PinnedAllocator};
+use pinpool::{DeviceAllocator, Error, PinnedAllocator};
 
 #[path = "common/kernels.rs"]
 mod kernels;
@@ -216,7 +216,8 @@ fn expandable(test: &str) -> Option<DeviceAllocator<CudaRuntime>> {
         .config(&config)
         .build()
         .unwrap();
-    let granule = pool.runtime().device_memory(0).unwrap().granularity();
+    let engine = pinpool::tuning::device_engine(&pool, 0).unwrap();
+    let granule = engine.memory().granularity();
     if granule.is_none() {
         println!("{test}: skipped: the device cannot map memory (no expandable segments)");
         return None;

@@ -120,7 +120,7 @@ pub(crate) fn run_here<F: std::future::Future>(work: F) -> F::Output {
 
 /// The blocking call `call` (its name, and the async call to use instead) as a thin adapter
 /// over its async form `work`: decided by [`may_block`], then driven to its end on this
-/// thread by [`run_here`]. For async calls that wait only on actors' replies (no tokio
+/// thread by `run_here`. For async calls that wait only on actors' replies (no tokio
 /// timer or task of their own).
 pub fn call<F: std::future::Future>(
     call: (&'static str, &'static str),

@@ -41,8 +41,8 @@
 #![allow(clippy::vec_box, clippy::boxed_local)]
 
 // 1. Vocabulary.
-pub mod runtime;
-pub mod memory;
+mod runtime;
+mod memory;
 mod pool_id;
 mod error;
 pub mod blocking;
@@ -109,6 +109,4 @@ pub use snapshot::{
     SegmentInfo,
 };
 pub use stats::HostStats;
-pub use trace::{
-    History, HistoryContext, OomObserver, OomReport, TraceAction, TraceEntry, TraceTracker,
-};
+pub use trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};

@@ -66,73 +66,73 @@ pub struct Carving {
     /// Blocks up to this size get, when they need fresh memory, a segment of
     /// `small_segment` bytes that later small blocks share; they stay on the cached path
     /// (ready queues) when freed.
-    pub small_limit: usize,
+    pub(crate) small_limit: usize,
     /// Size of a fresh segment for small blocks.
-    pub small_segment: usize,
+    pub(crate) small_segment: usize,
     /// A larger block's fresh segment is rounded up to this (a page).
-    pub large_round: usize,
+    pub(crate) large_round: usize,
     /// Blocks larger than this are not cached: once free, their segment goes back to the
     /// runtime as soon as no piece of it is lent.
-    pub max_cached_size: usize,
+    pub(crate) max_cached_size: usize,
     /// A wholly free segment more than this many times larger than a request is split for
     /// it only when fresh memory would cross the reserve cap: a small block cut out of a
     /// large segment pins it after the large requests it was made for come back.
-    pub split_ratio: usize,
+    pub(crate) split_ratio: usize,
     /// The reserve cap, in thousandths of the peak of live (class-rounded) bytes seen at
     /// misses: before fresh memory would take the reserved bytes above it, wholly free
     /// segments go back, least recently used first. `None`: keep them.
-    pub reserve_cap_permille: Option<u32>,
+    pub(crate) reserve_cap_permille: Option<u32>,
     /// A fresh segment for a large block takes this share (in thousandths) of the room left
     /// under the reserve cap when that is more than the block needs: fewer, larger host
     /// allocations that later requests are cut from.
-    pub fill_permille: u32,
+    pub(crate) fill_permille: u32,
     /// Cut blocks out of one expandable range (an arena) where the runtime can map pinned
     /// memory into reserved address space, granule by granule: free ranges coalesce across
     /// what would be separate segments, and a granule no block touches goes back on its
     /// own. Requests the arena cannot hold, and runtimes without the capability, use
     /// separate segments.
-    pub expandable: bool,
+    pub(crate) expandable: bool,
     /// Bytes of address space the arena reserves (at most the memory limit, when there
     /// is one).
-    pub arena_reserve: usize,
+    pub(crate) arena_reserve: usize,
     /// Blocks larger than this take separate segments even when the pool has an arena: a
     /// large fresh block is then one allocation from the memory source rather than many
     /// granules mapped one by one.
-    pub arena_max_block: usize,
+    pub(crate) arena_max_block: usize,
     /// A wholly free segment larger than this is cut only for a request above it too, that
     /// leaves at most 20 MiB of it (PyTorch's `max_split_size`: large blocks are not split
     /// for small ones).
-    pub max_split: usize,
+    pub(crate) max_split: usize,
     /// Before fresh memory would take reserved bytes above this share (in thousandths) of
     /// the memory limit, cached memory nobody uses goes back first (PyTorch's
     /// `garbage_collection_threshold`; only under a limit).
-    pub gc_threshold_permille: Option<u32>,
+    pub(crate) gc_threshold_permille: Option<u32>,
     /// In the arena, place a block where it strands the least of the granules it touches
     /// (see `Arena::place`): fewer granules mapped for the same blocks.
-    pub pack_granules: bool,
+    pub(crate) pack_granules: bool,
     /// Where the memory source unmaps only whole map calls, runs of at least this many
     /// bytes are mapped by one call (fast: one piece of memory) and shorter runs in units of
     /// a power of two granules that each go back, or move, on their own (a small share of
     /// the pool's peak, and of the run).
-    pub map_whole_from: usize,
+    pub(crate) map_whole_from: usize,
     /// Threads split ready blocks up to this size for their requests without the pool actor
     /// (the pool's split limit), and in an expandable range merge ready blocks that lie
     /// side by side up to it (see `Engine::coalesce_mine`).
-    pub thread_limit: usize,
+    pub(crate) thread_limit: usize,
     /// A thread that splits a ready block for a request leaves the rest with the request
     /// when the rest is less than `1 / keep_rest_under` of the block (0: only a rest too
     /// small for any class). A sliver that small rarely serves a request before it is merged
     /// again; cutting it costs a block record and a note for the actor, and leaves one more
     /// fragment for the thread's next misses to pass over (PyTorch's device allocator does
     /// not split a large block whose rest would be 1 MiB or less).
-    pub keep_rest_under: usize,
+    pub(crate) keep_rest_under: usize,
     /// Freed pieces of the expandable range up to this size (and the thread limit) stay on
     /// the cached path even when larger than `small_limit`, as small ones do: threads merge
     /// their ready neighbours themselves (see `thread_limit`), so the pool actor need not
     /// coalesce them at once, and a request of their class is served again without a round
     /// trip to it. Larger pieces, and those of separate segments, go back into their range or
     /// segment when freed (0: every large piece does).
-    pub arena_cached_up_to: usize,
+    pub(crate) arena_cached_up_to: usize,
 }
 
 impl Carving {
@@ -142,15 +142,20 @@ impl Carving {
         self.thread_limit.min(self.max_split)
     }
 
+    /// Size of a fresh segment for small blocks (they share it).
+    pub fn small_segment(&self) -> usize {
+        self.small_segment
+    }
+
     /// The reserve cap for a peak of `peak_live` live bytes, if there is one.
-    pub fn reserve_cap(&self, peak_live: usize) -> Option<usize> {
+    pub(crate) fn reserve_cap(&self, peak_live: usize) -> Option<usize> {
         self.reserve_cap_permille
             .map(|p| (peak_live as u128 * p as u128 / 1000).min(usize::MAX as u128) as usize)
     }
 
     /// The cap on reserved bytes before fresh memory: the reserve cap, or under a memory
     /// `limit` the garbage-collection threshold, whichever is lower.
-    pub fn fresh_cap(&self, peak_live: usize, limit: Option<usize>) -> Option<usize> {
+    pub(crate) fn fresh_cap(&self, peak_live: usize, limit: Option<usize>) -> Option<usize> {
         let gc = self
             .gc_threshold_permille
             .zip(limit)
@@ -163,7 +168,7 @@ impl Carving {
 
     /// Whether a wholly free segment of `seg` bytes may be cut for a request of `size`
     /// (`split_any`: even one much larger than the request).
-    pub fn may_split(&self, seg: usize, size: usize, split_any: bool) -> bool {
+    pub(crate) fn may_split(&self, seg: usize, size: usize, split_any: bool) -> bool {
         if seg > self.max_split {
             return size > self.max_split && seg - size <= 20 << 20;
         }
@@ -303,7 +308,7 @@ impl BestFit {
     }
 
     /// Cut blocks out of separate host allocations even where the runtime offers
-    /// expandable host memory (default: one expandable range, see [`Carving::expandable`]).
+    /// expandable host memory (default: one expandable range, the carving's `expandable` setting).
     pub fn separate_segments(mut self) -> Self {
         self.carving.expandable = false;
         // A segment goes back only once every piece of it is back: threads split only small
@@ -486,7 +491,7 @@ impl DeviceFit {
     }
 
     /// Runs of at least `bytes` are mapped by one call where the memory source unmaps only
-    /// whole calls (default 256 MiB): see [`Carving::map_whole_from`].
+    /// whole calls (default 256 MiB): the carving's `map_whole_from` setting.
     pub fn map_whole_from(mut self, bytes: usize) -> Self {
         self.carving.map_whole_from = bytes;
         self

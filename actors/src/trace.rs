@@ -174,6 +174,6 @@ pub struct OomReport {
 }
 
 /// A callback told of every trace entry while history is on.
-pub type TraceTracker = Arc<dyn Fn(&TraceEntry) + Send + Sync>;
+pub(crate) type TraceTracker = Arc<dyn Fn(&TraceEntry) + Send + Sync>;
 /// A callback told of every out-of-memory failure.
-pub type OomObserver = Arc<dyn Fn(&OomReport) + Send + Sync>;
+pub(crate) type OomObserver = Arc<dyn Fn(&OomReport) + Send + Sync>;

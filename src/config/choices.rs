@@ -23,17 +23,17 @@ pub enum PinStrategy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum SizePolicyChoice {
     /// Powers of two up to 512 MiB, sixteenths of a power of two above
-    /// ([`crate::TieredPowerOfTwo`]).
+    /// ([`crate::tuning::TieredPowerOfTwo`]).
     Tiered,
     /// Round up to a power of two, one free list per power of two, as PyTorch
-    /// ([`crate::PowerOfTwo`]).
+    /// ([`crate::tuning::PowerOfTwo`]).
     Pow2,
     /// Fine size classes carved out of one expandable range where the runtime can map
-    /// pinned memory granule by granule, else out of shared segments ([`crate::BestFit`]).
+    /// pinned memory granule by granule, else out of shared segments ([`crate::tuning::BestFit`]).
     #[default]
     BestFit,
-    /// [`crate::BestFit`] with separate shared segments only
-    /// ([`crate::BestFit::separate_segments`]), for comparison.
+    /// [`crate::tuning::BestFit`] with separate shared segments only
+    /// ([`crate::tuning::BestFit::separate_segments`]), for comparison.
     BestFitSegments,
 }
 
@@ -81,13 +81,13 @@ impl SizePolicyChoice {
     }
 
     /// The policy itself.
-    pub fn policy(self) -> Arc<dyn crate::SizePolicy> {
+    pub fn policy(self) -> Arc<dyn crate::tuning::SizePolicy> {
         match self {
-            SizePolicyChoice::Tiered => Arc::new(crate::TieredPowerOfTwo::default()),
-            SizePolicyChoice::Pow2 => Arc::new(crate::PowerOfTwo),
-            SizePolicyChoice::BestFit => Arc::new(crate::BestFit::default()),
+            SizePolicyChoice::Tiered => Arc::new(crate::tuning::TieredPowerOfTwo::default()),
+            SizePolicyChoice::Pow2 => Arc::new(crate::tuning::PowerOfTwo),
+            SizePolicyChoice::BestFit => Arc::new(crate::tuning::BestFit::default()),
             SizePolicyChoice::BestFitSegments => {
-                Arc::new(crate::BestFit::default().separate_segments())
+                Arc::new(crate::tuning::BestFit::default().separate_segments())
             }
         }
     }

@@ -91,10 +91,10 @@ impl DeviceConfig {
     /// ```
     /// use pinpool::config::{ConfigError, DeviceConfig};
     ///
-    /// let err = DeviceConfig::parse("max_split_size_mb:4").unwrap_err();
+    /// let err = "max_split_size_mb:4".parse::<DeviceConfig>().unwrap_err();
     /// assert!(matches!(err, ConfigError::InvalidValue { .. }));
     /// ```
-    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+    pub(crate) fn parse(text: &str) -> Result<Self, ConfigError> {
         let mut config = Self::default();
         for (key, value) in grammar::entries(text, Self::KEYS)? {
             config.set(key, value)?;

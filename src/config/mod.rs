@@ -109,10 +109,10 @@ impl Config {
     /// ```
     /// use pinpool::config::{Config, ConfigError};
     ///
-    /// let err = Config::parse("pin_methd:register").unwrap_err();
+    /// let err = "pin_methd:register".parse::<Config>().unwrap_err();
     /// assert!(matches!(err, ConfigError::UnknownKey { .. }));
     /// ```
-    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+    pub(crate) fn parse(text: &str) -> Result<Self, ConfigError> {
         let mut config = Self::default();
         for (key, value) in grammar::entries(text, Self::KEYS)? {
             config.set(key, value)?;

@@ -140,7 +140,7 @@ impl AutoRuntime {
                 .new_stream()
                 .map(AutoStream::Cuda)
                 .map_err(|e| super::error::runtime_error("cuStreamCreate", e)),
-            AutoRuntime::Sim { runtime, .. } => SimStream::try_new(runtime)
+            AutoRuntime::Sim { runtime, .. } => SimStream::try_new_on(runtime, 0)
                 .map(AutoStream::Sim)
                 .map_err(|e| RuntimeError::new("stream", e.to_string())),
         }

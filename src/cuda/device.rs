@@ -28,24 +28,16 @@ use super::error::runtime_error;
 use super::ipc;
 use super::runtime::{device_count, stream_id, CudaRuntime};
 use super::vmm::{self, Location};
-use crate::device::{DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcExport, IPC_HANDLE_BYTES};
+use crate::device::{
+    DeviceBuffer, DeviceBuilder, DeviceOps, DeviceRuntime, IpcExport, IPC_HANDLE_BYTES,
+};
 #[cfg(target_os = "linux")]
 use crate::device::{DeviceCopy, IpcHandle, IpcMappedExport};
 use crate::{Error, MemoryKind, MemorySource, Origin, Region, RuntimeError};
 
-/// The memory of one CUDA device, as the device allocator's memory source.
-///
-/// ```no_run
-/// use pinpool::{DeviceRuntime, MemoryKind};
-///
-/// let runtime = pinpool::cuda::CudaRuntime::new(0)?;
-/// let memory = runtime.device_memory(0)?;
-/// assert_eq!(memory.kind(), MemoryKind::Device(0));
-/// let region = memory.alloc(1 << 20)?; // cuMemAlloc
-/// memory.free(region)?; // cuMemFree
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub struct CudaDeviceMemory {
+/// The memory of one CUDA device, as the device allocator's memory source (`cuMemAlloc`,
+/// `cuMemFree`, and the virtual memory calls where the driver has them).
+pub(crate) struct CudaDeviceMemory {
     ctx: Arc<CudaContext>,
     /// The granule of the device's mapped memory, where the driver has the virtual memory
     /// calls.
@@ -67,7 +59,7 @@ impl std::fmt::Debug for CudaDeviceMemory {
 
 impl CudaDeviceMemory {
     /// The memory of the device whose (primary) context is `ctx`.
-    pub fn new(ctx: Arc<CudaContext>) -> Self {
+    pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
         let location = Location::Device(ctx.ordinal() as std::ffi::c_int);
         let granule = bind(&ctx).ok().and_then(|()| vmm::granularity(location));
         let shareable = granule.is_some() && vmm::fd_handles_supported(ctx.cu_device());
@@ -76,11 +68,6 @@ impl CudaDeviceMemory {
             granule,
             shareable: AtomicBool::new(shareable),
         }
-    }
-
-    /// The device's ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
     }
 
     fn location(&self) -> Location {
@@ -314,7 +301,7 @@ impl MemorySource for CudaDeviceMemory {
 impl CudaRuntime {
     /// The context of device `device`: the runtime's own, or that device's primary context.
     fn device_context(&self, device: usize) -> Result<Arc<CudaContext>, Error> {
-        let count = DeviceRuntime::device_count(self);
+        let count = DeviceOps::device_count(self);
         if device >= count {
             return Err(Error::NoSuchDevice {
                 ordinal: device,
@@ -329,7 +316,7 @@ impl CudaRuntime {
 }
 
 /// The driver's devices, for [`DeviceAllocator`](crate::DeviceAllocator) on the GPU.
-impl DeviceRuntime for CudaRuntime {
+impl DeviceOps for CudaRuntime {
     fn device_count(&self) -> usize {
         device_count().unwrap_or(0)
     }

@@ -5,7 +5,7 @@
 //! - `context`: binding contexts to threads, relaxed capture mode around host calls.
 //! - `host`: the two ways of pinning (`cuMemHostAlloc`; `mmap` + pre-fault + register).
 //! - `vmm`: expandable memory (a reserved range mapped in granules), host or device.
-//! - `device`: device memory ([`CudaDeviceMemory`]), the devices of the device allocator,
+//! - `device`: device memory (`CudaDeviceMemory`), the devices of the device allocator,
 //!   and cudarc's `DevicePtr`/`DevicePtrMut` for `DeviceBuffer<CudaRuntime>`.
 //! - `ipc`: the driver calls of inter-process handles, peer access and copies between
 //!   devices.
@@ -52,7 +52,8 @@ mod vmm;
 mod gpu_tests;
 
 pub use auto::{AutoEvent, AutoRuntime, AutoStream};
-pub use device::CudaDeviceMemory;
+#[cfg(test)]
+use device::CudaDeviceMemory;
 pub use error::CudaInitError;
 pub use events::PooledEvent;
 pub use runtime::{cuda_available, device_count, stream_id, CudaRuntime};

@@ -287,13 +287,13 @@ impl CudaRuntime {
     }
 
     /// Reserves an address range for expandable host memory.
-    pub fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub(crate) fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         let granule = self.vmm_call("cuMemAddressReserve")?;
         vmm::reserve(size, granule, PinMethod::Mapped)
     }
 
     /// Maps pinned granules into a reserved range.
-    pub fn host_map(
+    pub(crate) fn host_map(
         &self,
         range: &HostMemory,
         offset: usize,
@@ -318,7 +318,7 @@ impl CudaRuntime {
     }
 
     /// Unmaps granules of a reserved range and gives their memory back.
-    pub fn host_unmap(
+    pub(crate) fn host_unmap(
         &self,
         range: &HostMemory,
         offset: usize,
@@ -333,7 +333,7 @@ impl CudaRuntime {
 
     /// Moves the pinned memory of the granule mapped at `from` of a reserved range to the
     /// unmapped granule at `to`, without pinning memory again (see `MemorySource::remap`).
-    pub fn host_remap(
+    pub(crate) fn host_remap(
         &self,
         range: &HostMemory,
         from: usize,
@@ -352,7 +352,7 @@ impl CudaRuntime {
     }
 
     /// Gives back a reserved range, none of it mapped.
-    pub fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+    pub(crate) fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
         self.vmm_range("cuMemAddressFree", &range, 0, 0)?;
         // SAFETY: the engine gives back a range it reserved here once nothing is mapped.
         unsafe { vmm::unreserve(range) }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use pinpool_actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
-    Inventory, Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
+    Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
 };
 
 use super::buffer::{tie_to_stream, DeviceBuffer};
@@ -129,8 +129,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         &self.inner.devices
     }
 
-    /// The engine of device `device` (for tools that need its lower-level calls).
-    pub fn engine(&self, device: usize) -> Result<&Engine<R>, Error> {
+    /// The engine of device `device` ([`crate::tuning::device_engine`] for tools).
+    pub(crate) fn engine(&self, device: usize) -> Result<&Engine<R>, Error> {
         self.inner.devices.get(device).ok_or(Error::NoSuchDevice {
             ordinal: device,
             count: self.inner.devices.len(),
@@ -254,7 +254,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         call: (&'static str, &'static str),
     ) -> Result<DeviceBuffer<R>, Error> {
         let (d, engine) = self.engine_of(stream, size)?;
-        let lease = engine.alloc_blocking_as(size, Some(stream), wait, call)?;
+        let lease = engine.alloc_blocking_with(size, Some(stream), wait, call)?;
         Ok(DeviceBuffer::new(lease, stream.clone(), d))
     }
 
@@ -287,7 +287,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             return Ok(0);
         }
         let (_, engine) = self.engine_of(stream, size)?;
-        let lease = engine.alloc_blocking_as(size, Some(stream), wait, call)?;
+        let lease = engine.alloc_blocking_with(size, Some(stream), wait, call)?;
         // Only a request of 0 bytes gets an empty lease.
         Ok(self.file_raw(lease, stream).unwrap_or(0))
     }
@@ -459,12 +459,6 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         async move { check?.await }
     }
 
-    /// Where every pool of device `device` has its reserved bytes; for checks at quiescent
-    /// points.
-    pub async fn inventory(&self, device: usize) -> Result<Vec<Inventory>, Error> {
-        self.engine(device)?.inventory().await
-    }
-
     /// Turns history recording on or off on every device (see
     /// [`PinnedAllocator::record_history`](crate::PinnedAllocator::record_history)).
     pub fn record_history(
@@ -493,7 +487,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
 
     /// [`DeviceAllocator::history`] for threads outside the tokio runtime.
     pub fn history_blocking(&self, device: usize) -> Result<History, Error> {
-        self.engine(device)?.history_blocking()
+        let engine = self.engine(device)?;
+        pinpool_actors::blocking::call(("history_blocking", "history().await"), engine.history())?
     }
 
     /// The history page of device `device` (see [`crate::report::render_history_html`]).

@@ -14,18 +14,12 @@
 
 use std::sync::Arc;
 
-use pinpool_actors::{DeviceStats, Error, PoolId};
+use pinpool_actors::{blocking, DeviceStats, Error, PoolId};
 
 use super::allocator::DeviceAllocator;
 use super::runtime::DeviceRuntime;
 
 impl<R: DeviceRuntime> DeviceAllocator<R> {
-    /// A capture pool id that no other call returns (like `torch.cuda.graph_pool_handle()`);
-    /// usable on any device.
-    pub fn new_pool_id(&self) -> PoolId {
-        PoolId::fresh()
-    }
-
     /// Routes the requests of device `device` for streams that `filter` accepts into the
     /// private pool `pool` (made now, or given one more use) until
     /// [`DeviceAllocator::end_allocate_to_pool`]. Call it before the stream begins capturing.
@@ -39,7 +33,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     ///
     /// let pool = DeviceAllocator::builder().build()?;
     /// let stream = pool.runtime().stream();
-    /// let id = pool.new_pool_id(); // torch.cuda.graph_pool_handle()
+    /// let id = pinpool::PoolId::fresh(); // torch.cuda.graph_pool_handle()
     /// let capturing = stream.id();
     /// pool.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
     /// stream.begin_capture()?; // on a GPU: stream.begin_capture(mode)
@@ -92,17 +86,34 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         filter: impl Fn(&R::Stream) -> bool + Send + Sync + 'static,
     ) -> Result<(), Error> {
         let engine = self.engine(device)?;
-        engine.begin_allocate_to_pool_blocking(pool, Arc::new(filter))
+        blocking::call(
+            (
+                "begin_allocate_to_pool_blocking",
+                "begin_allocate_to_pool(..).await",
+            ),
+            engine.begin_allocate_to_pool(pool, Arc::new(filter)),
+        )?
     }
 
     /// [`DeviceAllocator::end_allocate_to_pool`] for threads outside the tokio runtime.
     pub fn end_allocate_to_pool_blocking(&self, device: usize, pool: PoolId) -> Result<(), Error> {
-        self.engine(device)?.end_allocate_to_pool_blocking(pool)
+        let engine = self.engine(device)?;
+        blocking::call(
+            (
+                "end_allocate_to_pool_blocking",
+                "end_allocate_to_pool(..).await",
+            ),
+            engine.end_allocate_to_pool(pool),
+        )?
     }
 
     /// [`DeviceAllocator::release_pool`] for threads outside the tokio runtime.
     pub fn release_pool_blocking(&self, device: usize, pool: PoolId) -> Result<(), Error> {
-        self.engine(device)?.release_pool_blocking(pool)
+        let engine = self.engine(device)?;
+        blocking::call(
+            ("release_pool_blocking", "release_pool(..).await"),
+            engine.release_pool(pool),
+        )?
     }
 
     /// The capture pools alive on device `device` (begun, and not yet freed by an

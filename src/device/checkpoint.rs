@@ -39,7 +39,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     ///
     /// let pool = DeviceAllocator::builder().build()?;
     /// let stream = pool.runtime().stream();
-    /// let id = pool.new_pool_id();
+    /// let id = pinpool::PoolId::fresh();
     /// let s = stream.id();
     /// pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
     /// let a = pool.raw_alloc_with_stream(1 << 20, &stream)?; // in the private pool
@@ -70,7 +70,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// Brings capture pool `state.pool` of device `device` back to `state` (PyTorch's
     /// `setCheckpointPoolState`):
     /// - a block allocated now but free in the checkpoint is freed if it is a raw
-    ///   allocation; a block a [`DeviceBuffer`] holds is [`Error::CheckpointConflict`]
+    ///   allocation; a block a [`DeviceBuffer`](super::DeviceBuffer) holds is [`Error::CheckpointConflict`]
     ///   (drop the buffer first), and nothing changes;
     /// - a block allocated in the checkpoint but free now is allocated again at exactly its
     ///   old address, as a raw allocation for work on `stream` (graphs captured against the

@@ -237,7 +237,7 @@ impl IpcHandle {
 
     /// For a block of an expandable range, the granule its memory handles' sizes are
     /// multiples of.
-    pub fn granule(&self) -> Option<u64> {
+    pub(crate) fn granule(&self) -> Option<u64> {
         match &self.kind {
             Kind::Segment(_) => None,
             Kind::Mapped { granule, .. } => Some(*granule),

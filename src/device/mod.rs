@@ -1,5 +1,5 @@
 //! Device memory: [`DeviceAllocator`] and [`DeviceBuffer`], the caching allocator of
-//! PyTorch's `CUDACachingAllocator` (seed 002's interface) on pinpool's engine.
+//! PyTorch's `CUDACachingAllocator`, on pinpool's engine.
 //!
 //! One engine per device (its own actors, cap, statistics and history), stream-ordered: each
 //! stream that allocates gets a pool of its own, and a block freed with no other stream
@@ -34,4 +34,6 @@ pub use builder::DeviceBuilder;
 pub use checkpoint::CheckpointDelta;
 pub use ipc::IpcMemory;
 pub use ipc_handle::{IpcHandle, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES};
-pub use runtime::{DeviceCopy, DeviceRuntime, IpcExport, IpcMappedExport};
+pub use runtime::DeviceRuntime;
+#[cfg(feature = "cuda")]
+pub(crate) use runtime::{DeviceCopy, DeviceOps, IpcExport, IpcMappedExport};

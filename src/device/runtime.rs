@@ -47,8 +47,18 @@ impl std::fmt::Debug for IpcMappedExport {
     }
 }
 
-/// A runtime with devices whose memory the device allocator caches.
-pub trait DeviceRuntime: Runtime {
+/// A runtime with devices whose memory the device allocator caches: the simulated runtime
+/// ([`SimRuntime`]) and, with the `cuda` feature, the CUDA runtime. Its calls (devices,
+/// their memory, inter-process handles, peer access, device copies) are the allocator's to
+/// make: the trait is sealed, and users reach them through
+/// [`DeviceAllocator`](crate::DeviceAllocator).
+pub trait DeviceRuntime: Runtime + DeviceOps {}
+
+impl<R: Runtime + DeviceOps> DeviceRuntime for R {}
+
+/// What the device allocator asks of a [`DeviceRuntime`]. Public in this private module
+/// only: nothing outside the crate names it, so no runtime outside it is a `DeviceRuntime`.
+pub trait DeviceOps: Runtime {
     /// How many devices there are.
     fn device_count(&self) -> usize;
 
@@ -202,7 +212,7 @@ fn sim_error(e: SimError) -> Error {
     }
 }
 
-impl DeviceRuntime for SimRuntime {
+impl DeviceOps for SimRuntime {
     fn device_count(&self) -> usize {
         SimRuntime::device_count(self)
     }

@@ -26,23 +26,9 @@ use super::expandable::GRANULE;
 use super::memory::HostAllocation;
 use super::{FaultPoint, Shared, SimError, ViolationKind};
 
-/// The memory of one simulated device, as a memory source.
-///
-/// ```
-/// use pinpool::sim::SimRuntime;
-/// use pinpool::{MemoryKind, MemorySource};
-///
-/// let sim = SimRuntime::builder().device_capacity(64 << 20).build();
-/// let device = sim.device_memory(0).unwrap();
-/// assert_eq!(device.kind(), MemoryKind::Device(0));
-/// let block = device.alloc(1 << 20).unwrap();
-/// assert_eq!(sim.device_used(0), Some(1 << 20));
-/// // The driver says no past the device's capacity.
-/// assert!(device.alloc(64 << 20).unwrap_err().out_of_memory);
-/// device.free(block).unwrap();
-/// assert_eq!(sim.device_used(0), Some(0));
-/// ```
-pub struct SimDeviceMemory {
+/// The memory of one simulated device, as the device allocator's memory source
+/// (`tests::a_device_memory_source_allocates_up_to_the_capacity`).
+pub(crate) struct SimDeviceMemory {
     pub(super) shared: Arc<Shared>,
     pub(super) ordinal: usize,
 }

@@ -46,7 +46,7 @@ use pinpool_actors::{
 };
 
 pub use device::SimDeviceBuffer;
-pub use device_memory::SimDeviceMemory;
+pub(crate) use device_memory::SimDeviceMemory;
 pub use error::SimError;
 pub use event::SimEvent;
 pub use fault::{FaultPoint, Faults};
@@ -171,7 +171,8 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 ///
 /// ```
 /// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
-/// use pinpool::{PinMethod, Runtime};
+/// use pinpool::Runtime;
+/// use pinpool_actors::PinMethod;
 ///
 /// let sim = SimRuntime::new();
 /// let mem = sim.host_alloc(1 << 16).unwrap();
@@ -350,12 +351,6 @@ impl SimRuntime {
         SimRuntimeBuilder::default()
     }
 
-    /// This runtime with random stream delays (see [`set_random_delays`](Self::set_random_delays)).
-    pub fn with_random_delays(self, seed: u64, max: Duration) -> Self {
-        self.set_random_delays(seed, max);
-        self
-    }
-
     /// Sets how long each `host_alloc` sleeps.
     pub fn set_host_alloc_latency(&self, latency: Duration) {
         self.shared
@@ -386,7 +381,7 @@ impl SimRuntime {
 
     /// The memory of device `ordinal`, as a memory source (`SimError::NoSuchDevice` past
     /// the last device).
-    pub fn device_memory(&self, ordinal: usize) -> Result<Arc<SimDeviceMemory>, SimError> {
+    pub(crate) fn device_memory(&self, ordinal: usize) -> Result<Arc<SimDeviceMemory>, SimError> {
         if ordinal >= self.device_count() {
             return Err(SimError::NoSuchDevice {
                 ordinal,
@@ -401,7 +396,7 @@ impl SimRuntime {
 
     /// Whether the devices can access each other's memory (see
     /// [`SimRuntimeBuilder::without_peer_access`]).
-    pub fn peer_access(&self) -> bool {
+    pub(crate) fn peer_access(&self) -> bool {
         self.shared.peer_access
     }
 
@@ -450,7 +445,9 @@ impl SimRuntime {
         SimStream::try_new_on(self, ordinal)
     }
 
-    /// A new stream of this runtime on device 0 (see [`SimStream::new`]).
+    /// A new stream of this runtime on device 0, with its own worker thread. If the OS
+    /// cannot start the thread, the stream is created dead: every later call that can fail
+    /// reports [`SimError::ThreadGone`] ([`SimRuntime::stream_on`] says so at once).
     pub fn stream(&self) -> SimStream {
         SimStream::new(self)
     }
@@ -659,12 +656,12 @@ impl SimRuntime {
     }
 
     /// Reserves an address range for expandable host memory.
-    pub fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub(crate) fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
         expandable::reserve(self, size)
     }
 
     /// Maps granules of a reserved range.
-    pub fn host_map(
+    pub(crate) fn host_map(
         &self,
         range: &HostMemory,
         offset: usize,
@@ -674,7 +671,7 @@ impl SimRuntime {
     }
 
     /// Unmaps granules of a reserved range.
-    pub fn host_unmap(
+    pub(crate) fn host_unmap(
         &self,
         range: &HostMemory,
         offset: usize,
@@ -685,7 +682,7 @@ impl SimRuntime {
 
     /// Moves the memory of the granule mapped at `from` of a reserved range to the unmapped
     /// granule at `to` (see `MemorySource::remap`).
-    pub fn host_remap(
+    pub(crate) fn host_remap(
         &self,
         range: &HostMemory,
         from: usize,
@@ -695,7 +692,7 @@ impl SimRuntime {
     }
 
     /// Gives back a reserved range, none of it mapped.
-    pub fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+    pub(crate) fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
         expandable::unreserve(self, range)
     }
 }

@@ -76,21 +76,13 @@ impl SimStream {
     /// A new stream of `sim`, with its own worker thread.
     ///
     /// If the OS cannot start the thread, the stream is created dead: every later call
-    /// that can fail reports [`SimError::ThreadGone`] (use [`try_new`](Self::try_new) to
-    /// learn it at once).
-    pub fn new(sim: &SimRuntime) -> Self {
+    /// that can fail reports [`SimError::ThreadGone`] (`try_new_on` says so at once).
+    pub(crate) fn new(sim: &SimRuntime) -> Self {
         Self::create(sim, 0).0
     }
 
-    /// A new stream of `sim`, or an error if its worker thread cannot be started.
-    ///
-    /// # Errors
-    /// [`SimError::ThreadGone`] if the OS cannot start the thread.
-    pub fn try_new(sim: &SimRuntime) -> Result<Self, SimError> {
-        Self::try_new_on(sim, 0)
-    }
-
-    /// [`SimStream::try_new`] on device `device` (the caller checked that it exists).
+    /// A new stream of `sim` on device `device` (the caller checked that it exists), or
+    /// [`SimError::ThreadGone`] if its worker thread cannot be started.
     pub(crate) fn try_new_on(sim: &SimRuntime, device: usize) -> Result<Self, SimError> {
         let (stream, started) = Self::create(sim, device);
         started.map(|()| stream)

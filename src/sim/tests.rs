@@ -200,7 +200,8 @@ fn freeing_memory_with_a_queued_copy_is_a_violation_but_stays_memory_safe() {
 
 #[test]
 fn random_delays_keep_stream_order() {
-    let sim = SimRuntime::new().with_random_delays(3, Duration::from_micros(200));
+    let sim = SimRuntime::new();
+    sim.set_random_delays(3, Duration::from_micros(200));
     let stream = sim.stream();
     let mem = sim.host_alloc(1).unwrap();
     let p = mem.ptr.as_ptr();
@@ -356,4 +357,19 @@ fn a_remapped_granule_moves_its_memory_without_allocating_and_misuse_changes_not
     sim.host_unreserve(range).unwrap();
     assert_eq!((sim.live_allocations(), sim.live_bytes()), (0, 0));
     assert_eq!(sim.total_host_allocs(), sim.total_host_frees());
+}
+
+#[test]
+fn a_device_memory_source_allocates_up_to_the_capacity() {
+    use pinpool_actors::{MemoryKind, MemorySource};
+
+    let sim = SimRuntime::builder().device_capacity(64 << 20).build();
+    let device = sim.device_memory(0).unwrap();
+    assert_eq!(device.kind(), MemoryKind::Device(0));
+    let block = device.alloc(1 << 20).unwrap();
+    assert_eq!(sim.device_used(0), Some(1 << 20));
+    // The driver says no past the device's capacity.
+    assert!(device.alloc(64 << 20).unwrap_err().out_of_memory);
+    device.free(block).unwrap();
+    assert_eq!(sim.device_used(0), Some(0));
 }

@@ -21,7 +21,7 @@ struct Row {
 }
 
 /// Reads a MiniMalloc CSV from `reader`; `origin` names it in errors.
-pub fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError> {
+pub(crate) fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError> {
     let mut reader = BufReader::new(reader);
     let mut buf = Vec::new();
     let mut line_no = 0;

@@ -3,8 +3,8 @@
 //!
 //! Owns the [`Trace`] type and its invariants (ids dense in `0..n`, each allocated once,
 //! freed at most once and only after it was allocated), the two readers — the text format
-//! (`a <id> <bytes> <stream>` / `f <id>`, gzip or plain) in [`text`] and MiniMalloc's CSV
-//! (`id,lower,upper,size`) in [`csv`] — and the typed errors in [`error`]. Reading never
+//! (`a <id> <bytes> <stream>` / `f <id>`, gzip or plain) in `text` and MiniMalloc's CSV
+//! (`id,lower,upper,size`) in `csv` — and the typed errors in `error`. Reading never
 //! panics: a malformed file yields a [`TraceError`] naming the file, the line and the fault.
 //!
 //! # Example
@@ -27,9 +27,9 @@
 //! ```
 
 mod build;
-pub mod csv;
-pub mod error;
-pub mod text;
+mod csv;
+mod error;
+mod text;
 
 use std::fs::File;
 use std::io::BufReader;

@@ -20,7 +20,7 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// The longest line the readers take, without its newline. Real lines are a few dozen
 /// bytes; the limit keeps a line without end (say, a small gzip stream that inflates to
 /// one endless line) from taking memory without bound.
-pub const MAX_LINE: usize = 4096;
+pub(crate) const MAX_LINE: usize = 4096;
 
 /// Reads one line (with its newline, if any) into `buf`, at most [`MAX_LINE`] bytes
 /// before it: `Ok(Err(LineTooLong))` beyond.
@@ -36,7 +36,7 @@ pub(super) fn read_line(
 }
 
 /// Reads a text trace from `reader` (gzip or plain); `origin` names it in errors.
-pub fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError> {
+pub(crate) fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError> {
     let mut reader = BufReader::new(reader);
     let head = reader.fill_buf().map_err(|source| TraceError::Read {
         origin: origin.to_owned(),

@@ -11,9 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pinpool::sim::SimRuntime;
-use pinpool::{
-    BestFit, Builder, DeviceAllocator, DeviceBuilder, PinnedAllocator, TieredPowerOfTwo,
-};
+use pinpool::tuning::{BestFit, TieredPowerOfTwo};
+use pinpool::{Builder, DeviceAllocator, DeviceBuilder, PinnedAllocator};
 
 /// An allocator on a fresh simulated runtime (call inside a tokio runtime), with the
 /// `tiered` size policy (named, not left to the default): one host allocation per block, so
@@ -132,7 +131,10 @@ pub async fn assert_books_balance(
     sim: &SimRuntime,
     in_use_blocks: usize,
 ) {
-    let inv = pool.inventory().await.expect("inventory");
+    let inv = pinpool::tuning::engine(pool)
+        .inventory()
+        .await
+        .expect("inventory");
     let mut reserved = 0;
     let mut in_use = 0;
     for p in &inv {
@@ -161,7 +163,10 @@ pub async fn assert_books_balance(
 pub async fn eventually_nothing_in_use(pool: &PinnedAllocator<SimRuntime>) {
     let start = Instant::now();
     loop {
-        let inv = pool.inventory().await.expect("inventory");
+        let inv = pinpool::tuning::engine(pool)
+            .inventory()
+            .await
+            .expect("inventory");
         if inv
             .iter()
             .all(|p| p.in_use_blocks == 0 && p.waiting_blocks == 0)

@@ -36,7 +36,7 @@ async fn a_capturing_streams_requests_go_to_the_capture_pool_not_to_its_own_pool
     let cached_ptr = cached.device_ptr();
     drop(cached); // ready in s's own pool
 
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     begin(&pool, 0, &s, id).await;
     let a = pool.alloc(MIB, &s).await.unwrap();
     assert_eq!(a.pool(), Some(id));
@@ -68,7 +68,7 @@ async fn a_capture_begun_after_a_stream_was_served_from_its_own_pool_routes_its_
     for _ in 0..3 {
         drop(pool.alloc(MIB, &s).await.unwrap());
     }
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     begin(&pool, 0, &s, id).await;
     let a = pool.alloc(MIB, &s).await.unwrap();
     assert_eq!(a.pool(), Some(id), "the remembered route was not used");
@@ -84,7 +84,7 @@ async fn a_capture_begun_after_a_stream_was_served_from_its_own_pool_routes_its_
 async fn a_buffer_freed_during_capture_is_never_handed_out_again_while_its_pool_lives() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     begin(&pool, 0, &s, id).await;
     let a = pool.alloc(MIB, &s).await.unwrap();
     let used = a.device_ptr();
@@ -106,7 +106,11 @@ async fn a_buffer_freed_during_capture_is_never_handed_out_again_while_its_pool_
     pool.end_allocate_to_pool(0, id).await.unwrap();
     drop(b); // allocated during capture: kept too
     pool.empty_cache().await.unwrap();
-    let inventory = pool.inventory(0).await.unwrap();
+    let inventory = pinpool::tuning::device_engine(&pool, 0)
+        .unwrap()
+        .inventory()
+        .await
+        .unwrap();
     let kept: usize = inventory.iter().map(|i| i.kept_blocks).sum();
     assert_eq!(kept, 2);
     for _ in 0..4 {
@@ -124,7 +128,7 @@ async fn two_graphs_sharing_a_pool_replay_the_right_bytes_while_others_allocate(
     let s = sim.stream();
     let others = [sim.stream(), sim.stream(), sim.stream()];
     let host = sim.host_alloc(MIB).unwrap();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
 
     // Graph 1 writes A.
     begin(&pool, 0, &s, id).await;
@@ -201,7 +205,7 @@ async fn two_graphs_sharing_a_pool_replay_the_right_bytes_while_others_allocate(
 async fn a_pool_begun_twice_needs_two_releases_and_then_empty_cache_gives_its_memory_back() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     for _ in 0..2 {
         begin(&pool, 0, &s, id).await;
         let x = pool.alloc(4 * MIB, &s).await.unwrap();
@@ -243,7 +247,7 @@ async fn capture_pool_calls_with_bad_input_are_typed_errors_and_change_nothing()
     let sim = SimRuntime::builder().devices(2).build();
     let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
     let s = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let no_device = |e: Error| {
         matches!(
             e,
@@ -319,7 +323,7 @@ async fn capture_pools_are_per_device() {
     let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
     let s0 = sim.stream();
     let s1 = sim.stream_on(1).unwrap();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(1, id, |_| true).await.unwrap();
     s1.begin_capture().unwrap();
     s0.begin_capture().unwrap();
@@ -346,7 +350,7 @@ async fn capture_pools_are_per_device() {
 async fn capture_pool_calls_work_from_plain_threads() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let (p, s2) = (pool.clone(), s.clone());
     on_plain_thread(move || {
         let wanted = s2.id();

@@ -70,7 +70,7 @@ async fn give_up_restoring(
 async fn restoring_gives_back_the_checkpoints_blocks_at_their_addresses_and_frees_newer_raw_ones() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     route(&pool, &s, id).await;
     let a = pool.raw_alloc_with_stream(MIB, &s).unwrap();
     let b = pool.raw_alloc_with_stream(2 * MIB, &s).unwrap();
@@ -154,7 +154,7 @@ async fn restoring_gives_back_the_checkpoints_blocks_at_their_addresses_and_free
 async fn a_users_buffer_in_the_way_is_a_typed_error_and_changes_nothing() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     route(&pool, &s, id).await;
     let a = pool.raw_alloc_with_stream(MIB, &s).unwrap();
     pool.end_allocate_to_pool(0, id).await.unwrap();
@@ -167,7 +167,11 @@ async fn a_users_buffer_in_the_way_is_a_typed_error_and_changes_nothing() {
     s.synchronize().unwrap();
 
     let stats = pool.pool_stats(0, id).unwrap();
-    let inventory = pool.inventory(0).await.unwrap();
+    let inventory = pinpool::tuning::device_engine(&pool, 0)
+        .unwrap()
+        .inventory()
+        .await
+        .unwrap();
     let before = pool.checkpoint_state(0, id).await.unwrap();
     let err = pool
         .set_checkpoint_pool_state(0, &checkpoint, &s)
@@ -181,7 +185,14 @@ async fn a_users_buffer_in_the_way_is_a_typed_error_and_changes_nothing() {
         }
     );
     assert_eq!(pool.pool_stats(0, id).unwrap(), stats);
-    assert_eq!(pool.inventory(0).await.unwrap(), inventory);
+    assert_eq!(
+        pinpool::tuning::device_engine(&pool, 0)
+            .unwrap()
+            .inventory()
+            .await
+            .unwrap(),
+        inventory
+    );
     assert_eq!(pool.checkpoint_state(0, id).await.unwrap(), before);
     // The raw block it would have freed is still the caller's.
     pool.raw_delete(raw).unwrap();
@@ -200,7 +211,7 @@ async fn a_users_buffer_in_the_way_is_a_typed_error_and_changes_nothing() {
 async fn unknown_pools_devices_and_bad_states_are_typed_errors() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
-    let unknown = pool.new_pool_id();
+    let unknown = pinpool::PoolId::fresh();
     assert_eq!(
         pool.checkpoint_state(0, unknown).await,
         Err(Error::UnknownPool(unknown))
@@ -214,7 +225,7 @@ async fn unknown_pools_devices_and_bad_states_are_typed_errors() {
         Err(Error::NoSuchDevice { ordinal: 9, .. })
     ));
 
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     route(&pool, &s, id).await;
     let a = pool.raw_alloc_with_stream(MIB, &s).unwrap();
     let checkpoint = pool.checkpoint_state(0, id).await.unwrap();
@@ -270,7 +281,7 @@ async fn unknown_pools_devices_and_bad_states_are_typed_errors() {
 async fn a_restore_whose_caller_stopped_waiting_leaves_the_books_balanced() {
     let (pool, sim) = device_pool();
     let (s, other) = (sim.stream(), sim.stream());
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let a = raw_in_pool(&pool, &s, id, MIB).await;
     let checkpoint = pool.checkpoint_state(0, id).await.unwrap();
     pool.raw_delete(a).unwrap();
@@ -300,7 +311,7 @@ async fn a_restore_whose_caller_stopped_waiting_leaves_the_books_balanced() {
 async fn a_graphs_output_comes_back_at_its_address_and_its_replays_read_the_right_bytes() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let host = sim.host_alloc(MIB).unwrap();
 
     // Graph 1 writes its output O and copies it to the host.
@@ -380,7 +391,7 @@ async fn a_graphs_output_comes_back_at_its_address_and_its_replays_read_the_righ
 async fn a_timed_out_restore_nobody_waits_for_frees_its_blocks_only_after_their_work() {
     let (pool, sim) = device_pool();
     let (s, other) = (sim.stream(), sim.stream());
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     route(&pool, &s, id).await;
     pool.end_allocate_to_pool(0, id).await.unwrap();
     let empty = pool.checkpoint_state(0, id).await.unwrap();

@@ -180,7 +180,17 @@ async fn a_callback_runs_for_the_device_that_is_out_of_memory() {
     let buf = pool.alloc(8 * MIB, &s1).await.unwrap();
     assert_eq!(buf.device(), 1);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
-    assert_eq!(pool.engine(1).unwrap().free_memory_callback_calls(), 1);
-    assert_eq!(pool.engine(0).unwrap().free_memory_callback_calls(), 0);
+    assert_eq!(
+        pinpool::tuning::device_engine(&pool, 1)
+            .unwrap()
+            .free_memory_callback_calls(),
+        1
+    );
+    assert_eq!(
+        pinpool::tuning::device_engine(&pool, 0)
+            .unwrap()
+            .free_memory_callback_calls(),
+        0
+    );
     assert_eq!(d0.len(), 12 * MIB, "device 0 is untouched");
 }

@@ -308,7 +308,11 @@ async fn one_allocator_keeps_each_devices_pools_and_statistics_apart() {
     drop((a, d));
     let cached_1 = pool.reserved_bytes(1).unwrap();
     assert!(cached_1 >= 10 * MIB);
-    pool.engine(0).unwrap().empty_cache().await.unwrap();
+    pinpool::tuning::device_engine(&pool, 0)
+        .unwrap()
+        .empty_cache()
+        .await
+        .unwrap();
     assert_eq!(pool.reserved_bytes(0).unwrap(), 0);
     assert_eq!(
         pool.reserved_bytes(1).unwrap(),

@@ -117,7 +117,7 @@ fn every_blocking_call_of_the_pinned_allocator_is_refused_on_a_current_thread_ru
                 "history_blocking",
                 "history().await",
             );
-            let id = pool.new_pool_id();
+            let id = pinpool::PoolId::fresh();
             assert_would_deadlock(
                 pool.begin_allocate_to_pool_blocking(id, |_| true),
                 "begin_allocate_to_pool_blocking",
@@ -304,7 +304,7 @@ fn on_a_multi_thread_runtime_every_blocking_call_works_from_a_worker_even_with_o
             let p = pool.clone();
             let s = sim.stream();
             tokio::spawn(async move {
-                let id = p.new_pool_id();
+                let id = pinpool::PoolId::fresh();
                 for size in [4096, 1 << 20, 3 << 20] {
                     let b = p.alloc_blocking(size).unwrap();
                     assert_eq!(b.len(), size);

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use pinpool::config::{Config, DeviceConfig, SizePolicyChoice};
 use pinpool::sim::SimRuntime;
-use pinpool::{DeviceAllocator, Error, PinnedAllocator, TieredPowerOfTwo};
+use pinpool::tuning::TieredPowerOfTwo;
+use pinpool::{DeviceAllocator, Error, PinnedAllocator};
 
 #[tokio::test]
 async fn the_pinned_builder_keeps_its_cap_and_timeout_when_the_runtime_changes() {
@@ -39,14 +40,14 @@ async fn the_pinned_builder_keeps_its_policy_and_configuration_when_the_runtime_
         .runtime(Arc::new(SimRuntime::new()))
         .build()
         .unwrap();
-    assert_eq!(policy.engine().policy().name(), "tiered");
+    assert_eq!(pinpool::tuning::engine(&policy).policy().name(), "tiered");
     let config = Config::default().with_size_policy(SizePolicyChoice::Pow2);
     let configured = PinnedAllocator::builder()
         .config(&config)
         .runtime(Arc::new(SimRuntime::new()))
         .build()
         .unwrap();
-    assert_eq!(configured.engine().policy().name(), "pow2");
+    assert_eq!(pinpool::tuning::engine(&configured).policy().name(), "pow2");
 }
 
 #[tokio::test]
@@ -64,7 +65,7 @@ async fn an_explicit_policy_wins_over_the_configurations_size_policy() {
             .build()
             .unwrap(),
     ] {
-        assert_eq!(pool.engine().policy().name(), "tiered");
+        assert_eq!(pinpool::tuning::engine(&pool).policy().name(), "tiered");
     }
 }
 

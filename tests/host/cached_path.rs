@@ -69,7 +69,7 @@ async fn size_zero_gives_an_empty_buffer_without_touching_the_pool() {
 #[tokio::test]
 async fn a_size_too_large_for_any_class_is_a_typed_error_and_changes_nothing() {
     let (pool, sim) = sim_pool();
-    let max = pool.engine().policy().max_request();
+    let max = pinpool::tuning::engine(&pool).policy().max_request();
     assert_eq!(
         max,
         1 << 40,

@@ -11,7 +11,7 @@ async fn allocations_for_a_stream_the_filter_accepts_go_to_the_capture_pool() {
     let (pool, sim) = sim_pool();
     let cap = sim.stream();
     let other = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let cap_id = cap.id();
     pool.begin_allocate_to_pool(id, move |s| s.id() == cap_id)
         .await
@@ -62,7 +62,7 @@ async fn a_capture_begun_after_a_stream_was_served_routes_its_next_request_to_th
         let b = pool.alloc_on(4096, &s).await.unwrap();
         assert_eq!(b.pool(), Some(PoolId::DEFAULT));
     }
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let wanted = s.id();
     pool.begin_allocate_to_pool(id, move |t| t.id() == wanted)
         .await
@@ -78,7 +78,7 @@ async fn a_capture_begun_after_a_stream_was_served_routes_its_next_request_to_th
 async fn a_block_freed_during_capture_without_use_is_reused() {
     let (pool, sim) = sim_pool();
     let cap = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
     let a = pool.alloc_on(1 << 16, &cap).await.unwrap();
@@ -98,7 +98,7 @@ async fn a_block_used_by_captured_work_is_kept_and_replays_read_the_right_bytes(
     let cap = sim.stream();
     let replay = sim.stream();
     let dev = SimDeviceBuffer::new(4096);
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
 
@@ -178,7 +178,7 @@ async fn a_block_from_before_capture_used_by_captured_work_is_kept_too() {
 async fn a_released_pool_is_freed_by_empty_cache_kept_blocks_included() {
     let (pool, sim) = sim_pool();
     let cap = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
     let mut a = pool.alloc_on(1 << 20, &cap).await.unwrap();
@@ -208,7 +208,7 @@ async fn a_released_pool_is_freed_by_empty_cache_kept_blocks_included() {
 async fn two_graphs_sharing_a_pool_need_two_releases() {
     let (pool, sim) = sim_pool();
     let cap = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     for _ in 0..2 {
         pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
         cap.begin_capture().unwrap();
@@ -239,8 +239,8 @@ async fn two_graphs_sharing_a_pool_need_two_releases() {
 #[tokio::test]
 async fn capture_calls_out_of_order_are_typed_errors() {
     let (pool, _sim) = sim_pool();
-    let id = pool.new_pool_id();
-    let unknown = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
+    let unknown = pinpool::PoolId::fresh();
     assert_eq!(
         pool.end_allocate_to_pool(unknown).await,
         Err(Error::PoolNotCapturing(unknown))
@@ -280,7 +280,7 @@ fn capture_calls_work_from_plain_threads() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (pool, sim) = rt.block_on(async { sim_pool() });
     let cap = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool_blocking(id, |_| true).unwrap();
     let a = pool.alloc_blocking_on(128, &cap).unwrap();
     assert_eq!(a.pool(), Some(id));

@@ -7,7 +7,8 @@
 use std::sync::Arc;
 
 use pinpool::sim::SimRuntime;
-use pinpool::{Builder, DeviceAllocator, DeviceBuilder, Error, PinnedAllocator, TieredPowerOfTwo};
+use pinpool::tuning::TieredPowerOfTwo;
+use pinpool::{Builder, DeviceAllocator, DeviceBuilder, Error, PinnedAllocator};
 
 fn pinned() -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
@@ -70,7 +71,11 @@ async fn a_device_buffer_refuses_a_stream_of_another_runtime_and_comes_back_at_i
     assert!(is_foreign_stream(pool.record_stream(&mut buf, &foreign)));
     assert!(buf.recorded_streams().is_empty(), "nothing recorded");
     drop(buf);
-    let inv = pool.inventory(0).await.unwrap();
+    let inv = pinpool::tuning::device_engine(&pool, 0)
+        .unwrap()
+        .inventory()
+        .await
+        .unwrap();
     assert!(
         inv.iter()
             .all(|p| p.kept_bytes == 0 && p.waiting_bytes == 0),

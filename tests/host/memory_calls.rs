@@ -7,7 +7,8 @@
 use std::sync::Arc;
 
 use pinpool::sim::SimRuntime;
-use pinpool::{Builder, DeviceBuilder, TieredPowerOfTwo};
+use pinpool::tuning::TieredPowerOfTwo;
+use pinpool::{Builder, DeviceBuilder};
 use pinpool_testkit::{best_fit_pool_on, multi_thread, segments_pool};
 
 fn calls_here() -> u64 {

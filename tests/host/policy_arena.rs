@@ -11,7 +11,8 @@
 use std::sync::Arc;
 
 use pinpool::sim::{FaultPoint, SimRuntime};
-use pinpool::{BestFit, BlockStatus, Builder, Error, PinnedAllocator, PinnedBuffer};
+use pinpool::tuning::BestFit;
+use pinpool::{BlockStatus, Builder, Error, PinnedAllocator, PinnedBuffer};
 use pinpool_testkit::{assert_books_balance, best_fit_pool, eventually};
 
 const KIB: usize = 1 << 10;
@@ -35,7 +36,7 @@ async fn the_range_grows_by_the_granules_a_block_needs_and_blocks_sit_side_by_si
         2 * GRANULE,
         "only the one more granule it needs"
     );
-    assert_eq!(pool.engine().policy().name(), "bestfit");
+    assert_eq!(pinpool::tuning::engine(&pool).policy().name(), "bestfit");
     drop((a, b));
     assert_books_balance(&pool, &sim, 0).await;
 }

@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use pinpool::sim::{SimDeviceBuffer, SimRuntime};
-use pinpool::{BestFit, BlockStatus, Builder, PinnedAllocator, SizePolicy};
+use pinpool::tuning::{BestFit, SizePolicy};
+use pinpool::{BlockStatus, Builder, PinnedAllocator};
 use pinpool_testkit::{assert_books_balance, segments_pool};
 
 #[tokio::test]
@@ -107,7 +108,7 @@ async fn a_carved_block_used_by_captured_work_is_never_reused() {
     let cap = sim.stream();
     let replay = sim.stream();
     let dev = SimDeviceBuffer::new(4096);
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
     let mut a = pool.alloc_on(4096, &cap).await.unwrap();
@@ -164,7 +165,10 @@ async fn blocks_above_max_cached_size_go_back_to_the_runtime() {
 #[tokio::test]
 async fn the_cached_path_serves_a_size_seen_before_from_the_same_block() {
     let (pool, sim) = segments_pool();
-    assert_eq!(pool.engine().policy().name(), "bestfit_segments");
+    assert_eq!(
+        pinpool::tuning::engine(&pool).policy().name(),
+        "bestfit_segments"
+    );
     let a = pool.alloc(100_000).await.unwrap();
     let p = a.as_ptr();
     drop(a);

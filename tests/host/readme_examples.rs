@@ -163,7 +163,7 @@ async fn readme_capture_pools_on_device_memory() -> Result {
 
     let pool = DeviceAllocator::builder().build()?;
     let stream = pool.runtime().stream();
-    let id = pool.new_pool_id();                             // torch.cuda.graph_pool_handle()
+    let id = pinpool::PoolId::fresh(); // torch.cuda.graph_pool_handle()
     let capturing = stream.id();
     pool.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
     stream.begin_capture()?;                                 // on a GPU: stream.begin_capture(mode)
@@ -196,7 +196,7 @@ async fn readme_checkpoints_of_a_capture_pool() -> Result {
 
     let pool = DeviceAllocator::builder().build()?;
     let stream = pool.runtime().stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let s = stream.id();
     pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
     let a = pool.raw_alloc_with_stream(1 << 20, &stream)?;  // in the private pool

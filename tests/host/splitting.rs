@@ -394,7 +394,7 @@ fn four_half_mebibytes(
     Vec<pinpool::PinnedBuffer<SimRuntime>>,
 ) {
     let pool = pinpool::Builder::new(Arc::new(SimRuntime::new()))
-        .policy(Arc::new(pinpool::BestFit::default()))
+        .policy(Arc::new(pinpool::tuning::BestFit::default()))
         .handle(rt.handle().clone())
         .shards(1024)
         .build()

@@ -14,7 +14,7 @@ async fn runtime_out_of_memory_empties_every_cache_and_retries_once() {
     sim.set_memory_limit(Some(MIB));
     drop(pool.alloc(512 * KIB).await.unwrap());
     let stream = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     drop(pool.alloc_on(256 * KIB, &stream).await.unwrap());
     pool.end_allocate_to_pool(id).await.unwrap();

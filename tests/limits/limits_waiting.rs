@@ -53,7 +53,7 @@ async fn a_request_past_the_limit_first_empties_the_cache() {
     let sim = SimRuntime::new();
     let pool = Builder::new(Arc::new(sim.clone()))
         .max_bytes(MIB)
-        .policy(Arc::new(pinpool::TieredPowerOfTwo::default()))
+        .policy(Arc::new(pinpool::tuning::TieredPowerOfTwo::default()))
         .build()
         .expect("builds");
     drop(pool.alloc(512 * KIB).await.unwrap());
@@ -74,7 +74,7 @@ async fn a_request_past_the_limit_first_empties_the_cache() {
 async fn emptying_for_room_reaches_capture_pools() {
     let (pool, sim) = limited(MIB);
     let stream = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     let private = pool.alloc_on(512 * KIB, &stream).await.unwrap();
     assert_eq!(private.pool(), Some(id));

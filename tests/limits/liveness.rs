@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use pinpool::config::SizePolicyChoice;
 use pinpool::sim::{HoldGuard, SimDeviceBuffer, SimRuntime, SimStream};
-use pinpool::{BlockLayout, Builder, Error, PinnedAllocator, PinnedBuffer, SizePolicy};
+use pinpool::tuning::BlockLayout;
+use pinpool::tuning::SizePolicy;
+use pinpool::{Builder, Error, PinnedAllocator, PinnedBuffer};
 use proptest::prelude::*;
 use tokio::task::JoinHandle;
 
@@ -80,7 +82,7 @@ impl Harness {
         let policy = choice.policy();
         let granule = match policy.layout() {
             BlockLayout::Whole => 0,
-            BlockLayout::Carved(c) => c.small_segment.max(sim.host_granularity().unwrap_or(0)),
+            BlockLayout::Carved(c) => c.small_segment().max(sim.host_granularity().unwrap_or(0)),
         };
         let pool = Builder::new(Arc::new(sim.clone()))
             .policy(policy.clone())

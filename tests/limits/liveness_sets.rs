@@ -15,9 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pinpool::sim::{SimRuntime, SimStream};
+use pinpool::tuning::BlockLayout;
+use pinpool::tuning::SizePolicy;
 use pinpool::{
-    BlockLayout, BufferSet, Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, Error,
-    PinnedAllocator, SizePolicy, TakenBuffers,
+    BufferSet, Builder, DeviceAllocator, DeviceBuffer, DeviceBuilder, Error, PinnedAllocator,
+    TakenBuffers,
 };
 use proptest::prelude::*;
 use tokio::task::JoinHandle;
@@ -82,7 +84,7 @@ struct Needs {
 fn granule_of(policy: &dyn SizePolicy, sim: &SimRuntime) -> usize {
     match policy.layout() {
         BlockLayout::Whole => 0,
-        BlockLayout::Carved(c) => c.small_segment.max(sim.host_granularity().unwrap_or(0)),
+        BlockLayout::Carved(c) => c.small_segment().max(sim.host_granularity().unwrap_or(0)),
     }
 }
 
@@ -136,8 +138,11 @@ impl Harness {
             .handle(rt.handle().clone())
             .build()
             .unwrap();
-        let host_granule = granule_of(host.engine().policy(), &sim);
-        let dev_granule = granule_of(dev.engine(0).unwrap().policy(), &sim);
+        let host_granule = granule_of(pinpool::tuning::engine(&host).policy(), &sim);
+        let dev_granule = granule_of(
+            pinpool::tuning::device_engine(&dev, 0).unwrap().policy(),
+            &sim,
+        );
         let streams = (0..STREAMS).map(|_| sim.stream()).collect();
         Harness {
             rt,
@@ -153,8 +158,10 @@ impl Harness {
     }
 
     fn needs(&self, pinned: &[usize], device: &[usize]) -> Needs {
-        let hp = self.host.engine().policy();
-        let dp = self.dev.engine(0).unwrap().policy();
+        let hp = pinpool::tuning::engine(&self.host).policy();
+        let dp = pinpool::tuning::device_engine(&self.dev, 0)
+            .unwrap()
+            .policy();
         Needs {
             pinned: pinned
                 .iter()

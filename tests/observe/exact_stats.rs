@@ -7,9 +7,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Barrier};
 
 use pinpool::sim::{SimRuntime, SimStream};
-use pinpool::{
-    Builder, DeviceAllocator, DeviceBuilder, DeviceStats, Error, PoolId, TieredPowerOfTwo,
-};
+use pinpool::tuning::TieredPowerOfTwo;
+use pinpool::{Builder, DeviceAllocator, DeviceBuilder, DeviceStats, Error, PoolId};
 use pinpool_testkit::{capped_device_pool, sim_pool};
 
 const KIB: usize = 1 << 10;
@@ -219,7 +218,7 @@ async fn a_capture_pools_peaks_are_the_most_its_requests_held_at_once() {
     // pool's differ.
     let s0 = sim.stream();
     drop(pool.alloc(64 * MIB, &s0).await.unwrap());
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let ids: Vec<u64> = streams.iter().map(|s| s.id().0).collect();
     pool.begin_allocate_to_pool(0, id, move |s| ids.contains(&s.id().0))
         .await

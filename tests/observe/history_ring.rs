@@ -228,7 +228,7 @@ async fn captures_are_marked_in_their_pool() {
     pool.record_history(true, 1000, HistoryContext::None)
         .unwrap();
     let stream = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     let target = stream.id();
     pool.begin_allocate_to_pool(id, move |s| s.id() == target)
         .await

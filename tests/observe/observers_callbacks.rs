@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pinpool::sim::SimRuntime;
-use pinpool::{Builder, Error, HistoryContext, OomReport, TieredPowerOfTwo, TraceAction};
+use pinpool::tuning::TieredPowerOfTwo;
+use pinpool::{Builder, Error, HistoryContext, OomReport, TraceAction};
 use pinpool_testkit::{eventually, sim_pool};
 
 #[tokio::test]

@@ -6,7 +6,8 @@
 use std::sync::Arc;
 
 use pinpool::sim::SimRuntime;
-use pinpool::{BlockStatus, Builder, Error, MemorySnapshot, PinMethod, PoolId};
+use pinpool::tuning::PinMethod;
+use pinpool::{BlockStatus, Builder, Error, MemorySnapshot, PoolId};
 use pinpool_testkit::sim_pool;
 
 const KIB: usize = 1 << 10;
@@ -26,7 +27,7 @@ async fn a_snapshot_shows_each_block_state() {
     let waiting_ptr = waiting.as_ptr() as usize;
     drop(waiting); // waits on the held stream
 
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
     let mut captured = pool.alloc_on(32 * KIB, &cap).await.unwrap();
@@ -202,7 +203,7 @@ async fn check_pool_live_allocations_matches_exactly_the_blocks_in_use() {
         .unwrap());
 
     let stream = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     let p = pool.alloc_on(KIB, &stream).await.unwrap();
     assert!(pool

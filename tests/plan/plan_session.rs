@@ -146,7 +146,10 @@ async fn recording_captures_sizes_and_lifetimes_in_order_and_ignores_outside_all
         .collect();
     // a@0 b@1 free a@2 c@3 free b@4, end 5
     assert_eq!(got, [(1000, 0, 2), (3000, 1, 4), (900, 3, 5)]);
-    assert_eq!(recording.allocator_id(), pool.engine().id());
+    assert_eq!(
+        recording.allocator_id(),
+        pinpool::tuning::engine(&pool).id()
+    );
 }
 
 #[tokio::test]
@@ -429,7 +432,7 @@ async fn a_request_that_departs_from_the_plan_falls_back_to_the_pool() {
 #[tokio::test]
 async fn plan_sessions_do_not_nest() {
     let (pool, _sim) = sim_pool();
-    let id = pool.engine().id();
+    let id = pinpool::tuning::engine(&pool).id();
     let nested = PlanSessionError::Nested { allocator: id };
     let rec = pool.record_plan().unwrap();
     drop(rec.alloc(64).await.unwrap());
@@ -463,8 +466,8 @@ async fn a_plan_for_another_allocator_is_refused() {
     drop(rec.alloc(64).await.unwrap());
     let plan: ArenaPlan = rec.finish().plan().unwrap();
     let foreign = PlanSessionError::ForeignPlan {
-        plan_allocator: pool.engine().id(),
-        allocator: other.engine().id(),
+        plan_allocator: pinpool::tuning::engine(&pool).id(),
+        allocator: pinpool::tuning::engine(&other).id(),
     };
     assert_eq!(other.serve_plan(&plan).await.err(), Some(foreign.clone()));
     assert_eq!(other.validate_plan(&plan).err(), Some(foreign));

@@ -196,33 +196,33 @@ fn arbitrary_text() -> impl Strategy<Value = String> {
 proptest! {
     #[test]
     fn any_conf_string_is_a_config_or_a_typed_error(text in arbitrary_text()) {
-        let (parsed, peak) = peak_heap(|| Config::parse(&text));
+        let (parsed, peak) = peak_heap(|| text.parse::<Config>());
         prop_assert!(peak <= 4096 + 8 * text.len(), "{peak} bytes for {} bytes", text.len());
         if let Ok(config) = parsed {
             // What parses prints back to itself.
-            prop_assert_eq!(Config::parse(&config.to_string()), Ok(config));
+            prop_assert_eq!(config.to_string().parse::<Config>(), Ok(config));
         }
     }
 
     #[test]
     fn any_device_conf_string_is_a_config_or_a_typed_error(text in arbitrary_text()) {
-        let (parsed, peak) = peak_heap(|| DeviceConfig::parse(&text));
+        let (parsed, peak) = peak_heap(|| text.parse::<DeviceConfig>());
         prop_assert!(peak <= 4096 + 8 * text.len(), "{peak} bytes for {} bytes", text.len());
         if let Ok(config) = parsed {
-            prop_assert_eq!(DeviceConfig::parse(&config.to_string()), Ok(config));
+            prop_assert_eq!(config.to_string().parse::<DeviceConfig>(), Ok(config));
         }
     }
 
     #[test]
     fn well_formed_conf_strings_parse_and_print_back(text in valid_conf()) {
-        let config = Config::parse(&text).expect("well-formed");
-        prop_assert_eq!(Config::parse(&config.to_string()), Ok(config));
+        let config = text.parse::<Config>().expect("well-formed");
+        prop_assert_eq!(config.to_string().parse::<Config>(), Ok(config));
     }
 
     #[test]
     fn well_formed_device_conf_strings_parse_and_print_back(text in valid_device_conf()) {
-        let config = DeviceConfig::parse(&text).expect("well-formed");
-        prop_assert_eq!(DeviceConfig::parse(&config.to_string()), Ok(config));
+        let config = text.parse::<DeviceConfig>().expect("well-formed");
+        prop_assert_eq!(config.to_string().parse::<DeviceConfig>(), Ok(config));
     }
 }
 

@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use pinpool::config::SizePolicyChoice;
 use pinpool::sim::{HoldGuard, SimDeviceBuffer, SimGraph, SimRuntime, SimStream};
-use pinpool::{BestFit, Builder, PinnedAllocator, PinnedBuffer, PoolId, SizePolicy};
+use pinpool::tuning::{BestFit, SizePolicy};
+use pinpool::{Builder, PinnedAllocator, PinnedBuffer, PoolId};
 use proptest::prelude::*;
 
 /// Small sizes, and large ones that best fit cuts out of shared segments.
@@ -105,7 +106,7 @@ impl Harness {
         let cap = sim.stream();
         Harness {
             _rt: rt,
-            pool_id: pool.new_pool_id(),
+            pool_id: pinpool::PoolId::fresh(),
             sim,
             pool,
             streams,
@@ -255,7 +256,7 @@ impl Harness {
                 self.pool.release_pool_blocking(self.pool_id).unwrap();
                 self.pool.empty_cache_blocking().unwrap();
                 self.kept.clear();
-                self.pool_id = self.pool.new_pool_id();
+                self.pool_id = pinpool::PoolId::fresh();
             }
             _ => {}
         }

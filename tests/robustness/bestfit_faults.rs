@@ -4,7 +4,8 @@
 //! last piece does, however the allocator is shut down.
 
 use pinpool::sim::{FaultPoint, SimRuntime};
-use pinpool::{BestFit, Builder, Error};
+use pinpool::tuning::BestFit;
+use pinpool::{Builder, Error};
 use pinpool_testkit::{assert_books_balance, eventually, segments_pool};
 use std::sync::Arc;
 

@@ -78,7 +78,11 @@ async fn streams_sharing_buffers_never_see_early_reuse_and_lose_nothing() {
         st.active.all.current == 0 && st.allocation.all.current == 0
     })
     .await;
-    let inv = pool.inventory(0).await.unwrap();
+    let inv = pinpool::tuning::device_engine(&pool, 0)
+        .unwrap()
+        .inventory()
+        .await
+        .unwrap();
     let mut reserved = 0;
     for p in &inv {
         assert_eq!(

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pinpool::sim::{FaultPoint, SimDeviceBuffer, SimRuntime};
-use pinpool::{BestFit, Builder, Error, SizePolicy, TieredPowerOfTwo};
+use pinpool::tuning::{BestFit, SizePolicy, TieredPowerOfTwo};
+use pinpool::{Builder, Error};
 use pinpool_testkit::{assert_books_balance, eventually, eventually_blocking, sim_pool};
 
 #[tokio::test]
@@ -260,7 +261,7 @@ fn a_request_waiting_on_a_runtime_that_shuts_down_gets_an_error_not_a_hang() {
 async fn dropping_the_allocator_with_a_capture_pool_open_gives_memory_back_once() {
     let (pool, sim) = sim_pool();
     let cap = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool(id, |_| true).await.unwrap();
     cap.begin_capture().unwrap();
     let mut a = pool.alloc_on(4096, &cap).await.unwrap();

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use pinpool::plan::Planner;
 use pinpool::sim::SimRuntime;
-use pinpool::{BestFit, Builder, Error, HistoryContext, PinnedAllocator};
+use pinpool::tuning::BestFit;
+use pinpool::{Builder, Error, HistoryContext, PinnedAllocator};
 use pinpool_testkit::{
     assert_books_balance, eventually, eventually_blocking, multi_thread, sim_pool,
 };
@@ -152,7 +153,7 @@ fn shutting_the_runtime_down_while_a_capture_pool_keeps_blocks_keeps_them_from_r
     let rt = multi_thread(2);
     let (pool, sim) = pool_on(&rt);
     let cap = sim.stream();
-    let id = pool.new_pool_id();
+    let id = pinpool::PoolId::fresh();
     pool.begin_allocate_to_pool_blocking(id, |_| true).unwrap();
     cap.begin_capture().unwrap();
     let mut kept = pool.alloc_blocking_on(4096, &cap).unwrap();
@@ -213,7 +214,7 @@ async fn drop_at_every_await_point(
         drop(poll_then_drop(pool.empty_cache(), polls).await);
         drop(poll_then_drop(pool.history(), polls).await);
         drop(poll_then_drop(pool.snapshot(), polls).await);
-        let id = pool.new_pool_id();
+        let id = pinpool::PoolId::fresh();
         if let Some(Ok(())) = poll_then_drop(pool.begin_allocate_to_pool(id, |_| true), polls).await
         {
             let _ = poll_then_drop(pool.end_allocate_to_pool(id), polls).await;

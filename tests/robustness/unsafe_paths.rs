@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use pinpool::plan::Planner;
 use pinpool::sim::SimRuntime;
-use pinpool::{BestFit, Builder};
+use pinpool::tuning::BestFit;
+use pinpool::Builder;
 use pinpool_testkit::{all_bytes_are, current_thread, on_plain_thread, sim_pool};
 
 const SIZES: [usize; 3] = [64, 512, 4096];

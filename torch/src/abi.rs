@@ -18,7 +18,7 @@ use pinpool::{DeviceRuntime, Error};
 use crate::plugin::Plugin;
 
 /// How many failures of the process are written to stderr besides being stored.
-pub const LOUD_ERRORS: usize = 16;
+pub(crate) const LOUD_ERRORS: usize = 16;
 
 static FAILURES: AtomicUsize = AtomicUsize::new(0);
 
@@ -28,7 +28,7 @@ thread_local! {
 
 /// Stores `message` as the calling thread's last error (and writes it to stderr while the
 /// process has had fewer than [`LOUD_ERRORS`] failures).
-pub fn set_last_error(op: &str, message: &str) {
+pub(crate) fn set_last_error(op: &str, message: &str) {
     let text = format!("pinpool: {op}: {message}");
     let n = FAILURES.fetch_add(1, Ordering::Relaxed);
     if n < LOUD_ERRORS {
@@ -41,17 +41,21 @@ pub fn set_last_error(op: &str, message: &str) {
 }
 
 /// The calling thread's last error ("" if none).
-pub fn last_error() -> String {
+pub(crate) fn last_error() -> String {
     LAST_ERROR.with(|e| e.borrow().clone())
 }
 
 /// How many calls have failed in this process.
-pub fn failures() -> usize {
+pub(crate) fn failures() -> usize {
     FAILURES.load(Ordering::Relaxed)
 }
 
 /// Runs `f`; an error or a panic is stored as the last error and gives `fail`.
-pub fn guarded<T, E: std::fmt::Display>(op: &str, fail: T, f: impl FnOnce() -> Result<T, E>) -> T {
+pub(crate) fn guarded<T, E: std::fmt::Display>(
+    op: &str,
+    fail: T,
+    f: impl FnOnce() -> Result<T, E>,
+) -> T {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => v,
         Ok(Err(e)) => {
@@ -77,7 +81,7 @@ pub fn guarded<T, E: std::fmt::Display>(op: &str, fail: T, f: impl FnOnce() -> R
 /// # Safety
 ///
 /// `buf` is null or valid for writes of `cap` bytes.
-pub unsafe fn copy_out(text: &str, buf: *mut c_char, cap: usize) -> usize {
+pub(crate) unsafe fn copy_out(text: &str, buf: *mut c_char, cap: usize) -> usize {
     let bytes = text.as_bytes();
     if !buf.is_null() && bytes.len() < cap {
         // SAFETY: the caller's contract: `buf` holds `cap` > `bytes.len()` bytes, and
@@ -91,7 +95,7 @@ pub unsafe fn copy_out(text: &str, buf: *mut c_char, cap: usize) -> usize {
 }
 
 /// The body of `pinpool_alloc`: the address, or null (the error stored) on failure.
-pub fn alloc_with<R: DeviceRuntime>(
+pub(crate) fn alloc_with<R: DeviceRuntime>(
     plugin: Result<&Plugin<R>, Error>,
     size: usize,
     device: c_int,
@@ -102,7 +106,7 @@ pub fn alloc_with<R: DeviceRuntime>(
 }
 
 /// The body of `pinpool_free`.
-pub fn free_with<R: DeviceRuntime>(
+pub(crate) fn free_with<R: DeviceRuntime>(
     plugin: Result<&Plugin<R>, Error>,
     ptr: *mut c_void,
     device: c_int,
@@ -113,7 +117,7 @@ pub fn free_with<R: DeviceRuntime>(
 }
 
 /// The body of `pinpool_record_stream`, for a block of device `device`.
-pub fn record_stream_with<R: DeviceRuntime>(
+pub(crate) fn record_stream_with<R: DeviceRuntime>(
     plugin: Result<&Plugin<R>, Error>,
     ptr: *mut c_void,
     device: c_int,
@@ -126,6 +130,6 @@ pub fn record_stream_with<R: DeviceRuntime>(
 }
 
 /// A status for C: 0 on success, -1 (the error stored) on failure.
-pub fn status<E: std::fmt::Display>(op: &str, f: impl FnOnce() -> Result<(), E>) -> c_int {
+pub(crate) fn status<E: std::fmt::Display>(op: &str, f: impl FnOnce() -> Result<(), E>) -> c_int {
     guarded(op, -1, || f().map(|()| 0))
 }

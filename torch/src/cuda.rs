@@ -61,18 +61,18 @@ fn backend() -> Result<&'static Backend, Error> {
 }
 
 /// The process's plugin, made on first use.
-pub fn plugin() -> Result<&'static Plugin<CudaRuntime>, Error> {
+pub(crate) fn plugin() -> Result<&'static Plugin<CudaRuntime>, Error> {
     backend().map(|b| &b.plugin)
 }
 
 /// Runs `f` to completion on the plugin's runtime (for the async calls, from a thread
 /// outside any runtime).
-pub fn block_on<T>(f: impl std::future::Future<Output = T>) -> Result<T, Error> {
+pub(crate) fn block_on<T>(f: impl std::future::Future<Output = T>) -> Result<T, Error> {
     Ok(backend()?.runtime.block_on(f))
 }
 
 /// The device whose memory holds `ptr` (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`).
-pub fn pointer_device(ptr: *mut c_void) -> Result<i32, Error> {
+pub(crate) fn pointer_device(ptr: *mut c_void) -> Result<i32, Error> {
     plugin()?;
     let mut ordinal: std::ffi::c_int = -1;
     // SAFETY: `ordinal` is a writable int, the size this attribute writes; the driver only
@@ -92,7 +92,7 @@ pub fn pointer_device(ptr: *mut c_void) -> Result<i32, Error> {
 
 /// While alive, remembers the calling thread's current context, and makes it current again
 /// when dropped if a call in between changed it.
-pub struct KeepContext {
+pub(crate) struct KeepContext {
     previous: Option<sys::CUcontext>,
 }
 
@@ -106,7 +106,7 @@ fn driver_present() -> bool {
 
 impl KeepContext {
     /// Remembers the current context (none without a driver, or before it is initialised).
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             previous: if driver_present() {
                 result::ctx::get_current().ok().flatten()
@@ -148,7 +148,7 @@ thread_local! {
 }
 
 /// PyTorch's stream handles as borrowed cudarc streams of each device's primary context.
-pub struct CudaStreams {
+pub(crate) struct CudaStreams {
     contexts: Box<[OnceLock<Arc<CudaContext>>]>,
 }
 

@@ -1,5 +1,6 @@
-//! The exported C symbols (see `include/pinpool_torch.h`), each a thin adapter over
-//! [`crate::abi`] and the process's [`Plugin`]. Without the `cuda` feature they exist too,
+//! The exported C symbols (see `include/pinpool_torch.h`), each a thin adapter over the
+//! crate's `abi` module (no panic crosses the boundary, errors become null or -1 and a
+//! last-error string) and the process's plugin. Without the `cuda` feature they exist too,
 //! and every call fails with [`Error::DeviceUnavailable`] (and alloc returns null).
 
 use std::ffi::{c_char, c_int, c_void, CStr};

@@ -13,10 +13,10 @@
 //! `exports` (the C symbols), and `cuda` (the process's plugin on the CUDA runtime and
 //! PyTorch's stream handles as cudarc streams; feature `cuda`).
 
-pub mod abi;
+mod abi;
 #[cfg(feature = "cuda")]
-pub mod cuda;
+mod cuda;
 pub mod exports;
-pub mod plugin;
-
-pub use plugin::{pool_id, Plugin, StreamMap};
+mod plugin;
+#[cfg(test)]
+mod tests;

@@ -13,14 +13,14 @@ use std::sync::Arc;
 use pinpool::{DeviceAllocator, DeviceRuntime, Error, HistoryContext, PoolId};
 
 /// The legacy default stream's handle (`cudaStreamLegacy` reads the same).
-pub const LEGACY_STREAM: usize = 0;
+pub(crate) const LEGACY_STREAM: usize = 0;
 /// `cudaStreamLegacy` / `CU_STREAM_LEGACY`: the legacy default stream, named explicitly.
-pub const LEGACY_STREAM_NAMED: usize = 1;
+pub(crate) const LEGACY_STREAM_NAMED: usize = 1;
 /// `cudaStreamPerThread` / `CU_STREAM_PER_THREAD`: the calling thread's default stream.
-pub const PER_THREAD_STREAM: usize = 2;
+pub(crate) const PER_THREAD_STREAM: usize = 2;
 
 /// How raw stream handles become the runtime's streams, and back.
-pub trait StreamMap<R: DeviceRuntime>: Send + Sync + 'static {
+pub(crate) trait StreamMap<R: DeviceRuntime>: Send + Sync + 'static {
     /// The stream whose handle is `handle` on device `device` (an ordinal below the
     /// allocator's device count). Handles 0 and 2 name the legacy and the per-thread
     /// default streams of the device.
@@ -32,25 +32,27 @@ pub trait StreamMap<R: DeviceRuntime>: Send + Sync + 'static {
 
 /// PyTorch's allocator hooks over a [`DeviceAllocator`]: alloc and free by raw pointer,
 /// record_stream, empty_cache, the memory fraction, statistics, snapshots and graph pools.
-pub struct Plugin<R: DeviceRuntime> {
+pub(crate) struct Plugin<R: DeviceRuntime> {
     alloc: DeviceAllocator<R>,
     streams: Arc<dyn StreamMap<R>>,
 }
 
 impl<R: DeviceRuntime> Plugin<R> {
-    /// The hooks over `alloc`, with `streams` to resolve stream handles.
-    pub fn new(alloc: DeviceAllocator<R>, streams: Arc<dyn StreamMap<R>>) -> Self {
+    /// The hooks over `alloc`, with `streams` to resolve stream handles (made by the CUDA
+    /// plugin, and by the tests on the simulated runtime).
+    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+    pub(crate) fn new(alloc: DeviceAllocator<R>, streams: Arc<dyn StreamMap<R>>) -> Self {
         Self { alloc, streams }
     }
 
     /// The allocator underneath.
-    pub fn allocator(&self) -> &DeviceAllocator<R> {
+    pub(crate) fn allocator(&self) -> &DeviceAllocator<R> {
         &self.alloc
     }
 
     /// Device `device` as an ordinal of the allocator ([`Error::NoSuchDevice`] for a
     /// negative index or one past the last device).
-    pub fn device(&self, device: i32) -> Result<usize, Error> {
+    pub(crate) fn device(&self, device: i32) -> Result<usize, Error> {
         let count = self.alloc.device_count();
         match usize::try_from(device) {
             Ok(d) if d < count => Ok(d),
@@ -76,7 +78,7 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// null pointer for it too). A request that does not fit under the cap (the memory
     /// fraction) fails at once instead of waiting for memory to come back, as PyTorch's own
     /// allocator fails it. Errors: [`Error::NoSuchDevice`], [`Error::OutOfMemory`].
-    pub fn alloc(&self, size: usize, device: i32, handle: usize) -> Result<usize, Error> {
+    pub(crate) fn alloc(&self, size: usize, device: i32, handle: usize) -> Result<usize, Error> {
         let device = self.device(device)?;
         if size == 0 {
             return Ok(0);
@@ -94,7 +96,7 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// records the legacy default stream, whose work waits for all earlier work of every
     /// blocking stream, so that no other thread reuses the block before the work queued
     /// on it has run.
-    pub fn free(&self, ptr: usize, device: i32, handle: usize) -> Result<(), Error> {
+    pub(crate) fn free(&self, ptr: usize, device: i32, handle: usize) -> Result<(), Error> {
         if ptr == 0 {
             return Ok(());
         }
@@ -107,19 +109,24 @@ impl<R: DeviceRuntime> Plugin<R> {
 
     /// `Tensor.record_stream`: the block at `ptr` (of device `device`) is not reused before
     /// the work queued on stream `handle` until its free has run.
-    pub fn record_stream(&self, ptr: usize, device: i32, handle: usize) -> Result<(), Error> {
+    pub(crate) fn record_stream(
+        &self,
+        ptr: usize,
+        device: i32,
+        handle: usize,
+    ) -> Result<(), Error> {
         let stream = self.stream(self.device(device)?, handle)?;
         self.alloc.raw_record_stream(ptr as u64, &stream)
     }
 
     /// `torch.cuda.empty_cache`: gives every cached block of every device back.
-    pub fn empty_cache(&self) -> Result<(), Error> {
+    pub(crate) fn empty_cache(&self) -> Result<(), Error> {
         self.alloc.empty_cache_blocking().map(drop)
     }
 
     /// `torch.cuda.set_per_process_memory_fraction`: caps `device` at `fraction` of its
     /// memory ([`Error::InvalidLimit`] unless it is in (0, 1]).
-    pub fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), Error> {
+    pub(crate) fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), Error> {
         self.alloc
             .set_memory_fraction(fraction, self.device(device)?)
     }
@@ -128,7 +135,7 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// (`allocated_bytes.all.current`, `reserved_bytes.all.peak`, `num_ooms`, …), and
     /// pinpool's own counts: `num_device_remaps` (map calls moved within a range) and
     /// `num_misses` (requests that asked a pool actor).
-    pub fn memory_stats_json(&self, device: i32) -> Result<String, Error> {
+    pub(crate) fn memory_stats_json(&self, device: i32) -> Result<String, Error> {
         let stats = self.alloc.stats(self.device(device)?)?;
         let mut map = stats.to_map();
         map.insert("num_device_remaps".into(), stats.num_device_remaps);
@@ -146,23 +153,23 @@ impl<R: DeviceRuntime> Plugin<R> {
     }
 
     /// Bytes device `device`'s pools hold of it (`torch.cuda.memory_reserved`).
-    pub fn reserved_bytes(&self, device: i32) -> Result<usize, Error> {
+    pub(crate) fn reserved_bytes(&self, device: i32) -> Result<usize, Error> {
         self.alloc.reserved_bytes(self.device(device)?)
     }
 
     /// `torch.cuda.reset_peak_memory_stats(device)`.
-    pub fn reset_peak_stats(&self, device: i32) -> Result<(), Error> {
+    pub(crate) fn reset_peak_stats(&self, device: i32) -> Result<(), Error> {
         self.alloc.reset_peak_stats(self.device(device)?)
     }
 
     /// `torch.cuda.reset_accumulated_memory_stats(device)`.
-    pub fn reset_accumulated_stats(&self, device: i32) -> Result<(), Error> {
+    pub(crate) fn reset_accumulated_stats(&self, device: i32) -> Result<(), Error> {
         self.alloc.reset_accumulated_stats(self.device(device)?)
     }
 
     /// `torch.cuda.memory._record_memory_history`: turns the trace on (keeping the last
     /// `max_entries` entries, with the call sites of allocations) or off.
-    pub fn record_history(&self, enabled: bool, max_entries: usize) -> Result<(), Error> {
+    pub(crate) fn record_history(&self, enabled: bool, max_entries: usize) -> Result<(), Error> {
         let context = if enabled {
             HistoryContext::Alloc
         } else {
@@ -172,14 +179,14 @@ impl<R: DeviceRuntime> Plugin<R> {
     }
 
     /// `torch.cuda.memory._snapshot()` pickled, as `_dump_snapshot` writes it.
-    pub async fn pickle_snapshot(&self) -> Result<Vec<u8>, Error> {
+    pub(crate) async fn pickle_snapshot(&self) -> Result<Vec<u8>, Error> {
         self.alloc.pickle_snapshot().await
     }
 
     /// PyTorch's `beginAllocateToPool(device, mempool_id, filter)`: until
     /// [`Plugin::end_allocate_to_pool`], requests on `device` for streams whose handle
     /// `filter` accepts come from the graph pool `pool`.
-    pub fn begin_allocate_to_pool(
+    pub(crate) fn begin_allocate_to_pool(
         &self,
         device: i32,
         pool: (u64, u64),
@@ -194,14 +201,14 @@ impl<R: DeviceRuntime> Plugin<R> {
     }
 
     /// PyTorch's `endAllocateToPool(device, mempool_id)`.
-    pub fn end_allocate_to_pool(&self, device: i32, pool: (u64, u64)) -> Result<(), Error> {
+    pub(crate) fn end_allocate_to_pool(&self, device: i32, pool: (u64, u64)) -> Result<(), Error> {
         self.alloc
             .end_allocate_to_pool_blocking(self.device(device)?, pool_id(pool))
     }
 
     /// PyTorch's `releasePool(device, mempool_id)`; the pool's memory goes back at the next
     /// empty_cache once every use is released.
-    pub fn release_pool(&self, device: i32, pool: (u64, u64)) -> Result<(), Error> {
+    pub(crate) fn release_pool(&self, device: i32, pool: (u64, u64)) -> Result<(), Error> {
         self.alloc
             .release_pool_blocking(self.device(device)?, pool_id(pool))
     }
@@ -210,16 +217,8 @@ impl<R: DeviceRuntime> Plugin<R> {
 /// The pool that PyTorch's `MempoolId_t` `(a, b)` names. PyTorch numbers the pools that
 /// graphs make for themselves `(n, 0)` and those of `graph_pool_handle()` / `MemPool`
 /// `(0, n)`, each from a counter; both map above `2^62`, clear of [`PoolId::fresh`]'s ids.
-/// `(0, 0)` is the default pool.
-///
-/// ```
-/// use pinpool::PoolId;
-/// use pinpool_torch::pool_id;
-///
-/// assert_eq!(pool_id((0, 0)), PoolId::DEFAULT);
-/// assert_ne!(pool_id((1, 0)), pool_id((0, 1))); // a graph's own pool, a graph_pool_handle()
-/// ```
-pub fn pool_id((a, b): (u64, u64)) -> PoolId {
+/// `(0, 0)` is the default pool (`tests::pool_ids_of_graphs_and_of_user_pools_never_collide`).
+pub(crate) fn pool_id((a, b): (u64, u64)) -> PoolId {
     const TOP: u64 = 1 << 63;
     const USER: u64 = 1 << 62;
     const MASK: u64 = USER - 1;

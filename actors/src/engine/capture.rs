@@ -2,7 +2,6 @@
 //! [`crate::router`]).
 
 use super::Engine;
-use crate::blocking;
 use crate::error::Error;
 use crate::pool_id::PoolId;
 use crate::router::{RouterMsg, StreamFilter};
@@ -36,42 +35,5 @@ impl<R: Runtime> Engine<R> {
             .recv_async()
             .await
             .map_err(|_| Error::Shutdown)?
-    }
-
-    /// [`Engine::begin_allocate_to_pool`] for threads outside the tokio runtime
-    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
-    pub fn begin_allocate_to_pool_blocking(
-        &self,
-        id: PoolId,
-        filter: StreamFilter<R>,
-    ) -> Result<(), Error> {
-        blocking::call(
-            (
-                "begin_allocate_to_pool_blocking",
-                "begin_allocate_to_pool(..).await",
-            ),
-            self.begin_allocate_to_pool(id, filter),
-        )?
-    }
-
-    /// [`Engine::end_allocate_to_pool`] for threads outside the tokio runtime
-    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
-    pub fn end_allocate_to_pool_blocking(&self, id: PoolId) -> Result<(), Error> {
-        blocking::call(
-            (
-                "end_allocate_to_pool_blocking",
-                "end_allocate_to_pool(..).await",
-            ),
-            self.end_allocate_to_pool(id),
-        )?
-    }
-
-    /// [`Engine::release_pool`] for threads outside the tokio runtime
-    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
-    pub fn release_pool_blocking(&self, id: PoolId) -> Result<(), Error> {
-        blocking::call(
-            ("release_pool_blocking", "release_pool(..).await"),
-            self.release_pool(id),
-        )?
     }
 }

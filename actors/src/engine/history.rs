@@ -46,12 +46,6 @@ impl<R: Runtime> Engine<R> {
         Ok(h)
     }
 
-    /// [`Engine::history`](crate::Engine::history) for threads outside the tokio runtime
-    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
-    pub fn history_blocking(&self) -> Result<History, Error> {
-        crate::blocking::call(("history_blocking", "history().await"), self.history())?
-    }
-
     /// Calls `f` for every trace entry recorded while history is on, from the observer task
     /// (on a blocking thread), never from an actor or an allocation.
     pub fn attach_trace_tracker(&self, f: impl Fn(&TraceEntry) + Send + Sync + 'static) {

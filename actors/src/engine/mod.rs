@@ -27,7 +27,6 @@ pub use many::{alloc_many, alloc_many_blocking, Want};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use flume::Sender;
 
@@ -442,21 +441,13 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// [`Engine::alloc_with`] for threads outside the tokio runtime: blocks the calling
-    /// thread on a miss. Where it would block, [`Error::WouldDeadlock`] on a current-thread
-    /// runtime's thread; on a multi-thread runtime's, it blocks in `block_in_place` (see
-    /// [`crate::blocking`]). The cached path never blocks and checks nothing.
+    /// thread on a miss (and while it waits for room, as `wait` says). Where a thread that
+    /// runs a current-thread runtime's tasks would block, it fails with
+    /// [`Error::WouldDeadlock`] naming `call` (the public blocking call, and the async call
+    /// to use instead); on a multi-thread runtime's threads it blocks inside
+    /// `block_in_place` (see [`crate::blocking`]). The cached path never blocks and checks
+    /// nothing.
     pub fn alloc_blocking_with(
-        &self,
-        size: usize,
-        stream: Option<&R::Stream>,
-        wait: Wait,
-    ) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_as(size, stream, wait, ("alloc_blocking", "alloc(..).await"))
-    }
-
-    /// [`Engine::alloc_blocking_with`] on behalf of the public call `call.0`, whose async
-    /// form is `call.1` (what a [`Error::WouldDeadlock`] names).
-    pub fn alloc_blocking_as(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
@@ -470,43 +461,6 @@ impl<R: Runtime> Engine<R> {
         };
         let blocking = may_block(call.0, call.1)?;
         blocking.run(|| run_here(self.serve(step, size, wait, Who::Thread)))
-    }
-
-    /// Allocates `size` bytes in the default pool. Under a memory cap, waits for room (up
-    /// to the builder's `alloc_timeout`) when even an emptied cache leaves none. Cancel-safe:
-    /// dropping the future leaves nothing queued and loses no memory.
-    pub async fn alloc(&self, size: usize) -> Result<Lease<R>, Error> {
-        self.alloc_with(size, None, Wait::Default).await
-    }
-
-    /// [`Engine::alloc`], waiting at most `timeout` for room ([`Error::Timeout`] after).
-    pub async fn alloc_timeout(&self, size: usize, timeout: Duration) -> Result<Lease<R>, Error> {
-        self.alloc_with(size, None, Wait::Upto(timeout)).await
-    }
-
-    /// [`Engine::alloc`] that never waits for room: fails with [`Error::OutOfMemory`] where
-    /// `alloc` would wait.
-    pub async fn try_alloc(&self, size: usize) -> Result<Lease<R>, Error> {
-        self.alloc_with(size, None, Wait::Never).await
-    }
-
-    /// [`Engine::try_alloc`] for work on `stream` (see [`Engine::alloc_on`]).
-    pub async fn try_alloc_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        self.alloc_with(size, Some(stream), Wait::Never).await
-    }
-
-    /// [`Engine::alloc_blocking`], waiting at most `timeout` for room.
-    pub fn alloc_blocking_timeout(
-        &self,
-        size: usize,
-        timeout: Duration,
-    ) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_as(
-            size,
-            None,
-            Wait::Upto(timeout),
-            ("alloc_blocking_timeout", "alloc_timeout(..).await"),
-        )
     }
 
     /// The cap on reserved bytes, if any.
@@ -545,32 +499,6 @@ impl<R: Runtime> Engine<R> {
         &self.inner.default
     }
 
-    /// Allocates `size` bytes for work on `stream`: in a capture's private pool when a
-    /// capture's filter accepts the stream, in the default pool otherwise.
-    pub async fn alloc_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        self.alloc_with(size, Some(stream), Wait::Default).await
-    }
-
-    /// [`Engine::alloc`] for threads outside the tokio runtime. It blocks the calling thread
-    /// on a miss (and while it waits for room, up to the builder's `alloc_timeout`). Where a
-    /// thread that runs a current-thread runtime's tasks would block, it fails with
-    /// [`Error::WouldDeadlock`] instead (blocking there would starve the actors that answer
-    /// it); on a multi-thread runtime's threads it blocks inside `block_in_place`. See
-    /// [`crate::blocking`].
-    pub fn alloc_blocking(&self, size: usize) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_with(size, None, Wait::Default)
-    }
-
-    /// [`Engine::alloc_on`] for threads outside the tokio runtime.
-    pub fn alloc_blocking_on(&self, size: usize, stream: &R::Stream) -> Result<Lease<R>, Error> {
-        self.alloc_blocking_as(
-            size,
-            Some(stream),
-            Wait::Default,
-            ("alloc_blocking_on", "alloc_on(..).await"),
-        )
-    }
-
     /// Records `stream` on a lease, after checking that this allocator lent it.
     pub fn record_stream(&self, lease: &mut Lease<R>, stream: &R::Stream) -> Result<(), Error> {
         if lease.allocator_id() != self.inner.id {
@@ -594,15 +522,6 @@ impl<R: Runtime> Engine<R> {
             .map_err(|_| Error::Shutdown)?;
         report.merge(&released);
         Ok(report)
-    }
-
-    /// [`Engine::empty_cache`] for threads outside the tokio runtime
-    /// ([`Error::WouldDeadlock`] where blocking would deadlock: see [`crate::blocking`]).
-    pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
-        crate::blocking::call(
-            ("empty_cache_blocking", "empty_cache().await"),
-            self.empty_cache(),
-        )?
     }
 
     /// Asks the default pool and every stream pool to empty their caches; the replies come

@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Barrier};
 
+use crate::abi;
+use crate::plugin::pool_id;
+use crate::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
 use pinpool::sim::{SimRuntime, SimStream};
 use pinpool::{BlockStatus, DeviceAllocator, Error, PoolId};
-use pinpool_torch::abi;
-use pinpool_torch::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
-use pinpool_torch::pool_id;
 
 /// Stream handles 0..HANDLES of each device, as simulated streams.
 const HANDLES: usize = 8;
@@ -490,7 +490,7 @@ fn threads_on_their_own_streams_never_share_a_live_block() {
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn without_cuda_the_exported_symbols_fail_softly() {
-    use pinpool_torch::exports::*;
+    use crate::exports::*;
     let p = pinpool_alloc(MIB, 0, std::ptr::null_mut());
     assert!(p.is_null());
     let mut buf = [0u8; 256];

@@ -1,0 +1,52 @@
+//! Tuning and tools: the size policies and their knobs, and the engine under an allocator.
+//!
+//! Nothing here is needed to allocate, observe or configure: the allocators' own calls and
+//! [`crate::config`] do that (a policy is chosen by name with `size_policy` in
+//! `PINPOOL_CONF`). What is here belongs to the engine crate, `pinpool_actors`, and follows
+//! its releases: the size policies ([`BestFit`], [`TieredPowerOfTwo`], [`PowerOfTwo`] for
+//! pinned memory, [`DeviceFit`] for device memory) with the settings a builder's `policy`
+//! call takes, the layout vocabulary they describe themselves with ([`BlockLayout`],
+//! [`Carving`], [`SizeClass`]), and, through [`engine`] and [`device_engine`], the engine's
+//! own calls (the policy in force, every pool's [`Inventory`] of reserved bytes, the memory
+//! source, the allocator's identity) for tools and tests that check its books.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), pinpool::Error> {
+//! use std::sync::Arc;
+//! use pinpool::tuning::{self, BestFit};
+//!
+//! let pool = pinpool::PinnedAllocator::builder()
+//!     .policy(Arc::new(BestFit::default().separate_segments()))
+//!     .build()?;
+//! drop(pool.alloc(4096).await?);
+//! assert_eq!(tuning::engine(&pool).policy().name(), "bestfit_segments");
+//! let inventory = tuning::engine(&pool).inventory().await?;
+//! assert!(inventory.iter().all(|pool| pool.in_use_blocks == 0));
+//! # Ok(()) }
+//! ```
+
+#[doc(no_inline)]
+pub use pinpool_actors::{
+    BestFit, BlockLayout, Carving, DeviceFit, Engine, Inventory, MemorySource, PinMethod,
+    PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
+};
+
+use pinpool_actors::Error;
+
+use crate::device::{DeviceAllocator, DeviceRuntime};
+use crate::{PinnedAllocator, Runtime};
+
+/// The engine under a pinned-memory allocator.
+pub fn engine<R: Runtime>(allocator: &PinnedAllocator<R>) -> &Engine<R> {
+    allocator.engine()
+}
+
+/// The engine of device `device` under a device-memory allocator
+/// ([`Error::NoSuchDevice`] for a device it does not serve).
+pub fn device_engine<R: DeviceRuntime>(
+    allocator: &DeviceAllocator<R>,
+    device: usize,
+) -> Result<&Engine<R>, Error> {
+    allocator.engine(device)
+}
