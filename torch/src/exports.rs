@@ -1,4 +1,4 @@
-//! The exported C symbols (see `include/pinpool_torch.h`), each a thin adapter over the
+//! The exported C symbols (listed in `docs/torch.md`), each a thin adapter over the
 //! crate's `abi` module (no panic crosses the boundary, errors become null or -1 and a
 //! last-error string) and the process's plugin. Without the `cuda` feature they exist too,
 //! and every call fails with [`Error::DeviceUnavailable`] (and alloc returns null).
