@@ -38,7 +38,7 @@ use std::sync::atomic::{
     compiler_fence, fence, AtomicBool, AtomicI64, AtomicU64,
     Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst},
 };
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
@@ -435,7 +435,7 @@ impl Default for Ledger {
 /// The process-wide barrier: `membarrier(2)` on Linux.
 #[cfg(all(target_os = "linux", not(miri), not(pinpool_loom)))]
 mod barrier {
-    use super::OnceLock;
+    use std::sync::OnceLock;
 
     const REGISTER_PRIVATE_EXPEDITED: libc::c_int = 1 << 4;
     const PRIVATE_EXPEDITED: libc::c_int = 1 << 3;
@@ -470,7 +470,6 @@ mod barrier {
 #[cfg(not(all(target_os = "linux", not(miri), not(pinpool_loom))))]
 mod barrier {
     pub(super) fn available() -> bool {
-        let _ = super::OnceLock::<bool>::new();
         false
     }
 
