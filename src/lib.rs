@@ -1,11 +1,19 @@
-//! pinpool: a caching allocator for CUDA pinned (page-locked) host memory, run as a small
-//! service of actors on tokio.
+//! pinpool: a caching allocator for CUDA pinned (page-locked) host memory and for device
+//! memory, run as a small service of actors on tokio.
 //!
-//! Fresh pinned memory costs milliseconds and takes a driver-wide lock, so servers must reuse
-//! it, and may reuse a buffer only once the GPU work that touches it is done. pinpool caches
-//! pinned blocks by size class, hands them out again on a path that involves no actor and no
-//! CUDA call, and holds back every block that a stream used until an event recorded on that
-//! stream has completed.
+//! Fresh pinned memory costs milliseconds and device memory takes driver locks, so servers
+//! must reuse both, and may reuse a buffer only once the GPU work that touches it is done.
+//! pinpool caches blocks, hands them out again on a path that involves no actor and no CUDA
+//! call, and holds back every block that a stream used until an event recorded on that
+//! stream has completed. Under a cap, a request waits for memory instead of failing.
+//!
+//! - [`PinnedAllocator`] hands out [`PinnedBuffer`]s of pinned host memory.
+//! - [`DeviceAllocator`] hands out [`DeviceBuffer`]s of one device's memory, each pool
+//!   ordered by a stream, with PyTorch's device statistics ([`DeviceStats`]).
+//! - [`BufferSet`] takes a request's buffers of both kinds together, first come first
+//!   served under the caps.
+//! - [`sim`] is a simulated GPU that checks every reuse; the `cuda` feature adds `cuda`,
+//!   the real runtime. Code written against one runs on the other.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
@@ -23,17 +31,36 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Device memory, on the simulated GPU here (`DeviceAllocator::builder().cuda()?` on a GPU):
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), pinpool::Error> {
+//! use pinpool::DeviceAllocator;
+//!
+//! let device = DeviceAllocator::builder().build()?;
+//! let stream = device.runtime().stream();
+//! let buf = device.alloc(64 << 20, &stream).await?; // ordered by `stream`
+//! drop(buf); // reusable at once by work queued on `stream` after this point
+//! let stats = device.stats(0)?;
+//! assert_eq!(stats.allocated_bytes.all.peak, 64 << 20);
+//! # Ok(()) }
+//! ```
+//!
 //! Crate layout: the engine (actors, messages, size classes) lives in `pinpool-actors` and
 //! knows nothing of CUDA; this crate implements its [`Runtime`] twice — [`sim`] and, with the
 //! `cuda` feature, `cuda` — and gives it its public face. Tuned size policies and the
 //! engine under an allocator, for tools, are in [`tuning`]: they follow the engine crate's
 //! releases.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 mod allocator;
 mod buffer;
 mod buffer_set;
 pub mod config;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 mod device;
 mod history;
