@@ -285,6 +285,7 @@ async fn device_errors_are_typed_on_the_gpu_and_without_one() {
             ));
             let empty = pool.alloc(0, &stream).await.unwrap();
             assert!(empty.is_empty());
+            assert_eq!(empty.device_ptr(), 0, "an empty buffer holds no memory");
             println!("gpu device_errors too_big=OutOfMemory unknown_pointer=UnknownPointer");
         }
     }

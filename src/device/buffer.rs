@@ -105,9 +105,13 @@ impl<R: Runtime> DeviceBuffer<R> {
         self.lease.origin()
     }
 
-    /// The device address of the bytes (not dereferenceable on the host; 0 never: an
-    /// empty buffer has a dangling but aligned address).
+    /// The device address of the bytes (not dereferenceable on the host). 0 for an empty
+    /// buffer, which holds no memory: the address `raw_alloc` gives a request of 0 bytes,
+    /// and PyTorch's null pointer for an empty tensor.
     pub fn device_ptr(&self) -> u64 {
+        if self.lease.is_empty() {
+            return 0;
+        }
         self.lease.as_ptr() as usize as u64
     }
 

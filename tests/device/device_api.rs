@@ -22,12 +22,14 @@ fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
 }
 
 #[tokio::test]
-async fn size_zero_gives_an_empty_buffer_and_touches_no_pool() {
+async fn size_zero_gives_an_empty_buffer_at_address_zero_as_raw_alloc_does_and_touches_no_pool() {
     let (pool, sim) = device_pool();
     let s = sim.stream();
     let b = pool.alloc(0, &s).await.unwrap();
     assert!(b.is_empty());
     assert_eq!(b.pool(), None);
+    assert_eq!(b.device_ptr(), 0);
+    assert_eq!(b.offset_ptr(0, 0).unwrap(), 0);
     let (p, s2) = (pool.clone(), s.clone());
     let raw = pinpool_testkit::on_plain_thread(move || p.raw_alloc_with_stream(0, &s2)).await;
     assert_eq!(raw.unwrap(), 0);
