@@ -126,6 +126,9 @@ mod tests {
         fn name(&self) -> &'static str {
             "probe"
         }
+        fn new_stream(&self) -> Result<(), RuntimeError> {
+            Ok(())
+        }
         fn stream_id(&self, _: &()) -> StreamId {
             StreamId(1)
         }

@@ -74,6 +74,10 @@ pub trait Runtime: Send + Sync + 'static {
     /// A short name for logs and reports, e.g. `"cuda"` or `"sim"`.
     fn name(&self) -> &'static str;
 
+    /// A new stream, on the runtime's first device (the same call on every runtime: a
+    /// non-blocking stream on CUDA, a simulated one on the sim).
+    fn new_stream(&self) -> Result<Self::Stream, RuntimeError>;
+
     /// The stream's identity.
     fn stream_id(&self, stream: &Self::Stream) -> StreamId;
 

@@ -178,6 +178,10 @@ impl Runtime for AutoRuntime {
         }
     }
 
+    fn new_stream(&self) -> Result<AutoStream, RuntimeError> {
+        AutoRuntime::new_stream(self)
+    }
+
     fn stream_id(&self, stream: &AutoStream) -> StreamId {
         match stream {
             AutoStream::Cuda(s) => stream_id(s),

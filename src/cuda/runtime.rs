@@ -185,6 +185,14 @@ impl CudaRuntime {
         })
     }
 
+    /// A new non-blocking stream on this runtime's device (the call that makes a stream on
+    /// every runtime: [`crate::sim::SimRuntime::new_stream`] on the sim).
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>, RuntimeError> {
+        self.context()
+            .new_stream()
+            .map_err(|e| super::error::runtime_error("cuStreamCreate", e))
+    }
+
     /// The device's primary context, e.g. to make streams with.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
@@ -422,6 +430,10 @@ impl Runtime for CudaRuntime {
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn new_stream(&self) -> Result<Arc<CudaStream>, RuntimeError> {
+        CudaRuntime::new_stream(self)
     }
 
     fn stream_id(&self, stream: &Self::Stream) -> StreamId {

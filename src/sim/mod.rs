@@ -445,9 +445,17 @@ impl SimRuntime {
         SimStream::try_new_on(self, ordinal)
     }
 
+    /// A new stream of this runtime on device 0 (the call that makes a stream on every
+    /// runtime: `CudaRuntime::new_stream` on a GPU). An error if the OS cannot start the
+    /// stream's worker thread.
+    pub fn new_stream(&self) -> Result<SimStream, RuntimeError> {
+        self.stream_on(0)
+            .map_err(|e| RuntimeError::new("stream", e.to_string()))
+    }
+
     /// A new stream of this runtime on device 0, with its own worker thread. If the OS
     /// cannot start the thread, the stream is created dead: every later call that can fail
-    /// reports [`SimError::ThreadGone`] ([`SimRuntime::stream_on`] says so at once).
+    /// reports [`SimError::ThreadGone`] ([`SimRuntime::new_stream`] says so at once).
     pub fn stream(&self) -> SimStream {
         SimStream::new(self)
     }
@@ -757,6 +765,10 @@ impl Runtime for SimRuntime {
 
     fn name(&self) -> &'static str {
         "sim"
+    }
+
+    fn new_stream(&self) -> Result<SimStream, RuntimeError> {
+        SimRuntime::new_stream(self)
     }
 
     fn stream_id(&self, stream: &SimStream) -> StreamId {

@@ -410,3 +410,25 @@ async fn the_device_peaks_are_of_all_pools_at_once_not_the_sum_of_each_pools_pea
     pool.reset_peak_stats(0).unwrap();
     assert_eq!(pool.stats(0).unwrap().reserved_bytes.all.peak, 0);
 }
+
+/// Code generic over the runtime makes its streams with the one call every runtime has.
+async fn a_block_on_a_new_stream<R: pinpool::DeviceRuntime>(
+    pool: &DeviceAllocator<R>,
+) -> Result<(u64, R::Stream), Error> {
+    let stream = pool.runtime().new_stream()?;
+    let b = pool.alloc(MIB, &stream).await?;
+    Ok((b.device_ptr(), stream))
+}
+
+#[tokio::test]
+async fn the_one_stream_call_makes_a_stream_whose_freed_blocks_it_reuses_at_once() {
+    let (pool, sim) = device_pool();
+    let (first, stream) = a_block_on_a_new_stream(&pool).await.unwrap();
+    // Freed on its own stream: the next request on that stream takes it back at once.
+    let again = pool.alloc(MIB, &stream).await.unwrap();
+    assert_eq!(again.device_ptr(), first);
+    // Inherent and trait calls are the same call.
+    let other = sim.new_stream().unwrap();
+    assert_ne!(other.id(), stream.id());
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}

@@ -22,7 +22,7 @@ mod short_example {
     #[tokio::main]
     async fn main() -> Result<(), pinpool::Error> {
         let pool = PinnedAllocator::builder().build()?; // spawns the actors
-        let stream = pool.runtime().stream();
+        let stream = pool.runtime().new_stream()?; // the same call on the sim and on a GPU
 
         let mut buf = pool.alloc(1 << 20).await?; // fresh pinned memory the first time
         buf.fill(0);
@@ -76,7 +76,7 @@ mod on_a_gpu {
         let mut dev_slice = context.default_stream().alloc_zeros::<u8>(1 << 20)?;
         let pool = PinnedAllocator::builder().cuda(0)?.build()?;      // Error::DeviceUnavailable without a GPU
         let auto = PinnedAllocator::builder().best_available(0)?.build()?; // CUDA if present, else the sim runtime
-        let stream = pool.runtime().context().new_stream()?;
+        let stream = pool.runtime().new_stream()?;
         let mut buf = pool.alloc(1 << 20).await?;
         buf.copy_to_device(&stream, &mut dev_slice)?; // records the stream itself
         drop(buf);                                    // reused once the copy has run
@@ -104,8 +104,8 @@ async fn readme_device_memory_stream_ordered_reuse() -> Result {
 
     let pool = DeviceAllocator::builder().build()?;         // a simulated 16 GiB device
     // on a GPU, every CUDA device: DeviceAllocator::builder().cuda()?.build()? (PINPOOL_DEVICE_CONF)
-    let stream = pool.runtime().stream();                   // on a GPU: pool.runtime().context().new_stream()?
-    let other = pool.runtime().stream();
+    let stream = pool.runtime().new_stream()?;              // the same call on a GPU
+    let other = pool.runtime().new_stream()?;
     let mut buf = pool.alloc(1 << 20, &stream).await?;      // on the stream's device
     buf.record_stream(&other)?;                             // work on another stream uses it too
     drop(buf);                                              // reusable once `other`'s work is done
