@@ -114,6 +114,32 @@ async fn readme_device_memory_stream_ordered_reuse() -> Result {
     Ok(())
 }
 
+/// "Pinned and device memory together": one runtime under both allocators, a request's
+/// buffers taken in one call.
+#[rustfmt::skip]
+#[tokio::test(flavor = "multi_thread")]
+async fn readme_pinned_and_device_memory_together() -> Result {
+    use pinpool::{BufferSet, DeviceAllocator, PinnedAllocator};
+
+    let pinned = PinnedAllocator::builder().max_bytes(64 << 20).build()?;
+    let device = DeviceAllocator::builder()
+        .runtime(pinned.runtime().clone())                  // the same runtime, the same streams
+        .max_bytes(256 << 20)
+        .build()?;
+    let stream = device.runtime().new_stream()?;            // one per worker, kept
+    let mut taken = BufferSet::new()
+        .pinned(&pinned, 1 << 20)                           // staging for the input
+        .device(&device, 1 << 20, &stream)                  // the input on the device
+        .alloc()                                            // all or none, first come first served
+        .await?;
+    let (input, d_input) = (taken.pinned.remove(0), taken.device.remove(0));
+    assert_eq!((input.len(), d_input.len()), (1 << 20, 1 << 20));
+    // The stream is the pinned allocator's too: recording it is no foreign stream.
+    let mut input = input;
+    input.record_stream(&stream)?;
+    Ok(())
+}
+
 /// "Peers and other processes": peer access, a peer copy, and IPC handles on two simulated
 /// devices.
 #[rustfmt::skip]
