@@ -95,6 +95,8 @@ pub(crate) struct Home<R: Runtime, B> {
     /// Threads merge their ready blocks that lie side by side (pieces of an expandable
     /// range: see `Engine::coalesce_mine`).
     pub(crate) thread_merges: bool,
+    /// Requests below this size may be served by such a merge (`Carving::thread_merge_limit`).
+    pub(crate) merge_below: usize,
     /// Splits and merges made by threads, for the actor to book (see [`Note`]). A lock-free
     /// queue: a splitting thread and the booking actor never wait on one lock (a channel's
     /// lock, taken by both for every note, was a tenth of the mixed sizes loop).
@@ -187,6 +189,10 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
                 BlockLayout::Carved(c) => c.keep_rest_under,
             },
             thread_merges: matches!(parts.layout, BlockLayout::Carved(c) if c.expandable),
+            merge_below: match parts.layout {
+                BlockLayout::Whole => 0,
+                BlockLayout::Carved(c) => c.thread_merge_limit.min(split_up_to),
+            },
             notes: SegQueue::new(),
             homing: SegQueue::new(),
             shells: ArrayQueue::new(SHELLS),

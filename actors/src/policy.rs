@@ -119,6 +119,12 @@ pub struct Carving {
     /// (the pool's split limit), and in an expandable range merge ready blocks that lie
     /// side by side up to it (see `Engine::coalesce_mine`).
     pub(crate) thread_limit: usize,
+    /// A request up to this size that finds no block to split may be served by merging the
+    /// thread's ready neighbours (see `Engine::coalesce_mine`; never past `thread_limit`).
+    /// Larger requests go to the pool actor, which places them best-fit: a thread's merge
+    /// cuts the smallest merged block that holds the request, which strands more memory the
+    /// larger the blocks are.
+    pub(crate) thread_merge_limit: usize,
     /// A thread that splits a ready block for a request leaves the rest with the request
     /// when the rest is less than `1 / keep_rest_under` of the block (0: only a rest too
     /// small for any class). A sliver that small rarely serves a request before it is merged
@@ -279,6 +285,7 @@ impl Default for BestFit {
                 pack_granules: false,
                 map_whole_from: usize::MAX,
                 thread_limit: BEST_FIT_THREAD_LIMIT,
+                thread_merge_limit: BEST_FIT_THREAD_LIMIT,
                 keep_rest_under: KEEP_REST_UNDER,
                 arena_cached_up_to: BEST_FIT_THREAD_LIMIT,
             },
@@ -420,6 +427,7 @@ impl Default for DeviceFit {
                 pack_granules: true,
                 map_whole_from: 256 << 20,
                 thread_limit: 2 << 20,
+                thread_merge_limit: 2 << 20,
                 keep_rest_under: KEEP_REST_UNDER,
                 // Large pieces go back to the actor at once: with the reserve cap at the
                 // peak of live bytes, pieces cached on threads would have the actor map
@@ -467,11 +475,13 @@ impl DeviceFit {
     }
 
     /// Freed blocks of the expandable range up to `bytes` stay on the cached path, and
-    /// threads split (and merge) ready blocks up to `bytes` for their requests, without the
-    /// pool actor (0, the default: blocks above 1 MiB go back to the actor when freed, and
-    /// threads split blocks up to 2 MiB). Requests of a repeating pattern are then served
-    /// without a round trip to the actor, at the price of placements the actor did not
-    /// choose: more memory reserved for the same peak of live bytes.
+    /// threads split ready blocks up to `bytes` for their requests, without the pool actor
+    /// (0, the default: blocks above 1 MiB go back to the actor when freed, and threads
+    /// split blocks up to 2 MiB). Requests of a repeating pattern are then served without a
+    /// round trip to the actor, at the price of placements the actor did not choose: more
+    /// memory reserved for the same peak of live bytes. Threads still merge their ready
+    /// neighbours only for requests up to 2 MiB (the merge's placement is what strands
+    /// memory for larger ones).
     pub fn thread_cache(mut self, bytes: usize) -> Self {
         let default = Self::default().carving;
         if bytes == 0 {

@@ -229,3 +229,26 @@ async fn with_a_thread_cache_a_repeated_round_of_large_requests_is_served_withou
     );
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_thread_cache_a_large_request_is_placed_by_the_pool_actor_not_by_merging_cached_neighbours(
+) {
+    let (pool, sim) = thread_cached_pool(32);
+    let s = sim.stream();
+    // Two neighbours, freed onto this thread's cached path.
+    let a = pool.alloc(4 * MIB, &s).await.unwrap();
+    let b = pool.alloc(4 * MIB, &s).await.unwrap();
+    let (pa, pb) = (a.device_ptr(), b.device_ptr());
+    drop((a, b));
+    // Each comes back from the cache as it was, without the pool actor.
+    let misses = pool.stats(0).unwrap().num_misses;
+    let again = pool.alloc(4 * MIB, &s).await.unwrap();
+    assert!([pa, pb].contains(&again.device_ptr()));
+    assert_eq!(pool.stats(0).unwrap().num_misses, misses);
+    drop(again);
+    // A request larger than either goes to the actor, which places it best-fit.
+    let large = pool.alloc(8 * MIB, &s).await.unwrap();
+    assert_eq!(pool.stats(0).unwrap().num_misses, misses + 1);
+    drop(large);
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}

@@ -311,7 +311,7 @@ impl<R: Runtime> Engine<R> {
     #[cold]
     fn coalesce_mine(pool: &Arc<Pool<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
         let limit = pool.split_up_to;
-        if !pool.thread_merges || class.size >= limit {
+        if !pool.thread_merges || class.size >= limit || class.size >= pool.merge_below {
             return None;
         }
         let mut blocks = Vec::new();
