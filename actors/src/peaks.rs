@@ -176,11 +176,8 @@ impl Leaves {
 /// The allowances and books of one engine (see the module's rules).
 #[derive(Debug)]
 pub(crate) struct Ledger {
-    /// Set while slack is taken back from other threads' shards (every increase reads it:
-    /// on a line of its own, away from `busy` and the books).
-    frozen: CachePadded<AtomicBool>,
-    /// Owners fence each increase (no process-wide barrier is available).
-    fenced: bool,
+    /// What every increase reads, on a line of its own (away from `busy` and the books).
+    gate: CachePadded<Gate>,
     /// One thread at a time changes allowances and books.
     busy: AtomicBool,
     /// Every pool of the engine.
@@ -189,6 +186,15 @@ pub(crate) struct Ledger {
     default_group: Arc<Group>,
     /// The pools alive.
     pools: ArcSwap<Vec<Arc<Leaves>>>,
+}
+
+/// What an increase looks at after it is written.
+#[derive(Debug)]
+struct Gate {
+    /// Set while slack is taken back from other threads' shards.
+    frozen: AtomicBool,
+    /// Owners fence each increase (no process-wide barrier is available).
+    fenced: bool,
 }
 
 /// The ledger's turn, given back on drop.
@@ -203,8 +209,10 @@ impl Drop for Turn<'_> {
 impl Ledger {
     pub(crate) fn new() -> Self {
         Self {
-            frozen: CachePadded(AtomicBool::new(false)),
-            fenced: !barrier::available(),
+            gate: CachePadded(Gate {
+                frozen: AtomicBool::new(false),
+                fenced: !barrier::available(),
+            }),
             busy: AtomicBool::new(false),
             engine: Group::new(),
             default_group: Arc::new(Group::new()),
@@ -263,20 +271,20 @@ impl Ledger {
     /// still checks that its counts are covered).
     #[inline]
     pub(crate) fn open_shared(&self, shard: &ShardLeaves) -> bool {
-        !self.frozen.load(SeqCst) && !shard.reclaiming.load(SeqCst)
+        !self.gate.frozen.load(SeqCst) && !shard.reclaiming.load(SeqCst)
     }
 
     /// After an owner's increases: whether its thread may go on without the ledger (then it
     /// still checks that its counts are covered).
     #[inline]
     pub(crate) fn open(&self) -> bool {
-        if self.fenced {
+        if self.gate.fenced {
             fence(SeqCst);
         } else {
             // The other half of the barrier is the process-wide one in `freeze`.
             compiler_fence(SeqCst);
         }
-        !self.frozen.load(Acquire)
+        !self.gate.frozen.load(Acquire)
     }
 
     fn turn(&self) -> Turn<'_> {
@@ -385,8 +393,8 @@ impl Ledger {
 
     /// Takes back every leaf's slack, increases frozen meanwhile. Holds the turn.
     fn steal(&self) {
-        self.frozen.store(true, SeqCst);
-        if self.fenced {
+        self.gate.frozen.store(true, SeqCst);
+        if self.gate.fenced {
             fence(SeqCst);
         } else {
             barrier::process_wide();
@@ -404,7 +412,7 @@ impl Ledger {
                 self.reclaim(p, s, &[true; KINDS]);
             }
         }
-        self.frozen.store(false, Release);
+        self.gate.frozen.store(false, Release);
     }
 
     /// Takes back the slack of one shard's leaves of the `kinds` marked: by the shard's
