@@ -112,26 +112,45 @@ impl AtomicStat {
 /// [`crate::shard::ThreadSlot`]) changes `allocated` and `freed` with plain loads and stores;
 /// other threads add to `remote_allocated`/`remote_freed` atomically. `current` is derived,
 /// and `reset_accumulated` records baselines instead of writing the owner's counters. Its
-/// peak is kept by the ledger's books, from `allowance`.
+/// peak is kept by the ledger's books, from its allowances: one for the owner's side of the
+/// count and one for the other threads' side, so that each side checks only what its own
+/// writers wrote (an owner's plain store and another thread's add to the same count do not
+/// see each other at once).
 #[derive(Debug, Default)]
 pub(crate) struct ShardStat {
     allocated: AtomicI64,
     freed: AtomicI64,
     remote_allocated: AtomicI64,
     remote_freed: AtomicI64,
-    /// What the ledger lets this count reach without asking it.
-    allowance: AtomicI64,
+    /// What the ledger lets the owner's side reach without asking it.
+    owner_allowance: AtomicI64,
+    /// What the ledger lets the other threads' side reach without asking it.
+    remote_allowance: AtomicI64,
     base_allocated: AtomicI64,
     base_freed: AtomicI64,
 }
 
 impl ShardStat {
-    /// The count now. Removals are read first: each total only grows, so a change made
-    /// while it reads can make the result too high, never too low.
+    /// One side of the count now (`owner`: the owner's). Removals are read first: each total
+    /// only grows, so a change made while it reads can make the result too high, never too
+    /// low.
     #[inline]
-    fn net(&self) -> i64 {
-        let f = self.freed.load(Relaxed) + self.remote_freed.load(Relaxed);
-        self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed) - f
+    fn side(&self, owner: bool) -> i64 {
+        if owner {
+            let f = self.freed.load(Relaxed);
+            self.allocated.load(Relaxed) - f
+        } else {
+            let f = self.remote_freed.load(SeqCst);
+            self.remote_allocated.load(SeqCst) - f
+        }
+    }
+
+    fn side_allowance(&self, owner: bool) -> &AtomicI64 {
+        if owner {
+            &self.owner_allowance
+        } else {
+            &self.remote_allowance
+        }
     }
 
     /// Adds `n`; `owner` says whether the calling thread owns the shard.
@@ -141,8 +160,9 @@ impl ShardStat {
             self.allocated
                 .store(self.allocated.load(Relaxed) + n, Relaxed);
         } else {
-            // Sequentially consistent: it is ordered before the looks at the ledger's marks
-            // that follow (see `crate::peaks`).
+            // Sequentially consistent: the adds of the other threads are in one order, and
+            // each comes before the looks at the ledger's marks that follow (see
+            // `crate::peaks`).
             self.remote_allocated.fetch_add(n, SeqCst);
         }
     }
@@ -153,27 +173,37 @@ impl ShardStat {
         if owner {
             self.freed.store(self.freed.load(Relaxed) + n, Relaxed);
         } else {
-            self.remote_freed.fetch_add(n, Relaxed);
+            self.remote_freed.fetch_add(n, SeqCst);
         }
     }
 
-    /// Whether the count is within its allowance.
+    /// Whether the `owner`'s (or the other threads') side of the count is within its
+    /// allowance.
     #[inline]
-    pub(crate) fn covered(&self) -> bool {
-        self.net() <= self.allowance.load(Relaxed)
+    pub(crate) fn covered(&self, owner: bool) -> bool {
+        self.side(owner) <= self.side_allowance(owner).load(Relaxed)
     }
 
-    /// How far the count is above its allowance (negative: slack).
-    pub(crate) fn excess(&self) -> i64 {
-        self.net() - self.allowance.load(Relaxed)
+    /// How far one side of the count is above its allowance (negative: slack).
+    pub(crate) fn excess(&self, owner: bool) -> i64 {
+        self.side(owner) - self.side_allowance(owner).load(Relaxed)
     }
 
+    /// Both allowances together.
     pub(crate) fn allowance(&self) -> i64 {
-        self.allowance.load(Relaxed)
+        self.owner_allowance.load(Relaxed) + self.remote_allowance.load(Relaxed)
     }
 
-    pub(crate) fn set_allowance(&self, a: i64) {
-        self.allowance.store(a, Relaxed);
+    /// Adds `d` to one side's allowance.
+    pub(crate) fn grant(&self, owner: bool, d: i64) {
+        let a = self.side_allowance(owner);
+        a.store(a.load(Relaxed) + d, Relaxed);
+    }
+
+    /// Sets both allowances to 0 (the count leaves the books).
+    pub(crate) fn clear_allowances(&self) {
+        self.owner_allowance.store(0, Relaxed);
+        self.remote_allowance.store(0, Relaxed);
     }
 
     /// The statistic, with no peak (the ledger's books have it).

@@ -292,10 +292,10 @@ impl Detail {
         c
     }
 
-    /// Whether the counts a block of `bytes` of class `c` raised are within their
-    /// allowances.
+    /// Whether the counts a block of `bytes` of class `c` raised are within the allowances
+    /// of the side `owner` writes.
     #[inline]
-    pub(crate) fn covered(&self, shard: &ShardLeaves, c: usize, bytes: usize) -> bool {
+    pub(crate) fn covered(&self, shard: &ShardLeaves, c: usize, bytes: usize, owner: bool) -> bool {
         [
             ALLOCATION,
             ALLOCATED_BYTES,
@@ -304,8 +304,8 @@ impl Detail {
             ACTIVE_BYTES,
         ]
         .iter()
-        .all(|&k| shard.covered(k, c))
-            && (bytes <= self.max_split || shard.covered(OVERSIZE, c))
+        .all(|&k| shard.covered(k, c, owner))
+            && (bytes <= self.max_split || shard.covered(OVERSIZE, c, owner))
     }
 
     /// Its user freed it (it may still wait on events).

@@ -217,10 +217,10 @@ impl PoolStats {
             self.ledger.open_shared(s)
         };
         let covered = match (&self.detail, class) {
-            (Some(d), Some(c)) => open && d.covered(s, c, bytes),
+            (Some(d), Some(c)) => open && d.covered(s, c, bytes, me.owns),
             _ => open,
         };
-        if !(covered && s.covered(REQUESTS, 0) && s.covered(BYTES, 0)) {
+        if !(covered && s.covered(REQUESTS, 0, me.owns) && s.covered(BYTES, 0, me.owns)) {
             self.ledger.settle(&self.leaves, me);
         }
         me.shard
