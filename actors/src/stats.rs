@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use crate::counters::{AtomicDuration, AtomicStat, DurationStat, Stat};
 use crate::device_stats::{Detail, DeviceStats};
-use crate::peaks::{Group, Leaves, Ledger, ALL, BYTES, REQUESTS};
+use crate::peaks::{Group, Leaves, Ledger, ACTIVE, ACTIVE_BYTES, ALL, BYTES, REQUESTS};
 use crate::shard::ThreadSlot;
 
 /// A statistics report for one pool or for the whole allocator.
@@ -81,10 +81,12 @@ impl HostStats {
         self.limit_bytes = self.limit_bytes.or(o.limit_bytes);
     }
 
-    /// Sets the peaks of the counts kept in shards to those of `group`'s books.
-    pub(crate) fn set_peaks(&mut self, group: &Group) {
-        self.active_requests.peak = group.peak(REQUESTS, ALL).max(self.active_requests.current);
-        self.active_bytes.peak = group.peak(BYTES, ALL).max(self.active_bytes.current);
+    /// Sets the peaks of the active counts to those of `group`'s books, kept under `kinds`
+    /// (see [`PoolStats::active_kinds`]).
+    pub(crate) fn set_peaks(&mut self, group: &Group, kinds: (usize, usize)) {
+        let (requests, bytes) = kinds;
+        self.active_requests.peak = group.peak(requests, ALL).max(self.active_requests.current);
+        self.active_bytes.peak = group.peak(bytes, ALL).max(self.active_bytes.current);
     }
 
     /// Bytes cached: reserved, but neither active nor kept.
@@ -205,12 +207,15 @@ impl PoolStats {
     pub(crate) fn lend(&self, bytes: usize, requested: usize) -> usize {
         let me = ThreadSlot::current(self.mask);
         let s = &self.leaves.shards[me.shard];
-        s.leaf[REQUESTS][0].increase(1, me.owns);
-        s.leaf[BYTES][0].increase(bytes as i64, me.owns);
+        // A device pool's active blocks are its host counts too (see `active_kinds`).
         let class = self
             .detail
             .as_ref()
             .map(|d| d.lent(s, me.owns, bytes, requested));
+        if class.is_none() {
+            s.leaf[REQUESTS][0].increase(1, me.owns);
+            s.leaf[BYTES][0].increase(bytes as i64, me.owns);
+        }
         let open = if me.owns {
             self.ledger.open()
         } else {
@@ -218,9 +223,9 @@ impl PoolStats {
         };
         let covered = match (&self.detail, class) {
             (Some(d), Some(c)) => open && d.covered(s, c, bytes, me.owns),
-            _ => open,
+            _ => open && s.covered(REQUESTS, 0, me.owns) && s.covered(BYTES, 0, me.owns),
         };
-        if !(covered && s.covered(REQUESTS, 0, me.owns) && s.covered(BYTES, 0, me.owns)) {
+        if !covered {
             self.ledger.settle(&self.leaves, me);
         }
         me.shard
@@ -244,10 +249,12 @@ impl PoolStats {
         let me = ThreadSlot::current(self.mask);
         let owner = me.owns && me.shard == shard;
         let s = &self.leaves.shards[shard];
-        s.leaf[REQUESTS][0].decrease(1, owner);
-        s.leaf[BYTES][0].decrease(bytes as i64, owner);
-        if let Some(d) = &self.detail {
-            d.deactivated(s, owner, bytes);
+        match &self.detail {
+            Some(d) => d.deactivated(s, owner, bytes),
+            None => {
+                s.leaf[REQUESTS][0].decrease(1, owner);
+                s.leaf[BYTES][0].decrease(bytes as i64, owner);
+            }
         }
         self.leaves.note_slack(shard);
     }
@@ -283,23 +290,35 @@ impl PoolStats {
         Some(s)
     }
 
+    /// The counts that hold the host statistics' active requests and bytes: the device's
+    /// active blocks and bytes (both classes) in a pool with device statistics, which count
+    /// the same blocks, else the host's own.
+    pub(crate) fn active_kinds(&self) -> (usize, usize) {
+        if self.detail.is_some() {
+            (ACTIVE, ACTIVE_BYTES)
+        } else {
+            (REQUESTS, BYTES)
+        }
+    }
+
+    /// Count `kind` now, both classes, summed over the shards.
+    fn count(&self, kind: usize) -> Stat {
+        let mut total = Stat::default();
+        for s in self.leaves.shards.iter() {
+            s.leaf[kind].iter().for_each(|l| total.add(&l.read()));
+        }
+        total
+    }
+
     /// Bytes of active blocks now, summed over the shards.
     pub(crate) fn active_bytes_now(&self) -> i64 {
-        self.leaves
-            .shards
-            .iter()
-            .map(|s| s.leaf[BYTES][0].read().current)
-            .sum()
+        self.count(self.active_kinds().1).current
     }
 
     /// Host statistics, with the peaks of the pool's group.
     pub(crate) fn read(&self) -> HostStats {
-        let mut active_requests = Stat::default();
-        let mut active_bytes = Stat::default();
-        for s in self.leaves.shards.iter() {
-            active_requests.add(&s.leaf[REQUESTS][0].read());
-            active_bytes.add(&s.leaf[BYTES][0].read());
-        }
+        let (requests, bytes) = self.active_kinds();
+        let (active_requests, active_bytes) = (self.count(requests), self.count(bytes));
         let allocations = self.allocations.read();
         let allocated_bytes = self.allocated_bytes.read();
         let mut s = HostStats {
@@ -321,7 +340,7 @@ impl PoolStats {
             num_misses: self.misses.load(Relaxed),
             limit_bytes: None,
         };
-        s.set_peaks(&self.leaves.group);
+        s.set_peaks(&self.leaves.group, self.active_kinds());
         s
     }
 

@@ -202,6 +202,10 @@ async fn device_peaks_are_the_most_held_at_once_over_streams_and_threads_for_all
     let t = truth(&held);
     assert_eq!(t.small_blocks, 3);
     assert_device_peaks(&pool.stats(0).unwrap(), &t, "device");
+    // The engine's host view counts the same active blocks.
+    let host = pinpool::tuning::device_engine(&pool, 0).unwrap().stats();
+    assert_eq!(host.active_bytes.peak, t.bytes);
+    assert_eq!(host.active_requests.peak, t.blocks);
 
     pool.reset_peak_stats(0).unwrap();
     let s = pool.stats(0).unwrap();

@@ -35,7 +35,10 @@ impl<R: Runtime> Engine<R> {
         for p in self.all_pools() {
             s.merge(&p.stats.read());
         }
-        s.set_peaks(self.inner.ledger.engine());
+        s.set_peaks(
+            self.inner.ledger.engine(),
+            self.default_pool().stats.active_kinds(),
+        );
         s.limit_bytes = self.max_bytes().map(|l| l as i64);
         s
     }
@@ -67,7 +70,10 @@ impl<R: Runtime> Engine<R> {
             for p in self.default_pools() {
                 s.merge(&p.stats.read());
             }
-            s.set_peaks(self.inner.ledger.default_group());
+            s.set_peaks(
+                self.inner.ledger.default_group(),
+                self.default_pool().stats.active_kinds(),
+            );
             s.limit_bytes = limit;
             return Some(s);
         }
