@@ -341,6 +341,30 @@ fn read_back(stream: &Arc<CudaStream>, ptr: u64, n: usize) -> Vec<u8> {
     host
 }
 
+/// After `c` (12 MiB of 3s) took the idle memory that moved past `b` (8 MiB of 2s): both
+/// read back what was written, and once both are freed and the cache emptied nothing stays
+/// reserved.
+async fn moved_memory_holds_its_data_and_goes_back_whole(
+    pool: &DeviceAllocator<CudaRuntime>,
+    s: &Arc<CudaStream>,
+    b: DeviceBuffer<CudaRuntime>,
+    c: DeviceBuffer<CudaRuntime>,
+) {
+    assert!(read_back(s, c.device_ptr(), 12 * MIB)
+        .iter()
+        .all(|&x| x == 3));
+    assert!(read_back(s, b.device_ptr(), 8 * MIB)
+        .iter()
+        .all(|&x| x == 2));
+    drop((b, c));
+    pool.empty_cache().await.unwrap();
+    assert_eq!(
+        pool.reserved_bytes(0).unwrap(),
+        0,
+        "moved memory went back whole"
+    );
+}
+
 /// Routes `stream`'s requests on device 0 to `id`, and begins a thread-local capture on it
 /// (ended on the same thread: a `#[tokio::test]` body runs on the test's thread).
 async fn begin_capture(pool: &DeviceAllocator<CudaRuntime>, stream: &Arc<CudaStream>, id: PoolId) {
@@ -836,19 +860,7 @@ async fn idle_device_memory_moved_to_a_new_place_holds_what_is_written_there() {
     // at the new place), and what is missing is mapped fresh.
     let c = pool.alloc(12 * MIB, &s).await.unwrap();
     memset(&s, c.device_ptr(), 3, 12 * MIB);
-    assert!(read_back(&s, c.device_ptr(), 12 * MIB)
-        .iter()
-        .all(|&x| x == 3));
-    assert!(read_back(&s, b.device_ptr(), 8 * MIB)
-        .iter()
-        .all(|&x| x == 2));
-    drop((b, c));
-    pool.empty_cache().await.unwrap();
-    assert_eq!(
-        pool.reserved_bytes(0).unwrap(),
-        0,
-        "moved memory went back whole"
-    );
+    moved_memory_holds_its_data_and_goes_back_whole(&pool, &s, b, c).await;
     println!("gpu device_moved_memory data=intact reserved_after_empty=0");
 }
 
@@ -879,19 +891,7 @@ async fn a_move_under_a_running_kernel_waits_for_nothing_and_the_old_place_outli
     memset(&s, c.device_ptr(), 3, 12 * MIB);
     // A fault of the queued write would surface here.
     s.synchronize().unwrap();
-    assert!(read_back(&s, c.device_ptr(), 12 * MIB)
-        .iter()
-        .all(|&x| x == 3));
-    assert!(read_back(&s, b.device_ptr(), 8 * MIB)
-        .iter()
-        .all(|&x| x == 2));
-    drop((b, c));
-    pool.empty_cache().await.unwrap();
-    assert_eq!(
-        pool.reserved_bytes(0).unwrap(),
-        0,
-        "moved memory went back whole"
-    );
+    moved_memory_holds_its_data_and_goes_back_whole(&pool, &s, b, c).await;
     println!(
         "gpu device_move_under_kernel alloc_us={} remaps={}",
         took.as_micros(),
