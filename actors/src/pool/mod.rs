@@ -242,6 +242,10 @@ const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 /// How long a pool stays awake for the result of a call its requester runs (see
 /// `PoolActor::off_executor`): a map call takes 0.04–0.5 ms.
 const HOT_WAIT: Duration = Duration::from_millis(1);
+/// How long an idle pool stays awake after a message for the next one (see
+/// `PoolActor::linger`): misses come in bursts (a model's step, a replayed stream), and a
+/// requester blocked on a reply from a parked worker waits for that worker's wake-up too.
+const LINGER: Duration = Duration::from_micros(50);
 
 /// Work handed off the executor by [`PoolActor::start_off_executor`], and its result to come.
 pub(super) struct OffExecutor<T> {
@@ -351,7 +355,12 @@ impl<R: Runtime> PoolActor<R> {
                 }
             } else {
                 match self.rx.recv_async().await {
-                    Ok(msg) => self.handle(msg).await,
+                    Ok(msg) => {
+                        self.handle(msg).await;
+                        if !self.linger().await {
+                            break;
+                        }
+                    }
                     Err(_) => break,
                 }
             }
@@ -360,6 +369,33 @@ impl<R: Runtime> PoolActor<R> {
         self.shared.drop_shells();
         self.finished = true;
         tracing::debug!(pool = %self.shared.id, "pool actor stopped");
+    }
+
+    /// Stays awake after a message while more come within [`LINGER`] of the last, handling
+    /// them as they come and yielding between looks (the worker's other tasks run), so that
+    /// a burst of misses does not wait for a parked worker's wake-up each. Gives up at once
+    /// when the pool closes or has waiters or pressure to watch (the main loop's other arms
+    /// do). False when the mailbox is closed.
+    async fn linger(&mut self) -> bool {
+        let mut last = std::time::Instant::now();
+        while last.elapsed() < LINGER {
+            if self.closing
+                || self.shared.budget.under_pressure()
+                || !self.waiters.is_empty()
+                || !self.deferred.is_empty()
+            {
+                return true;
+            }
+            match self.rx.try_recv() {
+                Ok(msg) => {
+                    self.handle(msg).await;
+                    last = std::time::Instant::now();
+                }
+                Err(flume::TryRecvError::Empty) => tokio::task::yield_now().await,
+                Err(flume::TryRecvError::Disconnected) => return false,
+            }
+        }
+        true
     }
 
     async fn handle(&mut self, msg: PoolMsg<Block<R>>) {
