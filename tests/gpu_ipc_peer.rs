@@ -316,6 +316,25 @@ async fn a_default_layout_handle_whose_process_has_exited_is_a_typed_error() {
 async fn a_peer_copy_between_two_gpus_moves_bytes_and_keeps_both_blocks_from_early_reuse() {
     let test = "a_peer_copy_between_two_gpus_moves_bytes_and_keeps_both_blocks_from_early_reuse";
     let Some(pool) = gpu(test, 2) else { return };
+    peer_copy(test, pool).await;
+}
+
+/// The same copies between blocks of expandable ranges (the default layout), whose mapped
+/// memory a peer reaches only if the mapping grants it access.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_copy_between_expandable_ranges_of_two_gpus_moves_bytes() {
+    let test = "a_peer_copy_between_expandable_ranges_of_two_gpus_moves_bytes";
+    let Some(_) = gpu(test, 2) else { return };
+    let pool = DeviceAllocator::builder()
+        .cuda()
+        .expect("the GPU did not start")
+        .config(&"expandable_segments:true".parse().unwrap())
+        .build()
+        .expect("allocator");
+    peer_copy(test, pool).await;
+}
+
+async fn peer_copy(test: &str, pool: DeviceAllocator<CudaRuntime>) {
     let s0 = CudaContext::new(0).unwrap().new_stream().unwrap();
     let s1 = CudaContext::new(1).unwrap().new_stream().unwrap();
     let p2p = match pool.enable_peer_access(0, 1) {

@@ -45,6 +45,10 @@ pub(crate) struct CudaDeviceMemory {
     /// Whether mapped memory is created exportable as a POSIX file descriptor (for
     /// `ipc_handle`): probed once here, cleared if `cuMemCreate` refuses it.
     shareable: AtomicBool,
+    /// The other devices that can reach this one's memory peer to peer (a bit per
+    /// ordinal): mapped memory is made accessible to them too, as `cuMemAlloc`'s is once
+    /// peer access is enabled (PyTorch enables it behind an external allocator's back).
+    peers: u64,
 }
 
 impl std::fmt::Debug for CudaDeviceMemory {
@@ -60,18 +64,23 @@ impl std::fmt::Debug for CudaDeviceMemory {
 impl CudaDeviceMemory {
     /// The memory of the device whose (primary) context is `ctx`.
     pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
-        let location = Location::Device(ctx.ordinal() as std::ffi::c_int);
+        let location = Location::device(ctx.ordinal() as std::ffi::c_int);
         let granule = bind(&ctx).ok().and_then(|()| vmm::granularity(location));
         let shareable = granule.is_some() && vmm::fd_handles_supported(ctx.cu_device());
         Self {
+            peers: vmm::peers_of(ctx.cu_device(), ctx.ordinal()),
             ctx,
             granule,
             shareable: AtomicBool::new(shareable),
         }
     }
 
+    /// This device's mapped memory, open to every device that can reach it.
     fn location(&self) -> Location {
-        Location::Device(self.ctx.ordinal() as std::ffi::c_int)
+        Location::Device {
+            device: self.ctx.ordinal() as std::ffi::c_int,
+            peers: self.peers,
+        }
     }
 
     /// Binds the device's context and relaxes the thread's capture mode for one call.

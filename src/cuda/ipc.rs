@@ -249,7 +249,7 @@ mod mapped {
         len: usize,
     ) -> Result<IpcMappedExport, Error> {
         enter(ctx)?;
-        let granule = vmm::granularity(Location::Device(ctx.ordinal() as c_int))
+        let granule = vmm::granularity(Location::device(ctx.ordinal() as c_int))
             .ok_or_else(|| not_exportable("this device cannot map memory".into()))?
             as u64;
         let end = ptr

@@ -32,14 +32,20 @@ const MIN_GRANULE: usize = 2 << 20;
 pub(crate) enum Location {
     /// Pinned host memory, accessed by this device.
     Host { device: c_int },
-    /// This device's memory.
-    Device(c_int),
+    /// This device's memory, readable and writable by it and by the devices of `peers` (a
+    /// bit per device ordinal: those that can reach it peer to peer).
+    Device { device: c_int, peers: u64 },
 }
 
 impl Location {
+    /// The memory of `device`, with no peer given access.
+    pub(crate) fn device(device: c_int) -> Self {
+        Location::Device { device, peers: 0 }
+    }
+
     fn accessor(self) -> c_int {
         match self {
-            Location::Host { device } | Location::Device(device) => device,
+            Location::Host { device } | Location::Device { device, .. } => device,
         }
     }
 }
@@ -54,7 +60,9 @@ fn prop(location: Location, fd: bool) -> sys::CUmemAllocationProp {
     };
     let (type_, id) = match location {
         Location::Host { .. } => (sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0),
-        Location::Device(d) => (sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, d),
+        Location::Device { device, .. } => {
+            (sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device)
+        }
     };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
@@ -128,6 +136,33 @@ pub(crate) fn reserve(
     let ptr = NonNull::new(va as usize as *mut u8)
         .ok_or_else(|| RuntimeError::new("cuMemAddressReserve", "returned a null address"))?;
     Ok(HostMemory { ptr, size, method })
+}
+
+/// The devices other than `ordinal` (whose handle is `device`) that can access its memory
+/// peer to peer, a bit per ordinal (devices past the 64th are left out); none where the
+/// driver cannot say.
+pub(crate) fn peers_of(device: sys::CUdevice, ordinal: usize) -> u64 {
+    let mut count: c_int = 0;
+    // SAFETY: `count` is a valid out-location.
+    if unsafe { sys::cuDeviceGetCount(&mut count) } != sys::CUresult::CUDA_SUCCESS {
+        return 0;
+    }
+    let mut peers = 0u64;
+    for other in 0..count.min(64) {
+        if other as usize == ordinal {
+            continue;
+        }
+        let (mut handle, mut can): (sys::CUdevice, c_int) = (0, 0);
+        // SAFETY: out-locations valid; `other` is below the device count.
+        let ok = unsafe { sys::cuDeviceGet(&mut handle, other) } == sys::CUresult::CUDA_SUCCESS
+            // SAFETY: both handles name existing devices.
+            && unsafe { sys::cuDeviceCanAccessPeer(&mut can, handle, device) }
+                == sys::CUresult::CUDA_SUCCESS;
+        if ok && can != 0 {
+            peers |= 1 << other;
+        }
+    }
+    peers
 }
 
 /// Whether device `device` can export memory as POSIX file descriptors
@@ -222,40 +257,49 @@ pub(crate) unsafe fn map(
 }
 
 fn set_access(at: sys::CUdeviceptr, size: usize, location: Location) -> Result<(), RuntimeError> {
-    let device = location.accessor();
     let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    let desc = [
-        sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: device,
-            },
-            flags: rw,
+    let on_device = |id: c_int| sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id,
         },
-        sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-                id: 0,
-            },
-            flags: rw,
-        },
-    ];
-    if matches!(location, Location::Device(_)) {
-        // SAFETY: the span is mapped; `desc` is valid for the call.
-        return check("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(at, size, desc.as_ptr(), 1)
-        });
+        flags: rw,
+    };
+    let mut desc = vec![on_device(location.accessor())];
+    match location {
+        Location::Device { peers, .. } => {
+            // Mapped memory is reachable only by the devices named here: a peer's direct
+            // copy or kernel needs it as much as its context's peer access.
+            desc.extend(
+                (0..64)
+                    .filter(|d| peers & (1 << d) != 0)
+                    .map(|d| on_device(d as c_int)),
+            );
+            // SAFETY: the span is mapped; `desc` is valid for the call.
+            check("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(at, size, desc.as_ptr(), desc.len())
+            })
+        }
+        Location::Host { .. } => {
+            desc.push(sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+                    id: 0,
+                },
+                flags: rw,
+            });
+            // SAFETY: the span is mapped; `desc` is valid for the call.
+            let both = unsafe { sys::cuMemSetAccess(at, size, desc.as_ptr(), 2) };
+            if both == sys::CUresult::CUDA_SUCCESS {
+                return Ok(());
+            }
+            // Drivers that grant the host access with the mapping refuse a host descriptor.
+            // SAFETY: as above.
+            check("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(at, size, desc.as_ptr(), 1)
+            })
+        }
     }
-    // SAFETY: the span is mapped; `desc` is valid for the call.
-    let both = unsafe { sys::cuMemSetAccess(at, size, desc.as_ptr(), 2) };
-    if both == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
-    // Drivers that grant the host access with the mapping refuse a host descriptor.
-    // SAFETY: as above.
-    check("cuMemSetAccess", unsafe {
-        sys::cuMemSetAccess(at, size, desc.as_ptr(), 1)
-    })
 }
 
 /// Unmaps `[offset, offset + size)` of `range`, one `unit` at a time (each unit one
