@@ -159,7 +159,11 @@ async fn main() {
         let _ = w.await;
     }
     if let Some(path) = args.html {
-        match pool.write_history_html(&path).await {
+        let page = pool.history_html().await;
+        match page
+            .map_err(|e| e.to_string())
+            .and_then(|page| std::fs::write(&path, page).map_err(|e| e.to_string()))
+        {
             Ok(()) => println!("history page written to {path}"),
             Err(e) => eprintln!("could not write the history page: {e}"),
         }

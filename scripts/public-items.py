@@ -102,7 +102,9 @@ def count(crate, doc_root, listing):
             if cut:
                 page = page[: cut.start()]
             for anchor, rest in ANCHOR.findall(page):
-                if anchor == "variant" and ".field." in rest:
+                # A struct-like variant's fields, and the heading over them
+                # (`variant.X.fields`), belong to the variant.
+                if anchor == "variant" and (".field." in rest or rest.endswith(".fields")):
                     continue
                 found[MEMBER_KINDS[anchor]] += 1
         members.update(found)

@@ -78,7 +78,6 @@ pub use device::{
     CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcHandle,
     IpcMemory, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES,
 };
-pub use history::ReportError;
 pub use pinpool_actors::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceStats, DurationStat,
     EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause, PoolCheckpoint, PoolId,

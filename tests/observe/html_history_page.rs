@@ -105,23 +105,6 @@ async fn text_in_annotations_is_escaped() {
         .any(|e| e.action == TraceAction::UserDefined));
 }
 
-#[tokio::test]
-async fn write_history_html_writes_the_page() {
-    let (pool, _sim) = sim_pool();
-    pool.record_history(true, 100, HistoryContext::None)
-        .unwrap();
-    drop(pool.alloc(64).await.unwrap());
-    let path = scratch("write").join("history.html");
-    pool.write_history_html(&path).await.unwrap();
-    let text = std::fs::read_to_string(&path).unwrap();
-    assert!(text.contains("<svg"));
-    let err = pool
-        .write_history_html(scratch("write").join("no/such/dir/x.html"))
-        .await
-        .unwrap_err();
-    assert!(matches!(err, pinpool::ReportError::Io(_)), "{err:?}");
-}
-
 fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "html-{name}-{}-{}",
@@ -161,7 +144,7 @@ async fn the_page_renders_in_headless_chromium_with_the_plot_visible() {
     workload(&pool, &sim).await;
     let dir = scratch("chromium");
     let page = dir.join("history.html");
-    pool.write_history_html(&page).await.unwrap();
+    std::fs::write(&page, pool.history_html().await.unwrap()).unwrap();
     let png = dir.join("history.png");
     let profile = dir.join("profile");
     let mut child = Command::new(&chromium)
