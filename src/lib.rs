@@ -88,4 +88,4 @@ pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceE
 // The engine's vocabulary that the runtimes here implement: not part of this crate's API
 // (tools reach it in [`tuning`]).
 #[allow(unused_imports)]
-pub(crate) use pinpool_actors::{HostMemory, MemorySource, Origin, PinMethod, Region};
+pub(crate) use pinpool_actors::{MemorySource, Origin, Region};

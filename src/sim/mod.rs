@@ -41,9 +41,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use pinpool_actors::{
-    HostMemory, MemoryKind, MemorySource, PinMethod, Region, Runtime, RuntimeError, StreamId,
-};
+use pinpool_actors::{MemoryKind, MemorySource, Origin, Region, Runtime, RuntimeError, StreamId};
 
 pub use device::SimDeviceBuffer;
 pub(crate) use device_memory::SimDeviceMemory;
@@ -172,11 +170,11 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 /// ```
 /// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 /// use pinpool::Runtime;
-/// use pinpool_actors::PinMethod;
+/// use pinpool_actors::Origin;
 ///
 /// let sim = SimRuntime::new();
 /// let mem = sim.host_alloc(1 << 16).unwrap();
-/// assert_eq!(mem.method, PinMethod::Simulated);
+/// assert_eq!(mem.method, Origin::Simulated);
 /// assert_eq!(sim.live_bytes(), 1 << 16);
 ///
 /// // A buffer overwritten while its copy is still queued is early reuse.
@@ -584,7 +582,7 @@ impl SimRuntime {
 impl SimRuntime {
     /// Gets `size` bytes of simulated pinned memory (zeroed, page-aligned), counted as live
     /// until `host_free`. Fails as out of memory past the runtime's memory limit.
-    pub fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub fn host_alloc(&self, size: usize) -> Result<Region, RuntimeError> {
         const OP: &str = "host_alloc";
         self.shared.faults.check(FaultPoint::HostAlloc)?;
         if size == 0 {
@@ -610,20 +608,20 @@ impl SimRuntime {
         }
         self.shared.live_allocations.fetch_add(1, Ordering::SeqCst);
         self.shared.total_host_allocs.fetch_add(1, Ordering::SeqCst);
-        Ok(HostMemory {
+        Ok(Region {
             ptr,
             size,
-            method: PinMethod::Simulated,
+            method: Origin::Simulated,
         })
     }
 
     /// Gives back memory from `host_alloc`; a free of memory it never gave out, or still
     /// used by queued work, is recorded as a violation.
-    pub fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
+    pub fn host_free(&self, memory: Region) -> Result<(), RuntimeError> {
         const OP: &str = "host_free";
         self.shared.faults.check(FaultPoint::HostFree)?;
         let (addr, size) = (memory.ptr.as_ptr() as usize, memory.size);
-        let found = if memory.method == PinMethod::Simulated {
+        let found = if memory.method == Origin::Simulated {
             self.shared
                 .ledger
                 .remove(addr, size)
@@ -664,14 +662,14 @@ impl SimRuntime {
     }
 
     /// Reserves an address range for expandable host memory.
-    pub(crate) fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub(crate) fn host_reserve(&self, size: usize) -> Result<Region, RuntimeError> {
         expandable::reserve(self, size)
     }
 
     /// Maps granules of a reserved range.
     pub(crate) fn host_map(
         &self,
-        range: &HostMemory,
+        range: &Region,
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
@@ -681,7 +679,7 @@ impl SimRuntime {
     /// Unmaps granules of a reserved range.
     pub(crate) fn host_unmap(
         &self,
-        range: &HostMemory,
+        range: &Region,
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
@@ -692,7 +690,7 @@ impl SimRuntime {
     /// granule at `to` (see `MemorySource::remap`).
     pub(crate) fn host_remap(
         &self,
-        range: &HostMemory,
+        range: &Region,
         from: usize,
         to: usize,
     ) -> Result<(), RuntimeError> {
@@ -700,7 +698,7 @@ impl SimRuntime {
     }
 
     /// Gives back a reserved range, none of it mapped.
-    pub(crate) fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+    pub(crate) fn host_unreserve(&self, range: Region) -> Result<(), RuntimeError> {
         expandable::unreserve(self, range)
     }
 }
