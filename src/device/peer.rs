@@ -10,7 +10,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use pinpool_actors::blocking::may_stall;
+use pinpool_actors::blocking;
 use pinpool_actors::Error;
 
 use super::allocator::DeviceAllocator;
@@ -63,7 +63,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             return Ok(());
         }
         // The driver call takes its locks for milliseconds: off the worker where it can be.
-        may_stall().run(|| self.runtime().enable_peer_access(device, peer))?;
+        blocking::stall(|| self.runtime().enable_peer_access(device, peer))?;
         self.inner().peers.enable(device, peer);
         Ok(())
     }
