@@ -68,7 +68,6 @@ mod memviz;
 pub mod plan;
 pub mod report;
 pub mod sim;
-pub mod trace;
 pub mod tuning;
 
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};

@@ -15,8 +15,8 @@ use pinpool_actors::blocking;
 use pinpool_actors::Runtime;
 
 use super::session::{ArenaPlan, Claim, PlanSessionError, Waiter};
+use super::Lifetime;
 use super::{Observed, Plan, Planner, Recorder, ValidationError};
-use crate::trace::Lifetime;
 use crate::{PinnedAllocator, PinnedBuffer};
 
 /// One noted event; `token` names the allocation until the notes are put in order.

@@ -140,7 +140,7 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use pinpool::plan::{Plan, PlanSessionError, Planner};
-    /// use pinpool::trace::Lifetime;
+    /// use pinpool::plan::Lifetime;
     /// let pool = pinpool::PinnedAllocator::builder().build()?;
     /// let l = |id, start, end| Lifetime { id, size: 64, start, end };
     /// let good = Planner::Best.plan(&[l(0, 0, 2), l(1, 1, 3)])?;

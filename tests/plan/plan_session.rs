@@ -1,11 +1,11 @@
 //! Recording a run on the allocator, planning it, validating a later run against the plan
 //! and serving later runs from one pinned arena.
 
+use pinpool::plan::Lifetime;
 use pinpool::plan::{
     check, ArenaPlan, ArenaSession, Mismatch, Plan, PlanSessionError, Planner, Recording,
 };
 use pinpool::sim::{SimDeviceBuffer, SimRuntime};
-use pinpool::trace::Lifetime;
 use pinpool::PinnedAllocator;
 use pinpool_testkit::{on_plain_thread, sim_pool};
 
