@@ -350,12 +350,6 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         blocking::stall(|| registry.open(handle))
     }
 
-    /// [`DeviceAllocator::open_ipc`] from the handle's byte form
-    /// ([`Error::InvalidIpcHandle`] for bytes that are not one).
-    pub fn get_ipc_dev_ptr(&self, handle: &[u8]) -> Result<IpcMemory, Error> {
-        self.open_ipc(&IpcHandle::from_bytes(handle)?)
-    }
-
     /// Segments of other processes open in this one now.
     pub fn ipc_open_segments(&self) -> usize {
         self.inner().ipc.get().map_or(0, IpcRegistry::open_segments)

@@ -199,24 +199,23 @@ pub struct SimRuntime {
     _lifeline: Arc<flume::Sender<()>>,
 }
 
-/// Options for a [`SimRuntime`]; start from [`SimRuntime::builder`].
+/// The simulated machine's shape, fixed when it is built: its devices and what the driver
+/// offers; start from [`SimRuntime::builder`]. Timing and limits can change at any time:
+/// [`SimRuntime::set_host_alloc_latency`], [`SimRuntime::set_random_delays`],
+/// [`SimRuntime::set_memory_limit`].
 ///
 /// ```
 /// use std::time::Duration;
 /// use pinpool::sim::SimRuntime;
 ///
-/// let sim = SimRuntime::builder()
-///     .host_alloc_latency(Duration::from_micros(50))
-///     .memory_limit(1 << 30)
-///     .random_delays(7, Duration::from_micros(20))
-///     .build();
-/// assert_eq!(sim.live_bytes(), 0);
+/// let sim = SimRuntime::builder().devices(2).device_capacity(1 << 30).build();
+/// sim.set_host_alloc_latency(Duration::from_micros(50));
+/// sim.set_memory_limit(Some(1 << 30));
+/// sim.set_random_delays(7, Duration::from_micros(20));
+/// assert_eq!((sim.device_count(), sim.live_bytes()), (2, 0));
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct SimRuntimeBuilder {
-    host_alloc_latency: Duration,
-    random_delays: Option<(u64, Duration)>,
-    memory_limit: Option<usize>,
     no_expandable: bool,
     devices: Option<usize>,
     device_capacity: Option<usize>,
@@ -224,24 +223,6 @@ pub struct SimRuntimeBuilder {
 }
 
 impl SimRuntimeBuilder {
-    /// How long each `host_alloc` sleeps, standing in for `cudaHostAlloc` (default zero).
-    pub fn host_alloc_latency(mut self, latency: Duration) -> Self {
-        self.host_alloc_latency = latency;
-        self
-    }
-
-    /// Streams sleep a random time below `max` before each operation (seeded per stream).
-    pub fn random_delays(mut self, seed: u64, max: Duration) -> Self {
-        self.random_delays = Some((seed, max));
-        self
-    }
-
-    /// `host_alloc` fails with out-of-memory once live bytes would exceed `bytes`.
-    pub fn memory_limit(mut self, bytes: usize) -> Self {
-        self.memory_limit = Some(bytes);
-        self
-    }
-
     /// A runtime without expandable host memory (`host_granularity` returns `None`), like
     /// a driver without the virtual memory calls: carving pools use separate segments.
     pub fn without_expandable_memory(mut self) -> Self {
@@ -273,7 +254,7 @@ impl SimRuntimeBuilder {
     /// Builds the runtime (starts its ledger thread).
     pub fn build(self) -> SimRuntime {
         let (lifeline_tx, lifeline_rx) = flume::bounded(1);
-        let sim = SimRuntime {
+        SimRuntime {
             shared: Arc::new(Shared {
                 ledger: Ledger::spawn(),
                 faults: Faults::default(),
@@ -308,13 +289,7 @@ impl SimRuntimeBuilder {
                 lifeline: lifeline_rx,
             }),
             _lifeline: Arc::new(lifeline_tx),
-        };
-        sim.set_host_alloc_latency(self.host_alloc_latency);
-        if let Some((seed, max)) = self.random_delays {
-            sim.set_random_delays(seed, max);
         }
-        sim.set_memory_limit(self.memory_limit);
-        sim
     }
 }
 

@@ -99,7 +99,8 @@ fn zero_size_alloc_is_an_error() {
 
 #[test]
 fn memory_limit_refuses_with_out_of_memory_and_frees_make_room() {
-    let sim = SimRuntime::builder().memory_limit(8192).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(8192));
     let a = sim.host_alloc(4096).unwrap();
     let b = sim.host_alloc(4096).unwrap();
     let err = sim.host_alloc(1).unwrap_err();
@@ -124,9 +125,8 @@ fn huge_alloc_fails_with_out_of_memory_instead_of_panicking() {
 
 #[test]
 fn host_alloc_sleeps_for_the_configured_latency() {
-    let sim = SimRuntime::builder()
-        .host_alloc_latency(Duration::from_millis(15))
-        .build();
+    let sim = SimRuntime::new();
+    sim.set_host_alloc_latency(Duration::from_millis(15));
     let start = Instant::now();
     let mem = sim.host_alloc(64).unwrap();
     assert!(start.elapsed() >= Duration::from_millis(15));
@@ -294,7 +294,8 @@ fn expandable_memory_is_live_only_where_mapped_and_misuse_is_refused() {
     ignore = "reserves 16-32 MiB, which miri materialises and tracks byte by byte: too slow"
 )]
 fn mapping_counts_against_the_memory_limit_and_can_be_turned_off() {
-    let sim = SimRuntime::builder().memory_limit(4 << 20).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(4 << 20));
     let g = sim.host_granularity().unwrap();
     let range = sim.host_reserve(8 * g).unwrap();
     sim.host_map(&range, 0, 2 * g).unwrap();
