@@ -366,6 +366,10 @@ mod tests {
     }
 
     #[tokio::test]
+    #[cfg_attr(
+        miri,
+        ignore = "runs an allocator's actors on a tokio runtime: not the unsafe code"
+    )]
     async fn the_curves_follow_the_allocations() {
         let sim = SimRuntime::new();
         let pool = Builder::new(Arc::new(sim.clone()))
