@@ -149,8 +149,8 @@ async fn main() {
             "{:>4}s  ops {:>8}  reserved {:>10}  in use {:>10}  waiting {:>3}  host allocs {}",
             tick,
             ops.load(Ordering::Relaxed),
-            pinpool::report::format_bytes(s.allocated_bytes.current),
-            pinpool::report::format_bytes(s.active_bytes.current),
+            mib(s.allocated_bytes.current),
+            mib(s.active_bytes.current),
             s.waiting_blocks,
             s.num_host_alloc,
         );
@@ -159,9 +159,18 @@ async fn main() {
         let _ = w.await;
     }
     if let Some(path) = args.html {
-        match pool.write_history_html(&path).await {
+        let page = pool.history_html().await;
+        match page
+            .map_err(|e| e.to_string())
+            .and_then(|page| std::fs::write(&path, page).map_err(|e| e.to_string()))
+        {
             Ok(()) => println!("history page written to {path}"),
             Err(e) => eprintln!("could not write the history page: {e}"),
         }
     }
+}
+
+/// Bytes in MiB, for the status line.
+fn mib(bytes: i64) -> String {
+    format!("{:.2} MiB", bytes as f64 / (1 << 20) as f64)
 }

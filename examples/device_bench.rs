@@ -60,8 +60,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pinpool::config::DeviceConfig;
-use pinpool::trace::{Trace, TraceError, TraceEvent};
 use pinpool::{DeviceAllocator, DeviceBuilder, DeviceRuntime};
+use pinpool_tools::trace::{Trace, TraceError, TraceEvent};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Result<T> = std::result::Result<T, BoxError>;
@@ -157,7 +157,7 @@ struct Replay {
 }
 
 impl Replay {
-    /// Reads `path` with `pinpool::trace` (strict: ids dense and in order, frees only of live
+    /// Reads `path` with `pinpool_tools::trace` (strict: ids dense and in order, frees only of live
     /// ids), or, when it rejects the content, the way the anchor reads it.
     fn open(path: &str) -> Result<Replay> {
         match Trace::open(path) {

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use pinpool::plan::{check, Planner};
-use pinpool::trace::{Trace, TraceEvent};
+use pinpool_tools::trace::{Trace, TraceEvent};
 
 fn main() -> ExitCode {
     let files: Vec<String> = std::env::args().skip(1).collect();

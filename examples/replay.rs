@@ -11,7 +11,7 @@
 //! `device_segments` (separate segments, PyTorch's layout without expandable segments).
 //! `--policy default` names the default policy, host or device, whichever it is.
 //!
-//! Each file (the text format of `pinpool::trace`, gzip or plain, or MiniMalloc CSV) is played
+//! Each file (the text format of `pinpool_tools::trace`, gzip or plain, or MiniMalloc CSV) is played
 //! on the simulated runtime through the real engine and its actors: an allocation at each `a`
 //! line, a drop at each `f` line, no streams. For each file and policy it prints peak reserved
 //! bytes over peak live requested bytes, how many requests needed fresh memory (host
@@ -29,9 +29,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use pinpool::config::{DeviceConfig, SizePolicyChoice};
-use pinpool::trace::{Trace, TraceError, TraceEvent};
 use pinpool::tuning::SizePolicy;
 use pinpool::{DeviceAllocator, DeviceBuffer, PinnedAllocator, PinnedBuffer};
+use pinpool_tools::trace::{Trace, TraceError, TraceEvent};
 
 /// The device layouts `--device` knows, as `PINPOOL_DEVICE_CONF` settings.
 /// `default` is the device allocator's default layout (one expandable range per stream).

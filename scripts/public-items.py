@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Counts the public items of the workspace's crates, from stable rustdoc output.
 
-    scripts/public-items.py                     # all four crates, default features
+    scripts/public-items.py                     # the published crates, default features
     scripts/public-items.py --features cuda     # with the CUDA runtime's items too
     scripts/public-items.py -p pinpool --list   # and name every item counted
 
-For each crate it runs `cargo doc --no-deps -p CRATE` and reads the generated pages:
+The crates counted are the workspace's published ones (`publish = false` crates, such as the
+tests' testkit and the benchmarks' tools, are no one's API; `-p` counts any crate). For each
+crate it runs `cargo doc --no-deps -p CRATE` and reads the generated pages:
 
 - items: the entries of `all.html` (structs, enums, unions, traits, functions, macros, type
   aliases, constants, statics), plus modules (one `index.html` each, the crate root left out);
@@ -31,7 +33,7 @@ import subprocess
 import sys
 from collections import Counter
 
-CRATES = ["pinpool", "pinpool-actors", "pinpool-torch", "pinpool-testkit"]
+ENGINE = "pinpool-actors"
 # The crates with a `cuda` feature (what --features applies to).
 FEATURED = ["pinpool", "pinpool-torch"]
 ITEM_KINDS = [
@@ -61,14 +63,19 @@ CUT = re.compile(
 ANCHOR = re.compile(r'id="(method|tymethod|structfield|variant|associatedconstant|associatedtype)\.([^"]+)"')
 
 
-def target_dir():
+def metadata():
     meta = subprocess.run(
         ["cargo", "metadata", "--no-deps", "--format-version", "1"],
         check=True,
         capture_output=True,
         text=True,
     )
-    return json.loads(meta.stdout)["target_directory"]
+    return json.loads(meta.stdout)
+
+
+def published(meta):
+    """The workspace's crates that can be published (`publish` not set to false)."""
+    return [p["name"] for p in meta["packages"] if p.get("publish") != []]
 
 
 def count(crate, doc_root, listing):
@@ -102,7 +109,9 @@ def count(crate, doc_root, listing):
             if cut:
                 page = page[: cut.start()]
             for anchor, rest in ANCHOR.findall(page):
-                if anchor == "variant" and ".field." in rest:
+                # A struct-like variant's fields, and the heading over them
+                # (`variant.X.fields`), belong to the variant.
+                if anchor == "variant" and (".field." in rest or rest.endswith(".fields")):
                     continue
                 found[MEMBER_KINDS[anchor]] += 1
         members.update(found)
@@ -122,8 +131,9 @@ def main():
     ap.add_argument("--list", action="store_true", help="name every item counted")
     ap.add_argument("--no-build", action="store_true", help="read existing docs")
     args = ap.parse_args()
-    crates = args.package or CRATES
-    doc_root = os.path.join(target_dir(), "doc")
+    meta = metadata()
+    crates = args.package or published(meta)
+    doc_root = os.path.join(meta["target_directory"], "doc")
     totals = Counter()
     rows = []
     if not args.no_build:
@@ -131,13 +141,13 @@ def main():
         # `own` column reads) only where the crate that defines it is already documented.
         # Docs built in another order stay stale until `cargo clean --doc`.
         subprocess.run(
-            ["cargo", "doc", "--no-deps", "-q", "-p", "pinpool-actors"],
+            ["cargo", "doc", "--no-deps", "-q", "-p", ENGINE],
             check=True,
             stderr=subprocess.DEVNULL,
         )
         cmd = ["cargo", "doc", "--no-deps", "-q"]
-        for crate in CRATES:
-            if crate != "pinpool-actors":
+        for crate in crates:
+            if crate != ENGINE:
                 cmd += ["-p", crate]
         if args.features:
             feats = [f"{c}/{f}" for f in args.features.split(",") for c in FEATURED]

@@ -11,7 +11,7 @@ request (`torch.cuda.memory._record_memory_history`). The requests of that run b
     a <id> <bytes> <stream>    allocation number <id> (dense, in order) of <bytes> on <stream>
     f <id>                     allocation <id> is freed
 
-(the format `pinpool::trace` reads; `replay` and `device_bench` take these files). Frees of
+(the format `pinpool_tools::trace` reads; `replay` and `device_bench` take these files). Frees of
 memory allocated before the recorded run are left out; allocations still live at its end have
 no `f` line. Streams are numbered in order of first use.
 """

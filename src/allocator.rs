@@ -195,7 +195,8 @@ impl<R: Runtime> Builder<R> {
     /// use std::sync::Arc;
     /// use pinpool::sim::SimRuntime;
     ///
-    /// let sim = SimRuntime::builder().memory_limit(1 << 30).build();
+    /// let sim = SimRuntime::new();
+    /// sim.set_memory_limit(Some(1 << 30));
     /// let pool = pinpool::PinnedAllocator::builder()
     ///     .max_bytes(64 << 20)
     ///     .runtime(Arc::new(sim))

@@ -5,31 +5,9 @@
 //! actor or an allocation), and render the history as an HTML page ([`crate::report`]).
 //! Keeps invariant 5: with history off, the cached path pays one relaxed load of a flag.
 
-use std::path::Path;
-
 use pinpool_actors::{Error, History, HistoryContext, OomReport, Runtime, TraceEntry};
 
 use crate::allocator::PinnedAllocator;
-
-/// Why the history page or a snapshot file could not be written.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ReportError {
-    /// The history could not be read.
-    #[error(transparent)]
-    Allocator(#[from] Error),
-    /// The file could not be written.
-    #[error("writing the history page failed: {0}")]
-    Io(#[from] std::io::Error),
-    /// The snapshot file could not be written (`dump_snapshot`).
-    #[error("writing the snapshot to {} failed: {source}", path.display())]
-    SnapshotFile {
-        /// The file asked for.
-        path: std::path::PathBuf,
-        /// Why it failed.
-        source: std::io::Error,
-    },
-}
 
 impl<R: Runtime> PinnedAllocator<R> {
     /// Turns history recording on or off (like `torch.cuda.memory._record_memory_history`).
@@ -219,23 +197,5 @@ impl<R: Runtime> PinnedAllocator<R> {
             &h,
             self.runtime().name(),
         ))
-    }
-
-    /// Writes [`PinnedAllocator::history_html`] to `path`.
-    ///
-    /// ```no_run
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), pinpool::ReportError> {
-    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// pool.write_history_html("pinpool-history.html").await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn write_history_html(&self, path: impl AsRef<Path>) -> Result<(), ReportError> {
-        let page = self.history_html().await?;
-        let path = path.as_ref().to_path_buf();
-        tokio::task::spawn_blocking(move || std::fs::write(path, page))
-            .await
-            .map_err(|e| std::io::Error::other(e.to_string()))??;
-        Ok(())
     }
 }

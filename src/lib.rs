@@ -68,7 +68,6 @@ mod memviz;
 pub mod plan;
 pub mod report;
 pub mod sim;
-pub mod trace;
 pub mod tuning;
 
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
@@ -78,7 +77,6 @@ pub use device::{
     CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcHandle,
     IpcMemory, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES,
 };
-pub use history::ReportError;
 pub use pinpool_actors::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceStats, DurationStat,
     EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause, PoolCheckpoint, PoolId,
@@ -89,4 +87,4 @@ pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceE
 // The engine's vocabulary that the runtimes here implement: not part of this crate's API
 // (tools reach it in [`tuning`]).
 #[allow(unused_imports)]
-pub(crate) use pinpool_actors::{HostMemory, MemorySource, Origin, PinMethod, Region};
+pub(crate) use pinpool_actors::{MemorySource, Origin, Region};

@@ -1,30 +1,15 @@
 //! Snapshots for PyTorch's memory tools on the public face.
 //!
-//! Owns `pickle_snapshot` and `dump_snapshot` of [`PinnedAllocator`] and [`DeviceAllocator`]:
-//! a snapshot and the recorded history in the pickle layout of
-//! `torch.cuda.memory._snapshot()` (see [`MemorySnapshot::to_pickle`]), as bytes or written
-//! to a file as `torch.cuda.memory._dump_snapshot` does. Like PyTorch's snapshot, taking one
-//! records a `Snapshot` entry in the history while history is on.
-
-use std::path::Path;
+//! Owns `pickle_snapshot` of [`PinnedAllocator`] and [`DeviceAllocator`]: a snapshot and the
+//! recorded history in the pickle layout of `torch.cuda.memory._snapshot()` (see
+//! [`MemorySnapshot::to_pickle`]), the bytes that `torch.cuda.memory._dump_snapshot` writes
+//! to a file. Like PyTorch's snapshot, taking one records a `Snapshot` entry in the history
+//! while history is on.
 
 use pinpool_actors::{Error, History, MemorySnapshot, Runtime};
 
 use crate::allocator::PinnedAllocator;
 use crate::device::{DeviceAllocator, DeviceRuntime};
-use crate::history::ReportError;
-
-/// Writes `bytes` to `path` on a blocking thread.
-async fn write_file(path: &Path, bytes: Vec<u8>) -> Result<(), ReportError> {
-    let target = path.to_path_buf();
-    let res = tokio::task::spawn_blocking(move || std::fs::write(target, bytes))
-        .await
-        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
-    res.map_err(|source| ReportError::SnapshotFile {
-        path: path.to_path_buf(),
-        source,
-    })
-}
 
 impl<R: Runtime> PinnedAllocator<R> {
     /// A snapshot and the recorded history in the pickle layout of
@@ -48,22 +33,6 @@ impl<R: Runtime> PinnedAllocator<R> {
         let history = self.history().await?;
         Ok(snap.to_pickle(&[history]))
     }
-
-    /// Writes [`PinnedAllocator::pickle_snapshot`] to `path`, like
-    /// `torch.cuda.memory._dump_snapshot`: the file opens in `pytorch.org/memory_viz`.
-    /// [`ReportError::SnapshotFile`] when the file cannot be written.
-    ///
-    /// ```no_run
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), pinpool::ReportError> {
-    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// pool.dump_snapshot("pinned.pickle").await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn dump_snapshot(&self, path: impl AsRef<Path>) -> Result<(), ReportError> {
-        let bytes = self.pickle_snapshot().await?;
-        write_file(path.as_ref(), bytes).await
-    }
 }
 
 impl<R: DeviceRuntime> DeviceAllocator<R> {
@@ -73,7 +42,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), pinpool::ReportError> {
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use pinpool::{DeviceAllocator, HistoryContext};
     ///
     /// let pool = DeviceAllocator::builder().build()?;
@@ -83,7 +52,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// let bytes = pool.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
     /// assert_eq!(&bytes[..2], &[0x80, 2]);
     /// let file = std::env::temp_dir().join("pinpool-device-doc.pickle");
-    /// pool.dump_snapshot(&file).await?; // open it in pytorch.org/memory_viz
+    /// std::fs::write(&file, bytes)?; // open it in pytorch.org/memory_viz
     /// # std::fs::remove_file(&file).ok();
     /// # drop(buf);
     /// # Ok(()) }
@@ -96,13 +65,5 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             histories.push(self.history(d).await?);
         }
         Ok(snap.to_pickle(&histories))
-    }
-
-    /// Writes [`DeviceAllocator::pickle_snapshot`] to `path`, like
-    /// `torch.cuda.memory._dump_snapshot`. [`ReportError::SnapshotFile`] when the file
-    /// cannot be written.
-    pub async fn dump_snapshot(&self, path: impl AsRef<Path>) -> Result<(), ReportError> {
-        let bytes = self.pickle_snapshot().await?;
-        write_file(path.as_ref(), bytes).await
     }
 }

@@ -28,8 +28,8 @@
 
 #[doc(no_inline)]
 pub use pinpool_actors::{
-    BestFit, BlockLayout, Carving, DeviceFit, Engine, Inventory, MemorySource, PinMethod,
-    PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
+    BestFit, BlockLayout, Carving, DeviceFit, Engine, Inventory, MemorySource, Origin, PowerOfTwo,
+    SizeClass, SizePolicy, TieredPowerOfTwo,
 };
 
 use pinpool_actors::Error;

@@ -586,7 +586,7 @@ async fn a_dumped_device_snapshot_loads_as_pytorchs_pickle_with_block_states_and
     drop(pending);
 
     let file = std::env::temp_dir().join(format!("pinpool-gpu-{}.pickle", std::process::id()));
-    pool.dump_snapshot(&file).await.unwrap();
+    std::fs::write(&file, pool.pickle_snapshot().await.unwrap()).unwrap();
     let bytes = std::fs::read(&file).unwrap();
     let snap = pickle_reader::read(&bytes).expect("a pickle the visualizer reads");
     let state_at = |ptr: u64| {

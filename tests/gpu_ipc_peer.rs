@@ -197,7 +197,7 @@ async fn opening_this_processs_own_handle_or_garbage_is_a_typed_error() {
     println!("{test}: {err}");
     assert!(matches!(err, Error::InvalidIpcHandle { .. }), "{err:?}");
     assert!(matches!(
-        pool.get_ipc_dev_ptr(b"\x00\x01garbage"),
+        pinpool::IpcHandle::from_bytes(b"\x00\x01garbage"),
         Err(Error::InvalidIpcHandle { .. })
     ));
 }

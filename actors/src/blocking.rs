@@ -37,7 +37,7 @@ thread_local! {
 
 /// How a blocking call may block the calling thread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Blocking {
+pub(crate) enum Blocking {
     /// Block the thread as is: no runtime runs on it.
     Plain,
     /// Block inside [`tokio::task::block_in_place`]: a multi-thread runtime's thread.
@@ -46,7 +46,7 @@ pub enum Blocking {
 
 impl Blocking {
     /// Runs `wait` (which blocks the thread) in the way this calls for.
-    pub fn run<T>(self, wait: impl FnOnce() -> T) -> T {
+    pub(crate) fn run<T>(self, wait: impl FnOnce() -> T) -> T {
         match self {
             Blocking::Plain => wait(),
             Blocking::InPlace => tokio::task::block_in_place(wait),
@@ -58,7 +58,7 @@ impl Blocking {
 /// [`Error::WouldDeadlock`] naming `use_instead`, the async call to use from async code.
 /// Cheap outside a runtime (one thread-local read); inside one it also reads the runtime's
 /// flavour.
-pub fn may_block(call: &'static str, use_instead: &'static str) -> Result<Blocking, Error> {
+pub(crate) fn may_block(call: &'static str, use_instead: &'static str) -> Result<Blocking, Error> {
     let Ok(handle) = Handle::try_current() else {
         return Ok(Blocking::Plain);
     };
@@ -71,16 +71,17 @@ pub fn may_block(call: &'static str, use_instead: &'static str) -> Result<Blocki
     }
 }
 
-/// How a call that blocks on the driver or on a plain thread (never on a tokio task, so it
-/// cannot deadlock) should block this thread: inside [`tokio::task::block_in_place`] on a
-/// multi-thread runtime's thread, so that the worker's other tasks move on, plainly
-/// anywhere else (on a current-thread runtime it stalls that runtime's tasks for the call's
-/// duration, as any slow synchronous call does).
-pub fn may_stall() -> Blocking {
-    match Handle::try_current().map(|h| h.runtime_flavor()) {
+/// Runs `wait`, a call that blocks on the driver or on a plain thread (never on a tokio
+/// task, so it cannot deadlock): inside [`tokio::task::block_in_place`] on a multi-thread
+/// runtime's thread, so that the worker's other tasks move on, plainly anywhere else (on a
+/// current-thread runtime it stalls that runtime's tasks for the call's duration, as any
+/// slow synchronous call does).
+pub fn stall<T>(wait: impl FnOnce() -> T) -> T {
+    let blocking = match Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(RuntimeFlavor::CurrentThread) | Err(_) => Blocking::Plain,
         Ok(_) => Blocking::InPlace,
-    }
+    };
+    blocking.run(wait)
 }
 
 /// Runs `f` with this thread marked as one that no runtime executes tasks on (the
@@ -119,7 +120,7 @@ pub(crate) fn run_here<F: std::future::Future>(work: F) -> F::Output {
 }
 
 /// The blocking call `call` (its name, and the async call to use instead) as a thin adapter
-/// over its async form `work`: decided by [`may_block`], then driven to its end on this
+/// over its async form `work`: decided by `may_block`, then driven to its end on this
 /// thread by `run_here`. For async calls that wait only on actors' replies (no tokio
 /// timer or task of their own).
 pub fn call<F: std::future::Future>(

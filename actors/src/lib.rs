@@ -96,7 +96,7 @@ pub use error::{Error, OomCause};
 pub use free_memory::FreeMemoryCallback;
 pub use lease::{Lease, RawLease};
 pub use mailbox::Inventory;
-pub use memory::{HostMemory, MemoryKind, MemorySource, Origin, PinMethod, Region};
+pub use memory::{MemoryKind, MemorySource, Origin, Region};
 pub use miss::Wait;
 pub use policy::{
     BestFit, BlockLayout, Carving, DeviceFit, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,

@@ -50,9 +50,6 @@ impl fmt::Display for Origin {
     }
 }
 
-/// The name host-memory code uses for [`Origin`].
-pub type PinMethod = Origin;
-
 /// One region of memory as a source handed it out: `size` bytes at `ptr`. For device memory
 /// `ptr` is the device address, not dereferenceable on the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,9 +61,6 @@ pub struct Region {
     /// How it was obtained; the source uses it to choose the matching release call.
     pub method: Origin,
 }
-
-/// The name host-memory code uses for [`Region`].
-pub type HostMemory = Region;
 
 impl Region {
     /// The start address as a number.

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::PinMethod;
+use crate::Origin;
 
 /// How fresh host memory is page-locked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -109,11 +109,11 @@ impl PinStrategy {
     }
 }
 
-impl From<PinStrategy> for PinMethod {
+impl From<PinStrategy> for Origin {
     fn from(strategy: PinStrategy) -> Self {
         match strategy {
-            PinStrategy::HostAlloc => PinMethod::HostAlloc,
-            PinStrategy::Register => PinMethod::Register,
+            PinStrategy::HostAlloc => Origin::HostAlloc,
+            PinStrategy::Register => Origin::Register,
         }
     }
 }

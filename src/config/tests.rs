@@ -1,7 +1,7 @@
 //! Tests of `PINPOOL_CONF` parsing: every key, every kind of malformed input, round trips.
 
 use super::*;
-use crate::PinMethod;
+use crate::Origin;
 
 #[test]
 fn empty_string_gives_the_defaults() {
@@ -187,11 +187,8 @@ fn builder_clamps_prefault_threads() {
 
 #[test]
 fn strategy_maps_to_the_runtime_pin_method() {
-    assert_eq!(
-        PinMethod::from(PinStrategy::HostAlloc),
-        PinMethod::HostAlloc
-    );
-    assert_eq!(PinMethod::from(PinStrategy::Register), PinMethod::Register);
+    assert_eq!(Origin::from(PinStrategy::HostAlloc), Origin::HostAlloc);
+    assert_eq!(Origin::from(PinStrategy::Register), Origin::Register);
 }
 
 // ---- size_policy ----

@@ -14,7 +14,7 @@ use cudarc::driver::{result, CudaContext, CudaStream};
 
 use super::*;
 use crate::config::{Config, PinStrategy};
-use crate::{HostMemory, PinMethod, Runtime};
+use crate::{Origin, Region, Runtime};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -123,7 +123,7 @@ fn both_pin_methods_allocate_use_and_free_1mib_64mib_1gib() {
                 let start = Instant::now();
                 let memory = rt.host_alloc(size).unwrap();
                 let alloc = start.elapsed();
-                assert_eq!(memory.method, PinMethod::from(strategy));
+                assert_eq!(memory.method, Origin::from(strategy));
                 assert!(memory.size >= size);
                 assert_eq!(memory.ptr.as_ptr() as usize % 64, 0);
                 if strategy == PinStrategy::Register && size >= rt.register_granule() {
@@ -196,10 +196,10 @@ fn bad_requests_are_errors_not_panics() {
         .unwrap_err();
     assert!(err.out_of_memory, "{err}");
     let mut plain = vec![0u8; 64];
-    let simulated = HostMemory {
+    let simulated = Region {
         ptr: std::ptr::NonNull::new(plain.as_mut_ptr()).unwrap(),
         size: plain.len(),
-        method: PinMethod::Simulated,
+        method: Origin::Simulated,
     };
     assert!(rt.host_free(simulated).is_err());
 }
@@ -541,7 +541,7 @@ fn expandable_host_memory_maps_granules_copies_across_them_and_unmaps_one_in_the
         return;
     };
     let range = rt.host_reserve(64 * g).unwrap();
-    assert_eq!(range.method, PinMethod::Mapped);
+    assert_eq!(range.method, Origin::Mapped);
     // Bad shapes are refused before the driver sees them.
     assert!(rt.host_map(&range, 1, g).is_err());
     assert!(rt.host_map(&range, 63 * g, 2 * g).is_err());

@@ -18,7 +18,7 @@ use std::ptr::NonNull;
 use cudarc::driver::{result, sys};
 
 use super::error::{os_error, runtime_error};
-use crate::{HostMemory, PinMethod, RuntimeError};
+use crate::{Origin, Region, RuntimeError};
 
 /// Sizes from which the pre-fault is spread over several threads; below it one thread
 /// touches the pages, which costs less than starting threads.
@@ -26,17 +26,17 @@ const PARALLEL_PREFAULT_MIN_BYTES: usize = 8 << 20;
 
 /// `cuMemHostAlloc(size, PORTABLE)`: pinned memory usable from every context. Not
 /// write-combined, so the host can also read it at full speed.
-pub(crate) fn alloc_host(size: usize) -> Result<HostMemory, RuntimeError> {
+pub(crate) fn alloc_host(size: usize) -> Result<Region, RuntimeError> {
     // SAFETY: `malloc_host` only writes the pointer it returns; the memory it hands back is
-    // uninitialised bytes, which `HostMemory` never presents as anything but raw memory.
+    // uninitialised bytes, which `Region` never presents as anything but raw memory.
     let ptr = unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) }
         .map_err(|e| runtime_error("cuMemHostAlloc", e))?;
     let ptr = NonNull::new(ptr.cast::<u8>())
         .ok_or_else(|| RuntimeError::new("cuMemHostAlloc", "returned a null pointer"))?;
-    Ok(HostMemory {
+    Ok(Region {
         ptr,
         size,
-        method: PinMethod::HostAlloc,
+        method: Origin::HostAlloc,
     })
 }
 
@@ -45,23 +45,24 @@ pub(crate) fn alloc_host(size: usize) -> Result<HostMemory, RuntimeError> {
 ///
 /// # Safety
 /// `memory` is exactly as one of those functions returned it, not freed yet, and unused.
-pub(crate) unsafe fn free(memory: HostMemory) -> Result<(), RuntimeError> {
+pub(crate) unsafe fn free(memory: Region) -> Result<(), RuntimeError> {
     match memory.method {
         // SAFETY: guaranteed by the caller; `method` says `alloc_host` made it.
-        PinMethod::HostAlloc => unsafe { free_host(memory.ptr) },
+        Origin::HostAlloc => unsafe { free_host(memory.ptr) },
         // SAFETY: guaranteed by the caller; `method` says `alloc_registered` made it.
-        PinMethod::Register => unsafe { free_registered(memory) },
-        PinMethod::Simulated => Err(RuntimeError::new(
+        Origin::Register => unsafe { free_registered(memory) },
+        Origin::Simulated => Err(RuntimeError::new(
             "host_free",
             "simulated memory was not allocated by the CUDA runtime",
         )),
-        PinMethod::Mapped => Err(RuntimeError::new(
+        Origin::Mapped => Err(RuntimeError::new(
             "host_free",
             "mapped memory goes back with host_unmap, not host_free",
         )),
-        PinMethod::Device | PinMethod::DeviceMapped | PinMethod::SimulatedDevice => Err(
-            RuntimeError::new("host_free", "device memory is not pinned host memory"),
-        ),
+        Origin::Device | Origin::DeviceMapped | Origin::SimulatedDevice => Err(RuntimeError::new(
+            "host_free",
+            "device memory is not pinned host memory",
+        )),
     }
 }
 
@@ -150,7 +151,7 @@ fn huge_page_size() -> usize {
 pub(crate) fn alloc_registered(
     size: usize,
     layout: &RegisterLayout,
-) -> Result<HostMemory, RuntimeError> {
+) -> Result<Region, RuntimeError> {
     let layout = &layout.for_size(size);
     let len = layout
         .rounded(size)
@@ -177,10 +178,10 @@ pub(crate) fn alloc_registered(
     }
     .result();
     registered.map_err(|e| runtime_error("cuMemHostRegister", e))?;
-    Ok(HostMemory {
+    Ok(Region {
         ptr: mapping.into_raw(),
         size: len,
-        method: PinMethod::Register,
+        method: Origin::Register,
     })
 }
 
@@ -190,7 +191,7 @@ pub(crate) fn alloc_registered(
 /// # Safety
 /// `memory` came from [`alloc_registered`] (so `memory.size` is the mapped length) and has
 /// not been freed; nothing uses the memory any more.
-unsafe fn free_registered(memory: HostMemory) -> Result<(), RuntimeError> {
+unsafe fn free_registered(memory: Region) -> Result<(), RuntimeError> {
     // SAFETY: the caller guarantees the range is a live registration made by
     // `alloc_registered`.
     unsafe { sys::cuMemHostUnregister(memory.ptr.as_ptr().cast()) }

@@ -17,9 +17,7 @@ use super::events::{EventPools, PooledEvent};
 use super::host::{self, RegisterLayout};
 use super::vmm;
 use crate::config::{Config, PinStrategy};
-use crate::{
-    HostMemory, MemoryKind, MemorySource, PinMethod, Region, Runtime, RuntimeError, StreamId,
-};
+use crate::{MemoryKind, MemorySource, Origin, Region, Runtime, RuntimeError, StreamId};
 
 /// Driver entry points the runtime uses. cudarc resolves each on first use and panics when
 /// one is missing, so [`CudaRuntime::new`] checks them all up front.
@@ -220,7 +218,7 @@ impl CudaRuntime {
         &self,
         size: usize,
         strategy: PinStrategy,
-    ) -> Result<HostMemory, RuntimeError> {
+    ) -> Result<Region, RuntimeError> {
         let op = match strategy {
             PinStrategy::HostAlloc => "cuMemHostAlloc",
             PinStrategy::Register => "cuMemHostRegister",
@@ -250,12 +248,12 @@ impl CudaRuntime {
     fn vmm_range(
         &self,
         op: &'static str,
-        range: &HostMemory,
+        range: &Region,
         offset: usize,
         size: usize,
     ) -> Result<usize, RuntimeError> {
         let granule = self.vmm_call(op)?;
-        vmm::check_whole_granules(op, range, offset, size, granule, PinMethod::Mapped)?;
+        vmm::check_whole_granules(op, range, offset, size, granule, Origin::Mapped)?;
         Ok(granule)
     }
 
@@ -268,13 +266,13 @@ impl CudaRuntime {
 /// Pinned host memory: the runtime's own calls, and the engine's memory source.
 impl CudaRuntime {
     /// Gets `size` bytes of pinned memory the configured way (`pin_method`).
-    pub fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub fn host_alloc(&self, size: usize) -> Result<Region, RuntimeError> {
         self.host_alloc_with(size, self.config.pin_method)
     }
 
     /// Gives back pinned memory from `host_alloc` or `host_alloc_with`.
-    pub fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
-        if memory.method == PinMethod::Simulated {
+    pub fn host_free(&self, memory: Region) -> Result<(), RuntimeError> {
+        if memory.method == Origin::Simulated {
             return Err(RuntimeError::new(
                 "host_free",
                 "simulated memory was not allocated by the CUDA runtime",
@@ -283,7 +281,7 @@ impl CudaRuntime {
         bind(&self.ctx).map_err(|e| runtime_error("cuCtxSetCurrent", e))?;
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
-        // SAFETY: the engine hands back each `HostMemory` it got from `host_alloc` exactly
+        // SAFETY: the engine hands back each `Region` it got from `host_alloc` exactly
         // once, when nothing uses it any more, with the `method` and `size` it was given.
         unsafe { host::free(memory) }
     }
@@ -295,15 +293,15 @@ impl CudaRuntime {
     }
 
     /// Reserves an address range for expandable host memory.
-    pub(crate) fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub(crate) fn host_reserve(&self, size: usize) -> Result<Region, RuntimeError> {
         let granule = self.vmm_call("cuMemAddressReserve")?;
-        vmm::reserve(size, granule, PinMethod::Mapped)
+        vmm::reserve(size, granule, Origin::Mapped)
     }
 
     /// Maps pinned granules into a reserved range.
     pub(crate) fn host_map(
         &self,
-        range: &HostMemory,
+        range: &Region,
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
@@ -328,7 +326,7 @@ impl CudaRuntime {
     /// Unmaps granules of a reserved range and gives their memory back.
     pub(crate) fn host_unmap(
         &self,
-        range: &HostMemory,
+        range: &Region,
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
@@ -343,13 +341,13 @@ impl CudaRuntime {
     /// unmapped granule at `to`, without pinning memory again (see `MemorySource::remap`).
     pub(crate) fn host_remap(
         &self,
-        range: &HostMemory,
+        range: &Region,
         from: usize,
         to: usize,
     ) -> Result<(), RuntimeError> {
         let granule = self.vmm_call("cuMemMap")?;
         for at in [from, to] {
-            vmm::check_whole_granules("cuMemMap", range, at, granule, granule, PinMethod::Mapped)?;
+            vmm::check_whole_granules("cuMemMap", range, at, granule, granule, Origin::Mapped)?;
         }
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
@@ -360,7 +358,7 @@ impl CudaRuntime {
     }
 
     /// Gives back a reserved range, none of it mapped.
-    pub(crate) fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+    pub(crate) fn host_unreserve(&self, range: Region) -> Result<(), RuntimeError> {
         self.vmm_range("cuMemAddressFree", &range, 0, 0)?;
         // SAFETY: the engine gives back a range it reserved here once nothing is mapped.
         unsafe { vmm::unreserve(range) }

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cudarc::driver::sys;
 
 use super::error::runtime_error;
-use crate::{HostMemory, PinMethod, RuntimeError};
+use crate::{Origin, Region, RuntimeError};
 
 /// The smallest granule used, whatever the driver's minimum (CUDA's host granule on
 /// x86-64 is 2 MiB already).
@@ -103,11 +103,11 @@ pub(crate) fn granularity(location: Location) -> Option<usize> {
 /// (the shape every map, unmap and unreserve call needs).
 pub(crate) fn check_whole_granules(
     op: &'static str,
-    range: &HostMemory,
+    range: &Region,
     offset: usize,
     size: usize,
     granule: usize,
-    method: PinMethod,
+    method: Origin,
 ) -> Result<(), RuntimeError> {
     let whole = offset % granule == 0
         && size % granule == 0
@@ -122,12 +122,8 @@ pub(crate) fn check_whole_granules(
 }
 
 /// Reserves `size` bytes of address space, none of it mapped, described as `method`
-/// ([`PinMethod::Mapped`] for host memory, `DeviceMapped` for device memory).
-pub(crate) fn reserve(
-    size: usize,
-    granule: usize,
-    method: PinMethod,
-) -> Result<HostMemory, RuntimeError> {
+/// ([`Origin::Mapped`] for host memory, `DeviceMapped` for device memory).
+pub(crate) fn reserve(size: usize, granule: usize, method: Origin) -> Result<Region, RuntimeError> {
     let mut va: sys::CUdeviceptr = 0;
     // SAFETY: `va` is valid for the write; no memory is touched.
     check("cuMemAddressReserve", unsafe {
@@ -135,7 +131,7 @@ pub(crate) fn reserve(
     })?;
     let ptr = NonNull::new(va as usize as *mut u8)
         .ok_or_else(|| RuntimeError::new("cuMemAddressReserve", "returned a null address"))?;
-    Ok(HostMemory { ptr, size, method })
+    Ok(Region { ptr, size, method })
 }
 
 /// The devices other than `ordinal` (whose handle is `device`) that can access its memory
@@ -223,7 +219,7 @@ fn create(
 /// `range` came from [`reserve`]; the granules of the span lie inside it, are whole, and
 /// are not mapped; `unit` divides `size`.
 pub(crate) unsafe fn map(
-    range: &HostMemory,
+    range: &Region,
     offset: usize,
     size: usize,
     unit: usize,
@@ -309,7 +305,7 @@ fn set_access(at: sys::CUdeviceptr, size: usize, location: Location) -> Result<(
 /// Each unit of the span was mapped by [`map`] as one mapping, and nothing uses them any
 /// more.
 pub(crate) unsafe fn unmap(
-    range: &HostMemory,
+    range: &Region,
     offset: usize,
     size: usize,
     unit: usize,
@@ -346,7 +342,7 @@ pub(crate) unsafe fn unmap(
 /// `range` came from [`reserve`]; `from` is one mapping of a `granule`-byte handle made by
 /// [`map`] that nothing uses any more; `to` is whole granules of the range, unmapped.
 pub(crate) unsafe fn remap(
-    range: &HostMemory,
+    range: &Region,
     from: usize,
     to: usize,
     granule: usize,
@@ -375,7 +371,7 @@ pub(crate) unsafe fn remap(
 /// `range` came from [`reserve`]; `from` is one mapping of a `len`-byte handle made by
 /// [`map`]; `to` is whole granules of the range, unmapped.
 pub(crate) unsafe fn alias(
-    range: &HostMemory,
+    range: &Region,
     from: usize,
     to: usize,
     len: usize,
@@ -419,7 +415,7 @@ pub(crate) fn retain(at: sys::CUdeviceptr) -> Option<sys::CUmemGenericAllocation
 ///
 /// # Safety
 /// `range` came from [`reserve`] and none of it is mapped.
-pub(crate) unsafe fn unreserve(range: HostMemory) -> Result<(), RuntimeError> {
+pub(crate) unsafe fn unreserve(range: Region) -> Result<(), RuntimeError> {
     // SAFETY: guaranteed by the caller.
     check("cuMemAddressFree", unsafe {
         sys::cuMemAddressFree(range.ptr.as_ptr() as usize as sys::CUdeviceptr, range.size)

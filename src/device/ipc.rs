@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use pinpool_actors::blocking::may_stall;
+use pinpool_actors::blocking;
 use pinpool_actors::{Error, Origin, RuntimeError};
 
 use super::allocator::DeviceAllocator;
@@ -298,7 +298,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
                 }
                 let (ptr, len, device) = (buf.device_ptr(), buf.len(), buf.device());
                 let export =
-                    may_stall().run(|| self.runtime().ipc_export_mapped(device, ptr, len))?;
+                    blocking::stall(|| self.runtime().ipc_export_mapped(device, ptr, len))?;
                 let handle = IpcHandle::new_mapped(
                     NEXT_EXPORT.fetch_add(1, Ordering::Relaxed),
                     export.granule,
@@ -311,7 +311,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             }
             Some(_) => {
                 let ptr = buf.device_ptr();
-                let export = may_stall().run(|| self.runtime().ipc_export(buf.device(), ptr))?;
+                let export = blocking::stall(|| self.runtime().ipc_export(buf.device(), ptr))?;
                 Ok(IpcHandle::new(
                     export.handle,
                     ptr - export.base,
@@ -347,13 +347,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             }
         };
         // Waits for the registry's thread and the driver, never for a tokio task.
-        may_stall().run(|| registry.open(handle))
-    }
-
-    /// [`DeviceAllocator::open_ipc`] from the handle's byte form
-    /// ([`Error::InvalidIpcHandle`] for bytes that are not one).
-    pub fn get_ipc_dev_ptr(&self, handle: &[u8]) -> Result<IpcMemory, Error> {
-        self.open_ipc(&IpcHandle::from_bytes(handle)?)
+        blocking::stall(|| registry.open(handle))
     }
 
     /// Segments of other processes open in this one now.

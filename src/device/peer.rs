@@ -10,7 +10,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use pinpool_actors::blocking::may_stall;
+use pinpool_actors::blocking;
 use pinpool_actors::Error;
 
 use super::allocator::DeviceAllocator;
@@ -63,7 +63,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             return Ok(());
         }
         // The driver call takes its locks for milliseconds: off the worker where it can be.
-        may_stall().run(|| self.runtime().enable_peer_access(device, peer))?;
+        blocking::stall(|| self.runtime().enable_peer_access(device, peer))?;
         self.inner().peers.enable(device, peer);
         Ok(())
     }
@@ -113,7 +113,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     ///     let sent = IpcHandle::new([0; 64], 4096, 1 << 20, 0).to_hex(); // across the process boundary
     ///     let opened = pool.open_ipc(&sent.parse()?); // on a GPU: IpcMemory, closed when dropped
     ///     assert!(matches!(opened, Err(Error::NotSupported { .. })));
-    ///     assert!(matches!(pool.get_ipc_dev_ptr(b"junk"), Err(Error::InvalidIpcHandle { .. })));
+    ///     assert!(matches!(IpcHandle::from_bytes(b"junk"), Err(Error::InvalidIpcHandle { .. })));
     ///     Ok(())
     /// }
     /// ```

@@ -47,7 +47,7 @@ pub enum Violation {
 ///
 /// ```
 /// use pinpool::plan::{check, Plan, Violation};
-/// use pinpool::trace::Lifetime;
+/// use pinpool::plan::Lifetime;
 /// let l = |id, start, end| Lifetime { id, size: 64, start, end };
 /// let plan = Plan::from_parts(vec![l(0, 0, 2), l(1, 1, 3)], vec![0, 0], 64, 64)?;
 /// assert_eq!(check(&plan), Err(Violation::Overlap { first: 0, second: 1 }));

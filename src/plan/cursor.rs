@@ -11,7 +11,6 @@
 //! `end()`, a free of an id that was never served is reported, not undefined behaviour.
 
 use super::Plan;
-use crate::trace::TraceEvent;
 
 /// The first way a run departs from its plan.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -88,15 +87,6 @@ pub enum Observed {
         /// The allocation number.
         id: usize,
     },
-}
-
-impl From<TraceEvent> for Observed {
-    fn from(event: TraceEvent) -> Observed {
-        match event {
-            TraceEvent::Alloc { bytes, .. } => Observed::Alloc { size: bytes },
-            TraceEvent::Free { id } => Observed::Free { id },
-        }
-    }
 }
 
 /// A successfully served allocation.

@@ -142,8 +142,38 @@ pub use recorder::{RecordError, Recorder};
 pub use serve::{ArenaSession, ServeStats};
 pub use session::{ArenaPlan, PlanSessionError};
 
-use crate::trace::Lifetime;
 use problem::Problem;
+
+/// The lifetime of one allocation: live over the half-open time range `[start, end)`,
+/// where time counts events (allocations and frees) of the run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Lifetime {
+    /// Allocation id.
+    pub id: usize,
+    /// Requested size in bytes.
+    pub size: u64,
+    /// Time of the allocation.
+    pub start: u64,
+    /// Time of the free; the end of the run (its number of events) when it is never freed.
+    pub end: u64,
+}
+
+impl Lifetime {
+    /// Whether two lifetimes share a point in time (so cannot share memory).
+    ///
+    /// ```
+    /// use pinpool::plan::Lifetime;
+    /// let a = Lifetime { id: 0, size: 8, start: 0, end: 2 };
+    /// let b = Lifetime { id: 1, size: 8, start: 2, end: 3 };
+    /// assert!(!a.overlaps(&b)); // half-open: `a` is gone when `b` arrives
+    /// ```
+    pub fn overlaps(&self, other: &Lifetime) -> bool {
+        self.start < other.end
+            && other.start < self.end
+            && self.start < self.end
+            && other.start < other.end
+    }
+}
 
 /// Alignment used by [`Planner::plan`]: every offset is a multiple of it, and every size is
 /// rounded up to it.
@@ -215,7 +245,7 @@ impl Planner {
     ///
     /// ```
     /// use pinpool::plan::Planner;
-    /// use pinpool::trace::Lifetime;
+    /// use pinpool::plan::Lifetime;
     /// let lifetimes = [Lifetime { id: 0, size: 10, start: 0, end: 1 }];
     /// assert_eq!(Planner::Greedy.plan_aligned(&lifetimes, 16)?.arena_size(), 16);
     /// assert!(Planner::Greedy.plan_aligned(&lifetimes, 12).is_err());
@@ -248,7 +278,7 @@ impl Planner {
 /// `u64::MAX`.
 ///
 /// ```
-/// use pinpool::trace::Lifetime;
+/// use pinpool::plan::Lifetime;
 /// let l = |size, start, end| Lifetime { id: 0, size, start, end };
 /// assert_eq!(pinpool::plan::lower_bound(&[l(5, 0, 2), l(7, 1, 3), l(9, 2, 4)]), 16);
 /// ```

@@ -1,8 +1,8 @@
 //! The planning problem in normal form: aligned sizes and lifetimes checked once, and the
 //! conflict graph (which allocations are live at the same time) in compressed rows.
 
+use super::Lifetime;
 use super::PlanError;
-use crate::trace::Lifetime;
 
 /// Aligned sizes and lifetimes, indexed like the planner's input.
 pub(crate) struct Problem {

@@ -11,12 +11,12 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use pinpool_actors::blocking::may_block;
+use pinpool_actors::blocking;
 use pinpool_actors::Runtime;
 
-use super::session::{ArenaPlan, Claim, PlanSessionError};
+use super::session::{ArenaPlan, Claim, PlanSessionError, Waiter};
+use super::Lifetime;
 use super::{Observed, Plan, Planner, Recorder, ValidationError};
-use crate::trace::Lifetime;
 use crate::{PinnedAllocator, PinnedBuffer};
 
 /// One noted event; `token` names the allocation until the notes are put in order.
@@ -66,17 +66,16 @@ impl<R: Runtime> Notes<R> {
         })
     }
 
-    async fn alloc(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
+    /// Allocates and notes it; `who` waits for the pool.
+    async fn alloc(&self, size: usize, who: Waiter) -> Result<RecordedBuffer<R>, PlanSessionError> {
         self.check_open()?;
-        let result = self.pool.alloc(size).await;
+        let result = who.alloc(&self.pool, size).await;
         self.track(result)
     }
 
     fn alloc_blocking(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
-        may_block("alloc_blocking", "alloc(..).await")?;
-        self.check_open()?;
-        let result = self.pool.alloc_blocking(size);
-        self.track(result)
+        let call = ("alloc_blocking", "alloc(..).await");
+        blocking::call(call, self.alloc(size, Waiter::Thread))?
     }
 
     fn check_open(&self) -> Result<(), PlanSessionError> {
@@ -184,7 +183,7 @@ impl<R: Runtime> Clone for PlanRecorder<R> {
 impl<R: Runtime> PlanRecorder<R> {
     /// Allocates `size` bytes from the pool and notes it.
     pub async fn alloc(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
-        self.notes.alloc(size).await
+        self.notes.alloc(size, Waiter::Task).await
     }
 
     /// [`PlanRecorder::alloc`] for threads outside the tokio runtime
@@ -281,7 +280,7 @@ impl<R: Runtime> Clone for PlanValidator<R> {
 impl<R: Runtime> PlanValidator<R> {
     /// Allocates `size` bytes from the pool and notes it.
     pub async fn alloc(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
-        self.notes.alloc(size).await
+        self.notes.alloc(size, Waiter::Task).await
     }
 
     /// [`PlanValidator::alloc`] for threads outside the tokio runtime

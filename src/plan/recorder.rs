@@ -1,7 +1,7 @@
 //! The [`Recorder`]: turns the allocation and free calls of one iteration into lifetimes to
-//! plan. Time is the call index, as in [`Trace::lifetimes`](crate::trace::Trace::lifetimes).
+//! plan. Time is the call index, as in a trace file's lifetimes.
 
-use crate::trace::Lifetime;
+use super::Lifetime;
 
 /// A free the recorder cannot accept.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -23,12 +23,12 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use pinpool_actors::blocking::may_block;
+use pinpool_actors::blocking;
 use pinpool_actors::Runtime;
 
 use super::arena::{completed, release, Arena, Freed, Pending, Ticket};
 use super::buffer::{Inner, PlanBuffer};
-use super::session::{ArenaPlan, Claim, PlanSessionError};
+use super::session::{ArenaPlan, Claim, PlanSessionError, Waiter};
 use super::{Mismatch, PlanCursor};
 use crate::{PinnedAllocator, PinnedBuffer};
 
@@ -236,27 +236,29 @@ impl<R: Runtime> ArenaSession<R> {
     /// Allocates `size` bytes: the next slot of the plan if the request matches it, else
     /// from the pool (after a warning, for the rest of the iteration).
     pub async fn alloc(&mut self, size: usize) -> Result<PlanBuffer<R>, PlanSessionError> {
-        match self.step(size) {
-            Step::Ready(buf) => Ok(buf),
-            Step::Pool(ticket) => {
-                let result = self.pool.alloc(size).await;
-                self.pool_buffer(result, ticket)
-            }
-        }
+        self.alloc_by(size, Waiter::Task).await
     }
 
     /// [`ArenaSession::alloc`] for threads outside the tokio runtime
     /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock: see
     /// [`pinpool_actors::blocking`]).
     pub fn alloc_blocking(&mut self, size: usize) -> Result<PlanBuffer<R>, PlanSessionError> {
-        may_block(
+        let call = (
             "ArenaSession::alloc_blocking",
             "ArenaSession::alloc(..).await",
-        )?;
+        );
+        blocking::call(call, self.alloc_by(size, Waiter::Thread))?
+    }
+
+    async fn alloc_by(
+        &mut self,
+        size: usize,
+        who: Waiter,
+    ) -> Result<PlanBuffer<R>, PlanSessionError> {
         match self.step(size) {
             Step::Ready(buf) => Ok(buf),
             Step::Pool(ticket) => {
-                let result = self.pool.alloc_blocking(size);
+                let result = who.alloc(&self.pool, size).await;
                 self.pool_buffer(result, ticket)
             }
         }
@@ -316,6 +318,23 @@ impl<R: Runtime> ArenaSession<R> {
     /// stream work on freed arena bytes may still run, the arena goes back to the pool
     /// (ordered by events) and a new one is taken from it.
     pub async fn reset(&mut self) -> Result<(), PlanSessionError> {
+        self.reset_by(Waiter::Task).await
+    }
+
+    /// [`ArenaSession::reset`] for threads outside the tokio runtime (blocks the thread;
+    /// [`pinpool_actors::Error::WouldDeadlock`] where that would deadlock).
+    pub fn reset_blocking(&mut self) -> Result<(), PlanSessionError> {
+        let call = (
+            "ArenaSession::reset_blocking",
+            "ArenaSession::reset().await",
+        );
+        blocking::call(call, self.reset_by(Waiter::Thread))?
+    }
+
+    /// The reset, with `who` waiting for the frees and for a new arena. A thread that drives
+    /// it does so with [`pinpool_actors::blocking::call`], which parks it while the frees'
+    /// channel is empty; outside a runtime's worker, `yield_now` wakes it again at once.
+    async fn reset_by(&mut self, who: Waiter) -> Result<(), PlanSessionError> {
         loop {
             self.drain();
             if self.exclusive() {
@@ -333,36 +352,7 @@ impl<R: Runtime> ArenaSession<R> {
         }
         let swapped = self.retire_arena();
         let result = if self.arena.is_none() {
-            Some(self.pool.alloc(self.arena_len()).await)
-        } else {
-            None
-        };
-        self.install(swapped, result)
-    }
-
-    /// [`ArenaSession::reset`] for threads outside the tokio runtime (blocks the thread;
-    /// [`pinpool_actors::Error::WouldDeadlock`] where that would deadlock).
-    pub fn reset_blocking(&mut self) -> Result<(), PlanSessionError> {
-        let blocking = may_block(
-            "ArenaSession::reset_blocking",
-            "ArenaSession::reset().await",
-        )?;
-        blocking.run(|| loop {
-            self.drain();
-            if self.exclusive() {
-                break;
-            }
-            if self.live() > 0 {
-                if let Ok(freed) = self.rx.recv() {
-                    self.on_freed(freed);
-                }
-            } else {
-                std::thread::yield_now();
-            }
-        });
-        let swapped = self.retire_arena();
-        let result = if self.arena.is_none() {
-            Some(self.pool.alloc_blocking(self.arena_len()))
+            Some(who.alloc(&self.pool, self.arena_len()).await)
         } else {
             None
         };
@@ -441,12 +431,7 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ([`ArenaSession`]). [`PlanSessionError::ForeignPlan`] if the plan is for another
     /// allocator, [`PlanSessionError::Nested`] while another plan session is under way.
     pub async fn serve_plan(&self, plan: &ArenaPlan) -> Result<ArenaSession<R>, PlanSessionError> {
-        plan.check_owner(self)?;
-        let claim = Claim::take(self.engine().id())?;
-        let (mut session, len) = self.new_arena_session(plan, claim);
-        let buf = self.alloc(len).await?;
-        session.arena = Some(session.new_arena(buf));
-        Ok(session)
+        self.serve_plan_by(plan, Waiter::Task).await
     }
 
     /// [`PinnedAllocator::serve_plan`] for threads outside the tokio runtime
@@ -455,11 +440,19 @@ impl<R: Runtime> PinnedAllocator<R> {
         &self,
         plan: &ArenaPlan,
     ) -> Result<ArenaSession<R>, PlanSessionError> {
-        may_block("serve_plan_blocking", "serve_plan(..).await")?;
+        let call = ("serve_plan_blocking", "serve_plan(..).await");
+        blocking::call(call, self.serve_plan_by(plan, Waiter::Thread))?
+    }
+
+    async fn serve_plan_by(
+        &self,
+        plan: &ArenaPlan,
+        who: Waiter,
+    ) -> Result<ArenaSession<R>, PlanSessionError> {
         plan.check_owner(self)?;
         let claim = Claim::take(self.engine().id())?;
         let (mut session, len) = self.new_arena_session(plan, claim);
-        let buf = self.alloc_blocking(len)?;
+        let buf = who.alloc(self, len).await?;
         session.arena = Some(session.new_arena(buf));
         Ok(session)
     }

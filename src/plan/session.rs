@@ -2,8 +2,9 @@
 //! time.
 //!
 //! Owns [`ArenaPlan`] (a plan that passed the checker, tagged with the allocator it is for),
-//! [`PlanSessionError`], and the registry of allocators with a session under way (an
-//! `ArcSwap` of engine ids updated by read-copy-update: no lock). Serving trusts an
+//! [`PlanSessionError`], who waits in a session's call ([`Waiter`]), and the registry of
+//! allocators with a session under way (an `ArcSwap` of engine ids updated by
+//! read-copy-update: no lock). Serving trusts an
 //! `ArenaPlan`'s offsets to make non-overlapping views, so every `ArenaPlan` went through
 //! [`check`](super::check) and the extra rule below when it was made.
 
@@ -139,7 +140,7 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use pinpool::plan::{Plan, PlanSessionError, Planner};
-    /// use pinpool::trace::Lifetime;
+    /// use pinpool::plan::Lifetime;
     /// let pool = pinpool::PinnedAllocator::builder().build()?;
     /// let l = |id, start, end| Lifetime { id, size: 64, start, end };
     /// let good = Planner::Best.plan(&[l(0, 0, 2), l(1, 1, 3)])?;
@@ -209,5 +210,30 @@ impl Claim {
 impl Drop for Claim {
     fn drop(&mut self) {
         self.release();
+    }
+}
+
+/// Who waits in a plan session's call: the task that awaits it, or a thread that the call's
+/// blocking form has cleared to block ([`pinpool_actors::blocking::call`]). Each call is
+/// written once, as an async function over this; its blocking form drives that function
+/// on the thread with `Waiter::Thread`, whose allocations block in place (a thread's miss
+/// may run the memory source's calls itself, and never needs a tokio timer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Waiter {
+    Task,
+    Thread,
+}
+
+impl Waiter {
+    /// Allocates `size` bytes from `pool`, waiting as `self` does.
+    pub(crate) async fn alloc<R: Runtime>(
+        self,
+        pool: &PinnedAllocator<R>,
+        size: usize,
+    ) -> Result<crate::PinnedBuffer<R>, Error> {
+        match self {
+            Waiter::Task => pool.alloc(size).await,
+            Waiter::Thread => pool.alloc_blocking(size),
+        }
     }
 }

@@ -20,14 +20,14 @@ use std::fmt::Write as _;
 
 use pinpool_actors::{History, PoolId, TraceAction, TraceEntry};
 
-pub use svg::format_bytes;
+pub(crate) use svg::format_bytes;
 
 /// Plot colours (also checked by the screenshot test).
-pub const RESERVED_COLOR: &str = "#1f77b4";
+const RESERVED_COLOR: &str = "#1f77b4";
 /// Colour of bytes in use.
-pub const IN_USE_COLOR: &str = "#2ca02c";
+const IN_USE_COLOR: &str = "#2ca02c";
 /// Colour of bytes waiting on events.
-pub const WAITING_COLOR: &str = "#ff7f0e";
+const WAITING_COLOR: &str = "#ff7f0e";
 
 /// Rows of the largest-allocations table.
 const LARGEST_ROWS: usize = 20;
@@ -36,23 +36,18 @@ const CONTEXT_LINES: usize = 40;
 
 /// One pool's curves: `(time_us, reserved, in_use, waiting)` after each change.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct PoolSeries {
+struct PoolSeries {
     /// The pool.
-    pub pool: PoolId,
+    pool: PoolId,
     /// The points, in time order.
-    pub points: Vec<(u64, i64, i64, i64)>,
+    points: Vec<(u64, i64, i64, i64)>,
     /// How much each curve was raised so that it never goes below zero
     /// (reserved, in use, waiting).
-    pub raised: (i64, i64, i64),
+    raised: (i64, i64, i64),
 }
 
 /// Rebuilds each pool's reserved / in-use / waiting bytes over time from `history`.
-///
-/// ```
-/// let h = pinpool::History::default();
-/// assert!(pinpool::report::series(&h).is_empty());
-/// ```
-pub fn series(history: &History) -> Vec<PoolSeries> {
+fn series(history: &History) -> Vec<PoolSeries> {
     let mut by_pool: BTreeMap<PoolId, Vec<&TraceEntry>> = BTreeMap::new();
     for e in &history.entries {
         let moves = matches!(
@@ -328,3 +323,74 @@ const SCRIPT: &str = r#"
   });
 })();
 "#;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use pinpool_actors::HistoryContext;
+
+    use super::series;
+    use crate::sim::SimRuntime;
+    use crate::tuning::TieredPowerOfTwo;
+    use crate::{Builder, PinnedAllocator};
+
+    #[test]
+    fn an_empty_history_has_no_curves() {
+        assert!(series(&pinpool_actors::History::default()).is_empty());
+    }
+
+    /// A small workload with misses, cached reuse, event waits, an annotation and an empty cache.
+    async fn workload(pool: &PinnedAllocator, sim: &SimRuntime) {
+        pool.record_history(true, 10_000, HistoryContext::Alloc)
+            .unwrap();
+        let stream = sim.stream();
+        let mut held = Vec::new();
+        for i in 0..12usize {
+            held.push(pool.alloc((i + 1) << 16).await.unwrap());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        pool.record_annotation("half freed");
+        let hold = stream.hold();
+        for mut b in held.drain(..6) {
+            b.record_stream(&stream).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        hold.release();
+        stream.synchronize().unwrap();
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        pool.empty_cache().await.unwrap();
+    }
+
+    #[tokio::test]
+    #[cfg_attr(
+        miri,
+        ignore = "runs an allocator's actors on a tokio runtime: not the unsafe code"
+    )]
+    async fn the_curves_follow_the_allocations() {
+        let sim = SimRuntime::new();
+        let pool = Builder::new(Arc::new(sim.clone()))
+            .policy(Arc::new(TieredPowerOfTwo::default()))
+            .build()
+            .unwrap();
+        workload(&pool, &sim).await;
+        let h = pool.history().await.unwrap();
+        let s = series(&h);
+        assert_eq!(s.len(), 1, "one pool");
+        let peak_reserved = s[0].points.iter().map(|p| p.1).max().unwrap();
+        let peak_in_use = s[0].points.iter().map(|p| p.2).max().unwrap();
+        let peak_waiting = s[0].points.iter().map(|p| p.3).max().unwrap();
+        let want: i64 = (1..=12usize)
+            .map(|i| (i << 16usize).next_power_of_two() as i64)
+            .sum();
+        assert_eq!(peak_reserved, want);
+        assert_eq!(peak_in_use, want);
+        assert!(peak_waiting > 0, "some frees waited on events");
+        let last = s[0].points.last().unwrap();
+        assert_eq!((last.1, last.2, last.3), (0, 0, 0), "all given back");
+        assert_eq!(s[0].raised, (0, 0, 0));
+    }
+}

@@ -13,13 +13,8 @@ const RIGHT: f64 = 16.0;
 const TOP: f64 = 28.0;
 const BOTTOM: f64 = 36.0;
 
-/// Bytes as a short human-readable string (binary units).
-///
-/// ```
-/// assert_eq!(pinpool::report::format_bytes(3 << 20), "3.00 MiB");
-/// assert_eq!(pinpool::report::format_bytes(512), "512 B");
-/// ```
-pub fn format_bytes(bytes: i64) -> String {
+/// Bytes as a short human-readable string (binary units): `3.00 MiB`, `512 B`.
+pub(crate) fn format_bytes(bytes: i64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
     let mut i = 0;

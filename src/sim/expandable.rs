@@ -14,7 +14,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use pinpool_actors::{HostMemory, PinMethod, RuntimeError};
+use pinpool_actors::{Origin, Region, RuntimeError};
 
 use super::error::SimError;
 use super::memory::HostAllocation;
@@ -28,7 +28,7 @@ fn refused(op: &'static str, what: String) -> RuntimeError {
 }
 
 #[cfg(unix)]
-pub(super) fn reserve(sim: &SimRuntime, size: usize) -> Result<HostMemory, RuntimeError> {
+pub(super) fn reserve(sim: &SimRuntime, size: usize) -> Result<Region, RuntimeError> {
     const OP: &str = "host_reserve";
     if !sim.shared.expandable {
         return Err(refused(OP, "expandable host memory is turned off".into()));
@@ -41,15 +41,15 @@ pub(super) fn reserve(sim: &SimRuntime, size: usize) -> Result<HostMemory, Runti
         .register(Arc::new(alloc))
         .map_err(|e| e.into_runtime(OP))?;
     sim.shared.live_allocations.fetch_add(1, Ordering::SeqCst);
-    Ok(HostMemory {
+    Ok(Region {
         ptr,
         size,
-        method: PinMethod::Mapped,
+        method: Origin::Mapped,
     })
 }
 
 #[cfg(not(unix))]
-pub(super) fn reserve(_: &SimRuntime, _: usize) -> Result<HostMemory, RuntimeError> {
+pub(super) fn reserve(_: &SimRuntime, _: usize) -> Result<Region, RuntimeError> {
     Err(refused(
         "host_reserve",
         "not supported on this platform".into(),
@@ -60,10 +60,10 @@ pub(super) fn reserve(_: &SimRuntime, _: usize) -> Result<HostMemory, RuntimeErr
 fn reserved(
     sim: &SimRuntime,
     op: &'static str,
-    range: &HostMemory,
+    range: &Region,
 ) -> Result<Arc<HostAllocation>, RuntimeError> {
     let (addr, size) = (range.ptr.as_ptr() as usize, range.size);
-    let found = if range.method == PinMethod::Mapped {
+    let found = if range.method == Origin::Mapped {
         sim.shared
             .ledger
             .find(addr, size)
@@ -82,7 +82,7 @@ fn reserved(
 /// Maps (`map`) or unmaps whole granules of a reserved range.
 pub(super) fn map(
     sim: &SimRuntime,
-    range: &HostMemory,
+    range: &Region,
     offset: usize,
     size: usize,
     map: bool,
@@ -141,7 +141,7 @@ pub(super) fn map(
 /// All or nothing.
 pub(super) fn remap(
     sim: &SimRuntime,
-    range: &HostMemory,
+    range: &Region,
     from: usize,
     to: usize,
 ) -> Result<(), RuntimeError> {
@@ -173,7 +173,7 @@ pub(super) fn remap(
 }
 
 /// Gives a reserved range back; refused while any granule is mapped.
-pub(super) fn unreserve(sim: &SimRuntime, range: HostMemory) -> Result<(), RuntimeError> {
+pub(super) fn unreserve(sim: &SimRuntime, range: Region) -> Result<(), RuntimeError> {
     const OP: &str = "host_unreserve";
     let alloc = reserved(sim, OP, &range)?;
     #[cfg(unix)]

@@ -41,9 +41,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use pinpool_actors::{
-    HostMemory, MemoryKind, MemorySource, PinMethod, Region, Runtime, RuntimeError, StreamId,
-};
+use pinpool_actors::{MemoryKind, MemorySource, Origin, Region, Runtime, RuntimeError, StreamId};
 
 pub use device::SimDeviceBuffer;
 pub(crate) use device_memory::SimDeviceMemory;
@@ -172,11 +170,11 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 /// ```
 /// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 /// use pinpool::Runtime;
-/// use pinpool_actors::PinMethod;
+/// use pinpool_actors::Origin;
 ///
 /// let sim = SimRuntime::new();
 /// let mem = sim.host_alloc(1 << 16).unwrap();
-/// assert_eq!(mem.method, PinMethod::Simulated);
+/// assert_eq!(mem.method, Origin::Simulated);
 /// assert_eq!(sim.live_bytes(), 1 << 16);
 ///
 /// // A buffer overwritten while its copy is still queued is early reuse.
@@ -201,24 +199,23 @@ pub struct SimRuntime {
     _lifeline: Arc<flume::Sender<()>>,
 }
 
-/// Options for a [`SimRuntime`]; start from [`SimRuntime::builder`].
+/// The simulated machine's shape, fixed when it is built: its devices and what the driver
+/// offers; start from [`SimRuntime::builder`]. Timing and limits can change at any time:
+/// [`SimRuntime::set_host_alloc_latency`], [`SimRuntime::set_random_delays`],
+/// [`SimRuntime::set_memory_limit`].
 ///
 /// ```
 /// use std::time::Duration;
 /// use pinpool::sim::SimRuntime;
 ///
-/// let sim = SimRuntime::builder()
-///     .host_alloc_latency(Duration::from_micros(50))
-///     .memory_limit(1 << 30)
-///     .random_delays(7, Duration::from_micros(20))
-///     .build();
-/// assert_eq!(sim.live_bytes(), 0);
+/// let sim = SimRuntime::builder().devices(2).device_capacity(1 << 30).build();
+/// sim.set_host_alloc_latency(Duration::from_micros(50));
+/// sim.set_memory_limit(Some(1 << 30));
+/// sim.set_random_delays(7, Duration::from_micros(20));
+/// assert_eq!((sim.device_count(), sim.live_bytes()), (2, 0));
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct SimRuntimeBuilder {
-    host_alloc_latency: Duration,
-    random_delays: Option<(u64, Duration)>,
-    memory_limit: Option<usize>,
     no_expandable: bool,
     devices: Option<usize>,
     device_capacity: Option<usize>,
@@ -226,24 +223,6 @@ pub struct SimRuntimeBuilder {
 }
 
 impl SimRuntimeBuilder {
-    /// How long each `host_alloc` sleeps, standing in for `cudaHostAlloc` (default zero).
-    pub fn host_alloc_latency(mut self, latency: Duration) -> Self {
-        self.host_alloc_latency = latency;
-        self
-    }
-
-    /// Streams sleep a random time below `max` before each operation (seeded per stream).
-    pub fn random_delays(mut self, seed: u64, max: Duration) -> Self {
-        self.random_delays = Some((seed, max));
-        self
-    }
-
-    /// `host_alloc` fails with out-of-memory once live bytes would exceed `bytes`.
-    pub fn memory_limit(mut self, bytes: usize) -> Self {
-        self.memory_limit = Some(bytes);
-        self
-    }
-
     /// A runtime without expandable host memory (`host_granularity` returns `None`), like
     /// a driver without the virtual memory calls: carving pools use separate segments.
     pub fn without_expandable_memory(mut self) -> Self {
@@ -275,7 +254,7 @@ impl SimRuntimeBuilder {
     /// Builds the runtime (starts its ledger thread).
     pub fn build(self) -> SimRuntime {
         let (lifeline_tx, lifeline_rx) = flume::bounded(1);
-        let sim = SimRuntime {
+        SimRuntime {
             shared: Arc::new(Shared {
                 ledger: Ledger::spawn(),
                 faults: Faults::default(),
@@ -310,13 +289,7 @@ impl SimRuntimeBuilder {
                 lifeline: lifeline_rx,
             }),
             _lifeline: Arc::new(lifeline_tx),
-        };
-        sim.set_host_alloc_latency(self.host_alloc_latency);
-        if let Some((seed, max)) = self.random_delays {
-            sim.set_random_delays(seed, max);
         }
-        sim.set_memory_limit(self.memory_limit);
-        sim
     }
 }
 
@@ -584,7 +557,7 @@ impl SimRuntime {
 impl SimRuntime {
     /// Gets `size` bytes of simulated pinned memory (zeroed, page-aligned), counted as live
     /// until `host_free`. Fails as out of memory past the runtime's memory limit.
-    pub fn host_alloc(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub fn host_alloc(&self, size: usize) -> Result<Region, RuntimeError> {
         const OP: &str = "host_alloc";
         self.shared.faults.check(FaultPoint::HostAlloc)?;
         if size == 0 {
@@ -610,20 +583,20 @@ impl SimRuntime {
         }
         self.shared.live_allocations.fetch_add(1, Ordering::SeqCst);
         self.shared.total_host_allocs.fetch_add(1, Ordering::SeqCst);
-        Ok(HostMemory {
+        Ok(Region {
             ptr,
             size,
-            method: PinMethod::Simulated,
+            method: Origin::Simulated,
         })
     }
 
     /// Gives back memory from `host_alloc`; a free of memory it never gave out, or still
     /// used by queued work, is recorded as a violation.
-    pub fn host_free(&self, memory: HostMemory) -> Result<(), RuntimeError> {
+    pub fn host_free(&self, memory: Region) -> Result<(), RuntimeError> {
         const OP: &str = "host_free";
         self.shared.faults.check(FaultPoint::HostFree)?;
         let (addr, size) = (memory.ptr.as_ptr() as usize, memory.size);
-        let found = if memory.method == PinMethod::Simulated {
+        let found = if memory.method == Origin::Simulated {
             self.shared
                 .ledger
                 .remove(addr, size)
@@ -664,14 +637,14 @@ impl SimRuntime {
     }
 
     /// Reserves an address range for expandable host memory.
-    pub(crate) fn host_reserve(&self, size: usize) -> Result<HostMemory, RuntimeError> {
+    pub(crate) fn host_reserve(&self, size: usize) -> Result<Region, RuntimeError> {
         expandable::reserve(self, size)
     }
 
     /// Maps granules of a reserved range.
     pub(crate) fn host_map(
         &self,
-        range: &HostMemory,
+        range: &Region,
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
@@ -681,7 +654,7 @@ impl SimRuntime {
     /// Unmaps granules of a reserved range.
     pub(crate) fn host_unmap(
         &self,
-        range: &HostMemory,
+        range: &Region,
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
@@ -692,7 +665,7 @@ impl SimRuntime {
     /// granule at `to` (see `MemorySource::remap`).
     pub(crate) fn host_remap(
         &self,
-        range: &HostMemory,
+        range: &Region,
         from: usize,
         to: usize,
     ) -> Result<(), RuntimeError> {
@@ -700,7 +673,7 @@ impl SimRuntime {
     }
 
     /// Gives back a reserved range, none of it mapped.
-    pub(crate) fn host_unreserve(&self, range: HostMemory) -> Result<(), RuntimeError> {
+    pub(crate) fn host_unreserve(&self, range: Region) -> Result<(), RuntimeError> {
         expandable::unreserve(self, range)
     }
 }

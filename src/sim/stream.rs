@@ -517,10 +517,10 @@ impl std::fmt::Debug for SimStream {
 mod tests {
     use super::super::ViolationKind;
     use super::*;
-    use pinpool_actors::{HostMemory, MemorySource, Region, Runtime};
+    use pinpool_actors::{MemorySource, Region, Runtime};
     use std::time::Instant;
 
-    fn setup(size: usize) -> (SimRuntime, SimStream, HostMemory) {
+    fn setup(size: usize) -> (SimRuntime, SimStream, Region) {
         let sim = SimRuntime::new();
         let stream = sim.stream();
         let mem = sim.host_alloc(size).unwrap();

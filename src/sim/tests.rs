@@ -7,7 +7,7 @@ use std::time::Instant;
 fn host_alloc_returns_zeroed_page_aligned_simulated_memory() {
     let sim = SimRuntime::new();
     let mem = sim.host_alloc(10_000).unwrap();
-    assert_eq!(mem.method, PinMethod::Simulated);
+    assert_eq!(mem.method, Origin::Simulated);
     assert_eq!(mem.size, 10_000);
     assert_eq!(mem.ptr.as_ptr() as usize % HOST_ALIGN, 0);
     assert!(sim
@@ -55,22 +55,22 @@ fn double_free_is_an_error_and_changes_nothing() {
 fn freeing_memory_the_runtime_does_not_own_is_an_error() {
     let sim = SimRuntime::new();
     let mut local = [0u8; 64];
-    let foreign = HostMemory {
+    let foreign = Region {
         ptr: std::ptr::NonNull::new(local.as_mut_ptr()).unwrap(),
         size: 64,
-        method: PinMethod::Simulated,
+        method: Origin::Simulated,
     };
     assert!(sim.host_free(foreign).is_err());
     let mem = sim.host_alloc(64).unwrap();
-    assert!(sim.host_free(HostMemory { size: 32, ..mem }).is_err());
+    assert!(sim.host_free(Region { size: 32, ..mem }).is_err());
     assert!(sim
-        .host_free(HostMemory {
-            method: PinMethod::HostAlloc,
+        .host_free(Region {
+            method: Origin::HostAlloc,
             ..mem
         })
         .is_err());
     assert!(sim
-        .host_free(HostMemory {
+        .host_free(Region {
             ptr: std::ptr::NonNull::new(mem.ptr.as_ptr().wrapping_add(1)).unwrap(),
             ..mem
         })
@@ -99,7 +99,8 @@ fn zero_size_alloc_is_an_error() {
 
 #[test]
 fn memory_limit_refuses_with_out_of_memory_and_frees_make_room() {
-    let sim = SimRuntime::builder().memory_limit(8192).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(8192));
     let a = sim.host_alloc(4096).unwrap();
     let b = sim.host_alloc(4096).unwrap();
     let err = sim.host_alloc(1).unwrap_err();
@@ -124,9 +125,8 @@ fn huge_alloc_fails_with_out_of_memory_instead_of_panicking() {
 
 #[test]
 fn host_alloc_sleeps_for_the_configured_latency() {
-    let sim = SimRuntime::builder()
-        .host_alloc_latency(Duration::from_millis(15))
-        .build();
+    let sim = SimRuntime::new();
+    sim.set_host_alloc_latency(Duration::from_millis(15));
     let start = Instant::now();
     let mem = sim.host_alloc(64).unwrap();
     assert!(start.elapsed() >= Duration::from_millis(15));
@@ -254,7 +254,7 @@ fn expandable_memory_is_live_only_where_mapped_and_misuse_is_refused() {
     let sim = SimRuntime::new();
     let g = sim.host_granularity().unwrap();
     let range = sim.host_reserve(16 * g).unwrap();
-    assert_eq!(range.method, PinMethod::Mapped);
+    assert_eq!(range.method, Origin::Mapped);
     assert_eq!((sim.live_allocations(), sim.live_bytes()), (1, 0));
     let base = range.ptr.as_ptr();
     assert!(sim.host_write(base, &[1; 8]).is_err(), "nothing mapped yet");
@@ -294,7 +294,8 @@ fn expandable_memory_is_live_only_where_mapped_and_misuse_is_refused() {
     ignore = "reserves 16-32 MiB, which miri materialises and tracks byte by byte: too slow"
 )]
 fn mapping_counts_against_the_memory_limit_and_can_be_turned_off() {
-    let sim = SimRuntime::builder().memory_limit(4 << 20).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(4 << 20));
     let g = sim.host_granularity().unwrap();
     let range = sim.host_reserve(8 * g).unwrap();
     sim.host_map(&range, 0, 2 * g).unwrap();

@@ -155,10 +155,8 @@ async fn a_peer_copy_made_behind_the_allocators_back_is_caught_as_early_reuse() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_stream_delays_never_let_a_freed_source_be_refilled_before_its_copy_ran() {
-    let sim = SimRuntime::builder()
-        .devices(2)
-        .random_delays(17, Duration::from_millis(1))
-        .build();
+    let sim = SimRuntime::builder().devices(2).build();
+    sim.set_random_delays(17, Duration::from_millis(1));
     let (pool, sim) = two_devices(sim);
     let (s0, s1) = (sim.stream_on(0).unwrap(), sim.stream_on(1).unwrap());
     pool.enable_peer_access(1, 0).unwrap();
@@ -404,7 +402,7 @@ async fn ipc_on_the_simulated_runtime_is_a_typed_not_supported_error() {
         })
     ));
     assert!(matches!(
-        pool.get_ipc_dev_ptr(&handle.to_bytes()),
+        pool.open_ipc(&IpcHandle::from_bytes(&handle.to_bytes()).unwrap()),
         Err(Error::NotSupported { .. })
     ));
     assert_eq!(pool.ipc_open_segments(), 0);
@@ -433,13 +431,13 @@ async fn a_block_of_an_expandable_segment_cannot_be_exported_and_the_error_names
 async fn bad_ipc_handles_are_typed_errors() {
     let (pool, _sim) = two_devices(SimRuntime::builder().devices(2).build());
     assert!(matches!(
-        pool.get_ipc_dev_ptr(b"garbage"),
+        IpcHandle::from_bytes(b"garbage"),
         Err(Error::InvalidIpcHandle { .. })
     ));
     let mut bytes = IpcHandle::new([1; 64], 0, 512, 0).to_bytes();
     bytes[3] = b'X';
     assert!(matches!(
-        pool.get_ipc_dev_ptr(&bytes),
+        IpcHandle::from_bytes(&bytes),
         Err(Error::InvalidIpcHandle { .. })
     ));
     // A device this process does not have.

@@ -157,18 +157,18 @@ async fn a_cancelled_allocation_loses_nothing() {
 async fn decoder_pass(
     pool: &pinpool::DeviceAllocator<pinpool::sim::SimRuntime>,
     stream: &<pinpool::sim::SimRuntime as pinpool::Runtime>::Stream,
-    trace: &pinpool::trace::Trace,
+    trace: &pinpool_tools::trace::Trace,
 ) -> (i64, i64) {
     pool.reset_peak_stats(0).unwrap();
     let before = pool.stats(0).unwrap().num_device_alloc;
     let mut live = std::collections::HashMap::new();
     for e in trace.events() {
         match *e {
-            pinpool::trace::TraceEvent::Alloc { id, bytes, .. } => {
+            pinpool_tools::trace::TraceEvent::Alloc { id, bytes, .. } => {
                 let b = pool.alloc(bytes as usize, stream).await.unwrap();
                 live.insert(id, b);
             }
-            pinpool::trace::TraceEvent::Free { id } => drop(live.remove(&id)),
+            pinpool_tools::trace::TraceEvent::Free { id } => drop(live.remove(&id)),
         }
     }
     drop(live);
@@ -182,7 +182,7 @@ async fn after_a_users_empty_cache_requests_take_memory_as_they_would_from_a_fre
         env!("CARGO_MANIFEST_DIR"),
         "/traces/decoder_serving_mix.trace.gz"
     );
-    let trace = pinpool::trace::Trace::open(path).unwrap();
+    let trace = pinpool_tools::trace::Trace::open(path).unwrap();
     let sim = pinpool::sim::SimRuntime::new();
     let pool = pinpool::DeviceBuilder::new(std::sync::Arc::new(sim.clone()))
         .build()

@@ -376,7 +376,8 @@ async fn a_runtime_without_expandable_memory_gets_separate_segments() {
 #[tokio::test]
 async fn near_the_pinned_memory_limit_a_block_smaller_than_a_granule_gets_a_segment_of_its_own() {
     // 1 MiB of pinned memory in all: no 2 MiB granule can be mapped.
-    let sim = SimRuntime::builder().memory_limit(1 << 20).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(1 << 20));
     let pool = Builder::new(Arc::new(sim.clone()))
         .policy(Arc::new(BestFit::default()))
         .build()

@@ -382,7 +382,8 @@ async fn every_out_of_memory_error_is_counted_in_num_ooms_for_pinned_and_device_
     assert_eq!(pool.stats().num_ooms, 2);
     drop(held);
     // Pinned: the runtime itself out of memory.
-    let sim = SimRuntime::builder().memory_limit(8 * MIB).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(8 * MIB));
     let pool = Builder::new(Arc::new(sim))
         .policy(Arc::new(TieredPowerOfTwo::default()))
         .build()

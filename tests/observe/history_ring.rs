@@ -244,7 +244,8 @@ async fn captures_are_marked_in_their_pool() {
 
 #[tokio::test]
 async fn an_out_of_memory_failure_is_recorded() {
-    let sim = SimRuntime::builder().memory_limit(1 << 20).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(1 << 20));
     let pool = Builder::new(Arc::new(sim.clone())).build().unwrap();
     pool.record_history(true, 1000, HistoryContext::None)
         .unwrap();

@@ -58,7 +58,8 @@ async fn a_trace_tracker_is_not_called_while_history_is_off() {
 
 #[tokio::test]
 async fn an_oom_observer_is_told_the_request_and_what_was_reserved() {
-    let sim = SimRuntime::builder().memory_limit(1 << 20).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(1 << 20));
     let pool = Builder::new(Arc::new(sim.clone())).build().unwrap();
     let (tx, rx) = flume::unbounded::<OomReport>();
     pool.attach_oom_observer(move |r| {
@@ -79,7 +80,8 @@ async fn an_oom_observer_is_told_the_request_and_what_was_reserved() {
 
 #[tokio::test]
 async fn a_callback_that_blocks_does_not_stall_allocations() {
-    let sim = SimRuntime::builder().memory_limit(1 << 20).build();
+    let sim = SimRuntime::new();
+    sim.set_memory_limit(Some(1 << 20));
     let pool = Builder::new(Arc::new(sim.clone())).build().unwrap();
     let (release, blocked) = flume::bounded::<()>(1);
     let entered = Arc::new(AtomicBool::new(false));

@@ -7,7 +7,7 @@ mod replay;
 
 use std::path::PathBuf;
 
-use pinpool::trace::{Trace, TraceEvent};
+use pinpool_tools::trace::{Trace, TraceEvent};
 
 fn temp_file(name: &str, text: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("pinpool-replay-{}", std::process::id()));

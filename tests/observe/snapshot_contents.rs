@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use pinpool::sim::SimRuntime;
-use pinpool::tuning::PinMethod;
+use pinpool::tuning::Origin;
 use pinpool::{BlockStatus, Builder, Error, MemorySnapshot, PoolId};
 use pinpool_testkit::sim_pool;
 
@@ -52,7 +52,7 @@ async fn a_snapshot_shows_each_block_state() {
     assert_eq!(b.address, in_use.as_ptr() as usize);
     assert_eq!(b.streams, vec![stream.id().0]);
     assert_eq!((seg.pool, seg.total_size), (0, 4 * KIB));
-    assert_eq!(seg.pin_method, PinMethod::Simulated.to_string());
+    assert_eq!(seg.pin_method, Origin::Simulated.to_string());
 
     let (_, b) = by_size(8 * KIB);
     assert_eq!(b.state, BlockStatus::Cached);

@@ -3,7 +3,8 @@
 
 use std::io::Write;
 
-use pinpool::trace::{Lifetime, Trace, TraceError, TraceErrorKind, TraceEvent};
+use pinpool::plan::Lifetime;
+use pinpool_tools::trace::{Trace, TraceError, TraceErrorKind, TraceEvent};
 
 fn text(s: &str) -> Result<Trace, TraceError> {
     Trace::read_text(s.as_bytes(), "t")

@@ -1,7 +1,7 @@
 //! Recording one iteration and serving or validating a later one against its plan.
 
 use pinpool::plan::{Mismatch, Observed, Plan, Planner, Recorder, ValidationError};
-use pinpool::trace::Trace;
+use pinpool_tools::trace::Trace;
 
 /// a(100) b(200) free a, c(100) free b, free c: `c` may take `a`'s bytes.
 fn small_plan() -> Plan {

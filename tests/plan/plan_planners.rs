@@ -1,8 +1,8 @@
 //! The planners: every plan passes the independent checker, stays at or above the lower
 //! bound, and `best` is deterministic and never worse than `greedy`.
 
+use pinpool::plan::Lifetime;
 use pinpool::plan::{check, lower_bound, Plan, PlanError, Planner, Violation};
-use pinpool::trace::Lifetime;
 use proptest::prelude::*;
 
 fn l(id: usize, size: u64, start: u64, end: u64) -> Lifetime {

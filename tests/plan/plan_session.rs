@@ -1,11 +1,11 @@
 //! Recording a run on the allocator, planning it, validating a later run against the plan
 //! and serving later runs from one pinned arena.
 
+use pinpool::plan::Lifetime;
 use pinpool::plan::{
     check, ArenaPlan, ArenaSession, Mismatch, Plan, PlanSessionError, Planner, Recording,
 };
 use pinpool::sim::{SimDeviceBuffer, SimRuntime};
-use pinpool::trace::Lifetime;
 use pinpool::PinnedAllocator;
 use pinpool_testkit::{on_plain_thread, sim_pool};
 
@@ -689,4 +689,64 @@ fn the_blocking_api_works_from_plain_threads() {
     })
     .join()
     .unwrap();
+}
+
+/// Runs iterations of a two-buffer plan on `session`, each reset with `reset_blocking` while
+/// another thread drops the iteration's last buffer (before, during or after the wait).
+fn reset_blocking_while_another_thread_frees(session: &mut ArenaSession<SimRuntime>, rounds: u64) {
+    let resets = session.stats().resets;
+    for _ in 0..rounds {
+        let a = session.alloc_blocking(100).unwrap();
+        let b = session.alloc_blocking(200).unwrap();
+        assert!(a.is_served() && b.is_served());
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let dropper = std::thread::spawn(move || {
+            wait.recv().unwrap();
+            drop(b);
+        });
+        drop(a);
+        go.send(()).unwrap();
+        session.reset_blocking().unwrap();
+        assert_eq!(session.live(), 0);
+        dropper.join().unwrap();
+    }
+    let stats = session.stats();
+    assert_eq!(stats.resets, resets + rounds);
+    assert_eq!(stats.arena_swaps, 0, "no stream work: the arena is kept");
+    assert_eq!(stats.fallbacks, 0);
+}
+
+#[test]
+fn reset_blocking_waits_for_a_buffer_freed_by_another_thread_on_plain_and_worker_threads() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let (pool, _sim) = rt.block_on(async { sim_pool() });
+    let (_, recording) = pool
+        .record_plan_with_blocking(|rec| {
+            let a = rec.alloc_blocking(100).unwrap();
+            let b = rec.alloc_blocking(200).unwrap();
+            drop((a, b));
+        })
+        .unwrap();
+    let plan = recording.plan_with(Planner::Greedy).unwrap();
+    // A plain thread: the reset is driven outside any runtime.
+    let mut session = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut session = pool.serve_plan_blocking(&plan).unwrap();
+            reset_blocking_while_another_thread_frees(&mut session, 200);
+            session
+        })
+        .join()
+        .unwrap()
+    });
+    // A multi-thread runtime's worker: the reset blocks in place.
+    session = rt
+        .block_on(rt.spawn(async move {
+            reset_blocking_while_another_thread_frees(&mut session, 200);
+            session
+        }))
+        .unwrap();
+    assert_eq!(session.stats().resets, 400);
 }

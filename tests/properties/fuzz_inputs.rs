@@ -14,8 +14,9 @@ use std::io::Write;
 use flate2::write::GzEncoder;
 use flate2::Compression;
 use pinpool::config::{Config, DeviceConfig};
+use pinpool::plan::Lifetime;
 use pinpool::plan::{check, Observed, Plan, PlanCursor, Planner};
-use pinpool::trace::{Lifetime, Trace, TraceErrorKind};
+use pinpool_tools::trace::{Trace, TraceErrorKind};
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------------------------------

@@ -26,9 +26,8 @@ fn sizes(seed: u64) -> impl Iterator<Item = usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn streams_sharing_buffers_never_see_early_reuse_and_lose_nothing() {
-    let sim = SimRuntime::builder()
-        .random_delays(7, Duration::from_micros(30))
-        .build();
+    let sim = SimRuntime::new();
+    sim.set_random_delays(7, Duration::from_micros(30));
     let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
     let readers: Vec<_> = (0..3).map(|_| sim.stream()).collect();
     let mut tasks = Vec::new();

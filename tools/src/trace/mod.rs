@@ -10,7 +10,7 @@
 //! # Example
 //!
 //! ```
-//! use pinpool::trace::{Trace, TraceEvent};
+//! use pinpool_tools::trace::{Trace, TraceEvent};
 //!
 //! let text = "# two buffers\na 0 4096 0\na 1 512 7\nf 0\n";
 //! let trace = Trace::read_text(text.as_bytes(), "inline")?;
@@ -23,7 +23,7 @@
 //!
 //! let err = Trace::read_text("a 0 64 0\nf 1\n".as_bytes(), "bad").unwrap_err();
 //! assert_eq!(err.to_string(), "bad:2: free of unknown allocation id 1");
-//! # Ok::<(), pinpool::trace::TraceError>(())
+//! # Ok::<(), pinpool_tools::trace::TraceError>(())
 //! ```
 
 mod build;
@@ -36,6 +36,8 @@ use std::io::BufReader;
 use std::path::Path;
 
 pub use error::{TraceError, TraceErrorKind};
+
+use pinpool::plan::{Lifetime, Observed};
 
 /// One event of a trace, in time order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -54,37 +56,6 @@ pub enum TraceEvent {
         /// Id of an allocation that is live at this point.
         id: usize,
     },
-}
-
-/// The lifetime of one allocation: live over the half-open time range `[start, end)`,
-/// where time is the index of an event in [`Trace::events`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Lifetime {
-    /// Allocation id.
-    pub id: usize,
-    /// Requested size in bytes.
-    pub size: u64,
-    /// Time of the allocation.
-    pub start: u64,
-    /// Time of the free; the number of events in the trace when it is never freed.
-    pub end: u64,
-}
-
-impl Lifetime {
-    /// Whether two lifetimes share a point in time (so cannot share memory).
-    ///
-    /// ```
-    /// use pinpool::trace::Lifetime;
-    /// let a = Lifetime { id: 0, size: 8, start: 0, end: 2 };
-    /// let b = Lifetime { id: 1, size: 8, start: 2, end: 3 };
-    /// assert!(!a.overlaps(&b)); // half-open: `a` is gone when `b` arrives
-    /// ```
-    pub fn overlaps(&self, other: &Lifetime) -> bool {
-        self.start < other.end
-            && other.start < self.end
-            && self.start < self.end
-            && other.start < other.end
-    }
 }
 
 /// A validated allocation trace: its events in time order and, per allocation id, its
@@ -156,7 +127,8 @@ impl Trace {
         &self.events
     }
 
-    /// The lifetimes, indexed by allocation id (`lifetimes()[i].id == i`).
+    /// The lifetimes, indexed by allocation id (`lifetimes()[i].id == i`), with time the
+    /// index of an event in [`Trace::events`].
     pub fn lifetimes(&self) -> &[Lifetime] {
         &self.lifetimes
     }
@@ -183,5 +155,14 @@ impl Trace {
             }
         }
         peak
+    }
+}
+
+impl From<TraceEvent> for Observed {
+    fn from(event: TraceEvent) -> Observed {
+        match event {
+            TraceEvent::Alloc { bytes, .. } => Observed::Alloc { size: bytes },
+            TraceEvent::Free { id } => Observed::Free { id },
+        }
     }
 }
