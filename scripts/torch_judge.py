@@ -1058,6 +1058,10 @@ class Judge:
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("PYTHONHASHSEED", "0")
+        if part == "tests":
+            # The ported cases copy tensors between GPUs when there are two: mapped memory
+            # reaches another GPU only with peer access granted up front (docs/torch.md).
+            env.setdefault("PINPOOL_TORCH_PEER_ACCESS", "1")
         cmd = [sys.executable, "-u", os.path.abspath(__file__), "--worker", part, "--mode", mode,
                "--lib", self.lib, "--out", self.out]
         t0 = time.time()

@@ -27,7 +27,7 @@ use super::context::{bind, KeepCurrent, RelaxedCaptureMode};
 use super::error::runtime_error;
 use super::ipc;
 use super::runtime::{device_count, stream_id, CudaRuntime};
-use super::vmm::{self, Location};
+use super::vmm::{self, Location, PeerGrants};
 use crate::device::{
     DeviceBuffer, DeviceBuilder, DeviceOps, DeviceRuntime, IpcExport, IPC_HANDLE_BYTES,
 };
@@ -45,10 +45,9 @@ pub(crate) struct CudaDeviceMemory {
     /// Whether mapped memory is created exportable as a POSIX file descriptor (for
     /// `ipc_handle`): probed once here, cleared if `cuMemCreate` refuses it.
     shareable: AtomicBool,
-    /// The other devices that can reach this one's memory peer to peer (a bit per
-    /// ordinal): mapped memory is made accessible to them too, as `cuMemAlloc`'s is once
-    /// peer access is enabled (PyTorch enables it behind an external allocator's back).
-    peers: u64,
+    /// The devices given access to this device's memory (peer access enabled for them):
+    /// memory mapped from then on is accessible to them too, as `cuMemAlloc`'s is.
+    grants: Arc<PeerGrants>,
 }
 
 impl std::fmt::Debug for CudaDeviceMemory {
@@ -63,23 +62,23 @@ impl std::fmt::Debug for CudaDeviceMemory {
 
 impl CudaDeviceMemory {
     /// The memory of the device whose (primary) context is `ctx`.
-    pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
+    pub(crate) fn new(ctx: Arc<CudaContext>, grants: Arc<PeerGrants>) -> Self {
         let location = Location::device(ctx.ordinal() as std::ffi::c_int);
         let granule = bind(&ctx).ok().and_then(|()| vmm::granularity(location));
         let shareable = granule.is_some() && vmm::fd_handles_supported(ctx.cu_device());
         Self {
-            peers: vmm::peers_of(ctx.cu_device(), ctx.ordinal()),
+            grants,
             ctx,
             granule,
             shareable: AtomicBool::new(shareable),
         }
     }
 
-    /// This device's mapped memory, open to every device that can reach it.
+    /// This device's mapped memory, open to the devices granted access to it so far.
     fn location(&self) -> Location {
         Location::Device {
             device: self.ctx.ordinal() as std::ffi::c_int,
-            peers: self.peers,
+            peers: self.grants.of(self.ctx.ordinal()),
         }
     }
 
@@ -331,8 +330,10 @@ impl DeviceOps for CudaRuntime {
     }
 
     fn device_memory(&self, device: usize) -> Result<Arc<dyn MemorySource>, Error> {
-        let memory: Arc<dyn MemorySource> =
-            Arc::new(CudaDeviceMemory::new(self.device_context(device)?));
+        let memory: Arc<dyn MemorySource> = Arc::new(CudaDeviceMemory::new(
+            self.device_context(device)?,
+            self.peer_grants(),
+        ));
         Ok(memory)
     }
 
@@ -389,7 +390,9 @@ impl DeviceOps for CudaRuntime {
     }
 
     fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {
-        ipc::enable_peer(&self.device_context(device)?, &self.device_context(peer)?)
+        ipc::enable_peer(&self.device_context(device)?, &self.device_context(peer)?)?;
+        self.peer_grants().grant(peer, device);
+        Ok(())
     }
 
     unsafe fn copy_device_async(

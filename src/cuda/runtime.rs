@@ -140,6 +140,9 @@ pub struct CudaRuntime {
     events: EventPools,
     /// The granule of expandable host memory, when the driver has it.
     vmm_granule: Option<usize>,
+    /// Which devices may access each device's mapped memory (see
+    /// [`crate::DeviceAllocator::enable_peer_access`]).
+    peer_grants: Arc<vmm::PeerGrants>,
 }
 
 impl std::fmt::Debug for CudaRuntime {
@@ -180,7 +183,13 @@ impl CudaRuntime {
             layout,
             events: EventPools::new(),
             vmm_granule,
+            peer_grants: Arc::new(vmm::PeerGrants::new(count)),
         })
+    }
+
+    /// The grants of access to each device's mapped memory.
+    pub(crate) fn peer_grants(&self) -> Arc<vmm::PeerGrants> {
+        self.peer_grants.clone()
     }
 
     /// A new non-blocking stream on this runtime's device (the call that makes a stream on

@@ -134,31 +134,29 @@ pub(crate) fn reserve(size: usize, granule: usize, method: Origin) -> Result<Reg
     Ok(Region { ptr, size, method })
 }
 
-/// The devices other than `ordinal` (whose handle is `device`) that can access its memory
-/// peer to peer, a bit per ordinal (devices past the 64th are left out); none where the
-/// driver cannot say.
-pub(crate) fn peers_of(device: sys::CUdevice, ordinal: usize) -> u64 {
-    let mut count: c_int = 0;
-    // SAFETY: `count` is a valid out-location.
-    if unsafe { sys::cuDeviceGetCount(&mut count) } != sys::CUresult::CUDA_SUCCESS {
-        return 0;
+/// Which devices have been given access to each device's mapped memory, a bit per
+/// ordinal (devices past the 64th are left out): set by peer access being enabled, read at
+/// every map call, never cleared (peer access lasts as long as the context).
+#[derive(Debug)]
+pub(crate) struct PeerGrants(Box<[std::sync::atomic::AtomicU64]>);
+
+impl PeerGrants {
+    /// No grants among `count` devices.
+    pub(crate) fn new(count: usize) -> Self {
+        Self((0..count).map(|_| Default::default()).collect())
     }
-    let mut peers = 0u64;
-    for other in 0..count.min(64) {
-        if other as usize == ordinal {
-            continue;
-        }
-        let (mut handle, mut can): (sys::CUdevice, c_int) = (0, 0);
-        // SAFETY: out-locations valid; `other` is below the device count.
-        let ok = unsafe { sys::cuDeviceGet(&mut handle, other) } == sys::CUresult::CUDA_SUCCESS
-            // SAFETY: both handles name existing devices.
-            && unsafe { sys::cuDeviceCanAccessPeer(&mut can, handle, device) }
-                == sys::CUresult::CUDA_SUCCESS;
-        if ok && can != 0 {
-            peers |= 1 << other;
+
+    /// The devices that map calls of `device`'s memory give access to, besides itself.
+    pub(crate) fn of(&self, device: usize) -> u64 {
+        self.0.get(device).map_or(0, |m| m.load(Ordering::Acquire))
+    }
+
+    /// From now on, memory that `owner` maps is accessible to `accessor` too.
+    pub(crate) fn grant(&self, owner: usize, accessor: usize) {
+        if let (Some(m), true) = (self.0.get(owner), accessor < 64 && accessor != owner) {
+            m.fetch_or(1 << accessor, Ordering::AcqRel);
         }
     }
-    peers
 }
 
 /// Whether device `device` can export memory as POSIX file descriptors

@@ -25,6 +25,14 @@ use crate::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
 /// allocator answers every request in about a microsecond; such a round trip takes tens.
 const THREAD_CACHE: usize = 32 << 20;
 
+/// The environment variable that, set to `1`, gives every GPU access to the memory the
+/// others map (for every pair with a peer path), before any memory is taken. PyTorch enables
+/// peer access for a copy between two GPUs behind an external allocator's back, and mapped
+/// memory is reachable only by the devices its mapping names; without this, such a copy
+/// fails with CUDA's invalid-argument error. Off by default: with it, every map call on a
+/// host of several GPUs also sets the peers' access, which costs several times as much.
+pub(crate) const PEER_ENV_VAR: &str = "PINPOOL_TORCH_PEER_ACCESS";
+
 /// The plugin with the runtime its actors run on.
 struct Backend {
     plugin: Plugin<CudaRuntime>,
@@ -49,6 +57,15 @@ fn build() -> Result<Backend, Error> {
         builder = builder.config(&DeviceConfig::default().with_thread_cache(THREAD_CACHE));
     }
     let alloc = builder.build()?;
+    if std::env::var_os(PEER_ENV_VAR).is_some_and(|v| v == "1") {
+        let n = alloc.device_count();
+        for (device, peer) in (0..n).flat_map(|d| (0..n).map(move |p| (d, p))) {
+            match alloc.enable_peer_access(device, peer) {
+                Ok(()) | Err(Error::PeerAccessUnsupported { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
     let streams = CudaStreams::new(alloc.device_count());
     Ok(Backend {
         plugin: Plugin::new(alloc, Arc::new(streams)),
