@@ -61,8 +61,6 @@ pub(crate) struct HostAllocation {
     device_writes_started: AtomicU64,
     /// Device writes finished (incremented after the bytes changed).
     device_writes_finished: AtomicU64,
-    /// Device writes numbered so far (device memory: the next write's number).
-    write_seq: AtomicU64,
     /// Which stream last wrote each unit (device memory; made at the first write, `None`
     /// inside when it could not be).
     write_map: OnceLock<Option<WriteMap>>,
@@ -73,6 +71,18 @@ pub(crate) struct HostAllocation {
 unsafe impl Send for HostAllocation {}
 // SAFETY: as above.
 unsafe impl Sync for HostAllocation {}
+
+/// Device writes numbered so far, across every allocation: one order for all of them, so
+/// that "written after this moment" means the same for every allocation (a stream that
+/// waited for another's event takes the moment its wait ended, see `worker`).
+static DEVICE_WRITE_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// The number the next device write will take: an operation enqueued now was reused early
+/// if another stream writes its bytes with this number or a later one before it runs (see
+/// [`HostAllocation::foreign_write_since`]).
+pub(crate) fn device_write_seq() -> u64 {
+    DEVICE_WRITE_SEQ.load(Ordering::SeqCst)
+}
 
 impl HostAllocation {
     /// Allocates `size` zeroed bytes aligned to `HOST_ALIGN`.
@@ -92,7 +102,6 @@ impl HostAllocation {
             device: None,
             device_writes_started: AtomicU64::new(0),
             device_writes_finished: AtomicU64::new(0),
-            write_seq: AtomicU64::new(0),
             write_map: OnceLock::new(),
         })
     }
@@ -108,11 +117,9 @@ impl HostAllocation {
         self
     }
 
-    /// The number the next device write will take: an operation enqueued now was reused
-    /// early if another stream writes its bytes with this number or a later one before it
-    /// runs (see [`HostAllocation::foreign_write_since`]).
+    /// The number the next device write will take (see [`device_write_seq`]).
     pub(crate) fn write_seq(&self) -> u64 {
-        self.write_seq.load(Ordering::SeqCst)
+        device_write_seq()
     }
 
     /// The latest device write numbered `since` or later, by a stream other than `stream`,
@@ -133,7 +140,7 @@ impl HostAllocation {
     /// numbers the write and stamps it on the bytes' units first.
     pub(crate) fn device_write(&self, stream: u64, addr: usize, len: usize, write: impl FnOnce()) {
         if self.device.is_some() {
-            let seq = self.write_seq.fetch_add(1, Ordering::SeqCst);
+            let seq = DEVICE_WRITE_SEQ.fetch_add(1, Ordering::SeqCst);
             let map = self.write_map.get_or_init(|| WriteMap::new(self.size));
             if let Some(map) = map {
                 map.mark(addr - self.addr(), len, stream, seq);
@@ -225,7 +232,6 @@ impl HostAllocation {
             device: None,
             device_writes_started: AtomicU64::new(0),
             device_writes_finished: AtomicU64::new(0),
-            write_seq: AtomicU64::new(0),
             write_map: OnceLock::new(),
         })
     }

@@ -417,10 +417,11 @@ impl SimStream {
         self.submit(|_| Ok(Work::WaitEvent(state)))
     }
 
-    /// Whether this stream still waits for another stream's event. Device memory that an
-    /// operation enqueued meanwhile touches is not checked against other streams' writes:
-    /// the wait orders the writes the other stream made before its event ahead of the
-    /// operation, and they may still come after the operation's snapshot.
+    /// Whether this stream still waits for another stream's event. The wait orders the
+    /// writes made before that event ahead of an operation enqueued meanwhile, and they may
+    /// still come after the operation's snapshot: such an operation's device memory is
+    /// checked against other streams' writes from the end of the wait on
+    /// (`Expect::after_wait`).
     fn awaiting(&self) -> bool {
         self.inner
             .awaited
@@ -432,10 +433,12 @@ impl SimStream {
     /// The snapshot an operation of this stream enqueued now checks `range` against (see
     /// [`Self::awaiting`]).
     fn snapshot_of(&self, range: &HostRange) -> Option<worker::Expect> {
-        if range.device().is_some() && self.awaiting() {
-            return None;
-        }
-        range.snapshot_for()
+        let expect = range.snapshot_for()?;
+        Some(if range.device().is_some() && self.awaiting() {
+            expect.after_wait()
+        } else {
+            expect
+        })
     }
 
     /// Queues or captures the operation `build` makes (it is told whether it is captured).

@@ -25,7 +25,7 @@ use pinpool_actors::StreamId;
 use super::device::SimDeviceBuffer;
 use super::error::SimError;
 use super::event::EventState;
-use super::memory::{atomic_bytes, checksum, checksum_atomic, HostAllocation};
+use super::memory::{self, atomic_bytes, checksum, checksum_atomic, HostAllocation};
 use super::rng::XorShift;
 use super::violation::ViolationKind;
 use super::Shared;
@@ -83,6 +83,7 @@ impl HostRange {
                 checksum: 0,
                 generation: 0,
                 write_seq: Some(owner.write_seq()),
+                after_wait: false,
             }),
             None => self.snapshot(),
         }
@@ -107,6 +108,7 @@ impl HostRange {
             checksum,
             generation,
             write_seq: None,
+            after_wait: false,
         })
     }
 
@@ -158,8 +160,22 @@ impl HostRange {
 pub(crate) struct Expect {
     checksum: u64,
     generation: u64,
-    /// For device memory: the number the allocation's next device write would take.
+    /// For device memory: the number the next device write would take.
     write_seq: Option<u64>,
+    /// Enqueued while its stream waited for another stream's event: device writes up to the
+    /// end of the wait the operation's stream last ran before it are ordered before it.
+    after_wait: bool,
+}
+
+impl Expect {
+    /// This expectation, for an operation enqueued while its stream waits for another
+    /// stream's event.
+    pub(crate) fn after_wait(self) -> Self {
+        Self {
+            after_wait: true,
+            ..self
+        }
+    }
 }
 
 /// A device operation: what a stream runs, and what a capture records.
@@ -222,6 +238,8 @@ struct Worker {
     jitter: Option<(XorShift, u64)>,
     executed: u64,
     progress: Arc<Progress>,
+    /// The device-write number when the last wait for another stream's event ended.
+    waited_at: u64,
 }
 
 /// How far a stream has got: operations that occupy it (work and holds) queued, and run to
@@ -275,6 +293,7 @@ pub(crate) fn spawn(
         jitter,
         executed: 0,
         progress,
+        waited_at: 0,
     };
     std::thread::Builder::new()
         .name(format!("pinpool-sim-stream-{}", stream.0))
@@ -397,6 +416,7 @@ impl Worker {
                 while !state.is_done() {
                     std::thread::sleep(Duration::from_micros(20));
                 }
+                self.waited_at = memory::device_write_seq();
             }
             Work::Launch(graph) => {
                 for w in graph.iter() {
@@ -414,8 +434,11 @@ impl Worker {
         now: impl FnOnce() -> Option<Expect>,
         what: &str,
     ) {
-        let Some(expect) = expect else { return };
-        if let Some(how) = range.changed_unordered(expect, now, self.stream) {
+        let Some(mut expect) = *expect else { return };
+        if expect.after_wait {
+            expect.write_seq = expect.write_seq.map(|q| q.max(self.waited_at));
+        }
+        if let Some(how) = range.changed_unordered(&expect, now, self.stream) {
             self.shared.report(
                 ViolationKind::EarlyReuse,
                 Some(self.stream),

@@ -3,16 +3,18 @@
 //! enqueue and its execution (early reuse), whatever other streams wrote elsewhere in the
 //! same mapping meanwhile.
 //!
-//! Every device write takes a sequence number from its allocation when it starts
-//! (`HostAllocation::device_write`) and stamps it, with its stream, on each unit it
+//! Every device write takes a sequence number from one counter shared by all allocations
+//! when it starts (`HostAllocation::device_write`) and stamps it, with its stream, on each unit it
 //! touches before it changes any byte. Each unit keeps two stamps: the latest write, and
 //! the latest write by a stream other than that one's. So for any stream `s`, "the latest
 //! write to this unit by a stream other than `s`" is exact: the first stamp when it is not
 //! `s`'s, the second otherwise. An operation of stream `s` enqueued when the allocation's
 //! sequence stood at `q` was reused early if some unit of its range has such a write
-//! numbered `q` or later. (The simulation has no device-side waits between streams: a write
-//! of another stream that a program orders before an operation has run, and been waited
-//! for by the host, before the operation is enqueued, so it is numbered below `q`.)
+//! numbered `q` or later. A write of another stream that a program orders before an
+//! operation has run, and been waited for by the host, before the operation is enqueued, so
+//! it is numbered below `q`; or it is ordered by a wait of the operation's stream for that
+//! stream's event, and then `q` is taken when the wait ended instead (`Expect::after_wait`):
+//! everything the event waited for, through any chain of waits, is numbered below it.
 //!
 //! Units are 512 bytes, the alignment and granularity of device blocks, so two blocks never
 //! share one; two streams writing disjoint bytes of one unit are not told apart. Stamps are

@@ -51,6 +51,53 @@ fn a_stream_made_to_wait_for_another_streams_event_runs_its_later_work_after_tha
     sim.host_free(mem).unwrap();
 }
 
+/// Work queued on a stream behind its wait for another stream's event is still checked for
+/// early reuse: the writes that event orders before it pass, a third stream's write after
+/// the wait ended does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_queued_behind_a_wait_for_another_streams_event_is_still_checked_for_early_reuse() {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .build()
+        .expect("allocator builds inside a runtime");
+    let (a, b, c) = (sim.stream(), sim.stream(), sim.stream());
+    let x = pool.alloc(MIB, &a).await.unwrap();
+    let addr = x.device_ptr();
+
+    // A's write runs after B's fill is queued, but B waits for A's event: ordered.
+    let hold_a = a.hold();
+    a.fill_device(addr, MIB, 1).unwrap();
+    let event = sim.record_event(&a).unwrap();
+    sim.stream_wait_event(&b, &event).unwrap();
+    sim.release_event(event);
+    let waited = sim.record_event(&b).unwrap(); // complete once B's wait has ended
+    let hold_b = b.hold();
+    b.fill_device(addr, MIB, 2).unwrap();
+    drop(hold_a);
+    a.synchronize().unwrap();
+    while !sim.query_event(&waited).unwrap() {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    sim.release_event(waited);
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+
+    // C writes the bytes after B's wait ended and before B's fill runs: nothing orders it.
+    c.fill_device(addr, MIB, 3).unwrap();
+    c.synchronize().unwrap();
+    drop(hold_b);
+    b.synchronize().unwrap();
+    let log = sim.violation_log();
+    assert_eq!(log.len(), 1, "{log:?}");
+    assert_eq!(log[0].stream, Some(b.id()));
+    assert!(
+        log[0]
+            .message
+            .contains(&format!("written by stream {}", c.id().0)),
+        "{log:?}"
+    );
+    drop(x);
+}
+
 #[test]
 fn waiting_for_an_event_recorded_during_capture_is_refused() {
     let sim = SimRuntime::new();
