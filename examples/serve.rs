@@ -12,7 +12,7 @@
 //!
 //! ```text
 //! cargo run --release --example serve -- [--requests N] [--concurrency N] [--streams N]
-//!     [--max-mib N] [--device-max-mib N] [--lend]
+//!     [--max-mib N] [--device-max-mib N] [--no-lend]
 //! ```
 //!
 //! - `--requests N` (default 20000), `--concurrency N` request tasks (default 64),
@@ -23,11 +23,13 @@
 //! - `--device-max-mib N` caps reserved device memory (default 48; 0 for none). The requests
 //!   hold little device memory at once (about 12 MiB on the simulated runtime: each frees its
 //!   device buffers as soon as its work is enqueued), but unbounded the allocator reserves
-//!   about 100 MiB, since each stream's pool keeps blocks of every size it has served. At 48 MiB it empties its caches
-//!   now and then to stay under the cap, and a few requests wait for room (the table counts
-//!   both); the lower the cap, the more of each.
-//! - `--lend`: under the device cap, a stream's pool borrows memory other streams' pools
-//!   hold before every cache is emptied (`DeviceBuilder::lend_between_streams`).
+//!   about 100 MiB, since each stream's pool keeps blocks of every size it has served. At
+//!   48 MiB a stream's pool that finds no room borrows memory another stream's pool holds
+//!   (`DeviceBuilder::lend_between_streams`: its stream waits for the lender's queued work,
+//!   no driver call), and empties the caches only when nothing can be borrowed; a few
+//!   requests wait for room (the table counts each); the lower the cap, the more of each.
+//! - `--no-lend`: stream pools do not lend each other memory; under the device cap they
+//!   empty their caches instead (memory goes back to the driver and is taken again).
 //! - `PINPOOL_DEVICE_CONF` (e.g. `expandable_segments:False,max_split_size_mb:64`) sets the
 //!   device allocator's layout.
 //!
@@ -70,7 +72,7 @@ struct Args {
     /// The pinned allocator's size policy (`None`: the builder's, from `PINPOOL_CONF` or the
     /// default).
     policy: Option<SizePolicyChoice>,
-    /// Stream pools lend each other memory under the device cap.
+    /// Stream pools lend each other memory under the device cap (default: on).
     lend: bool,
 }
 
@@ -136,7 +138,7 @@ fn parse_args() -> Result<Args, String> {
         max_mib: 40,
         device_max_mib: 48,
         policy: None,
-        lend: false,
+        lend: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -152,7 +154,7 @@ fn parse_args() -> Result<Args, String> {
             "--streams" => a.streams = value("--streams")?.max(1) as usize,
             "--max-mib" => a.max_mib = value("--max-mib")?,
             "--device-max-mib" => a.device_max_mib = value("--device-max-mib")?,
-            "--lend" => a.lend = true,
+            "--no-lend" => a.lend = false,
             "--policy" => {
                 let name = it.next().ok_or("--policy needs a value")?;
                 a.policy = Some(SizePolicyChoice::from_name(&name).ok_or_else(|| {
@@ -166,11 +168,12 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 println!(
                     "usage: serve [--requests N] [--concurrency N] [--streams N] [--max-mib N] \
-                     [--device-max-mib N] [--policy NAME] [--lend]\n\
+                     [--device-max-mib N] [--policy NAME] [--no-lend]\n\
                      --max-mib caps reserved pinned memory (default 40; 0 for none): requests\n\
                      over the cap wait for buffers to come back instead of failing\n\
                      --device-max-mib caps reserved device memory (default 48; 0 for none)\n\
-                     --lend: under the device cap, stream pools lend each other memory\n\
+                     --no-lend: under the device cap, stream pools empty their caches instead\n\
+                     of lending each other memory\n\
                      --policy sets the pinned allocator's size policy (default, tiered, pow2,\n\
                      bestfit, bestfit_segments; default: PINPOOL_CONF's, else the default)\n\
                      {DEVICE_ENV_VAR} sets the device allocator's layout \
