@@ -20,7 +20,12 @@ async fn the_pinned_builder_keeps_its_cap_and_timeout_when_the_runtime_changes()
         .build()
         .unwrap();
     assert_eq!(pool.max_bytes(), Some(1 << 20));
-    let held = pool.alloc(1 << 20).await.unwrap();
+    // The first request gets a generous wait of its own, so that a loaded machine cannot time
+    // it out; the second uses the builder's.
+    let held = pool
+        .alloc_timeout(1 << 20, Duration::from_secs(30))
+        .await
+        .unwrap();
     assert!(
         sim.live_bytes() >= 1 << 20,
         "the new runtime gives the memory"
