@@ -183,7 +183,11 @@ async fn the_builder_timeout_applies_to_alloc() {
         .alloc_timeout(Duration::from_millis(20))
         .build()
         .unwrap();
-    let held = pool.alloc(MIB).await.unwrap();
+    // A wait of its own for the first request (a loaded machine must not time it out).
+    let held = pool
+        .alloc_timeout(MIB, Duration::from_secs(30))
+        .await
+        .unwrap();
     assert!(matches!(pool.alloc(MIB).await, Err(Error::Timeout { .. })));
     let snap = pool.snapshot().await.unwrap();
     assert_eq!(snap.config.alloc_timeout_ms, Some(20));
