@@ -29,8 +29,6 @@ struct StreamInner {
     tx: flume::Sender<Op>,
     progress: Arc<Progress>,
     capture: Arc<CaptureState>,
-    /// The last event of another stream this stream was made to wait for.
-    awaited: arc_swap::ArcSwapOption<EventState>,
 }
 
 /// A simulated stream: operations run strictly in order on the stream's own thread.
@@ -108,7 +106,6 @@ impl SimStream {
                 tx,
                 progress,
                 capture: Arc::new(CaptureState::new(id)),
-                awaited: arc_swap::ArcSwapOption::empty(),
             }),
         };
         (stream, started)
@@ -413,32 +410,15 @@ impl SimStream {
             return Ok(());
         }
         let state = Arc::clone(&event.state);
-        self.inner.awaited.store(Some(Arc::clone(&state)));
         self.submit(|_| Ok(Work::WaitEvent(state)))
     }
 
-    /// Whether this stream still waits for another stream's event. The wait orders the
-    /// writes made before that event ahead of an operation enqueued meanwhile, and they may
-    /// still come after the operation's snapshot: such an operation's device memory is
-    /// checked against other streams' writes from the end of the wait on
-    /// (`Expect::after_wait`).
-    fn awaiting(&self) -> bool {
-        self.inner
-            .awaited
-            .load()
-            .as_ref()
-            .is_some_and(|s| !s.is_done())
-    }
-
-    /// The snapshot an operation of this stream enqueued now checks `range` against (see
-    /// [`Self::awaiting`]).
+    /// The snapshot an operation of this stream enqueued now checks `range` against. Writes
+    /// that a wait of this stream queued before the operation orders ahead of it may come
+    /// after the snapshot: the worker checks from the end of its last wait on (see
+    /// `worker::Worker::waited_at`).
     fn snapshot_of(&self, range: &HostRange) -> Option<worker::Expect> {
-        let expect = range.snapshot_for()?;
-        Some(if range.device().is_some() && self.awaiting() {
-            expect.after_wait()
-        } else {
-            expect
-        })
+        range.snapshot_for()
     }
 
     /// Queues or captures the operation `build` makes (it is told whether it is captured).

@@ -83,7 +83,6 @@ impl HostRange {
                 checksum: 0,
                 generation: 0,
                 write_seq: Some(owner.write_seq()),
-                after_wait: false,
             }),
             None => self.snapshot(),
         }
@@ -108,7 +107,6 @@ impl HostRange {
             checksum,
             generation,
             write_seq: None,
-            after_wait: false,
         })
     }
 
@@ -162,20 +160,6 @@ pub(crate) struct Expect {
     generation: u64,
     /// For device memory: the number the next device write would take.
     write_seq: Option<u64>,
-    /// Enqueued while its stream waited for another stream's event: device writes up to the
-    /// end of the wait the operation's stream last ran before it are ordered before it.
-    after_wait: bool,
-}
-
-impl Expect {
-    /// This expectation, for an operation enqueued while its stream waits for another
-    /// stream's event.
-    pub(crate) fn after_wait(self) -> Self {
-        Self {
-            after_wait: true,
-            ..self
-        }
-    }
 }
 
 /// A device operation: what a stream runs, and what a capture records.
@@ -238,7 +222,11 @@ struct Worker {
     jitter: Option<(XorShift, u64)>,
     executed: u64,
     progress: Arc<Progress>,
-    /// The device-write number when the last wait for another stream's event ended.
+    /// The device-write number when the last wait for another stream's event ended. Every
+    /// operation after that wait in the queue was enqueued after it and is ordered after the
+    /// event, and so after every device write numbered below this (the event completed only
+    /// once the writes it waited for, through any chain of waits, were done): an operation
+    /// is checked against foreign writes from here on, or from its enqueue if later.
     waited_at: u64,
 }
 
@@ -435,9 +423,7 @@ impl Worker {
         what: &str,
     ) {
         let Some(mut expect) = *expect else { return };
-        if expect.after_wait {
-            expect.write_seq = expect.write_seq.map(|q| q.max(self.waited_at));
-        }
+        expect.write_seq = expect.write_seq.map(|q| q.max(self.waited_at));
         if let Some(how) = range.changed_unordered(&expect, now, self.stream) {
             self.shared.report(
                 ViolationKind::EarlyReuse,

@@ -13,8 +13,9 @@
 //! numbered `q` or later. A write of another stream that a program orders before an
 //! operation has run, and been waited for by the host, before the operation is enqueued, so
 //! it is numbered below `q`; or it is ordered by a wait of the operation's stream for that
-//! stream's event, and then `q` is taken when the wait ended instead (`Expect::after_wait`):
-//! everything the event waited for, through any chain of waits, is numbered below it.
+//! stream's event, queued before the operation, and then the check starts from the number
+//! when that wait ended if it is later than `q` (`Worker::waited_at`): everything the event
+//! waited for, through any chain of waits, is numbered below it.
 //!
 //! Units are 512 bytes, the alignment and granularity of device blocks, so two blocks never
 //! share one; two streams writing disjoint bytes of one unit are not told apart. Stamps are

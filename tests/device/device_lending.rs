@@ -98,6 +98,37 @@ async fn work_queued_behind_a_wait_for_another_streams_event_is_still_checked_fo
     drop(x);
 }
 
+/// A stream made to wait for two events, the later one complete already: work queued after
+/// both is ordered after the earlier, still pending one too, and the writes it orders first
+/// are not early reuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_queued_behind_two_waits_is_ordered_after_both_events() {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .build()
+        .expect("allocator builds inside a runtime");
+    let (a, b, c) = (sim.stream(), sim.stream(), sim.stream());
+    let x = pool.alloc(MIB, &a).await.unwrap();
+    let addr = x.device_ptr();
+
+    let hold_a = a.hold();
+    a.fill_device(addr, MIB, 1).unwrap();
+    let pending = sim.record_event(&a).unwrap();
+    sim.stream_wait_event(&b, &pending).unwrap();
+    sim.release_event(pending);
+    let done = sim.record_event(&c).unwrap();
+    c.synchronize().unwrap();
+    sim.stream_wait_event(&b, &done).unwrap();
+    sim.release_event(done);
+    // Queued behind both waits: A's write, still to come, is ordered before it.
+    b.fill_device(addr, MIB, 2).unwrap();
+    drop(hold_a);
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+    drop(x);
+}
+
 #[test]
 fn waiting_for_an_event_recorded_during_capture_is_refused() {
     let sim = SimRuntime::new();
