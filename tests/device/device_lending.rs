@@ -7,8 +7,8 @@
 
 use std::sync::Arc;
 
-use pinpool::sim::SimRuntime;
-use pinpool::{DeviceAllocator, DeviceBuilder, Error, Runtime};
+use pinpool::sim::{SimRuntime, SimStream};
+use pinpool::{DeviceAllocator, DeviceBuffer, DeviceBuilder, Error, Runtime};
 use pinpool_testkit::all_bytes_are;
 
 const MIB: usize = 1 << 20;
@@ -51,25 +51,41 @@ fn a_stream_made_to_wait_for_another_streams_event_runs_its_later_work_after_tha
     sim.host_free(mem).unwrap();
 }
 
+/// A simulated device's allocator, three streams, and a 1 MiB block allocated on the first.
+async fn three_streams_and_a_block() -> (
+    SimRuntime,
+    DeviceAllocator<SimRuntime>,
+    [SimStream; 3],
+    DeviceBuffer<SimRuntime>,
+) {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .build()
+        .expect("allocator builds inside a runtime");
+    let streams = [sim.stream(), sim.stream(), sim.stream()];
+    let x = pool.alloc(MIB, &streams[0]).await.unwrap();
+    (sim, pool, streams, x)
+}
+
+/// Makes `waiter` wait for the work queued on `on` so far (an event recorded there).
+fn wait_for(sim: &SimRuntime, waiter: &SimStream, on: &SimStream) {
+    let event = sim.record_event(on).unwrap();
+    sim.stream_wait_event(waiter, &event).unwrap();
+    sim.release_event(event);
+}
+
 /// Work queued on a stream behind its wait for another stream's event is still checked for
 /// early reuse: the writes that event orders before it pass, a third stream's write after
 /// the wait ended does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_queued_behind_a_wait_for_another_streams_event_is_still_checked_for_early_reuse() {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .build()
-        .expect("allocator builds inside a runtime");
-    let (a, b, c) = (sim.stream(), sim.stream(), sim.stream());
-    let x = pool.alloc(MIB, &a).await.unwrap();
+    let (sim, _pool, [a, b, c], x) = three_streams_and_a_block().await;
     let addr = x.device_ptr();
 
     // A's write runs after B's fill is queued, but B waits for A's event: ordered.
     let hold_a = a.hold();
     a.fill_device(addr, MIB, 1).unwrap();
-    let event = sim.record_event(&a).unwrap();
-    sim.stream_wait_event(&b, &event).unwrap();
-    sim.release_event(event);
+    wait_for(&sim, &b, &a);
     let waited = sim.record_event(&b).unwrap(); // complete once B's wait has ended
     let hold_b = b.hold();
     b.fill_device(addr, MIB, 2).unwrap();
@@ -103,24 +119,15 @@ async fn work_queued_behind_a_wait_for_another_streams_event_is_still_checked_fo
 /// are not early reuse.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_queued_behind_two_waits_is_ordered_after_both_events() {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .build()
-        .expect("allocator builds inside a runtime");
-    let (a, b, c) = (sim.stream(), sim.stream(), sim.stream());
-    let x = pool.alloc(MIB, &a).await.unwrap();
+    let (sim, _pool, [a, b, c], x) = three_streams_and_a_block().await;
     let addr = x.device_ptr();
 
     let hold_a = a.hold();
     a.fill_device(addr, MIB, 1).unwrap();
-    let pending = sim.record_event(&a).unwrap();
-    sim.stream_wait_event(&b, &pending).unwrap();
-    sim.release_event(pending);
-    let done = sim.record_event(&c).unwrap();
+    wait_for(&sim, &b, &a); // still pending
     c.synchronize().unwrap();
-    sim.stream_wait_event(&b, &done).unwrap();
-    sim.release_event(done);
-    // Queued behind both waits: A's write, still to come, is ordered before it.
+    wait_for(&sim, &b, &c); // complete already
+                            // Queued behind both waits: A's write, still to come, is ordered before it.
     b.fill_device(addr, MIB, 2).unwrap();
     drop(hold_a);
     a.synchronize().unwrap();
