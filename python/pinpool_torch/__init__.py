@@ -264,12 +264,19 @@ def graph_hooks():
     return _hooks
 
 
-def enable(path=None):
+def enable(path=None, peer_access=False):
     """Makes pinpool PyTorch's CUDA allocator for this process. Call it before anything
     initialises CUDA (the first tensor on a GPU, torch.cuda.init(), ...): PyTorch can swap
     its allocator only then. Returns a dict: the library's path and whether the graph-pool
-    hooks are installed."""
+    hooks are installed.
+
+    `peer_access=True` (the same as PINPOOL_TORCH_PEER_ACCESS=1) gives every GPU access to
+    the memory the others map, for copies between GPUs in this process (`tensor.to("cuda:1")`);
+    it makes every map call on a host of several GPUs dearer (docs/torch.md)."""
     import torch
+
+    if peer_access:
+        os.environ["PINPOOL_TORCH_PEER_ACCESS"] = "1"
 
     if torch.cuda.is_initialized():
         raise RuntimeError(
