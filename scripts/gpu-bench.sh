@@ -13,6 +13,9 @@
 #                                           RUN_DIR as host.txt, device.txt, serve.txt and
 #                                           machine.txt, ready for scripts/bench-tables.py
 #
+# DIR also gets device-ab.sh and ab-medians.py, for interleaved quick runs of variants (a
+# binary, environment settings) and their medians.
+#
 # DIR/base/, when present, holds the same three programs built from an earlier commit: they
 # run right after the current ones, and their figures are printed as `base <metric> ...`, so a
 # change is compared with its baseline on one machine in one run.
@@ -32,7 +35,8 @@ build() {
         cp -f "$target/release/examples/$p" "$dir/$p"
         strip --strip-debug "$dir/$p" 2>/dev/null || true
     done
-    cp -f "$here/gpu-bench.sh" "$here/serve-compare.sh" "$dir/"
+    cp -f "$here/gpu-bench.sh" "$here/serve-compare.sh" "$here/device-ab.sh" \
+        "$here/ab-medians.py" "$dir/"
     cp -f "$root"/traces/*.trace.gz "$dir/traces/"
     if [ -d "$root/../shared/anchors" ]; then
         mkdir -p "$dir/shared"
