@@ -145,6 +145,15 @@ impl ShardStat {
         }
     }
 
+    /// All added and all removed, both sides.
+    #[inline]
+    fn totals(&self) -> (i64, i64) {
+        (
+            self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed),
+            self.freed.load(Relaxed) + self.remote_freed.load(Relaxed),
+        )
+    }
+
     fn side_allowance(&self, owner: bool) -> &AtomicI64 {
         if owner {
             &self.owner_allowance
@@ -208,10 +217,7 @@ impl ShardStat {
 
     /// The statistic, with no peak (the ledger's books have it).
     pub(crate) fn read(&self) -> Stat {
-        let (a, f) = (
-            self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed),
-            self.freed.load(Relaxed) + self.remote_freed.load(Relaxed),
-        );
+        let (a, f) = self.totals();
         Stat {
             current: a - f,
             peak: 0,
@@ -221,10 +227,7 @@ impl ShardStat {
     }
 
     pub(crate) fn reset_accumulated(&self) {
-        let (a, f) = (
-            self.allocated.load(Relaxed) + self.remote_allocated.load(Relaxed),
-            self.freed.load(Relaxed) + self.remote_freed.load(Relaxed),
-        );
+        let (a, f) = self.totals();
         self.base_allocated.store(a, Relaxed);
         self.base_freed.store(f, Relaxed);
     }

@@ -33,7 +33,7 @@ pub(crate) enum Location {
     /// Pinned host memory, accessed by this device.
     Host { device: c_int },
     /// This device's memory, readable and writable by it and by the devices of `peers` (a
-    /// bit per device ordinal: those that can reach it peer to peer).
+    /// bit per device ordinal: those granted access, see [`PeerGrants`]).
     Device { device: c_int, peers: u64 },
 }
 
@@ -153,7 +153,10 @@ impl PeerGrants {
 
     /// From now on, memory that `owner` maps is accessible to `accessor` too.
     pub(crate) fn grant(&self, owner: usize, accessor: usize) {
-        if let (Some(m), true) = (self.0.get(owner), accessor < 64 && accessor != owner) {
+        if accessor >= 64 || accessor == owner {
+            return;
+        }
+        if let Some(m) = self.0.get(owner) {
             m.fetch_or(1 << accessor, Ordering::AcqRel);
         }
     }

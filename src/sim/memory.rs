@@ -117,11 +117,6 @@ impl HostAllocation {
         self
     }
 
-    /// The number the next device write will take (see [`device_write_seq`]).
-    pub(crate) fn write_seq(&self) -> u64 {
-        device_write_seq()
-    }
-
     /// The latest device write numbered `since` or later, by a stream other than `stream`,
     /// to `len` bytes at `addr` (inside this allocation), if any.
     pub(crate) fn foreign_write_since(

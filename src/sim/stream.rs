@@ -235,7 +235,7 @@ impl SimStream {
     pub fn fill_device(&self, dst: u64, len: usize, byte: u8) -> Result<(), SimError> {
         let dst = self.device_range(dst, len)?;
         self.submit(|capture| {
-            let expect = capture.is_none().then(|| self.snapshot_of(&dst)).flatten();
+            let expect = capture.is_none().then(|| dst.snapshot_for()).flatten();
             Ok(Work::FillDevice { dst, byte, expect })
         })
     }
@@ -279,7 +279,7 @@ impl SimStream {
     fn submit_copy(&self, src: HostRange, dst: HostRange) -> Result<(), SimError> {
         self.submit(|capture| {
             let (src_expect, dst_expect) = if capture.is_none() {
-                (self.snapshot_of(&src), self.snapshot_of(&dst))
+                (src.snapshot_for(), dst.snapshot_for())
             } else {
                 (None, None)
             };
@@ -411,14 +411,6 @@ impl SimStream {
         }
         let state = Arc::clone(&event.state);
         self.submit(|_| Ok(Work::WaitEvent(state)))
-    }
-
-    /// The snapshot an operation of this stream enqueued now checks `range` against. Writes
-    /// that a wait of this stream queued before the operation orders ahead of it may come
-    /// after the snapshot: the worker checks from the end of its last wait on (see
-    /// `worker::Worker::waited_at`).
-    fn snapshot_of(&self, range: &HostRange) -> Option<worker::Expect> {
-        range.snapshot_for()
     }
 
     /// Queues or captures the operation `build` makes (it is told whether it is captured).

@@ -74,15 +74,17 @@ impl HostRange {
         self.read_with(|| checksum_atomic(self.bytes()))
     }
 
-    /// What an operation enqueued now must find when it runs: for device memory, the
-    /// allocation's device-write number (no bytes are read: what matters is who writes
-    /// them before the operation runs); for host memory, [`HostRange::snapshot`].
+    /// What an operation enqueued now must find when it runs: for device memory, the next
+    /// device-write number (no bytes are read: what matters is who writes them before the
+    /// operation runs; writes that a wait queued before the operation orders ahead of it may
+    /// still come after this, and the worker checks from the end of that wait on, see
+    /// `Worker::waited_at`); for host memory, [`HostRange::snapshot`].
     pub(crate) fn snapshot_for(&self) -> Option<Expect> {
         match self.device_owner() {
-            Some(owner) => Some(Expect {
+            Some(_) => Some(Expect {
                 checksum: 0,
                 generation: 0,
-                write_seq: Some(owner.write_seq()),
+                write_seq: Some(memory::device_write_seq()),
             }),
             None => self.snapshot(),
         }
