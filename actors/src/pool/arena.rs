@@ -77,6 +77,8 @@ pub(super) struct Arena<R: Runtime> {
     pub(super) segment: Arc<Seg<R>>,
     granule: usize,
     granules: BTreeMap<usize, Granule>,
+    /// The granules mapped, as bits (see [`Bits`]).
+    mapped_bits: Bits,
     /// Granules still mapped, by map call.
     maps: HashMap<u64, usize>,
     next_map: u64,
@@ -98,14 +100,51 @@ fn span(granule: usize, offset: usize, len: usize) -> std::ops::Range<usize> {
 }
 
 /// How many granules of `[offset, offset + len)` are not mapped.
-fn count_unmapped(
-    granules: &BTreeMap<usize, Granule>,
-    granule: usize,
-    offset: usize,
-    len: usize,
-) -> usize {
+fn count_unmapped(mapped: &Bits, granule: usize, offset: usize, len: usize) -> usize {
     let span = span(granule, offset, len);
-    span.len() - granules.range(span).count()
+    span.len() - mapped.count(span)
+}
+
+/// One bit per granule of the range, set where it is mapped (the keys of
+/// `Arena::granules`): placing a block asks how many granules of a candidate place are
+/// mapped for every free range it looks at, which a walk of the tree made the larger part
+/// of a miss's work in a large arena.
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn new(granules: usize) -> Self {
+        Self(vec![0; granules.div_ceil(64)])
+    }
+
+    fn set(&mut self, i: usize, on: bool) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            if on {
+                *w |= 1 << (i % 64);
+            } else {
+                *w &= !(1 << (i % 64));
+            }
+        }
+    }
+
+    /// How many granules of `span` are set.
+    fn count(&self, span: std::ops::Range<usize>) -> usize {
+        if span.is_empty() {
+            return 0;
+        }
+        let (first, last) = (span.start / 64, (span.end - 1) / 64);
+        (first..=last)
+            .map(|w| {
+                let mut bits = self.0.get(w).copied().unwrap_or(0);
+                if w == first {
+                    bits &= !0u64 << (span.start % 64);
+                }
+                if w == last && span.end % 64 != 0 {
+                    bits &= !0u64 >> (64 - span.end % 64);
+                }
+                bits.count_ones() as usize
+            })
+            .sum()
+    }
 }
 
 impl<R: Runtime> Arena<R> {
@@ -120,6 +159,7 @@ impl<R: Runtime> Arena<R> {
             segment,
             granule,
             granules: BTreeMap::new(),
+            mapped_bits: Bits::new(size.div_ceil(granule.max(1))),
             maps: HashMap::new(),
             next_map: 0,
             clock: 0,
@@ -181,9 +221,9 @@ impl<R: Runtime> Arena<R> {
     /// Cuts a piece for `size` bytes out of mapped memory only, from the smallest free
     /// range no longer than `max_len` that holds it.
     pub(super) fn place_mapped(&mut self, size: usize, max_len: usize) -> Option<Piece> {
-        let (granules, g) = (&self.granules, self.granule);
+        let (bits, g) = (&self.mapped_bits, self.granule);
         let piece = self.carver.place_ranked(self.seg, size, 0, |at, len| {
-            (len <= max_len && count_unmapped(granules, g, at, size) == 0).then_some((len, at))
+            (len <= max_len && count_unmapped(bits, g, at, size) == 0).then_some((len, at))
         })?;
         self.touch(piece);
         Some(piece)
@@ -197,7 +237,7 @@ impl<R: Runtime> Arena<R> {
     /// may also start or end at granule boundaries. Returns the piece and the granules it
     /// still needs mapped (the mapped ones it touches are held from now on).
     pub(super) fn place(&mut self, size: usize, pack: bool) -> Option<(Piece, Vec<usize>)> {
-        let (granules, g) = (&self.granules, self.granule);
+        let (granules, bits, g) = (&self.granules, &self.mapped_bits, self.granule);
         let want = crate::carve::align_up(size)?;
         let boundary = if pack { g } else { 0 };
         let piece = self
@@ -210,7 +250,7 @@ impl<R: Runtime> Arena<R> {
                 } else {
                     0
                 };
-                Some((count_unmapped(granules, g, at, size), stranded, len, at))
+                Some((count_unmapped(bits, g, at, size), stranded, len, at))
             })?;
         self.touch(piece);
         let need = span(g, piece.offset, piece.len)
@@ -222,7 +262,7 @@ impl<R: Runtime> Arena<R> {
     /// Cuts exactly `piece` again, if it is wholly free and mapped.
     pub(super) fn take_exact(&mut self, piece: Piece) -> Option<Piece> {
         if piece.seg != self.seg
-            || count_unmapped(&self.granules, self.granule, piece.offset, piece.len) > 0
+            || count_unmapped(&self.mapped_bits, self.granule, piece.offset, piece.len) > 0
         {
             return None;
         }
@@ -257,11 +297,12 @@ impl<R: Runtime> Arena<R> {
     /// Holds the mapped granules a piece touches.
     fn touch(&mut self, piece: Piece) {
         self.clock += 1;
-        for i in span(self.granule, piece.offset, piece.len) {
-            if let Some(gr) = self.granules.get_mut(&i) {
-                gr.refs += 1;
-                gr.used = self.clock;
-            }
+        for (_, gr) in self
+            .granules
+            .range_mut(span(self.granule, piece.offset, piece.len))
+        {
+            gr.refs += 1;
+            gr.used = self.clock;
         }
     }
 
@@ -321,11 +362,12 @@ impl<R: Runtime> Arena<R> {
     pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::carve::CarveError> {
         self.carver.release(piece)?;
         self.clock += 1;
-        for i in span(self.granule, piece.offset, piece.len) {
-            if let Some(gr) = self.granules.get_mut(&i) {
-                gr.refs = gr.refs.saturating_sub(1);
-                gr.used = self.clock;
-            }
+        for (_, gr) in self
+            .granules
+            .range_mut(span(self.granule, piece.offset, piece.len))
+        {
+            gr.refs = gr.refs.saturating_sub(1);
+            gr.used = self.clock;
         }
         Ok(())
     }
@@ -347,6 +389,7 @@ impl<R: Runtime> Arena<R> {
                     map,
                 },
             );
+            self.mapped_bits.set(i, true);
         }
         if let Some(m) = self.segment.arena_map() {
             granules.iter().for_each(|&i| m.set(i, true));
@@ -364,6 +407,8 @@ impl<R: Runtime> Arena<R> {
             let Some(gr) = self.granules.remove(&(from + k)) else {
                 continue;
             };
+            self.mapped_bits.set(from + k, false);
+            self.mapped_bits.set(to + k, true);
             self.granules.insert(
                 to + k,
                 Granule {
@@ -449,6 +494,7 @@ impl<R: Runtime> Arena<R> {
             let Some(gr) = self.granules.remove(i) else {
                 continue;
             };
+            self.mapped_bits.set(*i, false);
             if let Some(m) = self.segment.arena_map() {
                 m.set(*i, false);
                 m.set_start(*i, false);
@@ -1013,5 +1059,33 @@ impl<R: Runtime> PoolActor<R> {
         let ended = arena.unmapped(&gone);
         self.shared.stats.allocations.decrease(ended as i64);
         (ended, gone.len() * granule)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Bits;
+
+    #[test]
+    fn bits_count_what_is_set_in_any_span() {
+        let mut bits = Bits::new(300);
+        let mut naive = vec![false; 300];
+        // A fixed scatter of set and cleared bits, across word boundaries.
+        let mut x = 7usize;
+        for _ in 0..400 {
+            x = (x * 1103515245 + 12345) % 2147483648;
+            let (i, on) = (x % 300, x % 3 != 0);
+            bits.set(i, on);
+            naive[i] = on;
+        }
+        for start in (0..300).step_by(7) {
+            for end in (start..=300).step_by(5) {
+                let want = naive[start..end].iter().filter(|b| **b).count();
+                assert_eq!(bits.count(start..end), want, "span {start}..{end}");
+            }
+        }
+        // Past the end counts nothing, and setting past the end is ignored.
+        bits.set(1000, true);
+        assert_eq!(bits.count(300..1100), 0);
     }
 }
