@@ -467,6 +467,13 @@ impl DeviceFit {
         self
     }
 
+    /// No reserve cap: free memory stays mapped until the cache is emptied or a memory
+    /// limit needs room.
+    pub fn keep_free_memory(mut self) -> Self {
+        self.carving.reserve_cap_permille = None;
+        self
+    }
+
     /// Cut blocks out of separate segments even where the memory source offers expandable
     /// memory (PyTorch's layout without `expandable_segments`).
     pub fn separate_segments(mut self) -> Self {

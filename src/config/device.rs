@@ -50,6 +50,12 @@ pub struct DeviceConfig {
     /// blocks above 1 MiB go back to the pool actor). Faster on repeating patterns of large
     /// requests, with more memory reserved for the same peak (see `DeviceFit::thread_cache`).
     pub thread_cache: usize,
+    /// Before fresh memory would take a pool's reserved bytes above this multiple of its
+    /// peak of live bytes, memory it maps but no block uses is moved to where the request
+    /// needs it, or given back (key `reserve_cap`: a number, at least 1; default 1). `None`
+    /// (`reserve_cap:none`) keeps such memory until `empty_cache` or a limit needs it: no
+    /// driver calls in a repeating workload's steady state, for more memory reserved.
+    pub reserve_cap: Option<f64>,
 }
 
 impl Default for DeviceConfig {
@@ -60,9 +66,13 @@ impl Default for DeviceConfig {
             garbage_collection_threshold: None,
             expandable_segments: true,
             thread_cache: 0,
+            reserve_cap: Some(DEFAULT_RESERVE_CAP),
         }
     }
 }
+
+/// The reserve cap when the key is not given (the device policy's own).
+const DEFAULT_RESERVE_CAP: f64 = 1.0;
 
 /// The smallest `max_split_size_mb` (PyTorch's minimum too).
 const MIN_SPLIT_MIB: usize = 20;
@@ -75,6 +85,7 @@ impl DeviceConfig {
         "garbage_collection_threshold",
         "expandable_segments",
         "thread_cache_mb",
+        "reserve_cap",
     ];
 
     /// Reads [`DEVICE_ENV_VAR`] (`PINPOOL_DEVICE_CONF`); the defaults when it is unset.
@@ -147,6 +158,18 @@ impl DeviceConfig {
                 let mb: usize = value.parse().map_err(|_| invalid(EXPECTED))?;
                 self.thread_cache = mb.checked_mul(1 << 20).ok_or_else(|| invalid(EXPECTED))?;
             }
+            "reserve_cap" => {
+                const EXPECTED: &str = "`none`, or a number at least 1";
+                self.reserve_cap = if value == "none" {
+                    None
+                } else {
+                    let x: f64 = value.parse().map_err(|_| invalid(EXPECTED))?;
+                    if !(x >= 1.0 && x.is_finite()) {
+                        return Err(invalid(EXPECTED));
+                    }
+                    Some(x)
+                };
+            }
             _ => {
                 return Err(ConfigError::UnknownKey {
                     key: key.to_owned(),
@@ -186,6 +209,16 @@ impl DeviceConfig {
     /// This configuration with `expandable_segments` set.
     pub fn with_expandable_segments(mut self, on: bool) -> Self {
         self.expandable_segments = on;
+        self
+    }
+
+    /// This configuration with `reserve_cap` set (`None`: no cap); a cap the key would
+    /// refuse (below 1, or not finite) sets the default.
+    pub fn with_reserve_cap(mut self, times_peak_live: Option<f64>) -> Self {
+        self.reserve_cap = match times_peak_live {
+            Some(x) if !(x >= 1.0 && x.is_finite()) => Some(DEFAULT_RESERVE_CAP),
+            other => other,
+        };
         self
     }
 
@@ -233,6 +266,11 @@ impl fmt::Display for DeviceConfig {
                 self.thread_cache.div_ceil(1 << 20)
             )?;
         }
+        match self.reserve_cap {
+            Some(x) if x == DEFAULT_RESERVE_CAP => {}
+            Some(x) => write!(f, ",reserve_cap:{x}")?,
+            None => write!(f, ",reserve_cap:none")?,
+        }
         Ok(())
     }
 }
@@ -247,9 +285,13 @@ mod tests {
         assert_eq!(c, DeviceConfig::default());
         assert_eq!(DeviceConfig::parse(&c.to_string()).unwrap(), c);
         let full = DeviceConfig::parse(
-            "max_split_size_mb:64,roundup_power2_divisions:8,garbage_collection_threshold:0.6,expandable_segments:false,thread_cache_mb:32",
+            "max_split_size_mb:64,roundup_power2_divisions:8,garbage_collection_threshold:0.6,expandable_segments:false,thread_cache_mb:32,reserve_cap:1.25",
         )
         .unwrap();
+        assert_eq!(full.reserve_cap, Some(1.25));
+        let none = DeviceConfig::parse("reserve_cap:none").unwrap();
+        assert_eq!(none.reserve_cap, None);
+        assert_eq!(DeviceConfig::parse(&none.to_string()).unwrap(), none);
         assert_eq!(full.max_split_size, Some(64 << 20));
         assert_eq!(full.thread_cache, 32 << 20);
         assert_eq!(full.garbage_collection_threshold, Some(0.6));
@@ -301,6 +343,10 @@ mod tests {
             ("thread_cache_mb:-4", "thread_cache_mb"),
             ("thread_cache_mb:1.5", "thread_cache_mb"),
             ("thread_cache_mb:99999999999999999999", "thread_cache_mb"),
+            ("reserve_cap:0.9", "reserve_cap"),
+            ("reserve_cap:inf", "reserve_cap"),
+            ("reserve_cap:NaN", "reserve_cap"),
+            ("reserve_cap:off", "reserve_cap"),
         ] {
             let err = DeviceConfig::parse(text).unwrap_err();
             assert!(

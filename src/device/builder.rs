@@ -167,6 +167,10 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         if let Some(t) = c.garbage_collection_threshold {
             p = p.garbage_collection_threshold(t);
         }
+        p = match c.reserve_cap {
+            Some(x) => p.reserve_cap(x),
+            None => p.keep_free_memory(),
+        };
         p.thread_cache(c.thread_cache)
     }
 

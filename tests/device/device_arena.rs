@@ -252,3 +252,64 @@ async fn with_a_thread_cache_a_large_request_is_placed_by_the_pool_actor_not_by_
     drop(large);
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
+
+/// Runs the mixed large blocks loop of the test above once on `s` (three blocks held at a
+/// time), every block freed at the end.
+async fn mixed_large_loop(pool: &DeviceAllocator<SimRuntime>, s: &pinpool::sim::SimStream) {
+    let sizes = [
+        24 * MIB,
+        40 * MIB,
+        6 * MIB,
+        18 * MIB,
+        64 * MIB,
+        10 * MIB,
+        33 * MIB,
+    ];
+    let mut held = std::collections::VecDeque::new();
+    for step in 0..140 {
+        let b = pool
+            .alloc(sizes[(step * 5) % sizes.len()], s)
+            .await
+            .unwrap();
+        s.fill_device(b.device_ptr(), 4096, step as u8).unwrap();
+        held.push_back(b);
+        if held.len() > 3 {
+            drop(held.pop_front());
+        }
+    }
+}
+
+/// The driver calls the simulated device has seen: maps, unmaps and moves.
+fn driver_calls(sim: &SimRuntime) -> u64 {
+    let (maps, unmaps) = sim.device_calls(0).unwrap();
+    maps + unmaps + sim.device_remaps(0).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_reserve_cap_a_repeated_loop_makes_no_driver_calls_once_it_has_run() {
+    for (conf, steady) in [("reserve_cap:none", true), ("", false)] {
+        let sim = SimRuntime::new();
+        let config: pinpool::config::DeviceConfig = conf.parse().unwrap();
+        let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+            .config(&config)
+            .build()
+            .unwrap();
+        let s = sim.stream();
+        mixed_large_loop(&pool, &s).await;
+        let (calls, used) = (driver_calls(&sim), sim.device_used(0));
+        mixed_large_loop(&pool, &s).await;
+        s.synchronize().unwrap();
+        let again = driver_calls(&sim) - calls;
+        if steady {
+            assert_eq!(again, 0, "{conf}: driver calls in the second run");
+            assert_eq!(sim.device_used(0), used, "{conf}: memory stayed mapped");
+        } else {
+            // The default cap keeps reserved memory at the peak of live bytes by moving
+            // idle memory: the same loop costs calls every time.
+            assert!(again > 0, "{conf}: no driver calls in the second run");
+        }
+        pool.empty_cache().await.unwrap();
+        assert_eq!(sim.device_used(0), Some(0), "{conf}: all memory went back");
+        assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+    }
+}
