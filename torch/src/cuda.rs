@@ -19,11 +19,17 @@ use pinpool::{DeviceAllocator, Error, RuntimeError};
 
 use crate::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
 
-/// The thread cache of the plugin's allocator where `PINPOOL_DEVICE_CONF` does not set one
-/// (see `DeviceConfig::thread_cache`): a training or generation step repeats its requests, so
-/// its large blocks are served again without a round trip to a pool actor. PyTorch's own
-/// allocator answers every request in about a microsecond; such a round trip takes tens.
-const THREAD_CACHE: usize = 32 << 20;
+/// The thread cache of the plugin's allocator where `PINPOOL_DEVICE_CONF` is not set (see
+/// `DeviceConfig::thread_cache`): a training or generation step repeats its requests, so its
+/// blocks, activations of a hundred MiB and more among them, are served again without a round
+/// trip to a pool actor. A model's step is mostly bound by the CPU that launches its work,
+/// where every such round trip counts.
+const THREAD_CACHE: usize = 256 << 20;
+
+/// The reserve cap of the plugin's allocator where `PINPOOL_DEVICE_CONF` is not set (see
+/// `DeviceConfig::reserve_cap`): a little room over the peak of live bytes, so that a
+/// repeated step does not move or map memory again each time to stay at the peak.
+const RESERVE_CAP: f64 = 1.1;
 
 /// The environment variable that, set to `1`, gives every GPU access to the memory the
 /// others map (for every pair with a peer path), before any memory is taken. PyTorch enables
@@ -54,7 +60,10 @@ fn build() -> Result<Backend, Error> {
         .handle(runtime.handle().clone())
         .cuda()?;
     if std::env::var_os(DEVICE_ENV_VAR).is_none() {
-        builder = builder.config(&DeviceConfig::default().with_thread_cache(THREAD_CACHE));
+        let config = DeviceConfig::default()
+            .with_thread_cache(THREAD_CACHE)
+            .with_reserve_cap(Some(RESERVE_CAP));
+        builder = builder.config(&config);
     }
     let alloc = builder.build()?;
     if std::env::var_os(PEER_ENV_VAR).is_some_and(|v| v == "1") {
