@@ -33,7 +33,6 @@ import subprocess
 import sys
 from collections import Counter
 
-ENGINE = "pinpool-actors"
 # The crates with a `cuda` feature (what --features applies to).
 FEATURED = ["pinpool", "pinpool-torch"]
 ITEM_KINDS = [
@@ -137,18 +136,9 @@ def main():
     totals = Counter()
     rows = []
     if not args.no_build:
-        # The engine's docs first: rustdoc links an inlined re-export to its source (what the
-        # `own` column reads) only where the crate that defines it is already documented.
-        # Docs built in another order stay stale until `cargo clean --doc`.
-        subprocess.run(
-            ["cargo", "doc", "--no-deps", "-q", "-p", ENGINE],
-            check=True,
-            stderr=subprocess.DEVNULL,
-        )
         cmd = ["cargo", "doc", "--no-deps", "-q"]
         for crate in crates:
-            if crate != ENGINE:
-                cmd += ["-p", crate]
+            cmd += ["-p", crate]
         if args.features:
             feats = [f"{c}/{f}" for f in args.features.split(",") for c in FEATURED]
             cmd += ["--features", ",".join(feats)]

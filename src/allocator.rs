@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pinpool_actors::{
+use crate::actors::{
     blocking, BaseAllocation, CacheInfo, EmptyReport, Engine, EngineBuilder, Error, HostStats,
     MemorySnapshot, MemorySource, PoolId, Runtime, SizePolicy, Wait,
 };
@@ -404,7 +404,7 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// this and every other `*_blocking` call fails at once with [`Error::WouldDeadlock`],
     /// whether or not the request would have missed. On a multi-thread runtime's threads it
     /// blocks inside [`tokio::task::block_in_place`], which moves the worker's other tasks
-    /// elsewhere first. The rule is in [`pinpool_actors::blocking`].
+    /// elsewhere first. The rule is in [blocking calls](crate#blocking-calls).
     ///
     /// ```
     /// # use pinpool::{Error, PinnedAllocator};

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
-use pinpool_actors::{Error, Lease, PoolId, Runtime, StreamId};
+use crate::actors::{Error, Lease, PoolId, Runtime, StreamId};
 
 use crate::sim::SimRuntime;
 

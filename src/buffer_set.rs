@@ -6,11 +6,11 @@
 //! the rest, wait for ever. `BufferSet::alloc` never waits while it holds memory: it takes
 //! every buffer or gives back what it took, and waits first come first served under the
 //! caps of every allocator it spans until all of them fit. The protocol and its liveness
-//! rule are in [`pinpool_actors::alloc_many`].
+//! rule are in `actors/ARCHITECTURE.md` (requests for several buffers).
 
 use std::time::Duration;
 
-use pinpool_actors::{alloc_many, alloc_many_blocking, Engine, Error, Lease, Wait, Want};
+use crate::actors::{alloc_many, alloc_many_blocking, Engine, Error, Lease, Wait, Want};
 
 use crate::allocator::PinnedAllocator;
 use crate::buffer::PinnedBuffer;
@@ -173,7 +173,7 @@ impl<'a, R: DeviceRuntime> BufferSet<'a, R> {
     /// on the async call. Where that would deadlock — on a thread that runs a
     /// current-thread runtime's tasks — it fails at once with [`Error::WouldDeadlock`]; on a
     /// multi-thread runtime's threads it blocks inside `block_in_place` (the rule is in
-    /// [`pinpool_actors::blocking`]).
+    /// [blocking calls](crate#blocking-calls)).
     pub fn alloc_blocking(self) -> Result<TakenBuffers<R>, Error> {
         let (items, wait) = self.ready()?;
         let call = ("BufferSet::alloc_blocking", "BufferSet::alloc(..).await");

@@ -5,7 +5,7 @@
 //! actor or an allocation), and render the history as an HTML page ([`crate::report`]).
 //! Keeps invariant 5: with history off, the cached path pays one relaxed load of a flag.
 
-use pinpool_actors::{Error, History, HistoryContext, OomReport, Runtime, TraceEntry};
+use crate::actors::{Error, History, HistoryContext, OomReport, Runtime, TraceEntry};
 
 use crate::allocator::PinnedAllocator;
 
@@ -88,7 +88,7 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # Ok::<(), pinpool::Error>(())
     /// ```
     pub fn history_blocking(&self) -> Result<History, Error> {
-        pinpool_actors::blocking::call(
+        crate::actors::blocking::call(
             ("history_blocking", "history().await"),
             self.engine().history(),
         )?

@@ -47,14 +47,25 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Crate layout: the engine (actors, messages, size classes) lives in `pinpool-actors` and
-//! knows nothing of CUDA; this crate implements its [`Runtime`] twice — [`sim`] and, with the
-//! `cuda` feature, `cuda` — and gives it its public face. Tuned size policies and the
-//! engine under an allocator, for tools, are in [`tuning`]: they follow the engine crate's
-//! releases.
+//! # Blocking calls
+//!
+//! Every `*_blocking` call is the async call driven to completion on the calling thread. Its
+//! rule: outside a tokio runtime it blocks; on a multi-thread runtime's thread it blocks
+//! inside `tokio::task::block_in_place`, so the allocator's actors keep running; on a
+//! current-thread runtime's thread it fails with [`Error::WouldDeadlock`] instead of hanging
+//! (that thread is the one that runs the actors).
+//!
+//! Crate layout: the engine (actors, messages, size classes) is a private module that knows
+//! nothing of CUDA (`actors/`, with its `ARCHITECTURE.md`); this crate implements its
+//! [`Runtime`] twice — [`sim`] and, with the `cuda` feature, `cuda` — and gives it its
+//! public face. Tuned size policies and the engine under an allocator, for tools, are in
+//! [`tuning`].
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[path = "../actors/src/lib.rs"]
+#[allow(unreachable_pub)]
+mod actors;
 mod allocator;
 mod buffer;
 mod buffer_set;
@@ -70,6 +81,12 @@ pub mod report;
 pub mod sim;
 pub mod tuning;
 
+pub use crate::actors::{
+    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceStats, DurationStat,
+    EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause, PoolCheckpoint, PoolId,
+    Runtime, RuntimeError, SegmentInfo, Stat, StatArray, StreamId,
+};
+pub use crate::actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
 pub use allocator::{host_memory_bytes, Builder, PinnedAllocator};
 pub use buffer::PinnedBuffer;
 pub use buffer_set::{BufferSet, TakenBuffers};
@@ -77,14 +94,8 @@ pub use device::{
     CheckpointDelta, DeviceAllocator, DeviceBuffer, DeviceBuilder, DeviceRuntime, IpcHandle,
     IpcMemory, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES,
 };
-pub use pinpool_actors::{
-    BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceStats, DurationStat,
-    EmptyReport, Error, HostStats, MemoryKind, MemorySnapshot, OomCause, PoolCheckpoint, PoolId,
-    Runtime, RuntimeError, SegmentInfo, Stat, StatArray, StreamId,
-};
-pub use pinpool_actors::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
 
 // The engine's vocabulary that the runtimes here implement: not part of this crate's API
 // (tools reach it in [`tuning`]).
 #[allow(unused_imports)]
-pub(crate) use pinpool_actors::{MemorySource, Origin, Region};
+pub(crate) use crate::actors::{MemorySource, Origin, Region};

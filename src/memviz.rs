@@ -6,7 +6,7 @@
 //! to a file. Like PyTorch's snapshot, taking one records a `Snapshot` entry in the history
 //! while history is on.
 
-use pinpool_actors::{Error, History, MemorySnapshot, Runtime};
+use crate::actors::{Error, History, MemorySnapshot, Runtime};
 
 use crate::allocator::PinnedAllocator;
 use crate::device::{DeviceAllocator, DeviceRuntime};

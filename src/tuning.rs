@@ -2,8 +2,7 @@
 //!
 //! Nothing here is needed to allocate, observe or configure: the allocators' own calls and
 //! [`crate::config`] do that (a policy is chosen by name with `size_policy` in
-//! `PINPOOL_CONF`). What is here belongs to the engine crate, `pinpool_actors`, and follows
-//! its releases: the size policies ([`BestFit`], [`TieredPowerOfTwo`], [`PowerOfTwo`] for
+//! `PINPOOL_CONF`). What is here is the engine's own vocabulary: the size policies ([`BestFit`], [`TieredPowerOfTwo`], [`PowerOfTwo`] for
 //! pinned memory, [`DeviceFit`] for device memory) with the settings a builder's `policy`
 //! call takes, the layout vocabulary they describe themselves with ([`BlockLayout`],
 //! [`Carving`], [`SizeClass`]), and, through [`engine`] and [`device_engine`], the engine's
@@ -26,13 +25,12 @@
 //! # Ok(()) }
 //! ```
 
-#[doc(no_inline)]
-pub use pinpool_actors::{
+pub use crate::actors::{
     BestFit, BlockLayout, Carving, DeviceFit, Engine, Inventory, MemorySource, Origin, PowerOfTwo,
     SizeClass, SizePolicy, TieredPowerOfTwo,
 };
 
-use pinpool_actors::Error;
+use crate::actors::Error;
 
 use crate::device::{DeviceAllocator, DeviceRuntime};
 use crate::{PinnedAllocator, Runtime};

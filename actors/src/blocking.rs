@@ -28,7 +28,7 @@ use std::cell::Cell;
 
 use tokio::runtime::{Handle, RuntimeFlavor};
 
-use crate::error::Error;
+use crate::actors::error::Error;
 
 thread_local! {
     /// Set while this thread runs code that is known not to be a runtime's executor thread.

@@ -10,19 +10,19 @@
 //! The counters a request changes (allocations and active blocks, their bytes, the bytes
 //! requested) live in per-thread shards like the host statistics, so that a device pool's
 //! cached path writes only its own thread's cache lines (invariant 5); their peaks are the
-//! engine ledger's (see [`crate::peaks`]). Segment counters are written by the pool actor
+//! engine ledger's (see [`crate::actors::peaks`]). Segment counters are written by the pool actor
 //! (and by blocking threads it waits for). Only pools built with device statistics pay for
 //! them.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
-use crate::counters::{AtomicStat, Stat};
-use crate::peaks::{
+use crate::actors::counters::{AtomicStat, Stat};
+use crate::actors::peaks::{
     Group, ShardLeaves, ACTIVE, ACTIVE_BYTES, ALL, ALLOCATED_BYTES, ALLOCATION, OVERSIZE,
     REQUESTED_BYTES,
 };
-use crate::shard::CachePadded;
+use crate::actors::shard::CachePadded;
 
 /// Blocks up to this size are in PyTorch's small pool.
 pub(crate) const SMALL_BLOCK: usize = 1 << 20;
@@ -246,7 +246,7 @@ fn segment_pool(bytes: usize) -> usize {
 }
 
 /// The device counters of one engine pool that its actor writes (the counts of the cached
-/// path are leaves of the engine's ledger: see [`crate::peaks`]).
+/// path are leaves of the engine's ledger: see [`crate::actors::peaks`]).
 #[derive(Debug)]
 pub(crate) struct Detail {
     segment: [AtomicStat; 2],

@@ -2,8 +2,8 @@
 //!
 //! Keeps invariant 7: bad input gets a typed error and changes nothing.
 
-use crate::pool_id::PoolId;
-use crate::runtime::RuntimeError;
+use crate::actors::pool_id::PoolId;
+use crate::actors::runtime::RuntimeError;
 
 /// Everything that can go wrong when using the allocator.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -272,7 +272,7 @@ impl Error {
     /// than the cap or the device): waiting or trying again is pointless.
     ///
     /// ```
-    /// use pinpool_actors::{Error, OomCause};
+    /// use pinpool::{Error, OomCause};
     ///
     /// let e = Error::OutOfMemory { requested: 8, reserved: 0, limit: Some(4), cause: OomCause::ExceedsLimit };
     /// assert!(e.never_fits());

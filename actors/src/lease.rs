@@ -1,15 +1,15 @@
 //! A lease: a block lent to a user, returned when the lease is dropped.
 //!
 //! This is the engine's side of a buffer (pinned or device): it knows the bytes and which
-//! streams used them, and its drop is the free (see [`crate::block`] for where the block goes).
+//! streams used them, and its drop is the free (see [`crate::actors::block`] for where the block goes).
 
 use std::ptr::NonNull;
 
-use crate::block::{Block, BlockState};
-use crate::error::Error;
-use crate::memory::Origin;
-use crate::pool_id::PoolId;
-use crate::runtime::{Runtime, StreamId};
+use crate::actors::block::{Block, BlockState};
+use crate::actors::error::Error;
+use crate::actors::memory::Origin;
+use crate::actors::pool_id::PoolId;
+use crate::actors::runtime::{Runtime, StreamId};
 
 /// Bytes lent by the allocator. Dropping it frees them: they are reused only after
 /// every stream recorded with [`Lease::record_stream`] has finished the work enqueued on it

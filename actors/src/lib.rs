@@ -1,18 +1,17 @@
-//! `pinpool-actors`: the engine of pinpool.
+//! The engine of pinpool, a private module of the `pinpool` crate (`crate::actors`).
 //!
 //! Pool actors own memory blocks and their free lists, an event-poller actor owns every block
 //! that waits on GPU work, and a router actor owns the capture registry and publishes the
 //! routing table. The engine is generic over a [`Runtime`] (events recorded on streams, and
 //! stream-capture state) and takes its memory from a [`MemorySource`] (pinned host memory, or
-//! one device's memory); it contains no CUDA. `ARCHITECTURE.md` beside this crate walks
-//! through it.
-//!
-//! Most users want the `pinpool` crate, which wraps this engine in `PinnedAllocator`.
+//! one device's memory); it contains no CUDA. `actors/ARCHITECTURE.md` walks through it.
+//! The rest of the crate gives it its public face (`PinnedAllocator`, `DeviceAllocator`), and
+//! `pinpool::tuning` shows the part tools need.
 //!
 //! # Layers
 //!
 //! Modules are listed below from the bottom up. A module uses only modules listed above it
-//! (`scripts/check-layers.py` fails on any other `crate::` path, and CI runs it). Where a
+//! (`scripts/check-layers.py` fails on any other `crate::actors::` path, and CI runs it). Where a
 //! lower layer must reach a higher one at run time — a block going home when it is freed —
 //! it does so through a value it was given: a channel whose messages are defined low
 //! (`mailbox`), a trait it defines and the higher layer implements (`ready::Slotted`,
@@ -89,9 +88,7 @@ mod engine;
 pub use budget::EmptyReport;
 pub use counters::{DurationStat, Stat};
 pub use device_stats::{DeviceStats, StatArray};
-pub use engine::{
-    alloc_many, alloc_many_blocking, Engine, EngineBuilder, RestoreFailed, Restored, Want,
-};
+pub use engine::{alloc_many, alloc_many_blocking, Engine, EngineBuilder, Want};
 pub use error::{Error, OomCause};
 pub use free_memory::FreeMemoryCallback;
 pub use lease::{Lease, RawLease};
@@ -102,7 +99,6 @@ pub use policy::{
     BestFit, BlockLayout, Carving, DeviceFit, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
 };
 pub use pool_id::PoolId;
-pub use router::StreamFilter;
 pub use runtime::{Runtime, RuntimeError, StreamId};
 pub use snapshot::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, PoolCheckpoint,

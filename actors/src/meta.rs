@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use flume::{Receiver, Sender};
 
-use crate::runtime::StreamId;
+use crate::actors::runtime::StreamId;
 
 /// How many recorded streams a block's record remembers.
 const STREAMS_KEPT: usize = 4;

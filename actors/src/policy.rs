@@ -255,7 +255,7 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// after its second request.
 ///
 /// ```
-/// use pinpool_actors::{BestFit, SizePolicy};
+/// use pinpool::tuning::{BestFit, SizePolicy};
 /// let p = BestFit::default();
 /// // A 1025 MiB request reserves 1088 MiB, where powers of two would reserve 2 GiB.
 /// assert_eq!(p.class_of(1025 << 20).unwrap().size, 1088 << 20);
@@ -391,7 +391,7 @@ impl SizePolicy for BestFit {
 /// larger than its request by more than the rounding.
 ///
 /// ```
-/// use pinpool_actors::{DeviceFit, SizePolicy};
+/// use pinpool::tuning::{DeviceFit, SizePolicy};
 /// let p = DeviceFit::default();
 /// assert_eq!(p.class_of(300).unwrap().size, 512);
 /// // A 1025 MiB request reserves 1025 MiB (PyTorch's device allocator: 1026).
@@ -601,7 +601,7 @@ impl SizePolicy for DeviceFit {
 /// Requests up to the threshold behave exactly as under [`PowerOfTwo`].
 ///
 /// ```
-/// use pinpool_actors::{SizePolicy, TieredPowerOfTwo};
+/// use pinpool::tuning::{SizePolicy, TieredPowerOfTwo};
 /// let p = TieredPowerOfTwo::default();
 /// assert_eq!(p.class_of(3000).unwrap().size, 4096);
 /// assert_eq!(p.class_of(300 << 20).unwrap().size, 512 << 20);

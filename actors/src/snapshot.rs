@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::pool_id::PoolId;
+use crate::actors::pool_id::PoolId;
 
 /// Where a block is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -76,7 +76,7 @@ pub struct ConfigInfo {
 /// one.
 ///
 /// ```
-/// use pinpool_actors::{BlockInfo, BlockStatus, ConfigInfo, MemorySnapshot, SegmentInfo};
+/// use pinpool::{BlockInfo, BlockStatus, ConfigInfo, MemorySnapshot, SegmentInfo};
 ///
 /// let block = BlockInfo {
 ///     address: 0x1000,

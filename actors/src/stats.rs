@@ -5,7 +5,7 @@
 //! per-thread shards: a block's counters are charged to the shard of the thread that took it,
 //! and credited back to the same shard when it becomes reusable. `current` is exact at
 //! quiescent points; `peak` is the most the shards held at once, kept by the engine's
-//! [`crate::peaks::Ledger`] for each group of pools (a capture pool, the default pool with
+//! [`crate::actors::peaks::Ledger`] for each group of pools (a capture pool, the default pool with
 //! the stream pools, the whole engine).
 
 use std::collections::BTreeMap;
@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
 use std::sync::Arc;
 
-use crate::counters::{AtomicDuration, AtomicStat, DurationStat, Stat};
-use crate::device_stats::{Detail, DeviceStats};
-use crate::peaks::{Group, Leaves, Ledger, ACTIVE, ACTIVE_BYTES, ALL, BYTES, REQUESTS};
-use crate::shard::ThreadSlot;
+use crate::actors::counters::{AtomicDuration, AtomicStat, DurationStat, Stat};
+use crate::actors::device_stats::{Detail, DeviceStats};
+use crate::actors::peaks::{Group, Leaves, Ledger, ACTIVE, ACTIVE_BYTES, ALL, BYTES, REQUESTS};
+use crate::actors::shard::ThreadSlot;
 
 /// A statistics report for one pool or for the whole allocator.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -376,7 +376,7 @@ mod tests {
     use std::sync::Barrier;
 
     use super::*;
-    use crate::peaks::Group;
+    use crate::actors::peaks::Group;
 
     /// What the threads saw held: counted just after each lend and just before each return
     /// (a lower bound of the most held at once), and just before each lend and just after each

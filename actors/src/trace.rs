@@ -6,9 +6,9 @@ use std::backtrace::Backtrace;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::memory::MemoryKind;
-use crate::pool_id::PoolId;
-use crate::runtime::StreamId;
+use crate::actors::memory::MemoryKind;
+use crate::actors::pool_id::PoolId;
+use crate::actors::runtime::StreamId;
 
 /// What a trace entry records (PyTorch's `TraceEntry::Action`, plus capture markers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -33,7 +33,7 @@ pub enum TraceAction {
     Snapshot,
     /// A request failed for want of memory (`size` is the request).
     Oom,
-    /// A user annotation ([`crate::Engine::record_annotation`]); `name` holds it.
+    /// A user annotation (`record_annotation` of an allocator); `name` holds it.
     UserDefined,
     /// A capture began allocating to a private pool.
     CaptureBegin,
@@ -134,7 +134,7 @@ impl TraceEntry {
     }
 }
 
-/// The recorded history, as [`crate::Engine::history`] returns it.
+/// The recorded history, as an allocator's `history` returns it.
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
 pub struct History {

@@ -604,7 +604,7 @@ fn expandable_host_memory_maps_granules_copies_across_them_and_unmaps_one_in_the
 
 #[test]
 fn device_granules_mapped_as_units_in_one_call_are_all_usable_and_each_goes_back_alone() {
-    use pinpool_actors::MemorySource;
+    use crate::actors::MemorySource;
     let Some(rt) = default_gpu("device_map_units") else {
         return;
     };

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use pinpool_actors::{
+use crate::actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
     Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
 };
@@ -203,7 +203,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// thread on a miss (and while it waits for room). Where a thread that runs a
     /// current-thread runtime's tasks would block, it fails with [`Error::WouldDeadlock`]
     /// instead; on a multi-thread runtime's threads it blocks inside `block_in_place`
-    /// ([`pinpool_actors::blocking`]).
+    /// ([blocking calls](crate#blocking-calls)).
     pub fn alloc_blocking(
         &self,
         size: usize,
@@ -356,7 +356,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// [`DeviceAllocator::empty_cache`] for threads outside the tokio runtime
     /// ([`Error::WouldDeadlock`] where blocking would deadlock).
     pub fn empty_cache_blocking(&self) -> Result<EmptyReport, Error> {
-        pinpool_actors::blocking::call(
+        crate::actors::blocking::call(
             ("empty_cache_blocking", "empty_cache().await"),
             self.empty_cache(),
         )?
@@ -488,7 +488,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// [`DeviceAllocator::history`] for threads outside the tokio runtime.
     pub fn history_blocking(&self, device: usize) -> Result<History, Error> {
         let engine = self.engine(device)?;
-        pinpool_actors::blocking::call(("history_blocking", "history().await"), engine.history())?
+        crate::actors::blocking::call(("history_blocking", "history().await"), engine.history())?
     }
 
     /// The history page of device `device` (see [`crate::report::render_history_html`]).

@@ -9,7 +9,7 @@ use std::any::Any;
 use std::fmt;
 use std::sync::OnceLock;
 
-use pinpool_actors::{Error, Lease, Origin, PoolId, Runtime, StreamId};
+use crate::actors::{Error, Lease, Origin, PoolId, Runtime, StreamId};
 
 use super::ipc_handle::IpcHandle;
 use crate::sim::SimRuntime;

@@ -5,7 +5,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use pinpool_actors::{DeviceFit, EngineBuilder, Error, SizePolicy};
+use crate::actors::{DeviceFit, EngineBuilder, Error, SizePolicy};
 
 use super::allocator::{DeviceAllocator, Inner};
 use super::peer::PeerTable;

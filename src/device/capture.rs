@@ -1,6 +1,6 @@
 //! Capture pools on device memory: the `DeviceAllocator`'s calls for CUDA graph capture
 //! (PyTorch's `beginAllocateToPool`, `endAllocateToPool`, `releasePool`), routed to the
-//! named device's engine, whose router owns the registry (see `pinpool_actors`' `router`).
+//! named device's engine, whose router owns the registry (see the engine's `router`).
 //!
 //! Between `begin_allocate_to_pool` and `end_allocate_to_pool`, a request for a stream the
 //! filter accepts is served from the private pool instead of the stream's own pool. A buffer
@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use pinpool_actors::{blocking, DeviceStats, Error, PoolId};
+use crate::actors::{blocking, DeviceStats, Error, PoolId};
 
 use super::allocator::DeviceAllocator;
 use super::runtime::DeviceRuntime;

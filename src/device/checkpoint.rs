@@ -1,6 +1,6 @@
 //! Checkpoints of device capture pools (what PyTorch's CUDA graph trees use):
 //! `checkpoint_state` reads a pool's segments and blocks, `set_checkpoint_pool_state`
-//! brings the pool back to them (see `pinpool_actors`' `engine::checkpoint` and
+//! brings the pool back to them (see the engine's `engine::checkpoint` and
 //! `pool::restore` for how).
 //!
 //! Safety first: a restore frees only blocks the allocator owns — raw allocations
@@ -11,7 +11,7 @@
 //! it frees, so that a pool can be restored again and again, and like the data pointers
 //! PyTorch's `CheckpointDelta` hands back.
 
-use pinpool_actors::{Error, PoolCheckpoint, PoolId, RawLease};
+use crate::actors::{Error, PoolCheckpoint, PoolId, RawLease};
 
 use super::allocator::DeviceAllocator;
 use super::runtime::DeviceRuntime;

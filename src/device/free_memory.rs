@@ -1,7 +1,7 @@
 //! Free-memory callbacks on device memory (PyTorch's `FreeMemoryCallback` registry): user
 //! code that frees what it can when a request would otherwise run out of memory. The
 //! callbacks are registered with every device's engine, whose miss path runs them (see
-//! `pinpool_actors`' `free_memory`).
+//! the engine's `free_memory`).
 
 use std::sync::Arc;
 
@@ -36,7 +36,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// # Ok(()) }
     /// ```
     pub fn attach_free_memory_callback(&self, f: impl Fn() -> bool + Send + Sync + 'static) {
-        let f: pinpool_actors::FreeMemoryCallback = Arc::new(f);
+        let f: crate::actors::FreeMemoryCallback = Arc::new(f);
         for e in self.engines() {
             e.attach_free_memory_callback(f.clone());
         }

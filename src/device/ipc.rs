@@ -28,8 +28,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use pinpool_actors::blocking;
-use pinpool_actors::{Error, Origin, RuntimeError};
+use crate::actors::blocking;
+use crate::actors::{Error, Origin, RuntimeError};
 
 use super::allocator::DeviceAllocator;
 use super::buffer::DeviceBuffer;

@@ -14,7 +14,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use pinpool_actors::Error;
+use crate::actors::Error;
 
 /// Bytes of the driver's handle (`CUipcMemHandle`).
 pub const IPC_HANDLE_BYTES: usize = 64;

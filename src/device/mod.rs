@@ -6,7 +6,7 @@
 //! recorded is reusable by its stream at once, with no event. Blocks are the request rounded
 //! to 512 bytes, cut out of one expandable range per pool where the device can map memory
 //! granule by granule (CUDA's virtual memory calls, or the simulation), else out of separate
-//! segments; see [`pinpool_actors::DeviceFit`]. The layout's settings come from
+//! segments; see [`crate::tuning::DeviceFit`]. The layout's settings come from
 //! `PINPOOL_DEVICE_CONF` ([`crate::config::DeviceConfig`]).
 //!
 //! This module holds the public face: `runtime` (what a runtime must offer: its devices and

@@ -10,8 +10,8 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use pinpool_actors::blocking;
-use pinpool_actors::Error;
+use crate::actors::blocking;
+use crate::actors::Error;
 
 use super::allocator::DeviceAllocator;
 use super::buffer::DeviceBuffer;

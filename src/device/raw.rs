@@ -17,7 +17,7 @@ use std::marker::PhantomData;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
-use pinpool_actors::{RawLease, Runtime};
+use crate::actors::{RawLease, Runtime};
 
 /// What the table files: an owner that travels as one non-null pointer.
 pub(crate) trait Filed: Send + Sized {

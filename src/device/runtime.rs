@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use pinpool_actors::{Error, MemorySource, Runtime};
+use crate::actors::{Error, MemorySource, Runtime};
 
 use super::ipc_handle::{IpcHandle, MappedHandle, IPC_HANDLE_BYTES};
 use crate::sim::{SimError, SimRuntime};

@@ -6,7 +6,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use pinpool_actors::{Runtime, StreamId};
+use crate::actors::{Runtime, StreamId};
 
 use crate::PinnedBuffer;
 

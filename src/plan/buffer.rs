@@ -4,7 +4,7 @@
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use pinpool_actors::{Error, Runtime, StreamId};
+use crate::actors::{Error, Runtime, StreamId};
 
 use super::arena::Ticket;
 use crate::PinnedBuffer;

@@ -11,8 +11,8 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use pinpool_actors::blocking;
-use pinpool_actors::Runtime;
+use crate::actors::blocking;
+use crate::actors::Runtime;
 
 use super::session::{ArenaPlan, Claim, PlanSessionError, Waiter};
 use super::Lifetime;
@@ -51,7 +51,7 @@ impl<R: Runtime> Notes<R> {
 
     fn track(
         &self,
-        result: Result<PinnedBuffer<R>, pinpool_actors::Error>,
+        result: Result<PinnedBuffer<R>, crate::actors::Error>,
     ) -> Result<RecordedBuffer<R>, PlanSessionError> {
         let buf = result?;
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
@@ -187,8 +187,8 @@ impl<R: Runtime> PlanRecorder<R> {
     }
 
     /// [`PlanRecorder::alloc`] for threads outside the tokio runtime
-    /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock: see
-    /// [`pinpool_actors::blocking`]).
+    /// ([`crate::Error::WouldDeadlock`] where blocking would deadlock: see
+    /// [blocking calls](crate#blocking-calls)).
     pub fn alloc_blocking(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
         self.notes.alloc_blocking(size)
     }
@@ -284,7 +284,7 @@ impl<R: Runtime> PlanValidator<R> {
     }
 
     /// [`PlanValidator::alloc`] for threads outside the tokio runtime
-    /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock).
+    /// ([`crate::Error::WouldDeadlock`] where blocking would deadlock).
     pub fn alloc_blocking(&self, size: usize) -> Result<RecordedBuffer<R>, PlanSessionError> {
         self.notes.alloc_blocking(size)
     }

@@ -23,8 +23,8 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use pinpool_actors::blocking;
-use pinpool_actors::Runtime;
+use crate::actors::blocking;
+use crate::actors::Runtime;
 
 use super::arena::{completed, release, Arena, Freed, Pending, Ticket};
 use super::buffer::{Inner, PlanBuffer};
@@ -219,7 +219,7 @@ impl<R: Runtime> ArenaSession<R> {
 
     fn pool_buffer(
         &mut self,
-        result: Result<PinnedBuffer<R>, pinpool_actors::Error>,
+        result: Result<PinnedBuffer<R>, crate::actors::Error>,
         ticket: Option<Ticket<R>>,
     ) -> Result<PlanBuffer<R>, PlanSessionError> {
         // On failure the ticket drops here and gives its slot back.
@@ -240,8 +240,8 @@ impl<R: Runtime> ArenaSession<R> {
     }
 
     /// [`ArenaSession::alloc`] for threads outside the tokio runtime
-    /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock: see
-    /// [`pinpool_actors::blocking`]).
+    /// ([`crate::Error::WouldDeadlock`] where blocking would deadlock: see
+    /// [blocking calls](crate#blocking-calls)).
     pub fn alloc_blocking(&mut self, size: usize) -> Result<PlanBuffer<R>, PlanSessionError> {
         let call = (
             "ArenaSession::alloc_blocking",
@@ -302,7 +302,7 @@ impl<R: Runtime> ArenaSession<R> {
     fn install(
         &mut self,
         swapped: bool,
-        result: Option<Result<PinnedBuffer<R>, pinpool_actors::Error>>,
+        result: Option<Result<PinnedBuffer<R>, crate::actors::Error>>,
     ) -> Result<(), PlanSessionError> {
         if swapped {
             self.stats.arena_swaps += 1;
@@ -322,7 +322,7 @@ impl<R: Runtime> ArenaSession<R> {
     }
 
     /// [`ArenaSession::reset`] for threads outside the tokio runtime (blocks the thread;
-    /// [`pinpool_actors::Error::WouldDeadlock`] where that would deadlock).
+    /// [`crate::Error::WouldDeadlock`] where that would deadlock).
     pub fn reset_blocking(&mut self) -> Result<(), PlanSessionError> {
         let call = (
             "ArenaSession::reset_blocking",
@@ -332,7 +332,7 @@ impl<R: Runtime> ArenaSession<R> {
     }
 
     /// The reset, with `who` waiting for the frees and for a new arena. A thread that drives
-    /// it does so with [`pinpool_actors::blocking::call`], which parks it while the frees'
+    /// it does so with the blocking adapter, which parks it while the frees'
     /// channel is empty; outside a runtime's worker, `yield_now` wakes it again at once.
     async fn reset_by(&mut self, who: Waiter) -> Result<(), PlanSessionError> {
         loop {
@@ -435,7 +435,7 @@ impl<R: Runtime> PinnedAllocator<R> {
     }
 
     /// [`PinnedAllocator::serve_plan`] for threads outside the tokio runtime
-    /// ([`pinpool_actors::Error::WouldDeadlock`] where blocking would deadlock).
+    /// ([`crate::Error::WouldDeadlock`] where blocking would deadlock).
     pub fn serve_plan_blocking(
         &self,
         plan: &ArenaPlan,

@@ -11,8 +11,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use crate::actors::{Error, Runtime};
 use arc_swap::ArcSwap;
-use pinpool_actors::{Error, Runtime};
 
 use super::{check, Plan, PlanError, Violation};
 use crate::PinnedAllocator;
@@ -111,7 +111,7 @@ impl ArenaPlan {
         self.plan.arena_size()
     }
 
-    /// Id of the allocator the plan is for ([`Engine::id`](pinpool_actors::Engine::id)).
+    /// Id of the allocator the plan is for ([`Engine::id`](crate::tuning::Engine::id)).
     pub fn allocator_id(&self) -> u64 {
         self.allocator
     }
@@ -214,7 +214,7 @@ impl Drop for Claim {
 }
 
 /// Who waits in a plan session's call: the task that awaits it, or a thread that the call's
-/// blocking form has cleared to block ([`pinpool_actors::blocking::call`]). Each call is
+/// blocking form has cleared to block (the blocking adapter). Each call is
 /// written once, as an async function over this; its blocking form drives that function
 /// on the thread with `Waiter::Thread`, whose allocations block in place (a thread's miss
 /// may run the memory source's calls itself, and never needs a tokio timer).

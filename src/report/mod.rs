@@ -18,7 +18,7 @@ mod svg;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use pinpool_actors::{History, PoolId, TraceAction, TraceEntry};
+use crate::actors::{History, PoolId, TraceAction, TraceEntry};
 
 pub(crate) use svg::format_bytes;
 
@@ -329,7 +329,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use pinpool_actors::HistoryContext;
+    use crate::actors::HistoryContext;
 
     use super::series;
     use crate::sim::SimRuntime;
@@ -338,7 +338,7 @@ mod tests {
 
     #[test]
     fn an_empty_history_has_no_curves() {
-        assert!(series(&pinpool_actors::History::default()).is_empty());
+        assert!(series(&crate::actors::History::default()).is_empty());
     }
 
     /// A small workload with misses, cached reuse, event waits, an annotation and an empty cache.

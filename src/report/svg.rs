@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use pinpool_actors::{TraceAction, TraceEntry};
+use crate::actors::{TraceAction, TraceEntry};
 
 use super::{escape, PoolSeries, IN_USE_COLOR, RESERVED_COLOR, WAITING_COLOR};
 

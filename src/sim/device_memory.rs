@@ -20,7 +20,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use pinpool_actors::{MemoryKind, MemorySource, Origin, Region, RuntimeError};
+use crate::actors::{MemoryKind, MemorySource, Origin, Region, RuntimeError};
 
 use super::expandable::GRANULE;
 use super::memory::HostAllocation;

@@ -3,7 +3,7 @@
 //! Owns no state. Misuse of the simulation (bad ranges, capture misuse, memory it does not
 //! own) is reported through this enum and never by a panic.
 
-use pinpool_actors::RuntimeError;
+use crate::actors::RuntimeError;
 
 /// Why the simulated runtime refused a call.
 ///

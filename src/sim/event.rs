@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
-use pinpool_actors::StreamId;
+use crate::actors::StreamId;
 
 use super::error::SimError;
 use super::graph::CaptureState;
@@ -110,7 +110,7 @@ impl std::fmt::Debug for SimEvent {
 mod tests {
     use super::super::SimRuntime;
     use super::*;
-    use pinpool_actors::Runtime;
+    use crate::actors::Runtime;
     use std::time::Duration;
 
     #[test]

@@ -14,7 +14,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use pinpool_actors::{Origin, Region, RuntimeError};
+use crate::actors::{Origin, Region, RuntimeError};
 
 use super::error::SimError;
 use super::memory::HostAllocation;

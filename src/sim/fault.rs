@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use pinpool_actors::RuntimeError;
+use crate::actors::RuntimeError;
 
 use super::rng::AtomicXorShift;
 

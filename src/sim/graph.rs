@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 
-use pinpool_actors::StreamId;
+use crate::actors::StreamId;
 
 use super::error::SimError;
 use super::stream::SimStream;
@@ -183,7 +183,7 @@ impl std::fmt::Debug for SimGraph {
 mod tests {
     use super::super::{SimDeviceBuffer, SimRuntime, ViolationKind};
     use super::*;
-    use pinpool_actors::Runtime;
+    use crate::actors::Runtime;
 
     #[test]
     fn captured_operations_do_not_run_and_replay_on_launch() {

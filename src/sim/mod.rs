@@ -41,7 +41,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use pinpool_actors::{MemoryKind, MemorySource, Origin, Region, Runtime, RuntimeError, StreamId};
+use crate::actors::{MemoryKind, MemorySource, Origin, Region, Runtime, RuntimeError, StreamId};
 
 pub use device::SimDeviceBuffer;
 pub(crate) use device_memory::SimDeviceMemory;
@@ -170,7 +170,7 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 /// ```
 /// use pinpool::sim::{SimDeviceBuffer, SimRuntime};
 /// use pinpool::Runtime;
-/// use pinpool_actors::Origin;
+/// use pinpool::tuning::Origin;
 ///
 /// let sim = SimRuntime::new();
 /// let mem = sim.host_alloc(1 << 16).unwrap();

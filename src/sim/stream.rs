@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pinpool_actors::StreamId;
+use crate::actors::StreamId;
 
 use super::device::SimDeviceBuffer;
 use super::error::SimError;
@@ -492,7 +492,7 @@ impl std::fmt::Debug for SimStream {
 mod tests {
     use super::super::ViolationKind;
     use super::*;
-    use pinpool_actors::{MemorySource, Region, Runtime};
+    use crate::actors::{MemorySource, Region, Runtime};
     use std::time::Instant;
 
     fn setup(size: usize) -> (SimRuntime, SimStream, Region) {

@@ -314,7 +314,7 @@ fn mapping_counts_against_the_memory_limit_and_can_be_turned_off() {
     ignore = "reserves 16 MiB, which miri materialises and tracks byte by byte: too slow"
 )]
 fn a_remapped_granule_moves_its_memory_without_allocating_and_misuse_changes_nothing() {
-    use pinpool_actors::MemorySource;
+    use crate::actors::MemorySource;
     let sim = SimRuntime::new();
     let g = sim.host_granularity().unwrap();
     assert!(sim.remaps());
@@ -362,7 +362,7 @@ fn a_remapped_granule_moves_its_memory_without_allocating_and_misuse_changes_not
 
 #[test]
 fn a_device_memory_source_allocates_up_to_the_capacity() {
-    use pinpool_actors::{MemoryKind, MemorySource};
+    use crate::actors::{MemoryKind, MemorySource};
 
     let sim = SimRuntime::builder().device_capacity(64 << 20).build();
     let device = sim.device_memory(0).unwrap();

@@ -4,7 +4,7 @@
 //! Owns nothing but the record type; the runtime counts violations with an atomic and the
 //! ledger actor keeps the log.
 
-use pinpool_actors::StreamId;
+use crate::actors::StreamId;
 
 /// What kind of misuse was caught.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pinpool_actors::StreamId;
+use crate::actors::StreamId;
 
 use super::device::SimDeviceBuffer;
 use super::error::SimError;

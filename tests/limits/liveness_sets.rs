@@ -1,6 +1,6 @@
 //! Liveness of device pools and of requests for several buffers at once (`BufferSet`), under
 //! a pinned cap and a device cap (the rule in `docs/reliability.md`, "Liveness", and in
-//! `pinpool_actors::alloc_many`): no request waits for ever while the bytes it needs are
+//! the engine's `alloc_many`): no request waits for ever while the bytes it needs are
 //! free, cached, or held by buffers that will come back.
 //!
 //! Random sequences of sets (pinned and device buffers on several streams, taken together),

@@ -1,20 +1,20 @@
 //! History and observers: the handle's calls to the history recorder (see
-//! [`crate::history`]).
+//! [`crate::actors::history`]).
 
 use std::sync::Arc;
 
 use super::Engine;
-use crate::error::Error;
-use crate::observe::ObserverMsg;
-use crate::runtime::Runtime;
-use crate::trace::{History, HistoryContext, OomReport, TraceEntry};
+use crate::actors::error::Error;
+use crate::actors::observe::ObserverMsg;
+use crate::actors::runtime::Runtime;
+use crate::actors::trace::{History, HistoryContext, OomReport, TraceEntry};
 
 impl<R: Runtime> Engine<R> {
     /// Turns history recording on or off. While on, the last `max_entries` trace entries are
     /// kept (older ones are pushed out), with call sites as `context` asks. Turning it off
     /// keeps the entries recorded so far. Fails with [`Error::EmptyHistoryRing`] when asked to
     /// record into a ring of 0 entries.
-    pub fn record_history(
+    pub(crate) fn record_history(
         &self,
         enabled: bool,
         max_entries: usize,
@@ -24,22 +24,22 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Whether history recording is on.
-    pub fn is_history_enabled(&self) -> bool {
+    pub(crate) fn is_history_enabled(&self) -> bool {
         self.recorder().is_on()
     }
 
     /// Adds a `UserDefined` entry named `name` to the history (nothing while it is off).
-    pub fn record_annotation(&self, name: &str) {
+    pub(crate) fn record_annotation(&self, name: &str) {
         self.recorder().annotate(name);
     }
 
     /// Records a `Snapshot` entry (for code that takes snapshots of the allocator).
-    pub fn record_snapshot_taken(&self) {
+    pub(crate) fn record_snapshot_taken(&self) {
         self.recorder().snapshot_taken();
     }
 
     /// The recorded history (a round trip to the history actor).
-    pub async fn history(&self) -> Result<History, Error> {
+    pub(crate) async fn history(&self) -> Result<History, Error> {
         let rx = self.recorder().read()?;
         let mut h = rx.recv_async().await.map_err(|_| Error::Shutdown)?;
         h.enabled = self.recorder().is_on();
@@ -48,13 +48,13 @@ impl<R: Runtime> Engine<R> {
 
     /// Calls `f` for every trace entry recorded while history is on, from the observer task
     /// (on a blocking thread), never from an actor or an allocation.
-    pub fn attach_trace_tracker(&self, f: impl Fn(&TraceEntry) + Send + Sync + 'static) {
+    pub(crate) fn attach_trace_tracker(&self, f: impl Fn(&TraceEntry) + Send + Sync + 'static) {
         self.recorder().attach(ObserverMsg::Tracker(Arc::new(f)));
     }
 
     /// Calls `f` for every request that fails for want of pinned memory, from the observer
     /// task (on a blocking thread).
-    pub fn attach_oom_observer(&self, f: impl Fn(&OomReport) + Send + Sync + 'static) {
+    pub(crate) fn attach_oom_observer(&self, f: impl Fn(&OomReport) + Send + Sync + 'static) {
         self.recorder().attach(ObserverMsg::Oom(Arc::new(f)));
     }
 }

@@ -31,12 +31,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 
-use crate::blocking::may_block;
-use crate::budget::Budget;
-use crate::error::{Error, OomCause};
-use crate::lease::Lease;
-use crate::miss::{Tried, Wait};
-use crate::runtime::Runtime;
+use crate::actors::blocking::may_block;
+use crate::actors::budget::Budget;
+use crate::actors::error::{Error, OomCause};
+use crate::actors::lease::Lease;
+use crate::actors::miss::{Tried, Wait};
+use crate::actors::runtime::Runtime;
 
 use super::Engine;
 
@@ -50,7 +50,7 @@ pub struct Want<'a, R: Runtime> {
 
 impl<'a, R: Runtime> Want<'a, R> {
     /// `size` bytes from `engine` for work on `stream`.
-    pub fn new(engine: &'a Engine<R>, size: usize, stream: Option<&'a R::Stream>) -> Self {
+    pub(crate) fn new(engine: &'a Engine<R>, size: usize, stream: Option<&'a R::Stream>) -> Self {
         Self {
             engine,
             size,
@@ -147,7 +147,7 @@ pub async fn alloc_many<R: Runtime>(
 /// calling thread on the async call. Where that would deadlock (a thread that runs a
 /// current-thread runtime's tasks) it fails at once with [`Error::WouldDeadlock`] naming
 /// `call` (the blocking call, and the async one to use instead); on a multi-thread
-/// runtime's threads it blocks inside `block_in_place` (see [`crate::blocking`]).
+/// runtime's threads it blocks inside `block_in_place` (see [`crate::actors::blocking`]).
 pub fn alloc_many_blocking<R: Runtime>(
     wants: &[Want<'_, R>],
     wait: Wait,

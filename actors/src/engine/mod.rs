@@ -2,10 +2,10 @@
 //! actors. The last clone to go closes the pools, which give every block back to its memory
 //! source as it comes home.
 //!
-//! The cached path is here and in [`crate::ready`]: size class, route (no table load unless a
+//! The cached path is here and in [`crate::actors::ready`]: size class, route (no table load unless a
 //! stream is given, and none for a stream this thread routed since the router last published:
 //! `route_cache`), take a ready block, charge this thread's stats shard. A miss is one round
-//! trip to the pool actor (see [`crate::miss`]).
+//! trip to the pool actor (see [`crate::actors::miss`]).
 //!
 //! The rest of the handle's calls live beside it: `build` (the builder, which starts the
 //! actors), `capture` (capture pools, through the router), `checkpoint` (checkpoints of
@@ -22,7 +22,6 @@ mod many;
 mod route_cache;
 
 pub use build::EngineBuilder;
-pub use checkpoint::{RestoreFailed, Restored};
 pub use many::{alloc_many, alloc_many_blocking, Want};
 
 use std::sync::atomic::Ordering;
@@ -30,20 +29,20 @@ use std::sync::Arc;
 
 use flume::Sender;
 
-use crate::block::{Block, Pool};
-use crate::blocking::{may_block, run_here};
-use crate::budget::Budget;
-use crate::budget::EmptyReport;
-use crate::error::Error;
-use crate::history::Recorder;
-use crate::lease::Lease;
-use crate::mailbox::{PollerMsg, PoolMsg, Reply};
-use crate::memory::MemorySource;
-use crate::miss::{miss, miss_once, Tried, Wait, Who};
-use crate::peaks::Ledger;
-use crate::policy::{SizeClass, SizePolicy};
-use crate::router::{RouterMsg, Routes};
-use crate::runtime::{Runtime, StreamId};
+use crate::actors::block::{Block, Pool};
+use crate::actors::blocking::{may_block, run_here};
+use crate::actors::budget::Budget;
+use crate::actors::budget::EmptyReport;
+use crate::actors::error::Error;
+use crate::actors::history::Recorder;
+use crate::actors::lease::Lease;
+use crate::actors::mailbox::{PollerMsg, PoolMsg, Reply};
+use crate::actors::memory::MemorySource;
+use crate::actors::miss::{miss, miss_once, Tried, Wait, Who};
+use crate::actors::peaks::Ledger;
+use crate::actors::policy::{SizeClass, SizePolicy};
+use crate::actors::router::{RouterMsg, Routes};
+use crate::actors::runtime::{Runtime, StreamId};
 
 struct EngineInner<R: Runtime> {
     id: u64,
@@ -125,7 +124,7 @@ impl<R: Runtime> Engine<R> {
         &self.inner.memory
     }
 
-    /// The history recorder (see [`crate::history`]).
+    /// The history recorder (see [`crate::actors::history`]).
     pub(crate) fn recorder(&self) -> &Arc<Recorder> {
         &self.inner.history
     }
@@ -342,7 +341,7 @@ impl<R: Runtime> Engine<R> {
 
     /// Allocates `size` bytes for work on `stream` (`None`: the default pool), waiting for
     /// room under the cap as `wait` says. What every `alloc*` call comes down to.
-    pub async fn alloc_with(
+    pub(crate) async fn alloc_with(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
@@ -445,9 +444,9 @@ impl<R: Runtime> Engine<R> {
     /// runs a current-thread runtime's tasks would block, it fails with
     /// [`Error::WouldDeadlock`] naming `call` (the public blocking call, and the async call
     /// to use instead); on a multi-thread runtime's threads it blocks inside
-    /// `block_in_place` (see [`crate::blocking`]). The cached path never blocks and checks
+    /// `block_in_place` (see [`crate::actors::blocking`]). The cached path never blocks and checks
     /// nothing.
-    pub fn alloc_blocking_with(
+    pub(crate) fn alloc_blocking_with(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
@@ -464,13 +463,13 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// The cap on reserved bytes, if any.
-    pub fn max_bytes(&self) -> Option<usize> {
+    pub(crate) fn max_bytes(&self) -> Option<usize> {
         self.inner.default.budget.limit()
     }
 
     /// Sets or lifts the cap. Lowering it frees nothing by itself (the next request that
     /// does not fit empties the caches); raising it lets waiting requests in.
-    pub fn set_max_bytes(&self, bytes: Option<usize>) -> Result<(), Error> {
+    pub(crate) fn set_max_bytes(&self, bytes: Option<usize>) -> Result<(), Error> {
         if bytes == Some(0) {
             return Err(Error::InvalidLimit {
                 reason: "a cap of 0 bytes leaves no room for any request".into(),
@@ -483,7 +482,7 @@ impl<R: Runtime> Engine<R> {
     /// Books `err`, a request refused for want of memory before it reached the engine (a
     /// size larger than the device, say): counted in `num_ooms` and reported to the OOM
     /// observers like the engine's own failures. Returns `err`.
-    pub fn refused(&self, err: Error) -> Error {
+    pub(crate) fn refused(&self, err: Error) -> Error {
         let pool = self.default_pool();
         pool.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
         pool.oom(err)
@@ -500,7 +499,11 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Records `stream` on a lease, after checking that this allocator lent it.
-    pub fn record_stream(&self, lease: &mut Lease<R>, stream: &R::Stream) -> Result<(), Error> {
+    pub(crate) fn record_stream(
+        &self,
+        lease: &mut Lease<R>,
+        stream: &R::Stream,
+    ) -> Result<(), Error> {
         if lease.allocator_id() != self.inner.id {
             return Err(Error::ForeignBuffer);
         }

@@ -26,12 +26,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::PoolActor;
-use crate::block::Seg;
-use crate::carve::{Carver, Piece, SegId};
-use crate::error::{Error, OomCause};
-use crate::memory::units;
-use crate::runtime::{Runtime, RuntimeError};
-use crate::segment::{ArenaMap, Segment};
+use crate::actors::block::Seg;
+use crate::actors::carve::{Carver, Piece, SegId};
+use crate::actors::error::{Error, OomCause};
+use crate::actors::memory::units;
+use crate::actors::runtime::{Runtime, RuntimeError};
+use crate::actors::segment::{ArenaMap, Segment};
 
 /// Under a memory limit of fewer granules than this, a pool keeps separate segments.
 const MIN_GRANULES_UNDER_LIMIT: usize = 8;
@@ -238,7 +238,7 @@ impl<R: Runtime> Arena<R> {
     /// still needs mapped (the mapped ones it touches are held from now on).
     pub(super) fn place(&mut self, size: usize, pack: bool) -> Option<(Piece, Vec<usize>)> {
         let (granules, bits, g) = (&self.granules, &self.mapped_bits, self.granule);
-        let want = crate::carve::align_up(size)?;
+        let want = crate::actors::carve::align_up(size)?;
         let boundary = if pack { g } else { 0 };
         let piece = self
             .carver
@@ -359,7 +359,7 @@ impl<R: Runtime> Arena<R> {
 
     /// Takes a lent piece back (or one whose granules could not be mapped): its granules
     /// are let go and its range coalesces with free neighbours.
-    pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::carve::CarveError> {
+    pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::actors::carve::CarveError> {
         self.carver.release(piece)?;
         self.clock += 1;
         for (_, gr) in self

@@ -7,7 +7,7 @@
 //! every block back to the runtime as it comes home (invariant 2).
 //!
 //! Under a memory limit it also queues the requests that wait for room, first come first
-//! served (see [`crate::budget`] and `crate::miss`), and serves them as blocks come back or
+//! served (see [`crate::actors::budget`] and `crate::actors::miss`), and serves them as blocks come back or
 //! room is made.
 //!
 //! Under a policy whose layout carves blocks out of shared segments ([`BlockLayout::Carved`])
@@ -31,19 +31,19 @@ use std::time::Duration;
 
 use flume::{Receiver, Sender};
 
-use crate::block::{Block, BlockState, Pool, Seg};
-use crate::budget::Budget;
-use crate::errand::{spawn_or_run, Errand};
-use crate::error::Error;
-use crate::history::Recorder;
-use crate::home::{Home, HomeParts, DIVERT_CLOSING};
-use crate::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
-use crate::memory::{MemoryKind, MemorySource};
-use crate::peaks::{Group, Ledger};
-use crate::policy::{BlockLayout, SizePolicy};
-use crate::pool_id::PoolId;
-use crate::runtime::{Runtime, StreamId};
-use crate::spawn::spawn_named;
+use crate::actors::block::{Block, BlockState, Pool, Seg};
+use crate::actors::budget::Budget;
+use crate::actors::errand::{spawn_or_run, Errand};
+use crate::actors::error::Error;
+use crate::actors::history::Recorder;
+use crate::actors::home::{Home, HomeParts, DIVERT_CLOSING};
+use crate::actors::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
+use crate::actors::memory::{MemoryKind, MemorySource};
+use crate::actors::peaks::{Group, Ledger};
+use crate::actors::policy::{BlockLayout, SizePolicy};
+use crate::actors::pool_id::PoolId;
+use crate::actors::runtime::{Runtime, StreamId};
+use crate::actors::spawn::spawn_named;
 
 /// Everything needed to start a pool.
 pub(crate) struct PoolSpec<R: Runtime> {
@@ -281,7 +281,7 @@ impl<T> OffExecutor<T> {
 impl<R: Runtime> PoolActor<R> {
     /// Runs `work` (calls into the memory source) off the executor (invariant 6): on the
     /// thread of the miss being served when that thread lends itself (see
-    /// [`crate::errand`]), on a blocking thread of the runtime otherwise — or here, should the
+    /// [`crate::actors::errand`]), on a blocking thread of the runtime otherwise — or here, should the
     /// runtime be shutting down and refuse it (a free dropped unrun would send its blocks
     /// back to this actor, which would try again for ever). Whether it went to the requester.
     pub(super) fn hand_off(&self, work: impl FnOnce() + Send + 'static) -> bool {

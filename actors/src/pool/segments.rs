@@ -31,16 +31,16 @@ use std::sync::Arc;
 
 use super::arena::Arena;
 use super::PoolActor;
-use crate::block::{Block, Seg};
-use crate::carve::{Carver, Piece, SegId};
-use crate::error::Error;
-use crate::mailbox::{Merge, Note, PieceView, SegmentView, Split};
-use crate::memory::Region;
-use crate::meta::MetaRef;
-use crate::policy::{BlockLayout, Carving, SizeClass};
-use crate::ready::ReadyQueues;
-use crate::runtime::{Runtime, RuntimeError};
-use crate::segment::Segment;
+use crate::actors::block::{Block, Seg};
+use crate::actors::carve::{Carver, Piece, SegId};
+use crate::actors::error::Error;
+use crate::actors::mailbox::{Merge, Note, PieceView, SegmentView, Split};
+use crate::actors::memory::Region;
+use crate::actors::meta::MetaRef;
+use crate::actors::policy::{BlockLayout, Carving, SizeClass};
+use crate::actors::ready::ReadyQueues;
+use crate::actors::runtime::{Runtime, RuntimeError};
+use crate::actors::segment::Segment;
 
 /// How many free ranges a miss hands the requesting thread (see `PoolActor::refill`).
 const REFILL_RANGES: usize = 16;
@@ -282,7 +282,7 @@ impl<R: Runtime> Segments<R> {
 
     /// Cuts a piece for `size` bytes; a wholly free segment much larger than it only when
     /// `split_any`.
-    fn place(&mut self, size: usize, split_any: bool) -> Option<crate::carve::Piece> {
+    fn place(&mut self, size: usize, split_any: bool) -> Option<crate::actors::carve::Piece> {
         let c = self.carving;
         self.carver
             .place(size, |seg| c.may_split(seg, size, split_any))
@@ -395,7 +395,7 @@ impl<R: Runtime> PoolActor<R> {
             if self.absorb(&mut b) {
                 self.shared.recycle(b);
             } else {
-                b.state = crate::block::BlockState::Cached;
+                b.state = crate::actors::block::BlockState::Cached;
                 self.shared.ready.put(b);
             }
         }
@@ -433,7 +433,7 @@ impl<R: Runtime> PoolActor<R> {
             let segment = a.segment.clone();
             let class = SizeClass { index, size: len };
             if let Some(mut b) = self.block_for(class, piece, segment) {
-                b.state = crate::block::BlockState::Cached;
+                b.state = crate::actors::block::BlockState::Cached;
                 self.shared.ready.put_queue(shard, b);
             }
         }
