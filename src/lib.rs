@@ -64,7 +64,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[path = "../actors/src/lib.rs"]
-#[allow(unreachable_pub)]
 mod actors;
 mod allocator;
 mod buffer;

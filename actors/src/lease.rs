@@ -14,7 +14,7 @@ use crate::actors::runtime::{Runtime, StreamId};
 /// Bytes lent by the allocator. Dropping it frees them: they are reused only after
 /// every stream recorded with [`Lease::record_stream`] has finished the work enqueued on it
 /// before the drop.
-pub struct Lease<R: Runtime> {
+pub(crate) struct Lease<R: Runtime> {
     block: Option<Box<Block<R>>>,
     len: usize,
     engine: u64,
@@ -72,7 +72,7 @@ impl<R: Runtime> Lease<R> {
     }
 
     /// Start of the bytes (dangling but aligned when the lease is empty).
-    pub fn as_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
         match &self.block {
             Some(b) => b.memory.ptr.as_ptr(),
             None => NonNull::<u64>::dangling().as_ptr() as *mut u8,
@@ -80,39 +80,39 @@ impl<R: Runtime> Lease<R> {
     }
 
     /// Bytes requested.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
     /// Whether no bytes were requested (no block is held).
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Bytes of the block behind the lease (at least `len`).
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.block.as_ref().map_or(0, |b| b.size)
     }
 
     /// The pool the block belongs to (`None` for an empty lease).
-    pub fn pool(&self) -> Option<PoolId> {
+    pub(crate) fn pool(&self) -> Option<PoolId> {
         self.block.as_ref().map(|b| b.pool.id)
     }
 
     /// How the memory under the block was obtained (its segment's [`Origin`]; `None` for
     /// an empty lease): e.g. whole device segments versus runs mapped into an expandable
     /// range, which differ in how they can be shared with other processes.
-    pub fn origin(&self) -> Option<Origin> {
+    pub(crate) fn origin(&self) -> Option<Origin> {
         self.block.as_ref().map(|b| b.memory.method)
     }
 
     /// Which allocator lent this lease.
-    pub fn allocator_id(&self) -> u64 {
+    pub(crate) fn allocator_id(&self) -> u64 {
         self.engine
     }
 
     /// Whether the block was taken while its stream was being captured into a graph.
-    pub fn allocated_during_capture(&self) -> bool {
+    pub(crate) fn allocated_during_capture(&self) -> bool {
         self.block.as_ref().is_some_and(|b| b.during_capture)
     }
 
@@ -125,7 +125,7 @@ impl<R: Runtime> Lease<R> {
     /// # Errors
     /// [`Error::ForeignStream`] for a stream of another runtime than the allocator's
     /// ([`Runtime::owns_stream`]); nothing is recorded.
-    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
+    pub(crate) fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
         match &mut self.block {
             Some(b) => record(b, stream),
             None => Ok(()),
@@ -134,7 +134,7 @@ impl<R: Runtime> Lease<R> {
 
     /// The lease as one pointer, for tables that hold many (`Err(self)` for an empty
     /// lease, which holds no block): see [`RawLease`].
-    pub fn into_raw(mut self) -> Result<RawLease<R>, Self> {
+    pub(crate) fn into_raw(mut self) -> Result<RawLease<R>, Self> {
         match self.block.take() {
             Some(mut b) => {
                 b.raw_len = self.len;
@@ -146,7 +146,7 @@ impl<R: Runtime> Lease<R> {
     }
 
     /// The streams recorded so far.
-    pub fn recorded_streams(&self) -> Vec<StreamId> {
+    pub(crate) fn recorded_streams(&self) -> Vec<StreamId> {
         self.block
             .as_ref()
             .map(|b| b.streams.iter().map(|(s, _)| *s).collect())
@@ -175,7 +175,7 @@ pub(crate) fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) -> Result
 /// lender's id meanwhile: what the device allocator's table of raw addresses keeps, so that
 /// `raw_alloc_with_stream` allocates nothing beside the block. Dropping it frees the block
 /// as dropping the lease would.
-pub struct RawLease<R: Runtime>(NonNull<Block<R>>);
+pub(crate) struct RawLease<R: Runtime>(NonNull<Block<R>>);
 
 // SAFETY: as for `Lease`: the raw lease owns its block exclusively.
 unsafe impl<R: Runtime> Send for RawLease<R> {}
@@ -184,7 +184,7 @@ unsafe impl<R: Runtime> Sync for RawLease<R> {}
 
 impl<R: Runtime> RawLease<R> {
     /// Start of the bytes.
-    pub fn as_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
         // SAFETY: the raw lease owns the block (see `into_ptr`).
         unsafe { self.0.as_ref() }.memory.ptr.as_ptr()
     }
@@ -193,13 +193,13 @@ impl<R: Runtime> RawLease<R> {
     ///
     /// # Errors
     /// As for [`Lease::record_stream`].
-    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
+    pub(crate) fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
         // SAFETY: as in `as_ptr`, and `&mut self` makes this the only access.
         record(unsafe { self.0.as_mut() }, stream)
     }
 
     /// The lease again, as it was.
-    pub fn into_lease(self) -> Lease<R> {
+    pub(crate) fn into_lease(self) -> Lease<R> {
         let block = self.0;
         std::mem::forget(self);
         // SAFETY: this raw lease owned the block and is gone without its drop.
@@ -208,7 +208,7 @@ impl<R: Runtime> RawLease<R> {
 
     /// The pointer, owning the block: give it back to [`RawLease::from_ptr`] exactly once,
     /// or the block is never freed.
-    pub fn into_ptr(self) -> *mut () {
+    pub(crate) fn into_ptr(self) -> *mut () {
         let p = self.0.as_ptr().cast();
         std::mem::forget(self);
         p
@@ -219,7 +219,7 @@ impl<R: Runtime> RawLease<R> {
     /// # Safety
     ///
     /// `p` came from [`RawLease::into_ptr`] and is given back once.
-    pub unsafe fn from_ptr(p: *mut ()) -> Self {
+    pub(crate) unsafe fn from_ptr(p: *mut ()) -> Self {
         // SAFETY: by the contract, `p` is a leaked block's non-null address.
         RawLease(unsafe { NonNull::new_unchecked(p.cast()) })
     }

@@ -29,7 +29,7 @@ use crate::actors::runtime::Runtime;
 
 /// How a request that does not fit under the cap is treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wait {
+pub(crate) enum Wait {
     /// Fail at once with `OutOfMemory`.
     Never,
     /// Wait as long as the allocator's default says.

@@ -30,7 +30,7 @@ use crate::actors::runtime::{Runtime, StreamId};
 use crate::actors::spawn::spawn_named;
 
 /// Decides whether an allocation made for a stream goes to a capture's private pool.
-pub type StreamFilter<R> = Arc<dyn Fn(&<R as Runtime>::Stream) -> bool + Send + Sync>;
+pub(crate) type StreamFilter<R> = Arc<dyn Fn(&<R as Runtime>::Stream) -> bool + Send + Sync>;
 
 /// A capture underway: allocations for streams the filter accepts go to `pool`.
 pub(crate) struct Capture<R: Runtime> {

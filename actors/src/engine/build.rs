@@ -21,7 +21,7 @@ use crate::actors::shard::default_shard_count;
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
 /// Configures and starts an [`Engine`].
-pub struct EngineBuilder<R: Runtime> {
+pub(crate) struct EngineBuilder<R: Runtime> {
     runtime: Arc<R>,
     memory: Arc<dyn MemorySource>,
     policy: Arc<dyn SizePolicy>,
@@ -68,7 +68,7 @@ impl<R: Runtime> EngineBuilder<R> {
     }
 
     /// The size policy (default: [`BestFit`]).
-    pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
+    pub(crate) fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
         self.policy = policy;
         self
     }
@@ -102,7 +102,7 @@ impl<R: Runtime> EngineBuilder<R> {
     /// counting as oversize (`usize::MAX`: none). The cached path then also counts
     /// allocations and requested bytes by pool (small and large), a few more stores to the
     /// calling thread's own cache lines.
-    pub fn device_stats(mut self, max_split_size: usize) -> Self {
+    pub(crate) fn device_stats(mut self, max_split_size: usize) -> Self {
         self.device_stats = Some(max_split_size);
         self
     }
@@ -115,7 +115,7 @@ impl<R: Runtime> EngineBuilder<R> {
 
     /// Number of thread shards for ready queues and stats (rounded up to a power of two;
     /// default: twice the machine's parallelism, at most 64).
-    pub fn shards(mut self, shards: usize) -> Self {
+    pub(crate) fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards.clamp(1, 1024).next_power_of_two());
         self
     }

@@ -21,7 +21,7 @@ use crate::actors::runtime::Runtime;
 use crate::actors::snapshot::PoolCheckpoint;
 
 /// What a restore did: the addresses freed, and leases over the blocks lent again.
-pub struct Restored<R: Runtime> {
+pub(crate) struct Restored<R: Runtime> {
     /// Addresses of the blocks freed (their leases were taken from the caller).
     pub freed: Vec<usize>,
     /// The checkpoint's blocks lent again, at their old addresses, in address order.
@@ -29,7 +29,7 @@ pub struct Restored<R: Runtime> {
 }
 
 /// A failed restore: the error, and the leases taken from the caller, untouched.
-pub type RestoreFailed<R> = (Error, Vec<Lease<R>>);
+pub(crate) type RestoreFailed<R> = (Error, Vec<Lease<R>>);
 
 impl<R: Runtime> Engine<R> {
     /// The segments and blocks of capture pool `pool` (PyTorch's `getCheckpointState`).

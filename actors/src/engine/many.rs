@@ -42,7 +42,7 @@ use super::Engine;
 
 /// One buffer of a request for several: `size` bytes from `engine`, for work on `stream`
 /// (`None`: the engine's default pool; a stream-ordered engine takes the stream's pool).
-pub struct Want<'a, R: Runtime> {
+pub(crate) struct Want<'a, R: Runtime> {
     engine: &'a Engine<R>,
     size: usize,
     stream: Option<&'a R::Stream>,
@@ -85,7 +85,7 @@ impl<'a, R: Runtime> Want<'a, R> {
 ///   caches were emptied) fails the request, as for one buffer.
 ///
 /// Cancel-safe: dropping the future gives back everything it took and leaves no waiter.
-pub async fn alloc_many<R: Runtime>(
+pub(crate) async fn alloc_many<R: Runtime>(
     wants: &[Want<'_, R>],
     wait: Wait,
 ) -> Result<Vec<Lease<R>>, Error> {
@@ -148,7 +148,7 @@ pub async fn alloc_many<R: Runtime>(
 /// current-thread runtime's tasks) it fails at once with [`Error::WouldDeadlock`] naming
 /// `call` (the blocking call, and the async one to use instead); on a multi-thread
 /// runtime's threads it blocks inside `block_in_place` (see [`crate::actors::blocking`]).
-pub fn alloc_many_blocking<R: Runtime>(
+pub(crate) fn alloc_many_blocking<R: Runtime>(
     wants: &[Want<'_, R>],
     wait: Wait,
     call: (&'static str, &'static str),

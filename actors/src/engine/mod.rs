@@ -21,8 +21,8 @@ mod inspect;
 mod many;
 mod route_cache;
 
-pub use build::EngineBuilder;
-pub use many::{alloc_many, alloc_many_blocking, Want};
+pub(crate) use build::EngineBuilder;
+pub(crate) use many::{alloc_many, alloc_many_blocking, Want};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
