@@ -143,30 +143,7 @@ async fn under_a_memory_limit_idle_memory_moves_instead_of_going_back_and_coming
 async fn a_replayed_loop_of_mixed_large_blocks_makes_few_map_calls_within_its_peak() {
     let (pool, sim) = device_pool(None);
     let s = sim.stream();
-    let sizes = [
-        24 * MIB,
-        40 * MIB,
-        6 * MIB,
-        18 * MIB,
-        64 * MIB,
-        10 * MIB,
-        33 * MIB,
-    ];
-    let mut held = std::collections::VecDeque::new();
-    let (mut live, mut peak) = (0usize, 0usize);
-    for step in 0..140 {
-        let size = sizes[(step * 5) % sizes.len()];
-        let b = pool.alloc(size, &s).await.unwrap();
-        s.fill_device(b.device_ptr(), 4096, step as u8).unwrap();
-        live += size;
-        peak = peak.max(live);
-        held.push_back(b);
-        if held.len() > 3 {
-            let old = held.pop_front().unwrap();
-            live -= old.len();
-            drop(old);
-        }
-    }
+    let peak = mixed_large_loop(&pool, &s).await;
     s.synchronize().unwrap();
     let reserved = pool.stats(0).unwrap().reserved_bytes.all.peak as usize;
     // Granule by granule, each new place of a block was as many map calls as it had
@@ -253,9 +230,12 @@ async fn with_a_thread_cache_a_large_request_is_placed_by_the_pool_actor_not_by_
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
 
-/// Runs the mixed large blocks loop of the test above once on `s` (three blocks held at a
-/// time), every block freed at the end.
-async fn mixed_large_loop(pool: &DeviceAllocator<SimRuntime>, s: &pinpool::sim::SimStream) {
+/// Runs a loop of mixed large blocks once on `s` (three held at a time, each freed when the
+/// fourth comes; all freed at the end) and returns the peak of live requested bytes.
+async fn mixed_large_loop(
+    pool: &DeviceAllocator<SimRuntime>,
+    s: &pinpool::sim::SimStream,
+) -> usize {
     let sizes = [
         24 * MIB,
         40 * MIB,
@@ -266,17 +246,21 @@ async fn mixed_large_loop(pool: &DeviceAllocator<SimRuntime>, s: &pinpool::sim::
         33 * MIB,
     ];
     let mut held = std::collections::VecDeque::new();
+    let (mut live, mut peak) = (0usize, 0usize);
     for step in 0..140 {
-        let b = pool
-            .alloc(sizes[(step * 5) % sizes.len()], s)
-            .await
-            .unwrap();
+        let size = sizes[(step * 5) % sizes.len()];
+        let b = pool.alloc(size, s).await.unwrap();
         s.fill_device(b.device_ptr(), 4096, step as u8).unwrap();
+        live += size;
+        peak = peak.max(live);
         held.push_back(b);
         if held.len() > 3 {
-            drop(held.pop_front());
+            let old = held.pop_front().unwrap();
+            live -= old.len();
+            drop(old);
         }
     }
+    peak
 }
 
 /// The driver calls the simulated device has seen: maps, unmaps and moves.
