@@ -7,7 +7,7 @@
 use std::io::{BufReader, Read};
 
 use super::build::{Builder, IdRule};
-use super::text::{id_field, number, read_line};
+use super::text::{id_field, number, Lines};
 use super::{Trace, TraceError, TraceErrorKind, TraceEvent};
 
 const HEADER: [&str; 4] = ["id", "lower", "upper", "size"];
@@ -22,35 +22,14 @@ struct Row {
 
 /// Reads a MiniMalloc CSV from `reader`; `origin` names it in errors.
 pub(crate) fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError> {
-    let mut reader = BufReader::new(reader);
-    let mut buf = Vec::new();
-    let mut line_no = 0;
+    let mut lines = Lines::new(BufReader::new(reader), origin);
     let mut header_seen = false;
     let mut rows = Vec::new();
-    loop {
-        buf.clear();
-        line_no += 1;
-        let fail = |kind| TraceError::invalid(origin, line_no, kind);
-        let read = read_line(&mut reader, &mut buf)
-            .map_err(|source| TraceError::Read {
-                origin: origin.to_owned(),
-                line: line_no,
-                source,
-            })?
-            .map_err(fail)?;
-        if read == 0 {
-            if !header_seen {
-                return Err(fail(TraceErrorKind::BadHeader {
-                    found: String::new(),
-                }));
-            }
-            break;
-        }
-        let line = std::str::from_utf8(&buf).map_err(|_| fail(TraceErrorKind::NotUtf8))?;
+    while let Some((number, line)) = lines.next_line()? {
+        let fail = |kind| TraceError::invalid(origin, number, kind);
         let line = line.trim();
         if !header_seen {
-            let names = line.split(',').map(str::trim);
-            if !names.eq(HEADER) {
+            if !line.split(',').map(str::trim).eq(HEADER) {
                 return Err(fail(TraceErrorKind::BadHeader {
                     found: line.to_owned(),
                 }));
@@ -61,7 +40,13 @@ pub(crate) fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError>
         if line.is_empty() {
             continue;
         }
-        rows.push(parse_row(line, line_no).map_err(fail)?);
+        rows.push(parse_row(line, number).map_err(fail)?);
+    }
+    if !header_seen {
+        let kind = TraceErrorKind::BadHeader {
+            found: String::new(),
+        };
+        return Err(TraceError::invalid(origin, lines.number, kind));
     }
     build(rows, origin)
 }

@@ -22,17 +22,51 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// one endless line) from taking memory without bound.
 pub(crate) const MAX_LINE: usize = 4096;
 
-/// Reads one line (with its newline, if any) into `buf`, at most [`MAX_LINE`] bytes
-/// before it: `Ok(Err(LineTooLong))` beyond.
-pub(super) fn read_line(
-    reader: &mut impl BufRead,
-    buf: &mut Vec<u8>,
-) -> std::io::Result<Result<usize, TraceErrorKind>> {
-    let read = reader.take(MAX_LINE as u64 + 1).read_until(b'\n', buf)?;
-    if buf.len() > MAX_LINE && buf.last() != Some(&b'\n') {
-        return Ok(Err(TraceErrorKind::LineTooLong { limit: MAX_LINE }));
+/// The lines of a trace file, numbered from 1: each at most [`MAX_LINE`] bytes before its
+/// newline, and UTF-8, or an error naming its line.
+pub(super) struct Lines<'a, R> {
+    reader: R,
+    buf: Vec<u8>,
+    /// The number of the line last read (at the end, one past the last line).
+    pub(super) number: usize,
+    origin: &'a str,
+}
+
+impl<'a, R: BufRead> Lines<'a, R> {
+    pub(super) fn new(reader: R, origin: &'a str) -> Self {
+        Self {
+            reader,
+            buf: Vec::new(),
+            number: 0,
+            origin,
+        }
     }
-    Ok(Ok(read))
+
+    /// The next line, with its newline if any, and its number; `None` at the end of the
+    /// file.
+    pub(super) fn next_line(&mut self) -> Result<Option<(usize, &str)>, TraceError> {
+        self.buf.clear();
+        self.number += 1;
+        let (origin, line) = (self.origin, self.number);
+        let read = (&mut self.reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut self.buf)
+            .map_err(|source| TraceError::Read {
+                origin: origin.to_owned(),
+                line,
+                source,
+            })?;
+        if self.buf.len() > MAX_LINE && self.buf.last() != Some(&b'\n') {
+            let kind = TraceErrorKind::LineTooLong { limit: MAX_LINE };
+            return Err(TraceError::invalid(origin, line, kind));
+        }
+        if read == 0 {
+            return Ok(None);
+        }
+        std::str::from_utf8(&self.buf)
+            .map(|text| Some((line, text)))
+            .map_err(|_| TraceError::invalid(origin, line, TraceErrorKind::NotUtf8))
+    }
 }
 
 /// Reads a text trace from `reader` (gzip or plain); `origin` names it in errors.
@@ -50,29 +84,16 @@ pub(crate) fn read(reader: impl Read, origin: &str) -> Result<Trace, TraceError>
     }
 }
 
-fn read_lines(mut reader: impl BufRead, origin: &str) -> Result<Trace, TraceError> {
+fn read_lines(reader: impl BufRead, origin: &str) -> Result<Trace, TraceError> {
     let mut builder = Builder::new(IdRule::InOrder);
-    let mut buf = Vec::new();
-    let mut line_no = 0;
-    loop {
-        buf.clear();
-        line_no += 1;
-        let fail = |kind| TraceError::invalid(origin, line_no, kind);
-        let read = read_line(&mut reader, &mut buf)
-            .map_err(|source| TraceError::Read {
-                origin: origin.to_owned(),
-                line: line_no,
-                source,
-            })?
-            .map_err(fail)?;
-        if read == 0 {
-            return Ok(builder.finish());
-        }
-        let line = std::str::from_utf8(&buf).map_err(|_| fail(TraceErrorKind::NotUtf8))?;
+    let mut lines = Lines::new(reader, origin);
+    while let Some((number, line)) = lines.next_line()? {
+        let fail = |kind| TraceError::invalid(origin, number, kind);
         if let Some(event) = parse_line(line).map_err(fail)? {
             builder.push(event).map_err(fail)?;
         }
     }
+    Ok(builder.finish())
 }
 
 /// Parses one line; `None` for blank lines and comments.
