@@ -17,7 +17,9 @@ part, each with its own timeout, and compares what they write:
   bench     native, expandable_segments:True, backend:cudaMallocAsync and pinpool: per model,
             the peak of the driver's used memory (sampled by a thread through NVML, or
             cudaMemGetInfo without it) above the level before the model, and the median step
-            time; a table with ratios against the best of PyTorch's three.
+            time; a table with ratios against the best of PyTorch's three. The four run in
+            PINPOOL_JUDGE_ROUNDS rounds (default 2), alternating their order: a model's
+            figures are the median of the rounds' peaks and of all their step times.
             PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen,
             resnet50_train, vit_b_16_infer) limits a bench worker to those models.
 
@@ -374,6 +376,32 @@ def worker_threads(mode, rec):
     rec.put("hashes", results)
 
 
+def combine_rounds(rounds, models):
+    """One configuration's bench results over several rounds: per model, the median of the
+    rounds' peaks and allocator peaks, the median of every step time of every round, and
+    each round's own median. A model counts only where every round measured it."""
+    import statistics
+
+    out = {k: v for k, v in (rounds[0] if rounds else {}).items() if not isinstance(v, dict) or k == "setup"}
+    for model in models:
+        rs = [r.get(model, {}) for r in rounds]
+        if not rs or not all(r.get("ok") for r in rs):
+            bad = next((r for r in rs if not r.get("ok")), {})
+            out[model] = {"ok": False, "error": bad.get("error", "no result in some round")}
+            continue
+        times = [t for r in rs for t in r.get("times_ms", [r["median_ms"]])]
+        combined = {"ok": True, "median_ms": round(statistics.median(times), 3),
+                    "min_ms": min(r["min_ms"] for r in rs),
+                    "round_medians_ms": [r["median_ms"] for r in rs]}
+        for key in ("peak_mib", "allocator_peak_reserved_mib", "allocator_peak_allocated_mib",
+                    "driver_calls_per_step", "misses_per_step"):
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            if vals:
+                combined[key] = statistics.median(vals)
+        out[model] = combined
+    return out
+
+
 class PeakSampler:
     """The driver's used memory of a device, sampled every ~2 ms on a thread: NVML through
     ctypes (which lets go of the GIL), else cudaMemGetInfo through torch."""
@@ -460,6 +488,13 @@ def worker_bench(mode, rec):
             return pinpool_torch.max_memory_reserved()
         return torch.cuda.max_memory_reserved()
 
+    def allocator_peak_live():
+        if mode == "pinpool":
+            import pinpool_torch
+
+            return pinpool_torch.max_memory_allocated()
+        return torch.cuda.max_memory_allocated()
+
     def reset_allocator_peak():
         if mode == "pinpool":
             import pinpool_torch
@@ -516,15 +551,21 @@ def worker_bench(mode, rec):
                 reserved = allocator_peak()
             except Exception:
                 reserved = None
+            try:
+                live = allocator_peak_live()
+            except Exception:
+                live = None
             rec.put(
                 name,
                 {
                     "ok": True,
                     "peak_mib": round((peak - base) / MIB, 1),
                     "median_ms": round(1000 * statistics.median(times), 3),
+                    "times_ms": [round(1000 * t, 3) for t in times],
                     "min_ms": round(1000 * min(times), 3),
                     "steps": len(times),
                     "allocator_peak_reserved_mib": None if reserved is None else round(reserved / MIB, 1),
+                    "allocator_peak_allocated_mib": None if live is None else round(live / MIB, 1),
                     **{f"{k}_per_step": v for k, v in per_step.items()},
                     "seconds": round(time.time() - t0, 1),
                 },
@@ -1040,10 +1081,13 @@ class Judge:
     def left(self):
         return self.deadline - time.time()
 
-    def run(self, part, mode, timeout):
-        """Runs one worker; returns its JSON (or {} and the reason it has none)."""
+    def run(self, part, mode, timeout, sub=None):
+        """Runs one worker, writing into `sub` of the output folder when given; returns its
+        JSON (or {} and the reason it has none)."""
         name = f"{part}-{mode}"
-        path = os.path.join(self.out, name + ".json")
+        out = os.path.join(self.out, sub) if sub else self.out
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, name + ".json")
         if os.path.exists(path):
             os.unlink(path)
         timeout = int(min(timeout, self.left() - 5))
@@ -1063,9 +1107,9 @@ class Judge:
             # reaches another GPU only with peer access granted up front (docs/torch.md).
             env.setdefault("PINPOOL_TORCH_PEER_ACCESS", "1")
         cmd = [sys.executable, "-u", os.path.abspath(__file__), "--worker", part, "--mode", mode,
-               "--lib", self.lib, "--out", self.out]
+               "--lib", self.lib, "--out", out]
         t0 = time.time()
-        with open(os.path.join(self.out, name + ".log"), "w") as logf:
+        with open(os.path.join(out, name + ".log"), "w") as logf:
             try:
                 p = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=timeout)
                 rc = p.returncode
@@ -1077,7 +1121,7 @@ class Judge:
             with open(path) as f:
                 data = json.load(f)
         status = "ok" if rc == 0 else f"exit {rc}"
-        self.log(f"[{name}] {status} in {took:.0f}s")
+        self.log(f"[{sub + '/' if sub else ''}{name}] {status} in {took:.0f}s")
         if rc != 0:
             data["_exit"] = str(rc)
             self.log(f"  last lines of {name}.log:")
@@ -1184,11 +1228,21 @@ class Judge:
 
     def bench(self):
         self.log("== head to head: peak device memory (driver's used memory, sampled) and median step time")
-        runs = {}
-        for mode in ("native", "expandable", "async", "pinpool"):
-            runs[mode] = self.run("bench", mode, 150)
-        self.summary["bench"] = runs
+        modes = ("native", "expandable", "async", "pinpool")
+        rounds = max(1, int(os.environ.get("PINPOOL_JUDGE_ROUNDS", "2")))
+        per_round = []
+        for r in range(rounds):
+            # Every other round in the opposite order, so that a drift of the host's speed
+            # during the run weighs on every configuration alike.
+            order = modes if r % 2 == 0 else tuple(reversed(modes))
+            got = {m: self.run("bench", m, 150, sub=f"round-{r + 1}") for m in order}
+            per_round.append(got)
+        self.summary["bench_rounds"] = per_round
         models = ("gpt2_generate", "bert_varlen", "resnet50_train", "vit_b_16_infer")
+        runs = {m: combine_rounds([pr[m] for pr in per_round], models) for m in modes}
+        self.summary["bench"] = runs
+        self.log(f"  {rounds} round(s), each configuration in a fresh process per round; per model:"
+                 " the median of the rounds' peaks, and the median of all their step times")
         self.log(f"  memory source: {runs['native'].get('memory_source')}")
         header = f"  {'model':<16} {'config':<11} {'peak MiB':>9} {'vs best':>8} {'median ms':>10} {'vs best':>8}"
         self.log(header)
@@ -1206,7 +1260,9 @@ class Judge:
                 mr = f"{r['peak_mib'] / best_mem:.2f}x" if best_mem else "-"
                 tr = f"{r['median_ms'] / best_time:.2f}x" if best_time else "-"
                 self.log(f"  {model:<16} {m:<11} {r['peak_mib']:>9.1f} {mr:>8} {r['median_ms']:>10.2f} {tr:>8}"
-                         f"  (allocator's peak reserved {r.get('allocator_peak_reserved_mib')} MiB)")
+                         f"  (allocator's peaks: reserved {r.get('allocator_peak_reserved_mib')} MiB,"
+                         f" allocated {r.get('allocator_peak_allocated_mib')} MiB; rounds' medians"
+                         f" {r.get('round_medians_ms')} ms)")
             p = ok_rows.get("pinpool")
             if p and best_mem is not None:
                 self.verdict(f"memory {model}", p["peak_mib"] <= best_mem,
