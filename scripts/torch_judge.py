@@ -394,7 +394,7 @@ def combine_rounds(rounds, models):
                     "min_ms": min(r["min_ms"] for r in rs),
                     "round_medians_ms": [r["median_ms"] for r in rs]}
         for key in ("peak_mib", "allocator_peak_reserved_mib", "allocator_peak_allocated_mib",
-                    "driver_calls_per_step", "misses_per_step"):
+                    "driver_calls_per_step", "unmaps_per_step", "misses_per_step"):
             vals = [r[key] for r in rs if r.get(key) is not None]
             if vals:
                 combined[key] = statistics.median(vals)
@@ -514,6 +514,8 @@ def worker_bench(mode, rec):
         st = pinpool_torch.memory_stats()
         return {
             "driver_calls": st["num_device_alloc"] + st["num_device_free"] + st.get("num_device_remaps", 0),
+            # Memory given back to the driver: each waits for the device's queued work.
+            "unmaps": st["num_device_free"],
             "misses": st.get("num_misses", 0),
         }
 
@@ -1262,7 +1264,11 @@ class Judge:
                 self.log(f"  {model:<16} {m:<11} {r['peak_mib']:>9.1f} {mr:>8} {r['median_ms']:>10.2f} {tr:>8}"
                          f"  (allocator's peaks: reserved {r.get('allocator_peak_reserved_mib')} MiB,"
                          f" allocated {r.get('allocator_peak_allocated_mib')} MiB; rounds' medians"
-                         f" {r.get('round_medians_ms')} ms)")
+                         f" {r.get('round_medians_ms')} ms"
+                         + (f"; per step {r['driver_calls_per_step']} driver calls,"
+                            f" {r.get('unmaps_per_step')} unmaps, {r.get('misses_per_step')} misses"
+                            if r.get("driver_calls_per_step") is not None else "")
+                         + ")")
             p = ok_rows.get("pinpool")
             if p and best_mem is not None:
                 self.verdict(f"memory {model}", p["peak_mib"] <= best_mem,
