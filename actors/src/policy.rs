@@ -119,8 +119,8 @@ pub struct Carving {
     /// (the pool's split limit), and in an expandable range merge ready blocks that lie
     /// side by side up to it (see `Engine::coalesce_mine`).
     pub(crate) thread_limit: usize,
-    /// A request smaller than this that finds no block to split may be served by merging
-    /// the thread's ready neighbours (see `Engine::coalesce_mine`; never past `thread_limit`).
+    /// A request up to this size that finds no block to split may be served by merging the
+    /// thread's ready neighbours (see `Engine::coalesce_mine`; never past `thread_limit`).
     /// Larger requests go to the pool actor, which places them best-fit: a thread's merge
     /// cuts the smallest merged block that holds the request, which strands more memory the
     /// larger the blocks are.
@@ -182,19 +182,10 @@ impl Carving {
     }
 }
 
-/// How large a ready block [`BestFit`]'s threads split on their own (in the expandable
-/// range): a request up to this size whose class is empty is served from the thread's
-/// cached blocks without the pool actor (merged where they lie side by side, for requests
-/// of at most 1 MiB: [`BEST_FIT_THREAD_MERGE_LIMIT`]).
+/// How large a ready block [`BestFit`]'s threads split and merge on their own (in the
+/// expandable range): a request up to this size whose class is empty is served from the
+/// thread's cached blocks, merged where they lie side by side, without the pool actor.
 const BEST_FIT_THREAD_LIMIT: usize = 4 << 20;
-
-/// [`BestFit`]'s threads merge their ready neighbours for requests of at most 1 MiB that
-/// find no ready block to split (`Carving::thread_merge_limit`, which is exclusive: hence
-/// the one byte over). Larger requests go to the pool actor, which places them best-fit: a
-/// merge cuts the smallest merged block that holds the request, and the larger the request
-/// the more of that block it strands (measured on the replayed request streams: see the
-/// benchmark history).
-const BEST_FIT_THREAD_MERGE_LIMIT: usize = (1 << 20) + 1;
 
 /// Blocks larger than this take [`BestFit`] separate segments, even with an expandable
 /// range: fresh, such a block is one `register` call of huge pages instead of its granules
@@ -294,7 +285,7 @@ impl Default for BestFit {
                 pack_granules: false,
                 map_whole_from: usize::MAX,
                 thread_limit: BEST_FIT_THREAD_LIMIT,
-                thread_merge_limit: BEST_FIT_THREAD_MERGE_LIMIT,
+                thread_merge_limit: BEST_FIT_THREAD_LIMIT,
                 keep_rest_under: KEEP_REST_UNDER,
                 arena_cached_up_to: BEST_FIT_THREAD_LIMIT,
             },
