@@ -31,13 +31,11 @@ elif mode != "native":
     sys.exit(__doc__)
 
 import torch
-import torchvision
+from torch_judge import build_resnet
 
 torch.backends.cudnn.benchmark = False
 dev = torch.device("cuda:0")
-torch.manual_seed(5)
-model = torchvision.models.resnet50().to(dev).train()
-opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+model, opt = build_resnet(dev)
 g = torch.Generator().manual_seed(1)
 xs = [torch.randn(32, 3, 224, 224, generator=g).to(dev) for _ in range(2)]
 ys = [torch.randint(0, 1000, (32,), generator=g).to(dev) for _ in range(2)]

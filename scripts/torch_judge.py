@@ -481,27 +481,14 @@ def worker_bench(mode, rec):
         torch.cuda.synchronize()
         time.sleep(0.05)
 
-    def allocator_peak():
+    def stats_front():
+        """Where this configuration's allocator statistics are read: pinpool's package, or
+        torch.cuda (the same function names)."""
         if mode == "pinpool":
             import pinpool_torch
 
-            return pinpool_torch.max_memory_reserved()
-        return torch.cuda.max_memory_reserved()
-
-    def allocator_peak_live():
-        if mode == "pinpool":
-            import pinpool_torch
-
-            return pinpool_torch.max_memory_allocated()
-        return torch.cuda.max_memory_allocated()
-
-    def reset_allocator_peak():
-        if mode == "pinpool":
-            import pinpool_torch
-
-            pinpool_torch.reset_peak_memory_stats()
-        else:
-            torch.cuda.reset_peak_memory_stats()
+            return pinpool_torch
+        return torch.cuda
 
     only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
 
@@ -524,7 +511,7 @@ def worker_bench(mode, rec):
             return
         empty()
         try:
-            reset_allocator_peak()
+            stats_front().reset_peak_memory_stats()
         except Exception:
             pass
         base = sampler.now()
@@ -550,11 +537,11 @@ def worker_bench(mode, rec):
             time.sleep(0.01)
             peak = max(sampler.peak, sampler.now())
             try:
-                reserved = allocator_peak()
+                reserved = stats_front().max_memory_reserved()
             except Exception:
                 reserved = None
             try:
-                live = allocator_peak_live()
+                live = stats_front().max_memory_allocated()
             except Exception:
                 live = None
             rec.put(

@@ -74,6 +74,11 @@ impl Default for DeviceConfig {
 /// The reserve cap when the key is not given (the device policy's own).
 const DEFAULT_RESERVE_CAP: f64 = 1.0;
 
+/// Whether `x` is a reserve cap the `reserve_cap` key takes: finite, and at least 1.
+fn valid_reserve_cap(x: f64) -> bool {
+    x >= 1.0 && x.is_finite()
+}
+
 /// The smallest `max_split_size_mb` (PyTorch's minimum too).
 const MIN_SPLIT_MIB: usize = 20;
 
@@ -164,7 +169,7 @@ impl DeviceConfig {
                     None
                 } else {
                     let x: f64 = value.parse().map_err(|_| invalid(EXPECTED))?;
-                    if !(x >= 1.0 && x.is_finite()) {
+                    if !valid_reserve_cap(x) {
                         return Err(invalid(EXPECTED));
                     }
                     Some(x)
@@ -216,7 +221,7 @@ impl DeviceConfig {
     /// refuse (below 1, or not finite) sets the default.
     pub fn with_reserve_cap(mut self, times_peak_live: Option<f64>) -> Self {
         self.reserve_cap = match times_peak_live {
-            Some(x) if !(x >= 1.0 && x.is_finite()) => Some(DEFAULT_RESERVE_CAP),
+            Some(x) if !valid_reserve_cap(x) => Some(DEFAULT_RESERVE_CAP),
             other => other,
         };
         self
