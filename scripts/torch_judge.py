@@ -15,13 +15,18 @@ part, each with its own timeout, and compares what they write:
   threads   two threads running models on two streams at once (on two GPUs when there are
             two): same hashes as native.
   bench     native, expandable_segments:True, backend:cudaMallocAsync and pinpool: per model,
-            the peak of the driver's used memory (sampled by a thread through NVML, or
-            cudaMemGetInfo without it) above the level before the model, and the median step
+            the peak of the driver's used memory while the model runs, above the level
+            the worker started at (sampled every millisecond by a process of its own through
+            NVML, or by a thread through cudaMemGetInfo without it; what the process still
+            held from the models before counts, as "held before"), and the median step
             time; a table with ratios against the best of PyTorch's three. The four run in
             PINPOOL_JUDGE_ROUNDS rounds (default 2), alternating their order: a model's
             figures are the median of the rounds' peaks and of all their step times.
             PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen,
-            resnet50_train, vit_b_16_infer) limits a bench worker to those models.
+            resnet50_train, vit_b_16_infer) limits the head to head to those models.
+
+PINPOOL_JUDGE_PARTS (comma-separated: info, results, tests, bench, threads) runs only those
+parts.
 
 Usage: torch_judge.py --lib LIB --out DIR [--budget SECONDS]
        torch_judge.py --worker PART --mode MODE --lib LIB --out DIR   (internal)
@@ -393,7 +398,7 @@ def combine_rounds(rounds, models):
         combined = {"ok": True, "median_ms": round(statistics.median(times), 3),
                     "min_ms": min(r["min_ms"] for r in rs),
                     "round_medians_ms": [r["median_ms"] for r in rs]}
-        for key in ("peak_mib", "allocator_peak_reserved_mib", "allocator_peak_allocated_mib",
+        for key in ("peak_mib", "held_before_mib", "allocator_peak_reserved_mib", "allocator_peak_allocated_mib",
                     "driver_calls_per_step", "unmaps_per_step", "misses_per_step"):
             vals = [r[key] for r in rs if r.get(key) is not None]
             if vals:
@@ -402,43 +407,75 @@ def combine_rounds(rounds, models):
     return out
 
 
+# The sampler process: NVML only (no CUDA context of its own), polled every `period` seconds;
+# on stdin, "reset" sets the peak to the current level, "peak" and "now" answer a number of
+# bytes on stdout; end of input stops it.
+SAMPLER_CHILD = r"""
+import ctypes, os, select, sys, time
+nvml = ctypes.CDLL("libnvidia-ml.so.1")
+assert nvml.nvmlInit_v2() == 0
+handle = ctypes.c_void_p()
+assert nvml.nvmlDeviceGetHandleByIndex_v2(int(sys.argv[1]), ctypes.byref(handle)) == 0
+class Mem(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+mem = Mem()
+def used():
+    nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem))
+    return int(mem.used)
+period = float(sys.argv[2])
+peak = used()
+print(peak, flush=True)
+buf = b""
+while True:
+    u = used()
+    peak = max(peak, u)
+    if select.select([sys.stdin], [], [], period)[0]:
+        chunk = os.read(sys.stdin.fileno(), 4096)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            u = used()
+            peak = max(peak, u)
+            if line == b"reset":
+                peak = u
+            print(peak if line == b"peak" else u, flush=True)
+"""
+
+
 class PeakSampler:
-    """The driver's used memory of a device, sampled every ~2 ms on a thread: NVML through
-    ctypes (which lets go of the GIL), else cudaMemGetInfo through torch."""
+    """The driver's used memory of a device, sampled every millisecond. With NVML the
+    sampling runs in a process of its own, so that it neither waits for this process's
+    interpreter lock (and misses short peaks) nor takes it from the steps being timed;
+    without NVML, a thread reads cudaMemGetInfo through torch every ~2 ms."""
 
     def __init__(self, device=0):
-        import ctypes
-
         self.device = device
         self.source = "torch.cuda.mem_get_info"
-        self._nvml = None
+        self._child = None
         try:
-            nvml = ctypes.CDLL("libnvidia-ml.so.1")
-            assert nvml.nvmlInit_v2() == 0
-            handle = ctypes.c_void_p()
-            assert nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(handle)) == 0
-
-            class Mem(ctypes.Structure):
-                _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
-
-            self._mem = Mem()
-            self._handle = handle
-            self._nvml = nvml
-            assert self._read() > 0
-            self.source = "nvml"
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", SAMPLER_CHILD, str(device), "0.001"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert int(self._child.stdout.readline()) > 0
+            self.source = "nvml (sampled by a separate process)"
+            return
         except Exception:
-            self._nvml = None
-        self.peak = 0
+            if self._child is not None:
+                self._child.kill()
+            self._child = None
+        self.peak_seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _read(self):
-        import ctypes
+    def _ask(self, what):
+        self._child.stdin.write(what + "\n")
+        self._child.stdin.flush()
+        return int(self._child.stdout.readline())
 
-        if self._nvml is not None:
-            self._nvml.nvmlDeviceGetMemoryInfo(self._handle, ctypes.byref(self._mem))
-            return int(self._mem.used)
+    def _read(self):
         import torch
 
         free, total = torch.cuda.mem_get_info(self.device)
@@ -446,20 +483,34 @@ class PeakSampler:
 
     def _run(self):
         while not self._stop.is_set():
-            used = self._read()
-            if used > self.peak:
-                self.peak = used
+            self.peak_seen = max(self.peak_seen, self._read())
             time.sleep(0.002)
 
     def now(self):
-        return self._read()
+        return self._ask("now") if self._child else self._read()
+
+    def peak(self):
+        """The highest level sampled since the last reset (the current one included)."""
+        if self._child:
+            return self._ask("peak")
+        return max(self.peak_seen, self._read())
 
     def reset(self):
-        self.peak = self._read()
+        if self._child:
+            self._ask("reset")
+        else:
+            self.peak_seen = self._read()
 
     def stop(self):
-        self._stop.set()
-        self._thread.join(timeout=2)
+        if self._child:
+            self._child.stdin.close()
+            self._child.wait(timeout=5)
+        else:
+            self._stop.set()
+            self._thread.join(timeout=2)
+
+
+BENCH_MODELS = ("gpt2_generate", "bert_varlen", "resnet50_train", "vit_b_16_infer")
 
 
 def worker_bench(mode, rec):
@@ -473,6 +524,10 @@ def worker_bench(mode, rec):
     torch.zeros(1, device=device)  # CUDA (and the allocator) up before the first level
     sampler = PeakSampler(0)
     rec.put("memory_source", sampler.source)
+    # Peaks count from here, the same point in every configuration: what a process holds
+    # when a model begins (memory an allocator kept through empty_cache) is device memory
+    # it uses too.
+    start = sampler.now()
 
     def empty():
         gc.collect()
@@ -535,7 +590,7 @@ def worker_bench(mode, rec):
                 after = pinpool_counts()
                 per_step = {k: round((after[k] - counts[k]) / max(steps, 1), 1) for k in counts}
             time.sleep(0.01)
-            peak = max(sampler.peak, sampler.now())
+            peak = sampler.peak()
             try:
                 reserved = stats_front().max_memory_reserved()
             except Exception:
@@ -548,7 +603,8 @@ def worker_bench(mode, rec):
                 name,
                 {
                     "ok": True,
-                    "peak_mib": round((peak - base) / MIB, 1),
+                    "peak_mib": round((peak - start) / MIB, 1),
+                    "held_before_mib": round((base - start) / MIB, 1),
                     "median_ms": round(1000 * statistics.median(times), 3),
                     "times_ms": [round(1000 * t, 3) for t in times],
                     "min_ms": round(1000 * min(times), 3),
@@ -578,10 +634,10 @@ def worker_bench(mode, rec):
     def vit_step(model, i):
         run_vit(model, device, batch=32, seed=i)
 
-    measure("gpt2_generate", lambda: build_gpt2(device), gpt2_step, 1, 3)
-    measure("bert_varlen", lambda: build_bert(device), bert_step, len(BERT_LENGTHS), 2 * len(BERT_LENGTHS))
-    measure("resnet50_train", lambda: build_resnet(device), resnet_step_, 3, 10)
-    measure("vit_b_16_infer", lambda: build_vit(device), vit_step, 3, 10)
+    measure("gpt2_generate", lambda: build_gpt2(device), gpt2_step, 1, 4)
+    measure("bert_varlen", lambda: build_bert(device), bert_step, len(BERT_LENGTHS), 4 * len(BERT_LENGTHS))
+    measure("resnet50_train", lambda: build_resnet(device), resnet_step_, 3, 30)
+    measure("vit_b_16_infer", lambda: build_vit(device), vit_step, 3, 30)
     sampler.stop()
 
 
@@ -1227,7 +1283,8 @@ class Judge:
             got = {m: self.run("bench", m, 150, sub=f"round-{r + 1}") for m in order}
             per_round.append(got)
         self.summary["bench_rounds"] = per_round
-        models = ("gpt2_generate", "bert_varlen", "resnet50_train", "vit_b_16_infer")
+        only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
+        models = tuple(m for m in BENCH_MODELS if not only or m in only)
         runs = {m: combine_rounds([pr[m] for pr in per_round], models) for m in modes}
         self.summary["bench"] = runs
         self.log(f"  {rounds} round(s), each configuration in a fresh process per round; per model:"
@@ -1249,7 +1306,8 @@ class Judge:
                 mr = f"{r['peak_mib'] / best_mem:.2f}x" if best_mem else "-"
                 tr = f"{r['median_ms'] / best_time:.2f}x" if best_time else "-"
                 self.log(f"  {model:<16} {m:<11} {r['peak_mib']:>9.1f} {mr:>8} {r['median_ms']:>10.2f} {tr:>8}"
-                         f"  (allocator's peaks: reserved {r.get('allocator_peak_reserved_mib')} MiB,"
+                         f"  (held before {r.get('held_before_mib')} MiB;"
+                         f" allocator's peaks: reserved {r.get('allocator_peak_reserved_mib')} MiB,"
                          f" allocated {r.get('allocator_peak_allocated_mib')} MiB; rounds' medians"
                          f" {r.get('round_medians_ms')} ms"
                          + (f"; per step {r['driver_calls_per_step']} driver calls,"
@@ -1271,7 +1329,10 @@ class Judge:
         if not os.path.isfile(self.lib):
             self.log(f"no library at {self.lib}")
             return 2
+        parts = [p for p in os.environ.get("PINPOOL_JUDGE_PARTS", "").split(",") if p]
         for step in (self.info, self.results, self.tests, self.bench, self.threads):
+            if parts and step.__name__ not in parts:
+                continue
             try:
                 step()
             except Exception as e:
