@@ -3,8 +3,9 @@
 
     python3 scripts/record-traces.py OUT_DIR [NAME ...]
 
-Needs a CUDA GPU and PyTorch. Each workload is built from `torch.nn` alone (random weights from
-a fixed seed, no downloads: it runs offline), run once to warm up, then once more while PyTorch's allocator history records every
+Needs a CUDA GPU and PyTorch (and torchvision for its two models). Each workload is built from
+`torch.nn` or torchvision's model definitions (random weights from a fixed seed, no downloads:
+it runs offline), run once to warm up, then once more while PyTorch's allocator history records every
 request (`torch.cuda.memory._record_memory_history`). The requests of that run become
 `OUT_DIR/<name>.trace.gz`:
 
@@ -170,12 +171,52 @@ def gpt2_decode_kv_small():
     return run
 
 
+def resnet50_train_b32_x3():
+    """torchvision's ResNet-50, three SGD steps with momentum, batch 32 at 224x224 (the torch judge's training model)."""
+    import torchvision
+
+    torch.backends.cudnn.benchmark = False
+    torch.manual_seed(5)
+    model = torchvision.models.resnet50().to(DEV).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def run():
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 + step)
+            x = torch.randn(32, 3, 224, 224, generator=g).to(DEV)
+            y = torch.randint(0, 1000, (32,), generator=g).to(DEV)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+    return run
+
+
+def vit_b16_infer_b32_x3():
+    """torchvision's ViT-B/16, three inference passes, batch 32 at 224x224 (the torch judge's)."""
+    import torchvision
+
+    torch.manual_seed(6)
+    model = torchvision.models.vit_b_16().eval().to(DEV)
+
+    def run():
+        with torch.no_grad():
+            for i in range(3):
+                x = torch.randn(32, 3, 224, 224, generator=torch.Generator().manual_seed(i)).to(DEV)
+                model(x)
+
+    return run
+
+
 WORKLOADS = {
     "vit_infer_b16": vit_infer_b16,
     "cnn_train_b64": cnn_train_b64,
     "lstm_train_b32_s128": lstm_train_b32_s128,
     "decoder_serving_mix": decoder_serving_mix,
     "gpt2_decode_kv_small": gpt2_decode_kv_small,
+    "resnet50_train_b32_x3": resnet50_train_b32_x3,
+    "vit_b16_infer_b32_x3": vit_b16_infer_b32_x3,
 }
 
 
