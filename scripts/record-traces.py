@@ -49,6 +49,14 @@ def vit_infer_b16():
     return run
 
 
+def classifier_step(model, opt, x, y):
+    """One optimizer step of a classifier on a batch, with the cross-entropy loss."""
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
 def cnn_train_b64():
     """A VGG-like CNN with batch norm, one SGD step with momentum, batch 64 at 112x112."""
     layers, c = [], 3
@@ -64,10 +72,7 @@ def cnn_train_b64():
     def run():
         x = torch.randn(64, 3, 112, 112, device=DEV)
         y = torch.randint(0, 100, (64,), device=DEV)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        classifier_step(model, opt, x, y)
 
     return run
 
@@ -185,10 +190,7 @@ def resnet50_train_b32_x3():
             g = torch.Generator().manual_seed(100 + step)
             x = torch.randn(32, 3, 224, 224, generator=g).to(DEV)
             y = torch.randint(0, 1000, (32,), generator=g).to(DEV)
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            classifier_step(model, opt, x, y)
 
     return run
 
