@@ -9,7 +9,7 @@
 #                                           torchvision, transformers; g++): run everything,
 #                                           each configuration in a fresh process, writing
 #                                           OUT/judge.log, OUT/summary.json and one log per
-#                                           process; finishes in about 7 minutes
+#                                           process; finishes in about 6 minutes
 #
 # Every part has its own timeout and the whole run stops after $PINPOOL_JUDGE_TIMEOUT
 # seconds (default 480). Exit status: 0 when every verdict passed, 1 otherwise.

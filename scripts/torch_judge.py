@@ -18,15 +18,19 @@ part, each with its own timeout, and compares what they write:
             the peak of the driver's used memory while the model runs, above the level
             the worker started at (sampled every millisecond by a process of its own through
             NVML, or by a thread through cudaMemGetInfo without it; what the process still
-            held from the models before counts, as "held before"), and the median step
-            time; a table with ratios against the best of PyTorch's three. The four run in
-            PINPOOL_JUDGE_ROUNDS rounds (default 2), alternating their order: a model's
-            figures are the median of the rounds' peaks and of all their step times.
-            PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen,
-            resnet50_train, vit_b_16_infer) limits the head to head to those models.
+            held from the models before counts, as "held before"), with ratios against the
+            best of PyTorch's three, and each worker's own step times. The four run one after
+            the other in PINPOOL_JUDGE_ROUNDS rounds (default 1), alternating their order: a
+            model's figures are the median of the rounds'.
+  lockstep  the step-time verdicts: the four configurations' workers all alive at once, each
+            taking one step in turn (the order rotating every step), so that the host's
+            drifting speed weighs on each alike; per model, the median step time against the
+            fastest of PyTorch's three, and step by step the median of pinpool's time over
+            that fastest configuration's step next to it.
 
-PINPOOL_JUDGE_PARTS (comma-separated: info, results, tests, bench, threads) runs only those
-parts.
+PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen, resnet50_train,
+vit_b_16_infer) limits bench and lockstep to those models; PINPOOL_JUDGE_PARTS
+(comma-separated: info, results, tests, bench, lockstep, threads) runs only those parts.
 
 Usage: torch_judge.py --lib LIB --out DIR [--budget SECONDS]
        torch_judge.py --worker PART --mode MODE --lib LIB --out DIR   (internal)
@@ -36,6 +40,8 @@ import argparse
 import hashlib
 import json
 import os
+import queue
+import statistics
 import subprocess
 import sys
 import threading
@@ -385,8 +391,6 @@ def combine_rounds(rounds, models):
     """One configuration's bench results over several rounds: per model, the median of the
     rounds' peaks and allocator peaks, the median of every step time of every round, and
     each round's own median. A model counts only where every round measured it."""
-    import statistics
-
     out = {k: v for k, v in (rounds[0] if rounds else {}).items() if not isinstance(v, dict) or k == "setup"}
     for model in models:
         rs = [r.get(model, {}) for r in rounds]
@@ -510,13 +514,41 @@ class PeakSampler:
             self._thread.join(timeout=2)
 
 
+def bench_models(device):
+    """The head to head's models, in the order they run: name -> (build, step(state, i),
+    warm-up steps, timed steps)."""
+
+    def resnet_step_(state, i):
+        model, opt = state
+        resnet_step(model, opt, device, i, batch=32)
+
+    return {
+        "gpt2_generate": (lambda: build_gpt2(device), lambda m, i: run_gpt2(m, device, seed=i), 1, 4),
+        "bert_varlen": (lambda: build_bert(device),
+                        lambda m, i: run_bert(m, device, BERT_LENGTHS[i % len(BERT_LENGTHS)], batch=8, seed=i),
+                        len(BERT_LENGTHS), 4 * len(BERT_LENGTHS)),
+        "resnet50_train": (lambda: build_resnet(device), resnet_step_, 3, 30),
+        "vit_b_16_infer": (lambda: build_vit(device), lambda m, i: run_vit(m, device, batch=32, seed=i), 3, 30),
+    }
+
+
 BENCH_MODELS = ("gpt2_generate", "bert_varlen", "resnet50_train", "vit_b_16_infer")
 
 
-def worker_bench(mode, rec):
+def empty_device():
+    """Drops what Python still holds and empties the allocator's cache."""
     import gc
-    import statistics
 
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    time.sleep(0.05)
+
+
+def worker_bench(mode, rec):
     import torch
 
     torch.backends.cudnn.benchmark = False
@@ -528,13 +560,6 @@ def worker_bench(mode, rec):
     # when a model begins (memory an allocator kept through empty_cache) is device memory
     # it uses too.
     start = sampler.now()
-
-    def empty():
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        time.sleep(0.05)
 
     def stats_front():
         """Where this configuration's allocator statistics are read: pinpool's package, or
@@ -564,7 +589,7 @@ def worker_bench(mode, rec):
     def measure(name, build, step, warmup, steps):
         if only and name not in only:
             return
-        empty()
+        empty_device()
         try:
             stats_front().reset_peak_memory_stats()
         except Exception:
@@ -621,24 +646,46 @@ def worker_bench(mode, rec):
             rec.put(name, {"ok": False, "error": f"{type(e).__name__}: {e}"})
         print(f"{name}: {time.time() - t0:.1f}s", flush=True)
 
-    def gpt2_step(model, i):
-        run_gpt2(model, device, seed=i)
-
-    def bert_step(model, i):
-        run_bert(model, device, BERT_LENGTHS[i % len(BERT_LENGTHS)], batch=8, seed=i)
-
-    def resnet_step_(state, i):
-        model, opt = state
-        resnet_step(model, opt, device, i, batch=32)
-
-    def vit_step(model, i):
-        run_vit(model, device, batch=32, seed=i)
-
-    measure("gpt2_generate", lambda: build_gpt2(device), gpt2_step, 1, 4)
-    measure("bert_varlen", lambda: build_bert(device), bert_step, len(BERT_LENGTHS), 4 * len(BERT_LENGTHS))
-    measure("resnet50_train", lambda: build_resnet(device), resnet_step_, 3, 30)
-    measure("vit_b_16_infer", lambda: build_vit(device), vit_step, 3, 30)
+    for name, (build, step, warmup, steps) in bench_models(device).items():
+        measure(name, build, step, warmup, steps)
     sampler.stop()
+
+
+def worker_lockstep(mode, rec):
+    """One configuration of the interleaved timing: runs what the driver says on stdin, one
+    command a line (`build MODEL`, `step I`, `drop`, `quit`), and answers each on stdout with
+    a line that starts with `@@` (a step's answer is its seconds, the device synchronised
+    before and after)."""
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    device = torch.device("cuda:0")
+    torch.zeros(1, device=device)
+    models = bench_models(device)
+    state, step = None, None
+    print("@@ ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "build":
+            build, step = models[cmd[1]][0], models[cmd[1]][1]
+            state = build()
+            torch.cuda.synchronize()
+            print("@@ built", flush=True)
+        elif cmd[0] == "step":
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            step(state, int(cmd[1]))
+            torch.cuda.synchronize()
+            print(f"@@ {time.perf_counter() - s:.6f}", flush=True)
+        elif cmd[0] == "drop":
+            state = None
+            empty_device()
+            print("@@ dropped", flush=True)
+        elif cmd[0] == "quit":
+            break
+    rec.put("steps_run", True)
 
 
 # -- the port of PyTorch's allocator tests (test/test_cuda.py), written for pinpool ------
@@ -1093,6 +1140,8 @@ def worker(part, mode, lib, out):
         worker_threads(mode, rec)
     elif part == "bench":
         worker_bench(mode, rec)
+    elif part == "lockstep":
+        worker_lockstep(mode, rec)
     elif part == "tests":
         run_cases(pinpool_tests(), rec)
     elif part == "mempool":
@@ -1108,6 +1157,55 @@ def worker(part, mode, lib, out):
 # ---------------------------------------------------------------------------------------
 # Driver side
 # ---------------------------------------------------------------------------------------
+
+
+class Stepper:
+    """A lockstep worker: commands go to its stdin; its answers are the stdout lines that
+    start with `@@`, read on a thread, so that a worker that hangs costs a timeout and not the
+    run. Everything else it writes goes to its log."""
+
+    def __init__(self, judge, mode, out):
+        self.mode = mode
+        self.logf = open(os.path.join(out, f"lockstep-{mode}.log"), "w")
+        self.p = subprocess.Popen(judge.worker_cmd("lockstep", mode, out), stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.logf, text=True,
+                                  env=judge.worker_env("lockstep"))
+        self.answers = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            if line.startswith("@@ "):
+                self.answers.put(line[3:].strip())
+            else:
+                self.logf.write(line)
+                self.logf.flush()
+        self.answers.put(None)
+
+    def send(self, line):
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+
+    def answer(self, timeout):
+        try:
+            got = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{self.mode}: no answer in {timeout:.0f}s") from None
+        if got is None:
+            raise RuntimeError(f"{self.mode}: the worker ended (exit {self.p.wait()})")
+        return got
+
+    def close(self):
+        try:
+            self.send("quit")
+            self.p.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        self.logf.close()
 
 
 class Judge:
@@ -1126,6 +1224,26 @@ class Judge:
     def left(self):
         return self.deadline - time.time()
 
+    def worker_env(self, part):
+        """A worker's environment: the configuration's own settings come from MODES."""
+        env = dict(os.environ)
+        for k in ("PYTORCH_CUDA_ALLOC_CONF",):
+            env.pop(k, None)
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("PYTHONHASHSEED", "0")
+        if part == "tests":
+            # The ported cases copy tensors between GPUs when there are two: mapped memory
+            # reaches another GPU only with peer access granted up front (docs/torch.md).
+            env.setdefault("PINPOOL_TORCH_PEER_ACCESS", "1")
+        return env
+
+    def worker_cmd(self, part, mode, out):
+        return [sys.executable, "-u", os.path.abspath(__file__), "--worker", part, "--mode", mode,
+                "--lib", self.lib, "--out", out]
+
     def run(self, part, mode, timeout, sub=None):
         """Runs one worker, writing into `sub` of the output folder when given; returns its
         JSON (or {} and the reason it has none)."""
@@ -1139,24 +1257,11 @@ class Judge:
         if timeout < 10:
             self.log(f"[{name}] skipped: the run's time is spent")
             return {"_skipped": "time"}
-        env = dict(os.environ)
-        for k in ("PYTORCH_CUDA_ALLOC_CONF",):
-            env.pop(k, None)
-        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("PYTHONHASHSEED", "0")
-        if part == "tests":
-            # The ported cases copy tensors between GPUs when there are two: mapped memory
-            # reaches another GPU only with peer access granted up front (docs/torch.md).
-            env.setdefault("PINPOOL_TORCH_PEER_ACCESS", "1")
-        cmd = [sys.executable, "-u", os.path.abspath(__file__), "--worker", part, "--mode", mode,
-               "--lib", self.lib, "--out", out]
         t0 = time.time()
         with open(os.path.join(out, name + ".log"), "w") as logf:
             try:
-                p = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+                p = subprocess.run(self.worker_cmd(part, mode, out), stdout=logf, stderr=subprocess.STDOUT,
+                                   env=self.worker_env(part), timeout=timeout)
                 rc = p.returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
@@ -1272,9 +1377,9 @@ class Judge:
                      f"devices {pin.get('devices')}; native {n} pinpool {p}; errors {native.get('errors')} {pin.get('errors')}")
 
     def bench(self):
-        self.log("== head to head: peak device memory (driver's used memory, sampled) and median step time")
+        self.log("== head to head: peak device memory (driver's used memory, sampled); the step times here are each worker's own, the time verdicts come from the interleaved run below")
         modes = ("native", "expandable", "async", "pinpool")
-        rounds = max(1, int(os.environ.get("PINPOOL_JUDGE_ROUNDS", "2")))
+        rounds = max(1, int(os.environ.get("PINPOOL_JUDGE_ROUNDS", "1")))
         per_round = []
         for r in range(rounds):
             # Every other round in the opposite order, so that a drift of the host's speed
@@ -1318,10 +1423,74 @@ class Judge:
             if p and best_mem is not None:
                 self.verdict(f"memory {model}", p["peak_mib"] <= best_mem,
                              f"pinpool {p['peak_mib']:.1f} MiB, best of PyTorch's {best_mem:.1f} MiB")
-                self.verdict(f"time {model}", p["median_ms"] <= 1.05 * best_time,
-                             f"pinpool {p['median_ms']:.2f} ms, fastest of PyTorch's {best_time:.2f} ms (target <= 1.05x)")
             else:
-                self.verdict(f"head to head {model}", False, "no pinpool or PyTorch result")
+                self.verdict(f"memory {model}", False, "no pinpool or PyTorch result")
+
+    def lockstep(self):
+        """Step times with the four configurations side by side: a worker process each, all
+        alive at once, taking one step each in turn (the order rotating every step), so that
+        the host's speed, which drifts by up to 2x within minutes on the GPU machines, weighs
+        on every configuration alike. Only one worker has work on the GPU at a time."""
+        self.log("== step time, interleaved: a process per configuration, one step each in turn")
+        modes = ("native", "expandable", "async", "pinpool")
+        out = os.path.join(self.out, "lockstep")
+        os.makedirs(out, exist_ok=True)
+        only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
+        table = bench_models("cuda:0")
+        models = [m for m in BENCH_MODELS if not only or m in only]
+        times = {m: {} for m in modes}
+        workers = {}
+
+        def wait(m):
+            return workers[m].answer(max(5, min(150, self.left() - 5)))
+
+        try:
+            for m in modes:
+                workers[m] = Stepper(self, m, out)
+            for m in modes:
+                wait(m)
+            for name in models:
+                _, _, warmup, steps = table[name]
+                for m in modes:
+                    workers[m].send(f"build {name}")
+                for m in modes:
+                    wait(m)
+                for i in range(warmup + steps):
+                    k = i % len(modes)
+                    for m in modes[k:] + modes[:k]:
+                        workers[m].send(f"step {i}")
+                        took = float(wait(m))
+                        if i >= warmup:
+                            times[m].setdefault(name, []).append(1000 * took)
+                for m in modes:
+                    workers[m].send("drop")
+                for m in modes:
+                    wait(m)
+        except Exception as e:
+            self.log(f"  stopped: {type(e).__name__}: {e} (see {out}/lockstep-*.log)")
+        finally:
+            for w in workers.values():
+                w.close()
+        self.summary["lockstep"] = times
+        self.log(f"  {'model':<16} {'config':<11} {'median ms':>10} {'vs best':>8}")
+        for name in models:
+            got = {m: times[m].get(name) for m in modes}
+            _, _, _, steps = table[name]
+            if any(not t or len(t) < steps for t in got.values()):
+                self.verdict(f"time {name}", False, "not every configuration ran every step")
+                continue
+            med = {m: statistics.median(t) for m, t in got.items()}
+            fastest = min(TORCH_MODES, key=lambda m: med[m])
+            best = med[fastest]
+            for m in modes:
+                self.log(f"  {name:<16} {m:<11} {med[m]:>10.2f} {med[m] / best:>7.2f}x")
+            # Step by step against the fastest configuration's step next to it (not against
+            # the least of three at each step, which noise alone would put below each one).
+            paired = statistics.median(p / f for p, f in zip(got["pinpool"], got[fastest]))
+            self.verdict(f"time {name}", med["pinpool"] <= 1.05 * best,
+                         f"pinpool {med['pinpool']:.2f} ms, fastest of PyTorch's ({fastest})"
+                         f" {best:.2f} ms (target <= 1.05x); step by step, the median of pinpool's"
+                         f" step over {fastest}'s next to it: {paired:.2f}x")
 
     def main(self):
         t0 = time.time()
@@ -1330,7 +1499,7 @@ class Judge:
             self.log(f"no library at {self.lib}")
             return 2
         parts = [p for p in os.environ.get("PINPOOL_JUDGE_PARTS", "").split(",") if p]
-        for step in (self.info, self.results, self.tests, self.bench, self.threads):
+        for step in (self.info, self.results, self.tests, self.bench, self.lockstep, self.threads):
             if parts and step.__name__ not in parts:
                 continue
             try:
