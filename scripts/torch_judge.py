@@ -23,8 +23,8 @@ part, each with its own timeout, and compares what they write:
             the other in PINPOOL_JUDGE_ROUNDS rounds (default 1), alternating their order: a
             model's figures are the median of the rounds'.
   lockstep  the step-time verdicts: the four configurations' workers all alive at once, each
-            taking one step in turn (the order rotating every step), so that the host's
-            drifting speed weighs on each alike; per model, the median step time against the
+            taking PINPOOL_JUDGE_TURN steps (default 3) in turn, the order rotating every
+            turn, so that the host's drifting speed weighs on each alike; per model, the median step time against the
             fastest of PyTorch's three, and step by step the median of pinpool's time over
             that fastest configuration's step next to it.
 
@@ -1428,10 +1428,14 @@ class Judge:
 
     def lockstep(self):
         """Step times with the four configurations side by side: a worker process each, all
-        alive at once, taking one step each in turn (the order rotating every step), so that
-        the host's speed, which drifts by up to 2x within minutes on the GPU machines, weighs
-        on every configuration alike. Only one worker has work on the GPU at a time."""
-        self.log("== step time, interleaved: a process per configuration, one step each in turn")
+        alive at once, taking PINPOOL_JUDGE_TURN steps (default 3) each in turn, the order
+        rotating every turn, so that the host's speed, which drifts by up to 2x within
+        minutes on the GPU machines, weighs on every configuration alike. Only one worker has
+        work on the GPU at a time. Most timed steps follow the same process's own step, as
+        in a process that runs alone; the first step of each turn follows another process's
+        and is shown apart too (its threads may have slept and its caches gone cold)."""
+        turn = max(1, int(os.environ.get("PINPOOL_JUDGE_TURN", "3")))
+        self.log(f"== step time, interleaved: a process per configuration, {turn} step(s) each in turn")
         modes = ("native", "expandable", "async", "pinpool")
         out = os.path.join(self.out, "lockstep")
         os.makedirs(out, exist_ok=True)
@@ -1439,6 +1443,8 @@ class Judge:
         table = bench_models("cuda:0")
         models = [m for m in BENCH_MODELS if not only or m in only]
         times = {m: {} for m in modes}
+        # Whether each timed step was the first of its turn.
+        firsts = {m: {} for m in modes}
         workers = {}
 
         def wait(m):
@@ -1455,13 +1461,15 @@ class Judge:
                     workers[m].send(f"build {name}")
                 for m in modes:
                     wait(m)
-                for i in range(warmup + steps):
-                    k = i % len(modes)
+                for n, start in enumerate(range(0, warmup + steps, turn)):
+                    k = n % len(modes)
                     for m in modes[k:] + modes[:k]:
-                        workers[m].send(f"step {i}")
-                        took = float(wait(m))
-                        if i >= warmup:
-                            times[m].setdefault(name, []).append(1000 * took)
+                        for i in range(start, min(start + turn, warmup + steps)):
+                            workers[m].send(f"step {i}")
+                            took = float(wait(m))
+                            if i >= warmup:
+                                times[m].setdefault(name, []).append(1000 * took)
+                                firsts[m].setdefault(name, []).append(i == start)
                 for m in modes:
                     workers[m].send("drop")
                 for m in modes:
@@ -1471,8 +1479,9 @@ class Judge:
         finally:
             for w in workers.values():
                 w.close()
-        self.summary["lockstep"] = times
-        self.log(f"  {'model':<16} {'config':<11} {'median ms':>10} {'vs best':>8}")
+        self.summary["lockstep"] = {"turn": turn, "times_ms": times, "first_of_turn": firsts}
+        self.log(f"  {'model':<16} {'config':<11} {'median ms':>10} {'vs best':>8}"
+                 f"  (medians of the first steps of turns / of the others)")
         for name in models:
             got = {m: times[m].get(name) for m in modes}
             _, _, _, steps = table[name]
@@ -1483,7 +1492,10 @@ class Judge:
             fastest = min(TORCH_MODES, key=lambda m: med[m])
             best = med[fastest]
             for m in modes:
-                self.log(f"  {name:<16} {m:<11} {med[m]:>10.2f} {med[m] / best:>7.2f}x")
+                first = [t for t, f in zip(got[m], firsts[m][name]) if f]
+                rest = [t for t, f in zip(got[m], firsts[m][name]) if not f]
+                split = "  (" + " / ".join(f"{statistics.median(x):.2f}" if x else "-" for x in (first, rest)) + ")"
+                self.log(f"  {name:<16} {m:<11} {med[m]:>10.2f} {med[m] / best:>7.2f}x{split}")
             # Step by step against the fastest configuration's step next to it (not against
             # the least of three at each step, which noise alone would put below each one).
             paired = statistics.median(p / f for p, f in zip(got["pinpool"], got[fastest]))
