@@ -7,6 +7,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
 
 use super::{grammar, ConfigError};
 
@@ -56,6 +57,12 @@ pub struct DeviceConfig {
     /// (`reserve_cap:none`) keeps such memory until `empty_cache` or a limit needs it: no
     /// driver calls in a repeating workload's steady state, for more memory reserved.
     pub reserve_cap: Option<f64>,
+    /// How long a pool actor stays awake after a message for the next one (key `linger_us`,
+    /// whole microseconds, at most 100 000; default 50). A request the actor answers while it
+    /// sleeps waits for its thread to wake, tens of microseconds more (`device_bench`'s
+    /// `dev_miss_us`); a longer linger keeps one of the actors' worker threads busy that
+    /// much longer after each such request.
+    pub linger: Duration,
 }
 
 impl Default for DeviceConfig {
@@ -67,6 +74,7 @@ impl Default for DeviceConfig {
             expandable_segments: true,
             thread_cache: 0,
             reserve_cap: Some(DEFAULT_RESERVE_CAP),
+            linger: DEFAULT_LINGER,
         }
     }
 }
@@ -78,6 +86,12 @@ const DEFAULT_RESERVE_CAP: f64 = 1.0;
 fn valid_reserve_cap(x: f64) -> bool {
     x >= 1.0 && x.is_finite()
 }
+
+/// How long a pool actor stays awake after a message when the key is not given.
+pub(crate) const DEFAULT_LINGER: Duration = Duration::from_micros(50);
+
+/// The longest linger the `linger_us` key takes.
+const MAX_LINGER: Duration = Duration::from_millis(100);
 
 /// The smallest `max_split_size_mb` (PyTorch's minimum too).
 const MIN_SPLIT_MIB: usize = 20;
@@ -91,6 +105,7 @@ impl DeviceConfig {
         "expandable_segments",
         "thread_cache_mb",
         "reserve_cap",
+        "linger_us",
     ];
 
     /// Reads [`DEVICE_ENV_VAR`] (`PINPOOL_DEVICE_CONF`); the defaults when it is unset.
@@ -175,6 +190,15 @@ impl DeviceConfig {
                     Some(x)
                 };
             }
+            "linger_us" => {
+                const EXPECTED: &str = "a whole number of microseconds, at most 100000";
+                let us: u64 = value.parse().map_err(|_| invalid(EXPECTED))?;
+                let linger = Duration::from_micros(us);
+                if linger > MAX_LINGER {
+                    return Err(invalid(EXPECTED));
+                }
+                self.linger = linger;
+            }
             _ => {
                 return Err(ConfigError::UnknownKey {
                     key: key.to_owned(),
@@ -227,6 +251,14 @@ impl DeviceConfig {
         self
     }
 
+    /// This configuration with `linger` set, as the key would set it: whole microseconds
+    /// (rounded up), at most 100 ms.
+    pub fn with_linger(mut self, linger: Duration) -> Self {
+        let us = linger.as_nanos().div_ceil(1000).min(MAX_LINGER.as_micros());
+        self.linger = Duration::from_micros(us as u64);
+        self
+    }
+
     /// This configuration with `thread_cache` set, as the key would set it: rounded up to
     /// whole MiB.
     pub fn with_thread_cache(mut self, bytes: usize) -> Self {
@@ -276,6 +308,9 @@ impl fmt::Display for DeviceConfig {
             Some(x) => write!(f, ",reserve_cap:{x}")?,
             None => write!(f, ",reserve_cap:none")?,
         }
+        if self.linger != DEFAULT_LINGER {
+            write!(f, ",linger_us:{}", self.linger.as_micros())?;
+        }
         Ok(())
     }
 }
@@ -290,10 +325,11 @@ mod tests {
         assert_eq!(c, DeviceConfig::default());
         assert_eq!(DeviceConfig::parse(&c.to_string()).unwrap(), c);
         let full = DeviceConfig::parse(
-            "max_split_size_mb:64,roundup_power2_divisions:8,garbage_collection_threshold:0.6,expandable_segments:false,thread_cache_mb:32,reserve_cap:1.25",
+            "max_split_size_mb:64,roundup_power2_divisions:8,garbage_collection_threshold:0.6,expandable_segments:false,thread_cache_mb:32,reserve_cap:1.25,linger_us:2000",
         )
         .unwrap();
         assert_eq!(full.reserve_cap, Some(1.25));
+        assert_eq!(full.linger, Duration::from_millis(2));
         let none = DeviceConfig::parse("reserve_cap:none").unwrap();
         assert_eq!(none.reserve_cap, None);
         assert_eq!(DeviceConfig::parse(&none.to_string()).unwrap(), none);
@@ -310,8 +346,16 @@ mod tests {
             .with_max_split_size(Some((25 << 20) + 1))
             .with_roundup_power2_divisions(3)
             .with_garbage_collection_threshold(Some(1.5))
-            .with_expandable_segments(false);
+            .with_expandable_segments(false)
+            .with_linger(Duration::from_nanos(2_500));
         assert_eq!(made.max_split_size, Some(26 << 20));
+        assert_eq!(made.linger, Duration::from_micros(3));
+        assert_eq!(
+            DeviceConfig::default()
+                .with_linger(Duration::from_secs(5))
+                .linger,
+            MAX_LINGER
+        );
         assert_eq!(made.roundup_power2_divisions, 4);
         assert_eq!(made.garbage_collection_threshold, None);
         let printed = made.to_string();
@@ -352,6 +396,9 @@ mod tests {
             ("reserve_cap:inf", "reserve_cap"),
             ("reserve_cap:NaN", "reserve_cap"),
             ("reserve_cap:off", "reserve_cap"),
+            ("linger_us:100001", "linger_us"),
+            ("linger_us:-5", "linger_us"),
+            ("linger_us:0.5", "linger_us"),
         ] {
             let err = DeviceConfig::parse(text).unwrap_err();
             assert!(

@@ -206,6 +206,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
                 .stream_ordered(true)
                 .lend_between_streams(self.lend_between_streams)
                 .device_stats(config.max_split_size.unwrap_or(usize::MAX))
+                .linger(config.linger)
                 .handle(handle.clone());
             if let Some(l) = limit {
                 b = b.max_bytes(l);

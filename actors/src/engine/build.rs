@@ -12,7 +12,7 @@ use crate::actors::memory::MemorySource;
 use crate::actors::peaks::Ledger;
 use crate::actors::policy::{BestFit, SizePolicy};
 use crate::actors::poller::start_poller;
-use crate::actors::pool::{start_pool, PoolSpec};
+use crate::actors::pool::{start_pool, PoolSpec, DEFAULT_LINGER};
 use crate::actors::pool_id::PoolId;
 use crate::actors::router::{start_router, Routes};
 use crate::actors::runtime::{Runtime, StreamId};
@@ -32,6 +32,7 @@ pub(crate) struct EngineBuilder<R: Runtime> {
     stream_ordered: bool,
     lend_between_streams: bool,
     device_stats: Option<usize>,
+    linger: Duration,
 }
 
 impl<R: Runtime> EngineBuilder<R> {
@@ -49,6 +50,7 @@ impl<R: Runtime> EngineBuilder<R> {
             stream_ordered: false,
             lend_between_streams: false,
             device_stats: None,
+            linger: DEFAULT_LINGER,
         }
     }
 
@@ -94,6 +96,13 @@ impl<R: Runtime> EngineBuilder<R> {
     /// another's event; elsewhere nothing is borrowed.
     pub(crate) fn lend_between_streams(mut self, on: bool) -> Self {
         self.lend_between_streams = on;
+        self
+    }
+
+    /// How long each pool actor stays awake after a message for the next one (see
+    /// `PoolActor::linger`; default [`DEFAULT_LINGER`]).
+    pub(crate) fn linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
         self
     }
 
@@ -158,6 +167,7 @@ impl<R: Runtime> EngineBuilder<R> {
                 owner,
                 owner_stream: None,
                 lends: self.lend_between_streams && self.stream_ordered,
+                linger: self.linger,
                 runtime: runtime.clone(),
                 memory: memory.clone(),
                 classes,

@@ -53,6 +53,8 @@ pub(crate) struct PoolSpec<R: Runtime> {
     pub(crate) owner_stream: Option<R::Stream>,
     /// Whether stream pools lend each other memory (see `Home::lends`).
     pub(crate) lends: bool,
+    /// How long the actor stays awake after a message for the next one.
+    pub(crate) linger: Duration,
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) classes: usize,
@@ -107,6 +109,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         refused: Vec::new(),
         deferred: VecDeque::new(),
         lender: None,
+        linger: spec.linger,
     };
     let pool = if spec.id.is_default() {
         "default".to_string()
@@ -145,6 +148,8 @@ pub(crate) struct PoolActor<R: Runtime> {
     deferred: VecDeque<PoolMsg<Block<R>>>,
     /// The reply channel of the miss being served, when its requester runs errands.
     lender: Option<MissTx<Block<R>>>,
+    /// How long it stays awake after a message for the next one (see [`Self::linger`]).
+    linger: Duration,
 }
 
 impl<R: Runtime> Drop for PoolActor<R> {
@@ -242,10 +247,11 @@ const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 /// How long a pool stays awake for the result of a call its requester runs (see
 /// `PoolActor::off_executor`): a map call takes 0.04–0.5 ms.
 const HOT_WAIT: Duration = Duration::from_millis(1);
-/// How long an idle pool stays awake after a message for the next one (see
-/// `PoolActor::linger`): misses come in bursts (a model's step, a replayed stream), and a
-/// requester blocked on a reply from a parked worker waits for that worker's wake-up too.
-const LINGER: Duration = Duration::from_micros(50);
+/// How long an idle pool stays awake after a message for the next one unless its engine
+/// says otherwise (see `PoolActor::linger`): misses come in bursts (a model's step, a
+/// replayed stream), and a requester blocked on a reply from a parked worker waits for that
+/// worker's wake-up too.
+pub(crate) const DEFAULT_LINGER: Duration = Duration::from_micros(50);
 
 /// Work handed off the executor by [`PoolActor::start_off_executor`], and its result to come.
 pub(super) struct OffExecutor<T> {
@@ -371,14 +377,14 @@ impl<R: Runtime> PoolActor<R> {
         tracing::debug!(pool = %self.shared.id, "pool actor stopped");
     }
 
-    /// Stays awake after a message while more come within [`LINGER`] of the last, handling
+    /// Stays awake after a message while more come within its linger of the last, handling
     /// them as they come and yielding between looks (the worker's other tasks run), so that
     /// a burst of misses does not wait for a parked worker's wake-up each. Gives up at once
     /// when the pool closes or has waiters or pressure to watch (the main loop's other arms
     /// do). False when the mailbox is closed.
     async fn linger(&mut self) -> bool {
         let mut last = std::time::Instant::now();
-        while last.elapsed() < LINGER {
+        while last.elapsed() < self.linger {
             if self.closing
                 || self.shared.budget.under_pressure()
                 || !self.waiters.is_empty()
