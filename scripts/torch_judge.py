@@ -30,7 +30,9 @@ part, each with its own timeout, and compares what they write:
 
 PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen, resnet50_train,
 vit_b_16_infer) limits bench and lockstep to those models; PINPOOL_JUDGE_PARTS
-(comma-separated: info, results, tests, bench, lockstep, threads) runs only those parts.
+(comma-separated: info, results, tests, bench, lockstep, threads) runs only those parts;
+PINPOOL_JUDGE_VARIANT (a PINPOOL_DEVICE_CONF) adds pinpool with those settings to bench and
+lockstep as a fifth configuration, "variant", shown beside the others and judged by nothing.
 
 Usage: torch_judge.py --lib LIB --out DIR [--budget SECONDS]
        torch_judge.py --worker PART --mode MODE --lib LIB --out DIR   (internal)
@@ -55,7 +57,19 @@ MODES = {
     "pinpool": {},
 }
 TORCH_MODES = ("native", "expandable", "async")
+# PINPOOL_JUDGE_VARIANT: a PINPOOL_DEVICE_CONF for pinpool to run with beside its defaults in
+# the head to head and the interleaved steps ("variant" there), for comparison only.
+VARIANT = os.environ.get("PINPOOL_JUDGE_VARIANT")
+if VARIANT:
+    MODES["variant"] = {"PINPOOL_DEVICE_CONF": VARIANT}
+# The configurations the head to head and the interleaved steps compare.
+COMPARED = TORCH_MODES + ("pinpool",) + (("variant",) if VARIANT else ())
 MIB = 1 << 20
+
+
+def is_pinpool(mode):
+    """Whether `mode` runs on pinpool (its defaults, or the variant)."""
+    return mode in ("pinpool", "variant")
 
 
 # ---------------------------------------------------------------------------------------
@@ -81,7 +95,7 @@ class Recorder:
 
 def setup_mode(mode, lib):
     """Runs before CUDA starts: installs pinpool when asked."""
-    if mode == "pinpool":
+    if is_pinpool(mode):
         import pinpool_torch
 
         info = pinpool_torch.enable(lib)
@@ -564,7 +578,7 @@ def worker_bench(mode, rec):
     def stats_front():
         """Where this configuration's allocator statistics are read: pinpool's package, or
         torch.cuda (the same function names)."""
-        if mode == "pinpool":
+        if is_pinpool(mode):
             import pinpool_torch
 
             return pinpool_torch
@@ -574,7 +588,7 @@ def worker_bench(mode, rec):
 
     def pinpool_counts():
         """pinpool's counts of driver calls and of requests that asked a pool actor."""
-        if mode != "pinpool":
+        if not is_pinpool(mode):
             return None
         import pinpool_torch
 
@@ -1378,7 +1392,7 @@ class Judge:
 
     def bench(self):
         self.log("== head to head: peak device memory (driver's used memory, sampled); the step times here are each worker's own, the time verdicts come from the interleaved run below")
-        modes = ("native", "expandable", "async", "pinpool")
+        modes = COMPARED
         rounds = max(1, int(os.environ.get("PINPOOL_JUDGE_ROUNDS", "1")))
         per_round = []
         for r in range(rounds):
@@ -1403,7 +1417,7 @@ class Judge:
             torch_ok = [ok_rows[m] for m in TORCH_MODES if m in ok_rows]
             best_mem = min((r["peak_mib"] for r in torch_ok), default=None)
             best_time = min((r["median_ms"] for r in torch_ok), default=None)
-            for m in ("native", "expandable", "async", "pinpool"):
+            for m in modes:
                 r = rows.get(m, {})
                 if not r.get("ok"):
                     self.log(f"  {model:<16} {m:<11} {'-':>9} {'':>8} {'-':>10} {'':>8}  {r.get('error', 'no result')}")
@@ -1436,7 +1450,7 @@ class Judge:
         and is shown apart too (its threads may have slept and its caches gone cold)."""
         turn = max(1, int(os.environ.get("PINPOOL_JUDGE_TURN", "3")))
         self.log(f"== step time, interleaved: a process per configuration, {turn} step(s) each in turn")
-        modes = ("native", "expandable", "async", "pinpool")
+        modes = COMPARED
         out = os.path.join(self.out, "lockstep")
         os.makedirs(out, exist_ok=True)
         only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
