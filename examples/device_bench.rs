@@ -545,6 +545,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
     /// Plays `trace` once: each trace stream on a stream of its own (made at its first use
     /// and kept in `streams`), the pointers in `live` (what the trace leaves allocated
     /// stays there).
+    ///
     /// With a `pace`, the thread spins that long before each request, as a model's host
     /// thread launches work between them, and the time spent in the allocator's calls alone
     /// is returned (zero without a pace).

@@ -100,6 +100,7 @@ pub(crate) use miss::Wait;
 pub use policy::{
     BestFit, BlockLayout, Carving, DeviceFit, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
 };
+pub(crate) use pool::DEFAULT_LINGER;
 pub use pool_id::PoolId;
 pub use runtime::{Runtime, RuntimeError, StreamId};
 pub use snapshot::{

@@ -10,6 +10,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use super::{grammar, ConfigError};
+use crate::actors::DEFAULT_LINGER;
 
 /// The environment variable [`DeviceConfig::from_env`] reads.
 pub const DEVICE_ENV_VAR: &str = "PINPOOL_DEVICE_CONF";
@@ -86,9 +87,6 @@ const DEFAULT_RESERVE_CAP: f64 = 1.0;
 fn valid_reserve_cap(x: f64) -> bool {
     x >= 1.0 && x.is_finite()
 }
-
-/// How long a pool actor stays awake after a message when the key is not given.
-pub(crate) const DEFAULT_LINGER: Duration = Duration::from_micros(50);
 
 /// The longest linger the `linger_us` key takes.
 const MAX_LINGER: Duration = Duration::from_millis(100);
