@@ -514,7 +514,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
             pool.raw_delete(pool.raw_alloc_with_stream(size(k), &stream)?)?;
         }
         for gap_us in [0u64, 100, 1000] {
-            let (misses0, calls0) = (pool.stats(0)?.num_misses, driver_calls(&pool.stats(0)?));
+            let before = pool.stats(0)?;
             let mut us = Vec::with_capacity(400);
             for k in 0..400 {
                 if gap_us > 0 {
@@ -525,6 +525,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
                 us.push(t0.elapsed().as_secs_f64() * 1e6);
                 pool.raw_delete(p)?;
             }
+            let after = pool.stats(0)?;
             us.sort_by(f64::total_cmp);
             println!(
                 "pinpool dev_miss_us gap_us={gap_us} {:.1}",
@@ -532,11 +533,11 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
             );
             println!(
                 "pinpool dev_miss_misses gap_us={gap_us} {}",
-                pool.stats(0)?.num_misses - misses0
+                after.num_misses - before.num_misses
             );
             println!(
                 "pinpool dev_miss_driver_calls gap_us={gap_us} {}",
-                driver_calls(&pool.stats(0)?) - calls0
+                driver_calls(&after) - driver_calls(&before)
             );
         }
         Ok(())

@@ -49,14 +49,6 @@ def vit_infer_b16():
     return run
 
 
-def classifier_step(model, opt, x, y):
-    """One optimizer step of a classifier on a batch, with the cross-entropy loss."""
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-
-
 def cnn_train_b64():
     """A VGG-like CNN with batch norm, one SGD step with momentum, batch 64 at 112x112."""
     layers, c = [], 3
@@ -72,7 +64,10 @@ def cnn_train_b64():
     def run():
         x = torch.randn(64, 3, 112, 112, device=DEV)
         y = torch.randint(0, 100, (64,), device=DEV)
-        classifier_step(model, opt, x, y)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
 
     return run
 
@@ -178,35 +173,27 @@ def gpt2_decode_kv_small():
 
 def resnet50_train_b32_x3():
     """torchvision's ResNet-50, three SGD steps with momentum, batch 32 at 224x224 (the torch judge's training model)."""
-    import torchvision
+    from torch_judge import build_resnet, resnet_step
 
     torch.backends.cudnn.benchmark = False
-    torch.manual_seed(5)
-    model = torchvision.models.resnet50().to(DEV).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, opt = build_resnet(DEV)
 
     def run():
         for step in range(3):
-            g = torch.Generator().manual_seed(100 + step)
-            x = torch.randn(32, 3, 224, 224, generator=g).to(DEV)
-            y = torch.randint(0, 1000, (32,), generator=g).to(DEV)
-            classifier_step(model, opt, x, y)
+            resnet_step(model, opt, DEV, step, batch=32)
 
     return run
 
 
 def vit_b16_infer_b32_x3():
     """torchvision's ViT-B/16, three inference passes, batch 32 at 224x224 (the torch judge's)."""
-    import torchvision
+    from torch_judge import build_vit, run_vit
 
-    torch.manual_seed(6)
-    model = torchvision.models.vit_b_16().eval().to(DEV)
+    model = build_vit(DEV)
 
     def run():
-        with torch.no_grad():
-            for i in range(3):
-                x = torch.randn(32, 3, 224, 224, generator=torch.Generator().manual_seed(i)).to(DEV)
-                model(x)
+        for i in range(3):
+            run_vit(model, DEV, batch=32, seed=i)
 
     return run
 

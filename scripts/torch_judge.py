@@ -24,9 +24,9 @@ part, each with its own timeout, and compares what they write:
             model's figures are the median of the rounds'.
   lockstep  the step-time verdicts: the four configurations' workers all alive at once, each
             taking PINPOOL_JUDGE_TURN steps (default 3) in turn, the order rotating every
-            turn, so that the host's drifting speed weighs on each alike; per model, the median step time against the
-            fastest of PyTorch's three, and step by step the median of pinpool's time over
-            that fastest configuration's step next to it.
+            turn, so that the host's drifting speed weighs on each alike; per model, the
+            median step time against the fastest of PyTorch's three, and step by step the
+            median of pinpool's time over that fastest configuration's step next to it.
 
 PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen, resnet50_train,
 vit_b_16_infer) limits bench and lockstep to those models; PINPOOL_JUDGE_PARTS
@@ -546,7 +546,15 @@ def bench_models(device):
     }
 
 
-BENCH_MODELS = ("gpt2_generate", "bert_varlen", "resnet50_train", "vit_b_16_infer")
+def env_list(name):
+    """The comma-separated names in environment variable `name` (none when unset)."""
+    return [x for x in os.environ.get(name, "").split(",") if x]
+
+
+def chosen_models(device):
+    """`bench_models` limited to the names in PINPOOL_JUDGE_MODELS, when it is set."""
+    only = env_list("PINPOOL_JUDGE_MODELS")
+    return {k: v for k, v in bench_models(device).items() if not only or k in only}
 
 
 def empty_device():
@@ -584,8 +592,6 @@ def worker_bench(mode, rec):
             return pinpool_torch
         return torch.cuda
 
-    only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
-
     def pinpool_counts():
         """pinpool's counts of driver calls and of requests that asked a pool actor."""
         if not is_pinpool(mode):
@@ -601,8 +607,6 @@ def worker_bench(mode, rec):
         }
 
     def measure(name, build, step, warmup, steps):
-        if only and name not in only:
-            return
         empty_device()
         try:
             stats_front().reset_peak_memory_stats()
@@ -660,7 +664,7 @@ def worker_bench(mode, rec):
             rec.put(name, {"ok": False, "error": f"{type(e).__name__}: {e}"})
         print(f"{name}: {time.time() - t0:.1f}s", flush=True)
 
-    for name, (build, step, warmup, steps) in bench_models(device).items():
+    for name, (build, step, warmup, steps) in chosen_models(device).items():
         measure(name, build, step, warmup, steps)
     sampler.stop()
 
@@ -1402,8 +1406,7 @@ class Judge:
             got = {m: self.run("bench", m, 150, sub=f"round-{r + 1}") for m in order}
             per_round.append(got)
         self.summary["bench_rounds"] = per_round
-        only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
-        models = tuple(m for m in BENCH_MODELS if not only or m in only)
+        models = tuple(chosen_models("cuda:0"))
         runs = {m: combine_rounds([pr[m] for pr in per_round], models) for m in modes}
         self.summary["bench"] = runs
         self.log(f"  {rounds} round(s), each configuration in a fresh process per round; per model:"
@@ -1441,7 +1444,7 @@ class Judge:
                 self.verdict(f"memory {model}", False, "no pinpool or PyTorch result")
 
     def lockstep(self):
-        """Step times with the four configurations side by side: a worker process each, all
+        """Step times with every compared configuration side by side: a worker process each, all
         alive at once, taking PINPOOL_JUDGE_TURN steps (default 3) each in turn, the order
         rotating every turn, so that the host's speed, which drifts by up to 2x within
         minutes on the GPU machines, weighs on every configuration alike. Only one worker has
@@ -1453,12 +1456,8 @@ class Judge:
         modes = COMPARED
         out = os.path.join(self.out, "lockstep")
         os.makedirs(out, exist_ok=True)
-        only = [m for m in os.environ.get("PINPOOL_JUDGE_MODELS", "").split(",") if m]
-        table = bench_models("cuda:0")
-        models = [m for m in BENCH_MODELS if not only or m in only]
+        table = chosen_models("cuda:0")
         times = {m: {} for m in modes}
-        # Whether each timed step was the first of its turn.
-        firsts = {m: {} for m in modes}
         workers = {}
 
         def wait(m):
@@ -1469,8 +1468,7 @@ class Judge:
                 workers[m] = Stepper(self, m, out)
             for m in modes:
                 wait(m)
-            for name in models:
-                _, _, warmup, steps = table[name]
+            for name, (_, _, warmup, steps) in table.items():
                 for m in modes:
                     workers[m].send(f"build {name}")
                 for m in modes:
@@ -1483,7 +1481,6 @@ class Judge:
                             took = float(wait(m))
                             if i >= warmup:
                                 times[m].setdefault(name, []).append(1000 * took)
-                                firsts[m].setdefault(name, []).append(i == start)
                 for m in modes:
                     workers[m].send("drop")
                 for m in modes:
@@ -1493,22 +1490,23 @@ class Judge:
         finally:
             for w in workers.values():
                 w.close()
-        self.summary["lockstep"] = {"turn": turn, "times_ms": times, "first_of_turn": firsts}
+        self.summary["lockstep"] = {"turn": turn, "times_ms": times}
         self.log(f"  {'model':<16} {'config':<11} {'median ms':>10} {'vs best':>8}"
                  f"  (medians of the first steps of turns / of the others)")
-        for name in models:
+        for name, (_, _, warmup, steps) in table.items():
             got = {m: times[m].get(name) for m in modes}
-            _, _, _, steps = table[name]
             if any(not t or len(t) < steps for t in got.values()):
                 self.verdict(f"time {name}", False, "not every configuration ran every step")
                 continue
             med = {m: statistics.median(t) for m, t in got.items()}
             fastest = min(TORCH_MODES, key=lambda m: med[m])
             best = med[fastest]
+            # Turns start at multiples of `turn`: step `warmup + j` is the j-th timed one.
+            first = [(warmup + j) % turn == 0 for j in range(steps)]
             for m in modes:
-                first = [t for t, f in zip(got[m], firsts[m][name]) if f]
-                rest = [t for t, f in zip(got[m], firsts[m][name]) if not f]
-                split = "  (" + " / ".join(f"{statistics.median(x):.2f}" if x else "-" for x in (first, rest)) + ")"
+                rest = [t for t, f in zip(got[m], first) if not f]
+                firsts = [t for t, f in zip(got[m], first) if f]
+                split = "  (" + " / ".join(f"{statistics.median(x):.2f}" if x else "-" for x in (firsts, rest)) + ")"
                 self.log(f"  {name:<16} {m:<11} {med[m]:>10.2f} {med[m] / best:>7.2f}x{split}")
             # Step by step against the fastest configuration's step next to it (not against
             # the least of three at each step, which noise alone would put below each one).
@@ -1524,7 +1522,7 @@ class Judge:
         if not os.path.isfile(self.lib):
             self.log(f"no library at {self.lib}")
             return 2
-        parts = [p for p in os.environ.get("PINPOOL_JUDGE_PARTS", "").split(",") if p]
+        parts = env_list("PINPOOL_JUDGE_PARTS")
         for step in (self.info, self.results, self.tests, self.bench, self.lockstep, self.threads):
             if parts and step.__name__ not in parts:
                 continue
