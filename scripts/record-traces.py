@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Records allocation request streams of PyTorch workloads, in pinpool's trace format.
 
-    python3 scripts/record-traces.py OUT_DIR [NAME ...]
+    python3 scripts/record-traces.py [--cold] OUT_DIR [NAME ...]
 
 Needs a CUDA GPU and PyTorch (and torchvision for its two models). Each workload is built from
 `torch.nn` or torchvision's model definitions (random weights from a fixed seed, no downloads:
 it runs offline), run once to warm up, then once more while PyTorch's allocator history records every
 request (`torch.cuda.memory._record_memory_history`). The requests of that run become
-`OUT_DIR/<name>.trace.gz`:
+`OUT_DIR/<name>.trace.gz`. With `--cold` the recording starts before the workload is built, so
+the trace also holds its parameters, its warm-up run and everything a first run allocates
+(optimizer state, workspaces), and goes to `OUT_DIR/<name>_cold.trace.gz`:
 
     a <id> <bytes> <stream>    allocation number <id> (dense, in order) of <bytes> on <stream>
     f <id>                     allocation <id> is freed
@@ -209,12 +211,16 @@ WORKLOADS = {
 }
 
 
-def record(name, make, out_dir):
+def record(name, make, out_dir, cold=False):
     torch.manual_seed(0)
+    if cold:
+        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=10_000_000)
     run = make()
     run()  # warm-up: parameters, optimizer state, cuBLAS workspaces
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=10_000_000)
+    if not cold:
+        torch.cuda.memory._record_memory_history(max_entries=10_000_000)
     run()
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
@@ -237,10 +243,12 @@ def record(name, make, out_dir):
             i = ids.pop(e["addr"])
             lines.append(f"f {i}")
             live -= sizes[i]
+    if cold:
+        name += "_cold"
     path = os.path.join(out_dir, f"{name}.trace.gz")
     header = (
         f"# {name}: torch {torch.__version__}, {torch.cuda.get_device_name()}; "
-        f"{make.__doc__.split(chr(10))[0]} Recorded by scripts/record-traces.py; "
+        f"{make.__doc__.split(chr(10))[0]}{' From its build on.' if cold else ''} Recorded by scripts/record-traces.py; "
         "allocations still live at the end have no free line\n"
     )
     with gzip.open(path, "wt") as f:
@@ -253,16 +261,19 @@ def record(name, make, out_dir):
 
 
 def main():
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    cold = "--cold" in args
+    args = [a for a in args if a != "--cold"]
+    if not args:
         sys.exit(__doc__)
-    out_dir = sys.argv[1]
-    names = sys.argv[2:] or list(WORKLOADS)
+    out_dir = args[0]
+    names = args[1:] or list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         sys.exit(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     os.makedirs(out_dir, exist_ok=True)
     for n in names:
-        record(n, WORKLOADS[n], out_dir)
+        record(n, WORKLOADS[n], out_dir, cold)
 
 
 if __name__ == "__main__":

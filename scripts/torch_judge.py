@@ -32,7 +32,9 @@ PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen, resnet5
 vit_b_16_infer) limits bench and lockstep to those models; PINPOOL_JUDGE_PARTS
 (comma-separated: info, results, tests, bench, lockstep, threads) runs only those parts;
 PINPOOL_JUDGE_VARIANT (a PINPOOL_DEVICE_CONF) adds pinpool with those settings to bench and
-lockstep as a fifth configuration, "variant", shown beside the others and judged by nothing.
+lockstep as a fifth configuration, "variant", shown beside the others and judged by nothing;
+PINPOOL_JUDGE_CPUS ("auto", the default: the fastest CPUs of a short timed loop on each; a CPU
+list; or "none") pins every bench and lockstep worker to one CPU set (see timing_cpus).
 
 Usage: torch_judge.py --lib LIB --out DIR [--budget SECONDS]
        torch_judge.py --worker PART --mode MODE --lib LIB --out DIR   (internal)
@@ -1140,9 +1142,77 @@ def worker_info(mode, rec):
         rec.put("shim", pinpool_torch.shim())
 
 
+def parse_cpus(text):
+    """A CPU list as Linux writes it ("0-7,16-23") as a set of CPU numbers."""
+    cpus = set()
+    for part in text.replace(" ", "").split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def cpu_loop_ms():
+    """The time of a fixed pure-Python loop on the calling thread, in ms."""
+    t = time.perf_counter()
+    x = 0
+    for i in range(200_000):
+        x += i
+    return (time.perf_counter() - t) * 1e3
+
+
+def cpu_speeds(cpus, reps=5):
+    """Each CPU's time for `cpu_loop_ms` (the best of `reps`), measured by moving the calling
+    process onto that CPU alone; its affinity is restored after."""
+    before = os.sched_getaffinity(0)
+    speeds = {}
+    try:
+        for c in sorted(cpus):
+            os.sched_setaffinity(0, {c})
+            speeds[c] = min(cpu_loop_ms() for _ in range(reps))
+    finally:
+        os.sched_setaffinity(0, before)
+    return speeds
+
+
+def timing_cpus():
+    """The CPUs every timing worker (bench, lockstep) is pinned to, as a list string, and why.
+
+    The virtual machines this runs on have CPUs of very unequal speed: a pure-Python loop
+    takes up to 1.8 times as long on some as on others, and a process keeps that speed for
+    its life, since the scheduler keeps its main thread where it started. Step times then
+    compare CPUs, not allocators. PINPOOL_JUDGE_CPUS: "auto" (the default) times each CPU the
+    driver may use, twice, and pins every worker to those within 15% of the fastest (at least
+    four); a CPU list pins them to it; "none" leaves them to the scheduler. One set for all
+    configurations."""
+    want = os.environ.get("PINPOOL_JUDGE_CPUS", "auto").strip()
+    if want == "none":
+        return None, "chosen by the scheduler (PINPOOL_JUDGE_CPUS=none)"
+    allowed = os.sched_getaffinity(0)
+    if want != "auto":
+        try:
+            cpus = parse_cpus(want) & allowed
+        except ValueError:
+            cpus = set()
+        if not cpus:
+            return None, f"chosen by the scheduler (no usable CPU in PINPOOL_JUDGE_CPUS={want})"
+        return ",".join(map(str, sorted(cpus))), "from PINPOOL_JUDGE_CPUS"
+    first, second = cpu_speeds(allowed), cpu_speeds(allowed)
+    speeds = {c: min(first[c], second[c]) for c in first}
+    ranked = sorted(speeds, key=speeds.get)
+    fastest = speeds[ranked[0]]
+    cpus = [c for c in ranked if speeds[c] <= 1.15 * fastest]
+    cpus = ranked[:max(len(cpus), min(4, len(ranked)))]
+    table = " ".join(f"{c}:{speeds[c]:.1f}" for c in sorted(speeds))
+    return ",".join(map(str, sorted(cpus))), f"the fastest of a loop timed on each CPU (ms: {table})"
+
+
 def worker(part, mode, lib, out):
     for k, v in MODES[mode].items():
         os.environ[k] = v
+    cpus = os.environ.get("PINPOOL_JUDGE_WORKER_CPUS")
+    if cpus:
+        os.sched_setaffinity(0, parse_cpus(cpus))
     rec = Recorder(os.path.join(out, f"{part}-{mode}.json"))
     try:
         rec.put("setup", setup_mode(mode if part != "mempool" else "native", lib))
@@ -1233,6 +1303,7 @@ class Judge:
         self.deadline = time.time() + budget
         self.log_file = open(os.path.join(self.out, "judge.log"), "a")
         self.summary = {"verdicts": {}}
+        self.cpus, self.cpus_why = timing_cpus()
 
     def log(self, text=""):
         print(text, flush=True)
@@ -1252,6 +1323,9 @@ class Judge:
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("PYTHONHASHSEED", "0")
+        env.pop("PINPOOL_JUDGE_WORKER_CPUS", None)
+        if part in ("bench", "lockstep") and self.cpus:
+            env["PINPOOL_JUDGE_WORKER_CPUS"] = self.cpus
         if part == "tests":
             # The ported cases copy tensors between GPUs when there are two: mapped memory
             # reaches another GPU only with peer access granted up front (docs/torch.md).
@@ -1522,6 +1596,8 @@ class Judge:
         if not os.path.isfile(self.lib):
             self.log(f"no library at {self.lib}")
             return 2
+        self.log(f"timing workers (bench, lockstep) on CPUs {self.cpus or ''}: {self.cpus_why}")
+        self.summary["timing_cpus"] = {"cpus": self.cpus, "why": self.cpus_why}
         parts = env_list("PINPOOL_JUDGE_PARTS")
         for step in (self.info, self.results, self.tests, self.bench, self.lockstep, self.threads):
             if parts and step.__name__ not in parts:
