@@ -33,8 +33,9 @@ vit_b_16_infer) limits bench and lockstep to those models; PINPOOL_JUDGE_PARTS
 (comma-separated: info, results, tests, bench, lockstep, threads) runs only those parts;
 PINPOOL_JUDGE_VARIANT (a PINPOOL_DEVICE_CONF) adds pinpool with those settings to bench and
 lockstep as a fifth configuration, "variant", shown beside the others and judged by nothing;
-PINPOOL_JUDGE_CPUS ("auto", the default: the fastest CPUs of a short timed loop on each; a CPU
-list; or "none") pins every bench and lockstep worker to one CPU set (see timing_cpus).
+PINPOOL_JUDGE_CPU ("auto", the default: the fastest CPU of a short timed loop on each; a CPU
+number; or "none") pins the main thread of every bench and lockstep worker to one CPU (see
+timing_cpu).
 
 Usage: torch_judge.py --lib LIB --out DIR [--budget SECONDS]
        torch_judge.py --worker PART --mode MODE --lib LIB --out DIR   (internal)
@@ -584,6 +585,7 @@ def worker_bench(mode, rec):
     # when a model begins (memory an allocator kept through empty_cache) is device memory
     # it uses too.
     start = sampler.now()
+    pin_main_thread()  # after the sampler started: its process keeps every CPU
 
     def stats_front():
         """Where this configuration's allocator statistics are read: pinpool's package, or
@@ -681,6 +683,7 @@ def worker_lockstep(mode, rec):
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda:0")
     torch.zeros(1, device=device)
+    pin_main_thread()
     models = bench_models(device)
     state, step = None, None
     print("@@ ready", flush=True)
@@ -1142,16 +1145,6 @@ def worker_info(mode, rec):
         rec.put("shim", pinpool_torch.shim())
 
 
-def parse_cpus(text):
-    """A CPU list as Linux writes it ("0-7,16-23") as a set of CPU numbers."""
-    cpus = set()
-    for part in text.replace(" ", "").split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def cpu_loop_ms():
     """The time of a fixed pure-Python loop on the calling thread, in ms."""
     t = time.perf_counter()
@@ -1163,7 +1156,7 @@ def cpu_loop_ms():
 
 def cpu_speeds(cpus, reps=5):
     """Each CPU's time for `cpu_loop_ms` (the best of `reps`), measured by moving the calling
-    process onto that CPU alone; its affinity is restored after."""
+    thread onto that CPU alone; its affinity is restored after."""
     before = os.sched_getaffinity(0)
     speeds = {}
     try:
@@ -1175,44 +1168,43 @@ def cpu_speeds(cpus, reps=5):
     return speeds
 
 
-def timing_cpus():
-    """The CPUs every timing worker (bench, lockstep) is pinned to, as a list string, and why.
+def timing_cpu():
+    """The CPU that every timing worker's (bench, lockstep) main thread is pinned to, or None;
+    and why.
 
-    The virtual machines this runs on have CPUs of very unequal speed: a pure-Python loop
-    takes up to 1.8 times as long on some as on others, and a process keeps that speed for
-    its life, since the scheduler keeps its main thread where it started. Step times then
-    compare CPUs, not allocators. PINPOOL_JUDGE_CPUS: "auto" (the default) times each CPU the
-    driver may use, twice, and pins every worker to those within 15% of the fastest (at least
-    four); a CPU list pins them to it; "none" leaves them to the scheduler. One set for all
-    configurations."""
-    want = os.environ.get("PINPOOL_JUDGE_CPUS", "auto").strip()
+    The virtual machines this runs on have CPUs of unequal and changing speed: a pure-Python
+    loop takes up to 1.8 times as long on some as on others, which ones changes within
+    minutes, and a process's main thread stays on the CPU it started on. Step times then
+    compare CPUs, not allocators. One CPU for the main threads of all configurations makes
+    them meet the same CPU; in the interleaved run, at nearly the same time too.
+    PINPOOL_JUDGE_CPU: "auto" (the default) is the fastest of a loop timed twice on each CPU
+    the driver may use, a number names the CPU, and "none" leaves the threads to the
+    scheduler."""
+    want = os.environ.get("PINPOOL_JUDGE_CPU", "auto").strip()
     if want == "none":
-        return None, "chosen by the scheduler (PINPOOL_JUDGE_CPUS=none)"
+        return None, "chosen by the scheduler (PINPOOL_JUDGE_CPU=none)"
     allowed = os.sched_getaffinity(0)
     if want != "auto":
-        try:
-            cpus = parse_cpus(want) & allowed
-        except ValueError:
-            cpus = set()
-        if not cpus:
-            return None, f"chosen by the scheduler (no usable CPU in PINPOOL_JUDGE_CPUS={want})"
-        return ",".join(map(str, sorted(cpus))), "from PINPOOL_JUDGE_CPUS"
+        if want.isdigit() and int(want) in allowed:
+            return int(want), "from PINPOOL_JUDGE_CPU"
+        return None, f"chosen by the scheduler (PINPOOL_JUDGE_CPU={want} is not a CPU here)"
     first, second = cpu_speeds(allowed), cpu_speeds(allowed)
     speeds = {c: min(first[c], second[c]) for c in first}
-    ranked = sorted(speeds, key=speeds.get)
-    fastest = speeds[ranked[0]]
-    cpus = [c for c in ranked if speeds[c] <= 1.15 * fastest]
-    cpus = ranked[:max(len(cpus), min(4, len(ranked)))]
     table = " ".join(f"{c}:{speeds[c]:.1f}" for c in sorted(speeds))
-    return ",".join(map(str, sorted(cpus))), f"the fastest of a loop timed on each CPU (ms: {table})"
+    return min(speeds, key=speeds.get), f"the fastest of a loop timed on each CPU (ms: {table})"
+
+
+def pin_main_thread():
+    """Moves the calling (main) thread onto the CPU the driver chose (PINPOOL_JUDGE_WORKER_CPU);
+    threads started before keep their CPUs, threads it starts later share this one."""
+    cpu = os.environ.get("PINPOOL_JUDGE_WORKER_CPU")
+    if cpu:
+        os.sched_setaffinity(0, {int(cpu)})
 
 
 def worker(part, mode, lib, out):
     for k, v in MODES[mode].items():
         os.environ[k] = v
-    cpus = os.environ.get("PINPOOL_JUDGE_WORKER_CPUS")
-    if cpus:
-        os.sched_setaffinity(0, parse_cpus(cpus))
     rec = Recorder(os.path.join(out, f"{part}-{mode}.json"))
     try:
         rec.put("setup", setup_mode(mode if part != "mempool" else "native", lib))
@@ -1303,7 +1295,7 @@ class Judge:
         self.deadline = time.time() + budget
         self.log_file = open(os.path.join(self.out, "judge.log"), "a")
         self.summary = {"verdicts": {}}
-        self.cpus, self.cpus_why = timing_cpus()
+        self.cpu, self.cpu_why = timing_cpu()
 
     def log(self, text=""):
         print(text, flush=True)
@@ -1323,9 +1315,9 @@ class Judge:
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("PYTHONHASHSEED", "0")
-        env.pop("PINPOOL_JUDGE_WORKER_CPUS", None)
-        if part in ("bench", "lockstep") and self.cpus:
-            env["PINPOOL_JUDGE_WORKER_CPUS"] = self.cpus
+        env.pop("PINPOOL_JUDGE_WORKER_CPU", None)
+        if part in ("bench", "lockstep") and self.cpu is not None:
+            env["PINPOOL_JUDGE_WORKER_CPU"] = str(self.cpu)
         if part == "tests":
             # The ported cases copy tensors between GPUs when there are two: mapped memory
             # reaches another GPU only with peer access granted up front (docs/torch.md).
@@ -1596,8 +1588,9 @@ class Judge:
         if not os.path.isfile(self.lib):
             self.log(f"no library at {self.lib}")
             return 2
-        self.log(f"timing workers (bench, lockstep) on CPUs {self.cpus or ''}: {self.cpus_why}")
-        self.summary["timing_cpus"] = {"cpus": self.cpus, "why": self.cpus_why}
+        self.log(f"timing workers' main threads (bench, lockstep) on CPU "
+                 f"{'' if self.cpu is None else self.cpu}: {self.cpu_why}")
+        self.summary["timing_cpu"] = {"cpu": self.cpu, "why": self.cpu_why}
         parts = env_list("PINPOOL_JUDGE_PARTS")
         for step in (self.info, self.results, self.tests, self.bench, self.lockstep, self.threads):
             if parts and step.__name__ not in parts:
