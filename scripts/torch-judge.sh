@@ -9,10 +9,10 @@
 #                                           torchvision, transformers; g++): run everything,
 #                                           each configuration in a fresh process, writing
 #                                           OUT/judge.log, OUT/summary.json and one log per
-#                                           process; finishes in about 6 minutes
+#                                           process; finishes in 5 to 8 minutes
 #
 # Every part has its own timeout and the whole run stops after $PINPOOL_JUDGE_TIMEOUT
-# seconds (default 480). Exit status: 0 when every verdict passed, 1 otherwise.
+# seconds (default 570). Exit status: 0 when every verdict passed, 1 otherwise.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,7 +36,7 @@ run)
     export PYTHONPATH="$here/../python${PYTHONPATH:+:$PYTHONPATH}"
     export PINPOOL_TORCH_CACHE="${PINPOOL_TORCH_CACHE:-/tmp/pinpool_torch_cache}"
     py="${PYTHON:-python3}"
-    limit="${PINPOOL_JUDGE_TIMEOUT:-480}"
+    limit="${PINPOOL_JUDGE_TIMEOUT:-570}"
     timeout -k 10 "$limit" "$py" -u "$here/torch_judge.py" --lib "$lib" --out "$out" \
         --budget "$((limit - 15))"
     status=$?
