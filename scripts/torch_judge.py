@@ -22,7 +22,8 @@ part, each with its own timeout, and compares what they write:
             best of PyTorch's three, and each worker's own step times. The four run one after
             the other in PINPOOL_JUDGE_ROUNDS rounds (default 1), alternating their order: a
             model's figures are the median of the rounds'.
-  lockstep  the step-time verdicts: the four configurations' workers all alive at once, each
+  lockstep  the step-time verdicts: the four configurations' workers all alive at once
+            (PINPOOL_JUDGE_PROCS processes each, default 2, splitting the timed steps), each
             taking PINPOOL_JUDGE_TURN steps (default 3) in turn, the order rotating every
             turn, so that the host's drifting speed weighs on each alike; per model, the
             median step time against the fastest of PyTorch's three, and step by step the
@@ -1248,8 +1249,13 @@ class Stepper:
     start with `@@`, read on a thread, so that a worker that hangs costs a timeout and not the
     run. Everything else it writes goes to its log."""
 
-    def __init__(self, judge, mode, out):
-        self.mode = mode
+    def __init__(self, judge, mode, out, rank=None):
+        """A worker of configuration `mode`; with a `rank`, one of several, writing into the
+        folder `p<rank>` of `out`."""
+        self.mode = mode if rank is None else f"{mode}.{rank}"
+        if rank is not None:
+            out = os.path.join(out, f"p{rank}")
+            os.makedirs(out, exist_ok=True)
         self.logf = open(os.path.join(out, f"lockstep-{mode}.log"), "w")
         self.p = subprocess.Popen(judge.worker_cmd("lockstep", mode, out), stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self.logf, text=True,
@@ -1514,55 +1520,72 @@ class Judge:
                 self.verdict(f"memory {model}", False, "no pinpool or PyTorch result")
 
     def lockstep(self):
-        """Step times with every compared configuration side by side: a worker process each, all
-        alive at once, taking PINPOOL_JUDGE_TURN steps (default 3) each in turn, the order
-        rotating every turn, so that the host's speed, which drifts by up to 2x within
-        minutes on the GPU machines, weighs on every configuration alike. Only one worker has
-        work on the GPU at a time. Most timed steps follow the same process's own step, as
-        in a process that runs alone; the first step of each turn follows another process's
-        and is shown apart too (its threads may have slept and its caches gone cold)."""
+        """Step times with every compared configuration side by side: PINPOOL_JUDGE_PROCS worker
+        processes per configuration (default 2), all alive at once, taking turns of
+        PINPOOL_JUDGE_TURN steps (default 3), the order of the configurations rotating every
+        turn, so that the host's speed, which drifts by up to 2x within minutes on the GPU
+        machines, weighs on every configuration alike. Only one worker has work on the GPU at
+        a time. Each process runs a model's warm-up steps, untimed; the timed steps are split
+        between a configuration's processes turn by turn, every configuration timing each
+        step once, on its process of the same rank: a process keeps a speed of its own for its
+        life (where the loader put its code and data, which CPU it met), and a configuration's
+        figure is then not one process's luck. Most timed steps follow the same process's own
+        step, as in a process that runs alone; the first step of each turn follows another
+        process's and is shown apart too (its threads may have slept and its caches gone
+        cold)."""
         turn = max(1, int(os.environ.get("PINPOOL_JUDGE_TURN", "3")))
-        self.log(f"== step time, interleaved: a process per configuration, {turn} step(s) each in turn")
+        procs = max(1, int(os.environ.get("PINPOOL_JUDGE_PROCS", "2")))
+        self.log(f"== step time, interleaved: {procs} process(es) per configuration, "
+                 f"{turn} step(s) each in turn")
         modes = COMPARED
         out = os.path.join(self.out, "lockstep")
         os.makedirs(out, exist_ok=True)
         table = chosen_models("cuda:0")
+        # times[m][name][j]: configuration m's time of timed step j; ranks[m][name][j]: the
+        # process that ran it.
         times = {m: {} for m in modes}
+        ranks = {m: {} for m in modes}
         workers = {}
 
-        def wait(m):
-            return workers[m].answer(max(5, min(150, self.left() - 5)))
+        def wait(w):
+            return workers[w].answer(max(5, min(150, self.left() - 5)))
 
         try:
-            for m in modes:
-                workers[m] = Stepper(self, m, out)
-            for m in modes:
-                wait(m)
+            for r in range(procs):
+                for m in modes:
+                    workers[(m, r)] = Stepper(self, m, out, r if procs > 1 else None)
+            for w in workers:
+                wait(w)
             for name, (_, _, warmup, steps) in table.items():
-                for m in modes:
-                    workers[m].send(f"build {name}")
-                for m in modes:
-                    wait(m)
-                for n, start in enumerate(range(0, warmup + steps, turn)):
-                    k = n % len(modes)
+                for w in workers:
+                    workers[w].send(f"build {name}")
+                for w in workers:
+                    wait(w)
+                for w in workers:
+                    for i in range(warmup):
+                        workers[w].send(f"step {i}")
+                        wait(w)
+                for n, start in enumerate(range(0, steps, turn)):
+                    r = n % procs
+                    k = (n // procs) % len(modes)
                     for m in modes[k:] + modes[:k]:
-                        for i in range(start, min(start + turn, warmup + steps)):
-                            workers[m].send(f"step {i}")
-                            took = float(wait(m))
-                            if i >= warmup:
-                                times[m].setdefault(name, []).append(1000 * took)
-                for m in modes:
-                    workers[m].send("drop")
-                for m in modes:
-                    wait(m)
+                        for j in range(start, min(start + turn, steps)):
+                            workers[(m, r)].send(f"step {warmup + j}")
+                            took = float(wait((m, r)))
+                            times[m].setdefault(name, []).append(1000 * took)
+                            ranks[m].setdefault(name, []).append(r)
+                for w in workers:
+                    workers[w].send("drop")
+                for w in workers:
+                    wait(w)
         except Exception as e:
-            self.log(f"  stopped: {type(e).__name__}: {e} (see {out}/lockstep-*.log)")
+            self.log(f"  stopped: {type(e).__name__}: {e} (see the logs in {out})")
         finally:
             for w in workers.values():
                 w.close()
-        self.summary["lockstep"] = {"turn": turn, "times_ms": times}
+        self.summary["lockstep"] = {"turn": turn, "procs": procs, "times_ms": times, "ranks": ranks}
         self.log(f"  {'model':<16} {'config':<11} {'median ms':>10} {'vs best':>8}"
-                 f"  (medians of the first steps of turns / of the others)")
+                 f"  (medians of the first steps of turns / of the others; of each process)")
         for name, (_, _, warmup, steps) in table.items():
             got = {m: times[m].get(name) for m in modes}
             if any(not t or len(t) < steps for t in got.values()):
@@ -1571,12 +1594,15 @@ class Judge:
             med = {m: statistics.median(t) for m, t in got.items()}
             fastest = min(TORCH_MODES, key=lambda m: med[m])
             best = med[fastest]
-            # Turns start at multiples of `turn`: step `warmup + j` is the j-th timed one.
-            first = [(warmup + j) % turn == 0 for j in range(steps)]
+            # Turns start at multiples of `turn`: timed step j is the first of its turn when
+            # j % turn == 0.
+            first = [j % turn == 0 for j in range(steps)]
             for m in modes:
                 rest = [t for t, f in zip(got[m], first) if not f]
                 firsts = [t for t, f in zip(got[m], first) if f]
-                split = "  (" + " / ".join(f"{statistics.median(x):.2f}" if x else "-" for x in (firsts, rest)) + ")"
+                each = [[t for t, q in zip(got[m], ranks[m][name]) if q == r] for r in range(procs)]
+                medians = lambda xs: " / ".join(f"{statistics.median(x):.2f}" if x else "-" for x in xs)
+                split = f"  ({medians((firsts, rest))}; {medians(each)})"
                 self.log(f"  {name:<16} {m:<11} {med[m]:>10.2f} {med[m] / best:>7.2f}x{split}")
             # Step by step against the fastest configuration's step next to it (not against
             # the least of three at each step, which noise alone would put below each one).
