@@ -688,7 +688,7 @@ def worker_lockstep(mode, rec):
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda:0")
     torch.zeros(1, device=device)
-    pin_main_thread()
+    every_cpu = os.sched_getaffinity(0)
     models = bench_models(device)
     state, step = None, None
     print("@@ ready", flush=True)
@@ -697,9 +697,12 @@ def worker_lockstep(mode, rec):
         if not cmd:
             continue
         if cmd[0] == "build":
+            # Every worker builds at once: on every CPU, then back to the timing one.
+            os.sched_setaffinity(0, every_cpu)
             build, step = models[cmd[1]][0], models[cmd[1]][1]
             state = build()
             torch.cuda.synchronize()
+            pin_main_thread()
             print("@@ built", flush=True)
         elif cmd[0] == "step":
             torch.cuda.synchronize()
