@@ -508,6 +508,10 @@ class PeakSampler:
             self.peak_seen = max(self.peak_seen, self._read())
             time.sleep(0.002)
 
+    def pids(self):
+        """The sampling process, when there is one."""
+        return [self._child.pid] if self._child else []
+
     def now(self):
         return self._ask("now") if self._child else self._read()
 
@@ -590,7 +594,7 @@ def worker_bench(mode, rec):
     # when a model begins (memory an allocator kept through empty_cache) is device memory
     # it uses too.
     start = sampler.now()
-    pin_main_thread()  # after the sampler started: its process keeps every CPU
+    pin_main_thread(sampler.pids())
 
     def stats_front():
         """Where this configuration's allocator statistics are read: pinpool's package, or
@@ -1202,12 +1206,24 @@ def timing_cpu():
     return min(speeds, key=speeds.get), f"the fastest of a loop timed on each CPU (ms: {table})"
 
 
-def pin_main_thread():
-    """Moves the calling (main) thread onto the CPU the driver chose (PINPOOL_JUDGE_WORKER_CPU);
-    threads started before keep their CPUs, threads it starts later share this one."""
+def pin_main_thread(others=()):
+    """Moves the calling (main) thread onto the CPU the driver chose (PINPOOL_JUDGE_WORKER_CPU),
+    and every other thread of this process (the allocator's, CUDA's), with the processes
+    `others` (the memory sampler), off it, so that the timed thread has that CPU to itself.
+    Threads the main thread starts later (autograd's) share its CPU."""
     cpu = os.environ.get("PINPOOL_JUDGE_WORKER_CPU")
-    if cpu:
-        os.sched_setaffinity(0, {int(cpu)})
+    if not cpu:
+        return
+    cpu = int(cpu)
+    rest = os.sched_getaffinity(0) - {cpu}
+    me = threading.get_native_id()
+    for tid in [int(t) for t in os.listdir("/proc/self/task")] + list(others):
+        if tid != me and rest:
+            try:
+                os.sched_setaffinity(tid, rest)
+            except OSError:
+                pass  # gone meanwhile, or another's CPUs it may not change
+    os.sched_setaffinity(0, {cpu})
 
 
 def worker(part, mode, lib, out):
