@@ -682,11 +682,25 @@ def worker_bench(mode, rec):
     sampler.stop()
 
 
+def voluntary_switches():
+    """How often the calling thread has given up its CPU (to wait for a lock, a reply, the
+    device), from /proc; 0 where /proc does not tell."""
+    try:
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def worker_lockstep(mode, rec):
     """One configuration of the interleaved timing: runs what the driver says on stdin, one
     command a line (`build MODEL`, `step I`, `drop`, `quit`), and answers each on stdout with
-    a line that starts with `@@` (a step's answer is its seconds, the device synchronised
-    before and after)."""
+    a line that starts with `@@`. A step's answer is its seconds (the device synchronised
+    before and after), then the CPU seconds of the main thread and of the whole process in
+    it, and how often the main thread gave up its CPU meanwhile."""
     import torch
 
     torch.backends.cudnn.benchmark = False
@@ -710,10 +724,15 @@ def worker_lockstep(mode, rec):
             print("@@ built", flush=True)
         elif cmd[0] == "step":
             torch.cuda.synchronize()
+            switches = voluntary_switches()
+            thread_cpu, process_cpu = time.thread_time(), time.process_time()
             s = time.perf_counter()
             step(state, int(cmd[1]))
             torch.cuda.synchronize()
-            print(f"@@ {time.perf_counter() - s:.6f}", flush=True)
+            took = time.perf_counter() - s
+            print(f"@@ {took:.6f} {time.thread_time() - thread_cpu:.6f} "
+                  f"{time.process_time() - process_cpu:.6f} {voluntary_switches() - switches}",
+                  flush=True)
         elif cmd[0] == "drop":
             state = None
             empty_device()
@@ -1564,6 +1583,9 @@ class Judge:
         # process that ran it.
         times = {m: {} for m in modes}
         ranks = {m: {} for m in modes}
+        # hosts[m][name][j]: the main thread's and the process's CPU seconds in that step, and
+        # the main thread's voluntary context switches.
+        hosts = {m: {} for m in modes}
         workers = {}
 
         def wait(w):
@@ -1590,9 +1612,10 @@ class Judge:
                     for m in modes[k:] + modes[:k]:
                         for j in range(start, min(start + turn, steps)):
                             workers[(m, r)].send(f"step {warmup + j}")
-                            took = float(wait((m, r)))
+                            took, *host = (float(x) for x in wait((m, r)).split())
                             times[m].setdefault(name, []).append(1000 * took)
                             ranks[m].setdefault(name, []).append(r)
+                            hosts[m].setdefault(name, []).append(host)
                 for w in workers:
                     workers[w].send("drop")
                 for w in workers:
@@ -1602,7 +1625,8 @@ class Judge:
         finally:
             for w in workers.values():
                 w.close()
-        self.summary["lockstep"] = {"turn": turn, "procs": procs, "times_ms": times, "ranks": ranks}
+        self.summary["lockstep"] = {"turn": turn, "procs": procs, "times_ms": times, "ranks": ranks,
+                                    "host": hosts}
         self.log(f"  {'model':<16} {'config':<11} {'median ms':>10} {'vs best':>8}"
                  f"  (medians of the first steps of turns / of the others; of each process)")
         for name, (_, _, warmup, steps) in table.items():
@@ -1630,6 +1654,15 @@ class Judge:
                          f"pinpool {med['pinpool']:.2f} ms, fastest of PyTorch's ({fastest})"
                          f" {best:.2f} ms (target <= 1.05x); step by step, the median of pinpool's"
                          f" step over {fastest}'s next to it: {paired:.2f}x")
+        self.log("  where a step's time goes, medians per step: CPU ms of the main thread / of the"
+                 " whole process (every thread), and the main thread's voluntary context switches")
+        for name in table:
+            for m in modes:
+                host = hosts[m].get(name)
+                if host and all(len(h) == 3 for h in host):
+                    main, whole, switches = (statistics.median(h[k] for h in host) for k in range(3))
+                    self.log(f"  {name:<16} {m:<11} {1000 * main:>8.2f} / {1000 * whole:>8.2f} ms"
+                             f"  {switches:>7.0f} switches")
 
     def main(self):
         t0 = time.time()
