@@ -1299,7 +1299,8 @@ class Stepper:
                                   stdout=subprocess.PIPE, stderr=self.logf, text=True,
                                   env=judge.worker_env("lockstep"))
         self.answers = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self):
         for line in self.p.stdout:
@@ -1333,6 +1334,11 @@ class Stepper:
             self.p.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.p.kill()
+            self.p.wait()
+        # The reader ends at the end of the worker's output, then its pipe can close.
+        self.reader.join(timeout=5)
+        if not self.reader.is_alive():
+            self.p.stdout.close()
         self.logf.close()
 
 
