@@ -83,6 +83,16 @@ class Lockstep(unittest.TestCase):
             self.assertEqual(verdict["ok"], median + 1 <= 1.05 * median, (name, verdict))
 
 
+class Variants(unittest.TestCase):
+    def test_one_setting_is_the_variant_and_several_are_numbered(self):
+        self.assertEqual(torch_judge.variant_modes(None), {})
+        self.assertEqual(torch_judge.variant_modes(" ; "), {})
+        one = "thread_cache_mb:16,reserve_cap:1.1"
+        self.assertEqual(torch_judge.variant_modes(one), {"variant": one})
+        self.assertEqual(torch_judge.variant_modes(f"{one}; reserve_cap:1.1,linger_us:2000"),
+                         {"variant1": one, "variant2": "reserve_cap:1.1,linger_us:2000"})
+
+
 class Cpus(unittest.TestCase):
     def test_a_named_cpu_is_taken_and_an_unknown_one_leaves_the_scheduler(self):
         cpu = min(os.sched_getaffinity(0))

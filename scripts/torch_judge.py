@@ -32,8 +32,9 @@ part, each with its own timeout, and compares what they write:
 PINPOOL_JUDGE_MODELS (comma-separated names: gpt2_generate, bert_varlen, resnet50_train,
 vit_b_16_infer) limits bench and lockstep to those models; PINPOOL_JUDGE_PARTS
 (comma-separated: info, results, tests, bench, lockstep, threads) runs only those parts;
-PINPOOL_JUDGE_VARIANT (a PINPOOL_DEVICE_CONF) adds pinpool with those settings to bench and
-lockstep as a fifth configuration, "variant", shown beside the others and judged by nothing;
+PINPOOL_JUDGE_VARIANT (a PINPOOL_DEVICE_CONF, or several separated by ';') adds pinpool with
+those settings to bench and lockstep as more configurations, "variant" (or "variant1",
+"variant2", ...), shown beside the others and judged by nothing;
 PINPOOL_JUDGE_CPU ("auto", the default: the fastest CPU of a short timed loop on each; a CPU
 number; or "none") pins the main thread of every bench and lockstep worker to one CPU (see
 timing_cpu).
@@ -61,19 +62,31 @@ MODES = {
     "pinpool": {},
 }
 TORCH_MODES = ("native", "expandable", "async")
-# PINPOOL_JUDGE_VARIANT: a PINPOOL_DEVICE_CONF for pinpool to run with beside its defaults in
-# the head to head and the interleaved steps ("variant" there), for comparison only.
-VARIANT = os.environ.get("PINPOOL_JUDGE_VARIANT")
-if VARIANT:
-    MODES["variant"] = {"PINPOOL_DEVICE_CONF": VARIANT}
+
+
+def variant_modes(text):
+    """The configurations PINPOOL_JUDGE_VARIANT names: PINPOOL_DEVICE_CONF settings for pinpool
+    to run with beside its defaults, separated by ';', as {name: settings}: one is "variant",
+    several are "variant1", "variant2", ..."""
+    confs = [c.strip() for c in (text or "").split(";") if c.strip()]
+    if len(confs) == 1:
+        return {"variant": confs[0]}
+    return {f"variant{i + 1}": c for i, c in enumerate(confs)}
+
+
+# PINPOOL_JUDGE_VARIANT: pinpool's settings to run with beside its defaults in the head to
+# head and the interleaved steps, for comparison only (see variant_modes).
+VARIANTS = variant_modes(os.environ.get("PINPOOL_JUDGE_VARIANT"))
+for _name, _conf in VARIANTS.items():
+    MODES[_name] = {"PINPOOL_DEVICE_CONF": _conf}
 # The configurations the head to head and the interleaved steps compare.
-COMPARED = TORCH_MODES + ("pinpool",) + (("variant",) if VARIANT else ())
+COMPARED = TORCH_MODES + ("pinpool",) + tuple(VARIANTS)
 MIB = 1 << 20
 
 
 def is_pinpool(mode):
-    """Whether `mode` runs on pinpool (its defaults, or the variant)."""
-    return mode in ("pinpool", "variant")
+    """Whether `mode` runs on pinpool (its defaults, or a variant)."""
+    return mode == "pinpool" or mode in VARIANTS
 
 
 # ---------------------------------------------------------------------------------------
@@ -1679,6 +1692,9 @@ class Judge:
         self.log(f"timing workers' main threads (bench, lockstep) on CPU "
                  f"{'' if self.cpu is None else self.cpu}: {self.cpu_why}")
         self.summary["timing_cpu"] = {"cpu": self.cpu, "why": self.cpu_why}
+        for name, conf in VARIANTS.items():
+            self.log(f"{name}: pinpool with PINPOOL_DEVICE_CONF={conf}")
+        self.summary["variants"] = VARIANTS
         parts = env_list("PINPOOL_JUDGE_PARTS")
         for step in (self.info, self.results, self.tests, self.bench, self.lockstep, self.threads):
             if parts and step.__name__ not in parts:
