@@ -503,7 +503,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
     /// The time a request takes that the pool actor answers (a miss), its median over 400:
     /// back to back, and after the thread has slept `gap` microseconds (the actor's worker
     /// thread has gone to sleep by then, and the request wakes it). Sizes of 24 to 42 MiB in
-    /// turn, each block freed before the next request: with blocks above 2 MiB going back to
+    /// turn, each block freed before the next request: with blocks above 1 MiB going back to
     /// the actor when freed (the default), every request is a miss served from free memory
     /// that is already mapped.
     fn miss_latency(&self) -> Result<()> {

@@ -1598,14 +1598,16 @@ class Judge:
         out = os.path.join(self.out, "lockstep")
         os.makedirs(out, exist_ok=True)
         table = chosen_models("cuda:0")
-        # times[m][name][j]: configuration m's time of timed step j; ranks[m][name][j]: the
-        # process that ran it.
+        # times[m][name][j]: configuration m's time of timed step j, which its process of rank
+        # rank(j) ran.
         times = {m: {} for m in modes}
-        ranks = {m: {} for m in modes}
         # hosts[m][name][j]: the main thread's and the process's CPU seconds in that step, and
         # the main thread's voluntary context switches.
         hosts = {m: {} for m in modes}
         workers = {}
+
+        def rank(j):
+            return (j // turn) % procs
 
         def wait(w):
             return workers[w].answer(max(5, min(150, self.left() - 5)))
@@ -1626,14 +1628,13 @@ class Judge:
                         workers[w].send(f"step {i}")
                         wait(w)
                 for n, start in enumerate(range(0, steps, turn)):
-                    r = n % procs
                     k = (n // procs) % len(modes)
                     for m in modes[k:] + modes[:k]:
                         for j in range(start, min(start + turn, steps)):
-                            workers[(m, r)].send(f"step {warmup + j}")
-                            took, *host = (float(x) for x in wait((m, r)).split())
+                            w = (m, rank(j))
+                            workers[w].send(f"step {warmup + j}")
+                            took, *host = (float(x) for x in wait(w).split())
                             times[m].setdefault(name, []).append(1000 * took)
-                            ranks[m].setdefault(name, []).append(r)
                             hosts[m].setdefault(name, []).append(host)
                 for w in workers:
                     workers[w].send("drop")
@@ -1644,8 +1645,14 @@ class Judge:
         finally:
             for w in workers.values():
                 w.close()
+        ranks = {m: {name: [rank(j) for j in range(len(t))] for name, t in times[m].items()}
+                 for m in modes}
         self.summary["lockstep"] = {"turn": turn, "procs": procs, "times_ms": times, "ranks": ranks,
                                     "host": hosts}
+
+        def medians(groups):
+            return " / ".join(f"{statistics.median(x):.2f}" if x else "-" for x in groups)
+
         self.log(f"  {'model':<16} {'config':<11} {'median ms':>10} {'vs best':>8}"
                  f"  (medians of the first steps of turns / of the others; of each process)")
         for name, (_, _, warmup, steps) in table.items():
@@ -1662,8 +1669,7 @@ class Judge:
             for m in modes:
                 rest = [t for t, f in zip(got[m], first) if not f]
                 firsts = [t for t, f in zip(got[m], first) if f]
-                each = [[t for t, q in zip(got[m], ranks[m][name]) if q == r] for r in range(procs)]
-                medians = lambda xs: " / ".join(f"{statistics.median(x):.2f}" if x else "-" for x in xs)
+                each = [[t for j, t in enumerate(got[m]) if rank(j) == r] for r in range(procs)]
                 split = f"  ({medians((firsts, rest))}; {medians(each)})"
                 self.log(f"  {name:<16} {m:<11} {med[m]:>10.2f} {med[m] / best:>7.2f}x{split}")
             # Step by step against the fastest configuration's step next to it (not against
@@ -1678,7 +1684,7 @@ class Judge:
         for name in table:
             for m in modes:
                 host = hosts[m].get(name)
-                if host and all(len(h) == 3 for h in host):
+                if host:
                     main, whole, switches = (statistics.median(h[k] for h in host) for k in range(3))
                     self.log(f"  {name:<16} {m:<11} {1000 * main:>8.2f} / {1000 * whole:>8.2f} ms"
                              f"  {switches:>7.0f} switches")
