@@ -434,7 +434,8 @@ def combine_rounds(rounds, models):
                     "min_ms": min(r["min_ms"] for r in rs),
                     "round_medians_ms": [r["median_ms"] for r in rs]}
         for key in ("peak_mib", "held_before_mib", "allocator_peak_reserved_mib", "allocator_peak_allocated_mib",
-                    "driver_calls_per_step", "unmaps_per_step", "misses_per_step"):
+                    "driver_calls_per_step", "unmaps_per_step", "misses_per_step", "miss_ms_per_step",
+                    "allocs_per_step", "alloc_ms_per_step", "free_ms_per_step"):
             vals = [r[key] for r in rs if r.get(key) is not None]
             if vals:
                 combined[key] = statistics.median(vals)
@@ -630,6 +631,12 @@ def worker_bench(mode, rec):
             # Memory given back to the driver: each waits for the device's queued work.
             "unmaps": st["num_device_free"],
             "misses": st.get("num_misses", 0),
+            # Time the requesting threads spent on those requests.
+            "miss_ms": st.get("miss_wait_ns", 0) / 1e6,
+            # The alloc and free calls, and their time (where the library counts them).
+            "allocs": st.get("alloc_calls", 0),
+            "alloc_ms": st.get("alloc_call_ns", 0) / 1e6,
+            "free_ms": st.get("free_call_ns", 0) / 1e6,
         }
 
     def measure(name, build, step, warmup, steps):
@@ -657,7 +664,7 @@ def worker_bench(mode, rec):
             per_step = {}
             if counts is not None:
                 after = pinpool_counts()
-                per_step = {k: round((after[k] - counts[k]) / max(steps, 1), 1) for k in counts}
+                per_step = {k: round((after[k] - counts[k]) / max(steps, 1), 2) for k in counts}
             time.sleep(0.01)
             peak = sampler.peak()
             try:
@@ -1385,6 +1392,10 @@ class Judge:
         env.pop("PINPOOL_JUDGE_WORKER_CPU", None)
         if part in ("bench", "lockstep") and self.cpu is not None:
             env["PINPOOL_JUDGE_WORKER_CPU"] = str(self.cpu)
+        if part == "bench":
+            # pinpool's alloc and free calls timed (two clock reads a call): the allocator's
+            # share of a step. The interleaved steps, whose times are the verdicts, go without.
+            env["PINPOOL_TORCH_CALL_TIMES"] = "1"
         if part == "tests":
             # The ported cases copy tensors between GPUs when there are two: mapped memory
             # reaches another GPU only with peer access granted up front (docs/torch.md).
@@ -1567,6 +1578,8 @@ class Judge:
                          f" {r.get('round_medians_ms')} ms"
                          + (f"; per step {r['driver_calls_per_step']} driver calls,"
                             f" {r.get('unmaps_per_step')} unmaps, {r.get('misses_per_step')} misses"
+                            f" taking {r.get('miss_ms_per_step')} ms; {r.get('allocs_per_step')} allocs"
+                            f" taking {r.get('alloc_ms_per_step')} ms, their frees {r.get('free_ms_per_step')} ms"
                             if r.get("driver_calls_per_step") is not None else "")
                          + ")")
             p = ok_rows.get("pinpool")

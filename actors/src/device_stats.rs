@@ -108,6 +108,10 @@ pub struct DeviceStats {
     /// (again after room was made; pinpool's own, not among `torch.cuda.memory_stats()`'s
     /// keys).
     pub num_misses: i64,
+    /// Nanoseconds requests spent on the miss path, from asking the pool actor to holding
+    /// the block (or the error), summed over `num_misses` (pinpool's own, not among
+    /// `torch.cuda.memory_stats()`'s keys).
+    pub miss_wait_ns: i64,
     /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:
     /// blocks wait on events instead, and the wait for the device's queued work before
     /// memory goes back to the driver is part of each of `num_device_free`'s calls).
@@ -175,6 +179,7 @@ impl DeviceStats {
         self.num_device_free += o.num_device_free;
         self.num_device_remaps += o.num_device_remaps;
         self.num_misses += o.num_misses;
+        self.miss_wait_ns += o.miss_wait_ns;
         self.num_sync_all_streams += o.num_sync_all_streams;
         self.max_split_size = self.max_split_size.or(o.max_split_size);
         self.limit_bytes = self.limit_bytes.or(o.limit_bytes);

@@ -354,6 +354,20 @@ enum Missed {
     Failed(Error),
 }
 
+/// Adds the time from its making to its drop to a pool's `miss_wait_ns` (a miss that
+/// returns, fails or is cancelled counts alike).
+struct MissTimer<'a> {
+    total: &'a std::sync::atomic::AtomicI64,
+    start: Instant,
+}
+
+impl Drop for MissTimer<'_> {
+    fn drop(&mut self) {
+        let ns = self.start.elapsed().as_nanos().min(i64::MAX as u128) as i64;
+        self.total.fetch_add(ns, Ordering::Relaxed);
+    }
+}
+
 /// The miss loop, once for tasks and threads: ask the pool; on "need room" make room as
 /// `plan` says and ask again, queueing this time when the plan says so. Cancel-safe: a
 /// dropped request tells its pool to forget it, and a block sent to it meanwhile goes back.
@@ -370,6 +384,10 @@ async fn miss_with<R: Runtime, W: Waiter>(
         shard: pool.ready.my_shard(),
         lends: waiter.lends(),
         quiet: plan.quiet,
+    };
+    let _timed = MissTimer {
+        total: &pool.stats.miss_wait_ns,
+        start: Instant::now(),
     };
     let mut callbacks_ran = false;
     // Room is made in two steps: first only what the cap lacks, from every pool's least

@@ -55,6 +55,10 @@ pub struct HostStats {
     /// Times a request asked the pool actor for a block, the cached path having found none
     /// (again after room was made; pinpool's own count).
     pub num_misses: i64,
+    /// Nanoseconds requests spent on the miss path, from asking the pool actor to holding
+    /// the block (or the error), summed over the requests counted in `num_misses`; making
+    /// room and waiting under the cap included (pinpool's own count).
+    pub miss_wait_ns: i64,
     /// The cap on reserved bytes of the whole allocator, if one is set.
     pub limit_bytes: Option<i64>,
 }
@@ -70,6 +74,7 @@ impl HostStats {
         self.num_host_free += o.num_host_free;
         self.num_host_remaps += o.num_host_remaps;
         self.num_misses += o.num_misses;
+        self.miss_wait_ns += o.miss_wait_ns;
         self.host_alloc_time.merge(&o.host_alloc_time);
         self.host_free_time.merge(&o.host_free_time);
         self.waiting_blocks += o.waiting_blocks;
@@ -130,6 +135,7 @@ impl HostStats {
             ("num_alloc_retries", self.num_alloc_retries),
             ("num_ooms", self.num_ooms),
             ("num_misses", self.num_misses),
+            ("miss_wait_ns", self.miss_wait_ns),
         ] {
             m.insert(k.to_string(), v);
         }
@@ -157,6 +163,8 @@ pub(crate) struct PoolStats {
     pub(crate) remaps: AtomicI64,
     /// Requests the pool actor answered.
     pub(crate) misses: AtomicI64,
+    /// Nanoseconds spent by requests on the miss path.
+    pub(crate) miss_wait_ns: AtomicI64,
     /// The counts of the cached path, shard by shard, registered with `ledger`.
     leaves: Arc<Leaves>,
     ledger: Arc<Ledger>,
@@ -193,6 +201,7 @@ impl PoolStats {
             num_ooms: AtomicI64::new(0),
             remaps: AtomicI64::new(0),
             misses: AtomicI64::new(0),
+            miss_wait_ns: AtomicI64::new(0),
             leaves: ledger.register(shards, group),
             ledger,
             mask: shards - 1,
@@ -287,6 +296,7 @@ impl PoolStats {
         s.num_device_free = allocations.freed;
         s.num_device_remaps = self.remaps.load(Relaxed);
         s.num_misses = self.misses.load(Relaxed);
+        s.miss_wait_ns = self.miss_wait_ns.load(Relaxed);
         Some(s)
     }
 
@@ -338,6 +348,7 @@ impl PoolStats {
             num_alloc_retries: self.num_alloc_retries.load(Relaxed),
             num_ooms: self.num_ooms.load(Relaxed),
             num_misses: self.misses.load(Relaxed),
+            miss_wait_ns: self.miss_wait_ns.load(Relaxed),
             limit_bytes: None,
         };
         s.set_peaks(&self.leaves.group, self.active_kinds());
@@ -361,6 +372,7 @@ impl PoolStats {
         self.num_alloc_retries.store(0, Relaxed);
         self.num_ooms.store(0, Relaxed);
         self.misses.store(0, Relaxed);
+        self.miss_wait_ns.store(0, Relaxed);
         for s in self.leaves.shards.iter() {
             s.leaf.iter().flatten().for_each(|l| l.reset_accumulated());
         }

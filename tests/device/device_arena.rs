@@ -230,6 +230,34 @@ async fn with_a_thread_cache_a_large_request_is_placed_by_the_pool_actor_not_by_
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_time_requests_spend_on_misses_grows_with_a_miss_and_not_with_a_cached_hit() {
+    let (pool, sim) = thread_cached_pool(32);
+    let s = sim.stream();
+    let a = pool.alloc(4 * MIB, &s).await.unwrap();
+    drop(a);
+    let before = pool.stats(0).unwrap();
+    assert!(before.num_misses >= 1);
+    assert!(before.miss_wait_ns > 0, "{before:?}");
+    // Served by the thread's cache: neither count moves.
+    let again = pool.alloc(4 * MIB, &s).await.unwrap();
+    let hit = pool.stats(0).unwrap();
+    assert_eq!(
+        (hit.num_misses, hit.miss_wait_ns),
+        (before.num_misses, before.miss_wait_ns)
+    );
+    // A size the cache does not hold asks the pool actor: both grow.
+    let large = pool.alloc(8 * MIB, &s).await.unwrap();
+    let missed = pool.stats(0).unwrap();
+    assert_eq!(missed.num_misses, before.num_misses + 1);
+    assert!(missed.miss_wait_ns > before.miss_wait_ns);
+    drop((again, large));
+    // Accumulated counts start over on request.
+    pool.reset_accumulated_stats(0).unwrap();
+    assert_eq!(pool.stats(0).unwrap().miss_wait_ns, 0);
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
 /// Runs a loop of mixed large blocks once on `s` (three held at a time, each freed when the
 /// fourth comes; all freed at the end) and returns the peak of live requested bytes.
 async fn mixed_large_loop(

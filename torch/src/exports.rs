@@ -8,6 +8,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use pinpool::Error;
 
 use crate::abi::{self, guarded, status};
+use crate::call_times;
 #[cfg(feature = "cuda")]
 mod backend {
     pub(super) use crate::cuda::{block_on, plugin, pointer_device, KeepContext};
@@ -53,8 +54,10 @@ use backend::{block_on, plugin, pointer_device, KeepContext};
 /// failure (out of memory, no such device; the reason in `pinpool_last_error`).
 #[no_mangle]
 pub extern "C" fn pinpool_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    let _keep = KeepContext::new();
-    abi::alloc_with(plugin(), size, device, stream)
+    call_times::ALLOC.time(|| {
+        let _keep = KeepContext::new();
+        abi::alloc_with(plugin(), size, device, stream)
+    })
 }
 
 /// `void free(void* ptr, size_t size, int device, cudaStream_t stream)`: `stream` is the
@@ -62,8 +65,10 @@ pub extern "C" fn pinpool_alloc(size: usize, device: c_int, stream: *mut c_void)
 #[no_mangle]
 pub extern "C" fn pinpool_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     let _ = size;
-    let _keep = KeepContext::new();
-    abi::free_with(plugin(), ptr, device, stream)
+    call_times::FREE.time(|| {
+        let _keep = KeepContext::new();
+        abi::free_with(plugin(), ptr, device, stream)
+    })
 }
 
 /// `void record_stream(void* ptr, cudaStream_t stream)` (`Tensor.record_stream`).

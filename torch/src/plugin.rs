@@ -134,12 +134,18 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// `torch.cuda.memory_stats(device)` as a JSON object with PyTorch's flat keys
     /// (`allocated_bytes.all.current`, `reserved_bytes.all.peak`, `num_ooms`, …), and
     /// pinpool's own counts: `num_device_remaps` (map calls moved within a range) and
-    /// `num_misses` (requests that asked a pool actor).
+    /// `num_misses` (requests that asked a pool actor), `miss_wait_ns` (the time they
+    /// spent on it), and the entry points' call times where they are counted (see
+    /// `call_times`).
     pub(crate) fn memory_stats_json(&self, device: i32) -> Result<String, Error> {
         let stats = self.alloc.stats(self.device(device)?)?;
         let mut map = stats.to_map();
         map.insert("num_device_remaps".into(), stats.num_device_remaps);
         map.insert("num_misses".into(), stats.num_misses);
+        map.insert("miss_wait_ns".into(), stats.miss_wait_ns);
+        for (k, v) in crate::call_times::report() {
+            map.insert(k.into(), v);
+        }
         let mut out = String::from("{");
         for (i, (k, v)) in map.iter().enumerate() {
             if i > 0 {

@@ -309,6 +309,9 @@ fn memory_stats_come_as_json_with_pytorchs_keys() {
     assert_eq!(stats["allocation.all.current"], 1);
     assert!(stats["reserved_bytes.all.current"].as_u64().unwrap() >= 3 * MIB as u64);
     assert_eq!(stats["num_ooms"], 0);
+    // pinpool's own: the first request asked the pool actor, and its time was counted.
+    assert!(stats["num_misses"].as_u64().unwrap() >= 1);
+    assert!(stats["miss_wait_ns"].as_u64().unwrap() > 0);
     s.plugin.free(p, 0, 3).unwrap();
     s.plugin.reset_peak_stats(0).unwrap();
     let stats: serde_json::Value =
