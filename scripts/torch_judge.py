@@ -559,7 +559,7 @@ def bench_models(device):
         resnet_step(model, opt, device, i, batch=32)
 
     return {
-        "gpt2_generate": (lambda: build_gpt2(device), lambda m, i: run_gpt2(m, device, seed=i), 1, 4),
+        "gpt2_generate": (lambda: build_gpt2(device), lambda m, i: run_gpt2(m, device, seed=i), 1, 8),
         "bert_varlen": (lambda: build_bert(device),
                         lambda m, i: run_bert(m, device, BERT_LENGTHS[i % len(BERT_LENGTHS)], batch=8, seed=i),
                         len(BERT_LENGTHS), 4 * len(BERT_LENGTHS)),
