@@ -56,7 +56,9 @@
 //! spinning P µs before each request, as a model's host thread does between them: the time
 //! in the allocator's calls alone, per request); `dev_miss_us gap_us=G` (the median time of a
 //! request the pool actor answers, back to back and after the requesting thread slept G µs),
-//! with `dev_miss_misses` and `dev_miss_driver_calls` counting what its 400 requests took.
+//! with `dev_miss_misses` and `dev_miss_driver_calls` counting what its 400 requests took;
+//! `dev_replay_paced_miss_us` and `dev_replay_paced_miss_served_us` (a paced replay's miss,
+//! on average, and the pool actor's own part of it).
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};
@@ -667,6 +669,18 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
             "pinpool dev_replay_paced_ns_per_request trace={base} pace_us={} {:.1}",
             REPLAY_PACE.as_micros(),
             in_calls.as_nanos() as f64 / (trace.lines * WARM_PASSES) as f64
+        );
+        // Where a paced miss's time goes: the pool actor's own work, and the rest (threads
+        // handing the request over and waking up).
+        let paced = pool.stats(0)?;
+        let misses = (paced.num_misses - after.num_misses).max(1) as f64;
+        println!(
+            "pinpool dev_replay_paced_miss_us trace={base} {:.1}",
+            (paced.miss_wait_ns - after.miss_wait_ns) as f64 / misses / 1e3
+        );
+        println!(
+            "pinpool dev_replay_paced_miss_served_us trace={base} {:.1}",
+            (paced.miss_serve_ns - after.miss_serve_ns) as f64 / misses / 1e3
         );
         Ok(())
     }

@@ -68,7 +68,7 @@ def counts():
     st = pinpool_torch.memory_stats()
     out = {k: st.get(k, 0) for k in ("num_misses", "num_device_alloc", "num_device_free", "num_device_remaps",
                                     "alloc_calls")}
-    for k in ("miss_wait_ns", "alloc_call_ns", "free_call_ns"):
+    for k in ("miss_wait_ns", "miss_serve_ns", "alloc_call_ns", "free_call_ns"):
         out[k.replace("_ns", "_ms")] = st.get(k, 0) / 1e6
     return out
 

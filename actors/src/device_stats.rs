@@ -112,6 +112,10 @@ pub struct DeviceStats {
     /// the block (or the error), summed over `num_misses` (pinpool's own, not among
     /// `torch.cuda.memory_stats()`'s keys).
     pub miss_wait_ns: i64,
+    /// Nanoseconds the pool actors spent serving those requests, from taking each from the
+    /// mailbox to sending its answer (pinpool's own): what `miss_wait_ns` has over it is the
+    /// hand-offs between threads.
+    pub miss_serve_ns: i64,
     /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:
     /// blocks wait on events instead, and the wait for the device's queued work before
     /// memory goes back to the driver is part of each of `num_device_free`'s calls).
@@ -180,6 +184,7 @@ impl DeviceStats {
         self.num_device_remaps += o.num_device_remaps;
         self.num_misses += o.num_misses;
         self.miss_wait_ns += o.miss_wait_ns;
+        self.miss_serve_ns += o.miss_serve_ns;
         self.num_sync_all_streams += o.num_sync_all_streams;
         self.max_split_size = self.max_split_size.or(o.max_split_size);
         self.limit_bytes = self.limit_bytes.or(o.limit_bytes);

@@ -59,6 +59,10 @@ pub struct HostStats {
     /// the block (or the error), summed over the requests counted in `num_misses`; making
     /// room and waiting under the cap included (pinpool's own count).
     pub miss_wait_ns: i64,
+    /// Nanoseconds the pool actors spent serving those requests, from taking each from
+    /// the mailbox to sending its answer (pinpool's own count): what `miss_wait_ns` has
+    /// over it is the hand-offs between threads.
+    pub miss_serve_ns: i64,
     /// The cap on reserved bytes of the whole allocator, if one is set.
     pub limit_bytes: Option<i64>,
 }
@@ -75,6 +79,7 @@ impl HostStats {
         self.num_host_remaps += o.num_host_remaps;
         self.num_misses += o.num_misses;
         self.miss_wait_ns += o.miss_wait_ns;
+        self.miss_serve_ns += o.miss_serve_ns;
         self.host_alloc_time.merge(&o.host_alloc_time);
         self.host_free_time.merge(&o.host_free_time);
         self.waiting_blocks += o.waiting_blocks;
@@ -136,6 +141,7 @@ impl HostStats {
             ("num_ooms", self.num_ooms),
             ("num_misses", self.num_misses),
             ("miss_wait_ns", self.miss_wait_ns),
+            ("miss_serve_ns", self.miss_serve_ns),
         ] {
             m.insert(k.to_string(), v);
         }
@@ -165,6 +171,8 @@ pub(crate) struct PoolStats {
     pub(crate) misses: AtomicI64,
     /// Nanoseconds spent by requests on the miss path.
     pub(crate) miss_wait_ns: AtomicI64,
+    /// Nanoseconds the pool actor spent serving misses.
+    pub(crate) miss_serve_ns: AtomicI64,
     /// The counts of the cached path, shard by shard, registered with `ledger`.
     leaves: Arc<Leaves>,
     ledger: Arc<Ledger>,
@@ -202,6 +210,7 @@ impl PoolStats {
             remaps: AtomicI64::new(0),
             misses: AtomicI64::new(0),
             miss_wait_ns: AtomicI64::new(0),
+            miss_serve_ns: AtomicI64::new(0),
             leaves: ledger.register(shards, group),
             ledger,
             mask: shards - 1,
@@ -297,6 +306,7 @@ impl PoolStats {
         s.num_device_remaps = self.remaps.load(Relaxed);
         s.num_misses = self.misses.load(Relaxed);
         s.miss_wait_ns = self.miss_wait_ns.load(Relaxed);
+        s.miss_serve_ns = self.miss_serve_ns.load(Relaxed);
         Some(s)
     }
 
@@ -349,6 +359,7 @@ impl PoolStats {
             num_ooms: self.num_ooms.load(Relaxed),
             num_misses: self.misses.load(Relaxed),
             miss_wait_ns: self.miss_wait_ns.load(Relaxed),
+            miss_serve_ns: self.miss_serve_ns.load(Relaxed),
             limit_bytes: None,
         };
         s.set_peaks(&self.leaves.group, self.active_kinds());
@@ -373,6 +384,7 @@ impl PoolStats {
         self.num_ooms.store(0, Relaxed);
         self.misses.store(0, Relaxed);
         self.miss_wait_ns.store(0, Relaxed);
+        self.miss_serve_ns.store(0, Relaxed);
         for s in self.leaves.shards.iter() {
             s.leaf.iter().flatten().for_each(|l| l.reset_accumulated());
         }

@@ -135,7 +135,7 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// (`allocated_bytes.all.current`, `reserved_bytes.all.peak`, `num_ooms`, …), and
     /// pinpool's own counts: `num_device_remaps` (map calls moved within a range) and
     /// `num_misses` (requests that asked a pool actor), `miss_wait_ns` (the time they
-    /// spent on it), and the entry points' call times where they are counted (see
+    /// spent on it), `miss_serve_ns` (the pool actors' share of it), and the entry points' call times where they are counted (see
     /// `call_times`).
     pub(crate) fn memory_stats_json(&self, device: i32) -> Result<String, Error> {
         let stats = self.alloc.stats(self.device(device)?)?;
@@ -143,6 +143,7 @@ impl<R: DeviceRuntime> Plugin<R> {
         map.insert("num_device_remaps".into(), stats.num_device_remaps);
         map.insert("num_misses".into(), stats.num_misses);
         map.insert("miss_wait_ns".into(), stats.miss_wait_ns);
+        map.insert("miss_serve_ns".into(), stats.miss_serve_ns);
         for (k, v) in crate::call_times::report() {
             map.insert(k.into(), v);
         }

@@ -27,6 +27,7 @@ impl<R: Runtime> PoolActor<R> {
             return;
         }
         self.shared.stats.misses.fetch_add(1, Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
         self.prune();
         if !self.waiters.is_empty() {
             // Others came first: no overtaking.
@@ -69,6 +70,11 @@ impl<R: Runtime> PoolActor<R> {
             // soon they come (the same requests then take the same memory every time).
             self.refill(ask.shard);
         }
+        let ns = t0.elapsed().as_nanos().min(i64::MAX as u128) as i64;
+        self.shared
+            .stats
+            .miss_serve_ns
+            .fetch_add(ns, Ordering::Relaxed);
         if let Err(flume::SendError(Ok(block))) = reply.send(result) {
             // The request was cancelled: the block is ready for someone else.
             self.take_back(block).await;
