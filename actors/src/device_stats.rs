@@ -108,12 +108,12 @@ pub struct DeviceStats {
     /// (again after room was made; pinpool's own, not among `torch.cuda.memory_stats()`'s
     /// keys).
     pub num_misses: i64,
-    /// Nanoseconds requests spent on the miss path, from asking the pool actor to holding
-    /// the block (or the error), summed over `num_misses` (pinpool's own, not among
-    /// `torch.cuda.memory_stats()`'s keys).
+    /// Nanoseconds requests spent on the miss path, from first asking the pool actor to
+    /// holding the block (or the error), each request once however often it asked
+    /// (pinpool's own, not among `torch.cuda.memory_stats()`'s keys).
     pub miss_wait_ns: i64,
-    /// Nanoseconds the pool actors spent serving those requests, from taking each from the
-    /// mailbox to sending its answer (pinpool's own): what `miss_wait_ns` has over it is the
+    /// Nanoseconds the pool actors spent serving those requests, from taking each ask from
+    /// the mailbox to sending its answer (pinpool's own): what `miss_wait_ns` has over it is the
     /// hand-offs between threads.
     pub miss_serve_ns: i64,
     /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:

@@ -55,11 +55,11 @@ pub struct HostStats {
     /// Times a request asked the pool actor for a block, the cached path having found none
     /// (again after room was made; pinpool's own count).
     pub num_misses: i64,
-    /// Nanoseconds requests spent on the miss path, from asking the pool actor to holding
-    /// the block (or the error), summed over the requests counted in `num_misses`; making
+    /// Nanoseconds requests spent on the miss path, from first asking the pool actor to
+    /// holding the block (or the error), each request once however often it asked; making
     /// room and waiting under the cap included (pinpool's own count).
     pub miss_wait_ns: i64,
-    /// Nanoseconds the pool actors spent serving those requests, from taking each from
+    /// Nanoseconds the pool actors spent serving those requests, from taking each ask from
     /// the mailbox to sending its answer (pinpool's own count): what `miss_wait_ns` has
     /// over it is the hand-offs between threads.
     pub miss_serve_ns: i64,
