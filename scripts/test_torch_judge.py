@@ -30,7 +30,8 @@ for line in sys.stdin:
         print("@@ built", flush=True)
     elif cmd[0] == "step":
         ms = int(cmd[1]) + (1 if mode == "pinpool" else 0)
-        print(f"@@ {ms / 1000:.6f} 0.002 0.003 4", flush=True)
+        own = " 0.001" if mode == "pinpool" else ""
+        print(f"@@ {ms / 1000:.6f} 0.002 0.003 4{own}", flush=True)
     elif cmd[0] == "drop":
         print("@@ dropped", flush=True)
     elif cmd[0] == "quit":
@@ -70,8 +71,10 @@ class Lockstep(unittest.TestCase):
                         # Turn n went to process n % procs.
                         self.assertEqual(lock["ranks"][mode][name],
                                          [(j // turn) % procs for j in range(steps)])
+                        # pinpool's workers also answer with its own threads' CPU seconds.
+                        own = [0.001] if mode == "pinpool" else []
                         self.assertEqual(lock["host"][mode][name],
-                                         [[0.002, 0.003, 4.0]] * steps)
+                                         [[0.002, 0.003, 4.0] + own] * steps)
 
     def test_the_verdict_compares_medians_with_the_fastest_of_pytorchs_three(self):
         summary = self.run_lockstep(2, 3)
@@ -94,6 +97,33 @@ class Variants(unittest.TestCase):
 
 
 class Cpus(unittest.TestCase):
+    @unittest.skipUnless(os.path.exists("/proc/thread-self/schedstat"), "no schedstat in /proc")
+    def test_the_cpu_of_threads_named_pinpool_is_counted_and_of_no_other(self):
+        import threading
+        import time
+
+        def busy(name, secs):
+            with open("/proc/thread-self/comm", "w") as f:
+                f.write(name)
+            end = time.thread_time() + secs
+            while time.thread_time() < end:
+                pass
+
+        before = torch_judge.own_threads_cpu()
+        other = threading.Thread(target=busy, args=("other-worker", 0.2))
+        other.start()
+        other.join()
+        self.assertLess(torch_judge.own_threads_cpu() - before, 0.05)
+        spun, done = threading.Event(), threading.Event()
+        ours = threading.Thread(target=lambda: (busy("pinpool-torch", 0.1), spun.set(), done.wait()))
+        ours.start()
+        # Counted while the thread lives: /proc lists only live threads.
+        self.assertTrue(spun.wait(30))
+        counted = torch_judge.own_threads_cpu() - before
+        done.set()
+        ours.join()
+        self.assertGreaterEqual(counted, 0.09)
+
     def test_a_named_cpu_is_taken_and_an_unknown_one_leaves_the_scheduler(self):
         cpu = min(os.sched_getaffinity(0))
         os.environ["PINPOOL_JUDGE_CPU"] = str(cpu)

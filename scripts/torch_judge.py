@@ -717,12 +717,34 @@ def voluntary_switches():
     return 0
 
 
+def own_threads_cpu():
+    """CPU seconds the process's threads named `pinpool*` (the plug-in's actors and the
+    threads its runtime lends for driver calls) have run, from /proc (schedstat); 0 where
+    /proc does not tell."""
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("pinpool"):
+                    continue
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
 def worker_lockstep(mode, rec):
     """One configuration of the interleaved timing: runs what the driver says on stdin, one
     command a line (`build MODEL`, `step I`, `drop`, `quit`), and answers each on stdout with
     a line that starts with `@@`. A step's answer is its seconds (the device synchronised
     before and after), then the CPU seconds of the main thread and of the whole process in
-    it, and how often the main thread gave up its CPU meanwhile."""
+    it, how often the main thread gave up its CPU meanwhile, and the CPU seconds of pinpool's
+    own threads (see `own_threads_cpu`)."""
     import torch
 
     torch.backends.cudnn.benchmark = False
@@ -747,13 +769,15 @@ def worker_lockstep(mode, rec):
         elif cmd[0] == "step":
             torch.cuda.synchronize()
             switches = voluntary_switches()
+            own = own_threads_cpu()
             thread_cpu, process_cpu = time.thread_time(), time.process_time()
             s = time.perf_counter()
             step(state, int(cmd[1]))
             torch.cuda.synchronize()
             took = time.perf_counter() - s
             print(f"@@ {took:.6f} {time.thread_time() - thread_cpu:.6f} "
-                  f"{time.process_time() - process_cpu:.6f} {voluntary_switches() - switches}",
+                  f"{time.process_time() - process_cpu:.6f} {voluntary_switches() - switches}"
+                  f" {own_threads_cpu() - own:.6f}",
                   flush=True)
         elif cmd[0] == "drop":
             state = None
@@ -1617,8 +1641,8 @@ class Judge:
         # times[m][name][j]: configuration m's time of timed step j, which its process of rank
         # rank(j) ran.
         times = {m: {} for m in modes}
-        # hosts[m][name][j]: the main thread's and the process's CPU seconds in that step, and
-        # the main thread's voluntary context switches.
+        # hosts[m][name][j]: the main thread's and the process's CPU seconds in that step, the
+        # main thread's voluntary context switches, and pinpool's own threads' CPU seconds.
         hosts = {m: {} for m in modes}
         workers = {}
 
@@ -1696,14 +1720,18 @@ class Judge:
                          f" {best:.2f} ms (target <= 1.05x); step by step, the median of pinpool's"
                          f" step over {fastest}'s next to it: {paired:.2f}x")
         self.log("  where a step's time goes, medians per step: CPU ms of the main thread / of the"
-                 " whole process (every thread), and the main thread's voluntary context switches")
+                 " whole process (every thread), the main thread's voluntary context switches,"
+                 " and (pinpool) the CPU ms of its own threads")
         for name in table:
             for m in modes:
                 host = hosts[m].get(name)
                 if host:
                     main, whole, switches = (statistics.median(h[k] for h in host) for k in range(3))
+                    own = ""
+                    if is_pinpool(m) and all(len(h) > 3 for h in host):
+                        own = f"  {1000 * statistics.median(h[3] for h in host):>8.2f} ms pinpool's threads"
                     self.log(f"  {name:<16} {m:<11} {1000 * main:>8.2f} / {1000 * whole:>8.2f} ms"
-                             f"  {switches:>7.0f} switches")
+                             f"  {switches:>7.0f} switches{own}")
 
     def main(self):
         t0 = time.time()
