@@ -718,8 +718,8 @@ def voluntary_switches():
 
 
 def own_threads_cpu():
-    """CPU seconds the process's threads named `pinpool*` (the plug-in's actors and the
-    threads its runtime lends for driver calls) have run, from /proc (schedstat); 0 where
+    """CPU seconds the process's threads named `pinpool*` (the workers of the plug-in's pool
+    actors and their runtime's blocking threads) have run, from /proc (schedstat); 0 where
     /proc does not tell."""
     total = 0
     try:
