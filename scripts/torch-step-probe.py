@@ -50,7 +50,7 @@ elif mode == "pluggable":
     torch.cuda.memory.change_current_allocator(a)
 
 import torch
-from torch_judge import bench_models
+from torch_judge import bench_models, pinpool_counts
 
 torch.backends.cudnn.benchmark = False
 dev = torch.device("cuda:0")
@@ -63,14 +63,7 @@ state = build()
 
 
 def counts():
-    if mode != "pinpool":
-        return None
-    st = pinpool_torch.memory_stats()
-    out = {k: st.get(k, 0) for k in ("num_misses", "num_device_alloc", "num_device_free", "num_device_remaps",
-                                    "alloc_calls")}
-    for k in ("miss_wait_ns", "miss_serve_ns", "alloc_call_ns", "free_call_ns"):
-        out[k.replace("_ns", "_ms")] = st.get(k, 0) / 1e6
-    return out
+    return pinpool_counts() if mode == "pinpool" else None
 
 
 for i in range(warmup):

@@ -433,9 +433,10 @@ def combine_rounds(rounds, models):
         combined = {"ok": True, "median_ms": round(statistics.median(times), 3),
                     "min_ms": min(r["min_ms"] for r in rs),
                     "round_medians_ms": [r["median_ms"] for r in rs]}
+        # The peaks, and every per-step count the workers wrote (see `pinpool_counts`).
+        per_step = sorted({k for r in rs for k in r if k.endswith("_per_step")})
         for key in ("peak_mib", "held_before_mib", "allocator_peak_reserved_mib", "allocator_peak_allocated_mib",
-                    "driver_calls_per_step", "unmaps_per_step", "misses_per_step", "miss_ms_per_step", "served_ms_per_step",
-                    "allocs_per_step", "alloc_ms_per_step", "free_ms_per_step"):
+                    *per_step):
             vals = [r[key] for r in rs if r.get(key) is not None]
             if vals:
                 combined[key] = statistics.median(vals)
@@ -619,28 +620,6 @@ def worker_bench(mode, rec):
             return pinpool_torch
         return torch.cuda
 
-    def pinpool_counts():
-        """pinpool's counts of driver calls and of requests that asked a pool actor."""
-        if not is_pinpool(mode):
-            return None
-        import pinpool_torch
-
-        st = pinpool_torch.memory_stats()
-        return {
-            "driver_calls": st["num_device_alloc"] + st["num_device_free"] + st.get("num_device_remaps", 0),
-            # Memory given back to the driver: each waits for the device's queued work.
-            "unmaps": st["num_device_free"],
-            "misses": st.get("num_misses", 0),
-            # Time the requesting threads spent on those requests.
-            "miss_ms": st.get("miss_wait_ns", 0) / 1e6,
-            # The pool actors' share of it (the rest is hand-offs between threads).
-            "served_ms": st.get("miss_serve_ns", 0) / 1e6,
-            # The alloc and free calls, and their time (where the library counts them).
-            "allocs": st.get("alloc_calls", 0),
-            "alloc_ms": st.get("alloc_call_ns", 0) / 1e6,
-            "free_ms": st.get("free_call_ns", 0) / 1e6,
-        }
-
     def measure(name, build, step, warmup, steps):
         empty_device()
         try:
@@ -655,7 +634,7 @@ def worker_bench(mode, rec):
             times = []
             counts = None
             for i in range(warmup + steps):
-                if i == warmup:
+                if i == warmup and is_pinpool(mode):
                     counts = pinpool_counts()
                 torch.cuda.synchronize()
                 s = time.perf_counter()
@@ -702,6 +681,28 @@ def worker_bench(mode, rec):
     for name, (build, step, warmup, steps) in chosen_models(device).items():
         measure(name, build, step, warmup, steps)
     sampler.stop()
+
+
+def pinpool_counts():
+    """pinpool's running counts, from its statistics: driver calls, requests that asked a pool
+    actor and their time, alloc and free calls and their time (where the library times them,
+    `PINPOOL_TORCH_CALL_TIMES=1`)."""
+    import pinpool_torch
+
+    st = pinpool_torch.memory_stats()
+    return {
+        "driver_calls": st["num_device_alloc"] + st["num_device_free"] + st.get("num_device_remaps", 0),
+        # Memory given back to the driver: each waits for the device's queued work.
+        "unmaps": st["num_device_free"],
+        "misses": st.get("num_misses", 0),
+        # Time the requesting threads spent on those requests.
+        "miss_ms": st.get("miss_wait_ns", 0) / 1e6,
+        # The pool actors' share of it (the rest is hand-offs between threads).
+        "served_ms": st.get("miss_serve_ns", 0) / 1e6,
+        "allocs": st.get("alloc_calls", 0),
+        "alloc_ms": st.get("alloc_call_ns", 0) / 1e6,
+        "free_ms": st.get("free_call_ns", 0) / 1e6,
+    }
 
 
 def voluntary_switches():

@@ -1,5 +1,6 @@
 //! Counters: the plain statistics reports are made of ([`Stat`], [`DurationStat`]), and the
-//! atomic cells that keep them — written by one actor ([`AtomicStat`], [`AtomicDuration`]) or
+//! atomic cells that keep them — written by one actor ([`AtomicStat`], [`AtomicDuration`]),
+//! summed from any thread ([`AtomicNanos`]), or
 //! on the cached path by one thread shard each ([`ShardStat`], whose peaks the ledger in
 //! [`crate::actors::peaks`] keeps).
 
@@ -7,7 +8,7 @@ use std::sync::atomic::{
     AtomicI64,
     Ordering::{Relaxed, SeqCst},
 };
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One statistic: its current value, its peak, and the totals added and removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -283,5 +284,25 @@ impl AtomicDuration {
         self.max.store(0, Relaxed);
         self.min.store(i64::MAX, Relaxed);
         self.count.store(0, Relaxed);
+    }
+}
+
+/// A sum of elapsed times in nanoseconds, added to from any thread.
+#[derive(Debug, Default)]
+pub(crate) struct AtomicNanos(AtomicI64);
+
+impl AtomicNanos {
+    /// Adds the time since `start`.
+    pub(crate) fn add_since(&self, start: Instant) {
+        let ns = start.elapsed().as_nanos().min(i64::MAX as u128) as i64;
+        self.0.fetch_add(ns, Relaxed);
+    }
+
+    pub(crate) fn read(&self) -> i64 {
+        self.0.load(Relaxed)
+    }
+
+    pub(crate) fn reset(&self) {
+        self.0.store(0, Relaxed);
     }
 }

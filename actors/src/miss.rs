@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::actors::block::{Block, Pool};
 use crate::actors::budget::{Budget, EmptyReport};
+use crate::actors::counters::AtomicNanos;
 use crate::actors::error::{Error, OomCause};
 use crate::actors::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
 use crate::actors::policy::SizeClass;
@@ -354,17 +355,16 @@ enum Missed {
     Failed(Error),
 }
 
-/// Adds the time from its making to its drop to a pool's `miss_wait_ns` (a miss that
-/// returns, fails or is cancelled counts alike).
+/// Adds the time from its making to its drop to a pool's miss time (a miss that returns,
+/// fails or is cancelled counts alike).
 struct MissTimer<'a> {
-    total: &'a std::sync::atomic::AtomicI64,
+    total: &'a AtomicNanos,
     start: Instant,
 }
 
 impl Drop for MissTimer<'_> {
     fn drop(&mut self) {
-        let ns = self.start.elapsed().as_nanos().min(i64::MAX as u128) as i64;
-        self.total.fetch_add(ns, Ordering::Relaxed);
+        self.total.add_since(self.start);
     }
 }
 
@@ -386,7 +386,7 @@ async fn miss_with<R: Runtime, W: Waiter>(
         quiet: plan.quiet,
     };
     let _timed = MissTimer {
-        total: &pool.stats.miss_wait_ns,
+        total: &pool.stats.miss_wait,
         start: Instant::now(),
     };
     let mut callbacks_ran = false;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
 use std::sync::Arc;
 
-use crate::actors::counters::{AtomicDuration, AtomicStat, DurationStat, Stat};
+use crate::actors::counters::{AtomicDuration, AtomicNanos, AtomicStat, DurationStat, Stat};
 use crate::actors::device_stats::{Detail, DeviceStats};
 use crate::actors::peaks::{Group, Leaves, Ledger, ACTIVE, ACTIVE_BYTES, ALL, BYTES, REQUESTS};
 use crate::actors::shard::ThreadSlot;
@@ -169,10 +169,10 @@ pub(crate) struct PoolStats {
     pub(crate) remaps: AtomicI64,
     /// Requests the pool actor answered.
     pub(crate) misses: AtomicI64,
-    /// Nanoseconds spent by requests on the miss path.
-    pub(crate) miss_wait_ns: AtomicI64,
-    /// Nanoseconds the pool actor spent serving misses.
-    pub(crate) miss_serve_ns: AtomicI64,
+    /// Time spent by requests on the miss path.
+    pub(crate) miss_wait: AtomicNanos,
+    /// Time the pool actor spent serving misses.
+    pub(crate) miss_serve: AtomicNanos,
     /// The counts of the cached path, shard by shard, registered with `ledger`.
     leaves: Arc<Leaves>,
     ledger: Arc<Ledger>,
@@ -209,8 +209,8 @@ impl PoolStats {
             num_ooms: AtomicI64::new(0),
             remaps: AtomicI64::new(0),
             misses: AtomicI64::new(0),
-            miss_wait_ns: AtomicI64::new(0),
-            miss_serve_ns: AtomicI64::new(0),
+            miss_wait: AtomicNanos::default(),
+            miss_serve: AtomicNanos::default(),
             leaves: ledger.register(shards, group),
             ledger,
             mask: shards - 1,
@@ -305,8 +305,8 @@ impl PoolStats {
         s.num_device_free = allocations.freed;
         s.num_device_remaps = self.remaps.load(Relaxed);
         s.num_misses = self.misses.load(Relaxed);
-        s.miss_wait_ns = self.miss_wait_ns.load(Relaxed);
-        s.miss_serve_ns = self.miss_serve_ns.load(Relaxed);
+        s.miss_wait_ns = self.miss_wait.read();
+        s.miss_serve_ns = self.miss_serve.read();
         Some(s)
     }
 
@@ -358,8 +358,8 @@ impl PoolStats {
             num_alloc_retries: self.num_alloc_retries.load(Relaxed),
             num_ooms: self.num_ooms.load(Relaxed),
             num_misses: self.misses.load(Relaxed),
-            miss_wait_ns: self.miss_wait_ns.load(Relaxed),
-            miss_serve_ns: self.miss_serve_ns.load(Relaxed),
+            miss_wait_ns: self.miss_wait.read(),
+            miss_serve_ns: self.miss_serve.read(),
             limit_bytes: None,
         };
         s.set_peaks(&self.leaves.group, self.active_kinds());
@@ -383,8 +383,8 @@ impl PoolStats {
         self.num_alloc_retries.store(0, Relaxed);
         self.num_ooms.store(0, Relaxed);
         self.misses.store(0, Relaxed);
-        self.miss_wait_ns.store(0, Relaxed);
-        self.miss_serve_ns.store(0, Relaxed);
+        self.miss_wait.reset();
+        self.miss_serve.reset();
         for s in self.leaves.shards.iter() {
             s.leaf.iter().flatten().for_each(|l| l.reset_accumulated());
         }

@@ -70,11 +70,7 @@ impl<R: Runtime> PoolActor<R> {
             // soon they come (the same requests then take the same memory every time).
             self.refill(ask.shard);
         }
-        let ns = t0.elapsed().as_nanos().min(i64::MAX as u128) as i64;
-        self.shared
-            .stats
-            .miss_serve_ns
-            .fetch_add(ns, Ordering::Relaxed);
+        self.shared.stats.miss_serve.add_since(t0);
         if let Err(flume::SendError(Ok(block))) = reply.send(result) {
             // The request was cancelled: the block is ready for someone else.
             self.take_back(block).await;
