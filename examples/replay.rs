@@ -15,7 +15,9 @@
 //! on the simulated runtime through the real engine and its actors: an allocation at each `a`
 //! line, a drop at each `f` line, no streams. For each file and policy it prints peak reserved
 //! bytes over peak live requested bytes, how many requests needed fresh memory (host
-//! allocations), and the time per request, then one summary line per file and policy:
+//! allocations), and the time per request (with `--device`, also what PyTorch's allocator
+//! with expandable segments would reserve, emulated: `pinpool_tools::torch_layout`), then
+//! one summary line per file and policy:
 //!
 //! ```text
 //! replay <file name> policy=<name> reserved_over_peak=<ratio> fresh=<count> ns_per_request=<ns>
@@ -31,6 +33,7 @@ use std::time::Instant;
 use pinpool::config::{DeviceConfig, SizePolicyChoice};
 use pinpool::tuning::SizePolicy;
 use pinpool::{DeviceAllocator, DeviceBuffer, PinnedAllocator, PinnedBuffer};
+use pinpool_tools::torch_layout;
 use pinpool_tools::trace::{Trace, TraceError, TraceEvent};
 
 /// The device layouts `--device` knows, as `PINPOOL_DEVICE_CONF` settings.
@@ -343,6 +346,14 @@ pub(crate) fn run(args: &[String], mut out: impl FnMut(&str)) -> Result<Vec<Repo
                 r.ns_per_request
             ));
             reports.push(r);
+        }
+        if args.device {
+            let torch = torch_layout::emulate(trace);
+            out(&format!(
+                "  PyTorch's expandable segments (emulated): peak reserved {:.1} MiB = {:.3}x peak live",
+                torch.peak_reserved as f64 / (1u64 << 20) as f64,
+                torch.peak_reserved as f64 / trace.peak_live_bytes().max(1) as f64
+            ));
         }
     }
     for r in &reports {

@@ -114,6 +114,17 @@ fn the_device_layout_wastes_at_most_ten_percent_on_the_recorded_traces() {
     }
 }
 
+/// PyTorch's layout with expandable segments, emulated on the recorded streams: it hands
+/// out at least what is live (rounding and unsplit rests on top), and maps at least that.
+#[test]
+fn the_emulated_torch_layout_reserves_no_less_than_it_hands_out_on_the_recorded_traces() {
+    for (name, trace) in recorded_traces() {
+        let t = pinpool_tools::torch_layout::emulate(&trace);
+        assert!(t.peak_allocated >= trace.peak_live_bytes(), "{name}: {t:?}");
+        assert!(t.peak_reserved >= t.peak_allocated, "{name}: {t:?}");
+    }
+}
+
 /// The same recorded streams through pinned host memory: the default policy keeps peak
 /// reserved within 20 % of peak live and needs fresh memory for no more requests than
 /// PyTorch's powers of two (idle granules move where a request needs them, rather than going
