@@ -11,8 +11,8 @@ resnet50_train, vit_b_16_infer; default resnet50_train).
 Prints the step's median time (synchronised before and after) and the host's part of it
 (until the step's calls return): where the two are equal, the step is bound by the CPU
 that launches its work, and the allocator's own time adds to it. With pinpool, also its
-misses, the time they took, driver calls, and the time of its alloc and free calls per
-step. Then `torch.profiler` tables of a few steps, by GPU time and by host time (NOPROF=1
+misses, the time they took, driver calls, the time of its alloc and free calls, and the CPU
+time of its own threads per step. Then `torch.profiler` tables of a few steps, by GPU time and by host time (NOPROF=1
 skips them); --json writes the profile's rows (name, calls, self and total CPU µs, self
 device µs) for comparing two allocators op by op. `cudnn.benchmark` off."""
 

@@ -702,6 +702,9 @@ def pinpool_counts():
         "allocs": st.get("alloc_calls", 0),
         "alloc_ms": st.get("alloc_call_ns", 0) / 1e6,
         "free_ms": st.get("free_call_ns", 0) / 1e6,
+        # CPU time of pinpool's own threads (the actors' workers and their blocking threads):
+        # set beside `served_ms`, it tells the actors' work from their waiting.
+        "own_cpu_ms": own_threads_cpu() * 1e3,
     }
 
 
@@ -1606,7 +1609,8 @@ class Judge:
                          + (f"; per step {r['driver_calls_per_step']} driver calls,"
                             f" {r.get('unmaps_per_step')} unmaps, {r.get('misses_per_step')} misses"
                             f" taking {r.get('miss_ms_per_step')} ms (serving them"
-                            f" {r.get('served_ms_per_step')} ms); {r.get('allocs_per_step')} allocs"
+                            f" {r.get('served_ms_per_step')} ms; pinpool's threads ran {r.get('own_cpu_ms_per_step')} ms);"
+                            f" {r.get('allocs_per_step')} allocs"
                             f" taking {r.get('alloc_ms_per_step')} ms, their frees {r.get('free_ms_per_step')} ms"
                             if r.get("driver_calls_per_step") is not None else "")
                          + ")")
