@@ -58,7 +58,7 @@ pub struct DeviceConfig {
     /// (`reserve_cap:none`) keeps such memory until `empty_cache` or a limit needs it: no
     /// driver calls in a repeating workload's steady state, for more memory reserved.
     pub reserve_cap: Option<f64>,
-    /// How long a pool actor stays awake after a message for the next one (key `linger_us`,
+    /// How long a pool actor stays awake after a miss for the next one (key `linger_us`,
     /// whole microseconds, at most 100 000; default 50). A request the actor answers while it
     /// sleeps waits for its thread to wake, tens of microseconds more (`device_bench`'s
     /// `dev_miss_us`); a longer linger keeps one of the actors' worker threads busy that

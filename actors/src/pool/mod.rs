@@ -253,6 +253,15 @@ const HOT_WAIT: Duration = Duration::from_millis(1);
 /// worker's wake-up too.
 pub(crate) const DEFAULT_LINGER: Duration = Duration::from_micros(50);
 
+/// Whether `msg` is a request whose thread waits for the answer (a miss, or another pool's
+/// ask to lend), after which the actor lingers for the next one (see `PoolActor::linger`).
+/// Bookkeeping (the threads' notes of splits and merges, blocks coming home, wake-ups) comes
+/// in a steady trickle with nobody waiting for it: staying awake after each such message
+/// keeps a worker busy for nothing while the threads that sent it run on.
+fn answers_a_request<B>(msg: &PoolMsg<B>) -> bool {
+    matches!(msg, PoolMsg::Miss { .. } | PoolMsg::Lend { .. })
+}
+
 /// Work handed off the executor by [`PoolActor::start_off_executor`], and its result to come.
 pub(super) struct OffExecutor<T> {
     rx: flume::Receiver<T>,
@@ -362,8 +371,9 @@ impl<R: Runtime> PoolActor<R> {
             } else {
                 match self.rx.recv_async().await {
                     Ok(msg) => {
+                        let asked = answers_a_request(&msg);
                         self.handle(msg).await;
-                        if !self.linger().await {
+                        if asked && !self.linger().await {
                             break;
                         }
                     }
@@ -377,9 +387,10 @@ impl<R: Runtime> PoolActor<R> {
         tracing::debug!(pool = %self.shared.id, "pool actor stopped");
     }
 
-    /// Stays awake after a message while more come within its linger of the last, handling
-    /// them as they come and yielding between looks (the worker's other tasks run), so that
-    /// a burst of misses does not wait for a parked worker's wake-up each. Gives up at once
+    /// Stays awake after a request it answered while more come within its linger of the
+    /// last (see [`answers_a_request`]), handling every message as it comes and yielding
+    /// between looks (the worker's other tasks run), so that a burst of misses does not wait
+    /// for a parked worker's wake-up each. Gives up at once
     /// when the pool closes or has waiters or pressure to watch (the main loop's other arms
     /// do). False when the mailbox is closed.
     async fn linger(&mut self) -> bool {
@@ -394,8 +405,11 @@ impl<R: Runtime> PoolActor<R> {
             }
             match self.rx.try_recv() {
                 Ok(msg) => {
+                    let asked = answers_a_request(&msg);
                     self.handle(msg).await;
-                    last = std::time::Instant::now();
+                    if asked {
+                        last = std::time::Instant::now();
+                    }
                 }
                 Err(flume::TryRecvError::Empty) => tokio::task::yield_now().await,
                 Err(flume::TryRecvError::Disconnected) => return false,
