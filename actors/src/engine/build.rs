@@ -99,7 +99,7 @@ impl<R: Runtime> EngineBuilder<R> {
         self
     }
 
-    /// How long each pool actor stays awake after a message for the next one (see
+    /// How long each pool actor stays awake after a request it answered for the next one (see
     /// `PoolActor::linger`; default [`DEFAULT_LINGER`]).
     pub(crate) fn linger(mut self, linger: Duration) -> Self {
         self.linger = linger;

@@ -247,7 +247,7 @@ const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 /// How long a pool stays awake for the result of a call its requester runs (see
 /// `PoolActor::off_executor`): a map call takes 0.04–0.5 ms.
 const HOT_WAIT: Duration = Duration::from_millis(1);
-/// How long an idle pool stays awake after a message for the next one unless its engine
+/// How long an idle pool stays awake after a miss for the next one unless its engine
 /// says otherwise (see `PoolActor::linger`): misses come in bursts (a model's step, a
 /// replayed stream), and a requester blocked on a reply from a parked worker waits for that
 /// worker's wake-up too.
@@ -390,9 +390,9 @@ impl<R: Runtime> PoolActor<R> {
     /// Stays awake after a request it answered while more come within its linger of the
     /// last (see [`answers_a_request`]), handling every message as it comes and yielding
     /// between looks (the worker's other tasks run), so that a burst of misses does not wait
-    /// for a parked worker's wake-up each. Gives up at once
-    /// when the pool closes or has waiters or pressure to watch (the main loop's other arms
-    /// do). False when the mailbox is closed.
+    /// for a parked worker's wake-up each. Gives up at once when the pool closes or has
+    /// waiters or pressure to watch (the main loop's other arms do). False when the mailbox
+    /// is closed.
     async fn linger(&mut self) -> bool {
         let mut last = std::time::Instant::now();
         while last.elapsed() < self.linger {
