@@ -291,11 +291,27 @@ impl AtomicDuration {
 #[derive(Debug, Default)]
 pub(crate) struct AtomicNanos(AtomicI64);
 
+/// Adds the time from its making (`AtomicNanos::time`) to its drop to its sum: a piece of
+/// work that returns early, fails or is cancelled counts alike.
+pub(crate) struct Timed<'a> {
+    total: &'a AtomicNanos,
+    start: Instant,
+}
+
+impl Drop for Timed<'_> {
+    fn drop(&mut self) {
+        let ns = self.start.elapsed().as_nanos().min(i64::MAX as u128) as i64;
+        self.total.0.fetch_add(ns, Relaxed);
+    }
+}
+
 impl AtomicNanos {
-    /// Adds the time since `start`.
-    pub(crate) fn add_since(&self, start: Instant) {
-        let ns = start.elapsed().as_nanos().min(i64::MAX as u128) as i64;
-        self.0.fetch_add(ns, Relaxed);
+    /// Times from now until the returned guard is dropped.
+    pub(crate) fn time(&self) -> Timed<'_> {
+        Timed {
+            total: self,
+            start: Instant::now(),
+        }
     }
 
     pub(crate) fn read(&self) -> i64 {

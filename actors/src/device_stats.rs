@@ -113,8 +113,8 @@ pub struct DeviceStats {
     /// (pinpool's own, not among `torch.cuda.memory_stats()`'s keys).
     pub miss_wait_ns: i64,
     /// Nanoseconds the pool actors spent serving those requests, from taking each ask from
-    /// the mailbox to sending its answer (pinpool's own): what `miss_wait_ns` has over it is the
-    /// hand-offs between threads.
+    /// the mailbox until it is answered, queued for room or refused (pinpool's own): what
+    /// `miss_wait_ns` has over it is the hand-offs between threads and the time queued.
     pub miss_serve_ns: i64,
     /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:
     /// blocks wait on events instead, and the wait for the device's queued work before

@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 
 use crate::actors::block::{Block, Pool};
 use crate::actors::budget::{Budget, EmptyReport};
-use crate::actors::counters::AtomicNanos;
 use crate::actors::error::{Error, OomCause};
 use crate::actors::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
 use crate::actors::policy::SizeClass;
@@ -355,19 +354,6 @@ enum Missed {
     Failed(Error),
 }
 
-/// Adds the time from its making to its drop to a pool's miss time (a miss that returns,
-/// fails or is cancelled counts alike).
-struct MissTimer<'a> {
-    total: &'a AtomicNanos,
-    start: Instant,
-}
-
-impl Drop for MissTimer<'_> {
-    fn drop(&mut self) {
-        self.total.add_since(self.start);
-    }
-}
-
 /// The miss loop, once for tasks and threads: ask the pool; on "need room" make room as
 /// `plan` says and ask again, queueing this time when the plan says so. Cancel-safe: a
 /// dropped request tells its pool to forget it, and a block sent to it meanwhile goes back.
@@ -385,10 +371,8 @@ async fn miss_with<R: Runtime, W: Waiter>(
         lends: waiter.lends(),
         quiet: plan.quiet,
     };
-    let _timed = MissTimer {
-        total: &pool.stats.miss_wait,
-        start: Instant::now(),
-    };
+    // A miss that returns, fails or is cancelled counts alike.
+    let _timed = pool.stats.miss_wait.time();
     let mut callbacks_ran = false;
     // Room is made in two steps: first only what the cap lacks, from every pool's least
     // recently used memory (what the others cache stays, rather than be given back and

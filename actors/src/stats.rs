@@ -60,8 +60,8 @@ pub struct HostStats {
     /// room and waiting under the cap included (pinpool's own count).
     pub miss_wait_ns: i64,
     /// Nanoseconds the pool actors spent serving those requests, from taking each ask from
-    /// the mailbox to sending its answer (pinpool's own count): what `miss_wait_ns` has
-    /// over it is the hand-offs between threads.
+    /// the mailbox until it is answered, queued for room or refused (pinpool's own count):
+    /// what `miss_wait_ns` has over it is the hand-offs between threads and the time queued.
     pub miss_serve_ns: i64,
     /// The cap on reserved bytes of the whole allocator, if one is set.
     pub limit_bytes: Option<i64>,

@@ -135,8 +135,8 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// (`allocated_bytes.all.current`, `reserved_bytes.all.peak`, `num_ooms`, …), and
     /// pinpool's own counts: `num_device_remaps` (map calls moved within a range) and
     /// `num_misses` (requests that asked a pool actor), `miss_wait_ns` (the time they
-    /// spent on it), `miss_serve_ns` (the pool actors' share of it), and the entry points' call times where they are counted (see
-    /// `call_times`).
+    /// spent on it), `miss_serve_ns` (the pool actors' share of it), and the entry points'
+    /// call times where they are counted (see `call_times`).
     pub(crate) fn memory_stats_json(&self, device: i32) -> Result<String, Error> {
         let stats = self.alloc.stats(self.device(device)?)?;
         let mut map = stats.to_map();

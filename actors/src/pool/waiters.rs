@@ -27,19 +27,41 @@ impl<R: Runtime> PoolActor<R> {
             return;
         }
         self.shared.stats.misses.fetch_add(1, Ordering::Relaxed);
-        let t0 = std::time::Instant::now();
+        // Counted until the answer is known, before the requester can see it: every way the
+        // ask ends (answered, queued for room, or refused) alike.
+        let shared = self.shared.clone();
+        let serving = shared.stats.miss_serve.time();
+        let answer = self.answer(class, ask, &reply).await;
+        drop(serving);
+        match answer {
+            None => self.enqueue(class, ask.requested, reply),
+            Some(result) => {
+                if let Err(flume::SendError(Ok(block))) = reply.send(result) {
+                    // The request was cancelled: the block is ready for someone else.
+                    self.take_back(block).await;
+                }
+            }
+        }
+    }
+
+    /// What a miss gets: a block or a refusal, or `None` when it waits for room in the queue.
+    async fn answer(
+        &mut self,
+        class: SizeClass,
+        ask: Ask,
+        reply: &MissTx<Block<R>>,
+    ) -> Option<Result<Box<Block<R>>, Refused>> {
         self.prune();
         if !self.waiters.is_empty() {
             // Others came first: no overtaking.
-            if ask.wait {
-                self.enqueue(class, ask.requested, reply);
+            return if ask.wait {
+                None
             } else if ask.quiet {
-                let _ = reply.send(Err(Refused::NeedRoom));
+                Some(Err(Refused::NeedRoom))
             } else {
                 let e = self.out_of_room(ask.requested, OomCause::NoRoomNow);
-                let _ = reply.send(Err(Refused::Failed(e)));
-            }
-            return;
+                Some(Err(Refused::Failed(e)))
+            };
         }
         // The requester's thread runs the memory source's calls of this miss, if it lends it.
         self.lender = ask.lends.then(|| reply.clone());
@@ -51,8 +73,7 @@ impl<R: Runtime> PoolActor<R> {
                 if !ask.emptied {
                     Err(Refused::NeedRoom)
                 } else if limit.is_some() && ask.wait {
-                    self.enqueue(class, ask.requested, reply);
-                    return;
+                    return None;
                 } else if limit.is_some() && ask.quiet {
                     Err(Refused::NeedRoom)
                 } else if limit.is_some() {
@@ -70,11 +91,7 @@ impl<R: Runtime> PoolActor<R> {
             // soon they come (the same requests then take the same memory every time).
             self.refill(ask.shard);
         }
-        self.shared.stats.miss_serve.add_since(t0);
-        if let Err(flume::SendError(Ok(block))) = reply.send(result) {
-            // The request was cancelled: the block is ready for someone else.
-            self.take_back(block).await;
-        }
+        Some(result)
     }
 
     /// Lends a block of `class` out of memory the pool holds, for another stream's pool
