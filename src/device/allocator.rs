@@ -318,16 +318,14 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     }
 
     /// Records `stream` on a raw allocation (PyTorch's `recordStream` for raw pointers):
-    /// its reuse waits for the stream's work enqueued before it is deleted.
+    /// its reuse waits for the stream's work enqueued before it is deleted. The allocation
+    /// stays in the table of raw pointers meanwhile: a `raw_record_stream` or `raw_delete`
+    /// of the same address on another thread waits for this one and then finds it.
     pub fn raw_record_stream(&self, ptr: u64, stream: &R::Stream) -> Result<(), Error> {
-        let mut raw = self
-            .inner
+        self.inner
             .raw
-            .remove(ptr as usize)
-            .ok_or(Error::UnknownPointer { ptr })?;
-        let recorded = raw.record_stream(stream);
-        self.inner.raw.insert(ptr as usize, raw);
-        recorded
+            .with(ptr as usize, |raw| raw.record_stream(stream))
+            .ok_or(Error::UnknownPointer { ptr })?
     }
 
     /// Records `stream` on `buf` after checking that this allocator lent it

@@ -1,25 +1,34 @@
-//! The buffers lent through the raw-pointer calls (`raw_alloc_with_stream`, `raw_delete`),
-//! by address: a lock-free open-addressing table.
+//! The buffers lent through the raw-pointer calls (`raw_alloc_with_stream`, `raw_delete`,
+//! `raw_record_stream`), by address: a lock-free open-addressing table.
 //!
 //! Owns those buffers: `raw_alloc_with_stream` puts one in, `raw_delete` takes it out and
-//! drops it (the free). A buffer is filed as one pointer (`Filed`): the allocator files
-//! `RawLease`s, the block alone, so that a raw allocation allocates nothing more. Each slot
-//! holds an address (0: never used, 1: used once, now free) and that pointer. An insert
-//! claims the first free slot of its address's probe sequence with a compare-and-swap, then
-//! publishes the buffer; a removal takes the buffer with a swap, so of two racing
-//! `raw_delete`s of one address exactly one gets it and the other gets a typed error, as does
-//! a `raw_delete` of an address never lent. When a probe sequence is full, the buffer goes to
-//! an overflow list owned by whoever holds its receiving end (an insert or a removal that
-//! finds the list non-empty drains it, looks, and puts back what it did not take), so no
-//! request is ever refused for want of slots.
+//! drops it (the free), `raw_record_stream` works on it where it lies. A buffer is filed as
+//! one pointer (`Filed`): the allocator files `RawLease`s, the block alone, so that a raw
+//! allocation allocates nothing more. Each slot holds an address (0: never used, 1: used
+//! once, now free) and that pointer. An insert claims the first free slot of its address's
+//! probe sequence with a compare-and-swap, then publishes the buffer.
+//!
+//! Every other access to a filed buffer first takes its slot: a compare-and-swap from the
+//! buffer's pointer to a busy mark, which only one caller at a time wins (the others wait for the
+//! slot to be put back, a few instructions later). The taker checks, while it holds the slot,
+//! that the slot is still filed under its address (it may have been freed and filed again
+//! under another in the meantime), then either takes the buffer out (a removal: of two racing
+//! `raw_delete`s of one address exactly one gets it, and the other gets a typed error, as
+//! does a `raw_delete` of an address never lent) or works on it in place and puts it back
+//! ([`RawTable::with`]): the buffer never leaves the table while it is worked on, so a
+//! concurrent `raw_record_stream` or `raw_delete` of it always finds it. When a probe
+//! sequence is full, the buffer goes to an overflow list under a lock (rare: a full
+//! sequence of 64 slots), where the same operations happen under that lock; so no request
+//! is ever refused for want of slots.
 
 use std::marker::PhantomData;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use crate::actors::{RawLease, Runtime};
 
-/// What the table files: an owner that travels as one non-null pointer.
+/// What the table files: an owner that travels as one non-null, aligned pointer.
 pub(crate) trait Filed: Send + Sized {
     fn into_ptr(self) -> *mut ();
     /// # Safety
@@ -57,8 +66,11 @@ const PROBES: usize = 64;
 const EMPTY: usize = 0;
 const FREED: usize = 1;
 
-/// Buffers whose probe sequence was full, with their addresses.
-type Overflow<T> = (flume::Sender<(usize, T)>, flume::Receiver<(usize, T)>);
+/// The value of a slot whose buffer someone has taken to work on: address 1, which no filed
+/// pointer is (blocks and boxes are aligned).
+fn busy() -> *mut () {
+    std::ptr::NonNull::<()>::dangling().as_ptr()
+}
 
 struct Slot {
     addr: AtomicUsize,
@@ -68,7 +80,8 @@ struct Slot {
 /// Buffers by device address.
 pub(crate) struct RawTable<T: Filed> {
     slots: Box<[Slot]>,
-    overflow: Overflow<T>,
+    /// Buffers whose probe sequence was full, with their addresses.
+    overflow: Mutex<Vec<(usize, T)>>,
     overflowed: AtomicUsize,
     _owns: PhantomData<T>,
 }
@@ -84,6 +97,38 @@ fn home(addr: usize) -> usize {
     ((addr as u64).wrapping_mul(MULTIPLIER) >> (64 - SLOTS.trailing_zeros())) as usize
 }
 
+/// A slot taken by [`RawTable::take_slot`]: it holds the buffer, and puts it back into the
+/// slot when dropped (also when the work on it panics), unless it was taken out for good.
+struct Taken<'a, T: Filed> {
+    slot: &'a Slot,
+    value: Option<T>,
+}
+
+impl<T: Filed> Taken<'_, T> {
+    /// Empties the slot for good and hands its buffer over (a taken slot always holds one).
+    fn remove(mut self) -> Option<T> {
+        let value = self.value.take();
+        // The value first: while the slot is taken, no insert may claim it.
+        self.slot.value.store(ptr::null_mut(), Ordering::Release);
+        self.slot.addr.store(FREED, Ordering::Release);
+        value
+    }
+}
+
+impl<T: Filed> Drop for Taken<'_, T> {
+    fn drop(&mut self) {
+        if let Some(v) = self.value.take() {
+            self.slot.value.store(v.into_ptr(), Ordering::Release);
+        }
+    }
+}
+
+/// The lock of the overflow list, also after a panic while it was held (the list itself
+/// is always whole: it is only pushed to and swap-removed from).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 impl<T: Filed> RawTable<T> {
     pub(crate) fn new() -> Self {
         Self {
@@ -93,7 +138,7 @@ impl<T: Filed> RawTable<T> {
                     value: AtomicPtr::new(ptr::null_mut()),
                 })
                 .collect(),
-            overflow: flume::unbounded(),
+            overflow: Mutex::new(Vec::new()),
             overflowed: AtomicUsize::new(0),
             _owns: PhantomData,
         }
@@ -116,37 +161,85 @@ impl<T: Filed> RawTable<T> {
                     .compare_exchange(cur, addr, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
             {
+                // The slot's value is null: it is emptied before its address is freed, and
+                // nobody takes a null value.
                 slot.value.store(value.into_ptr(), Ordering::Release);
                 return;
             }
         }
+        let mut overflow = lock(&self.overflow);
+        overflow.push((addr, value));
         self.overflowed.fetch_add(1, Ordering::SeqCst);
-        // The receiver lives beside the sender: the send cannot fail.
-        let _ = self.overflow.0.send((addr, value));
     }
 
-    /// Takes out what is filed under `addr`, if anything.
-    pub(crate) fn remove(&self, addr: usize) -> Option<T> {
+    /// Takes slot `slot` if it holds the buffer filed under `addr`: `None` when it holds
+    /// nothing or another address's buffer. Waits while another caller has it taken.
+    fn take_slot<'a>(&self, slot: &'a Slot, addr: usize) -> Option<Taken<'a, T>> {
+        let mut spins = 0u32;
+        loop {
+            let p = slot.value.load(Ordering::Acquire);
+            if p.is_null() {
+                return None;
+            }
+            if p == busy() {
+                // Held for a few instructions (or one `record_stream`): spin, then yield.
+                spins += 1;
+                if spins < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            if slot
+                .value
+                .compare_exchange_weak(p, busy(), Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            // SAFETY: `p` came from `into_ptr` in `insert` (or a `Taken`'s drop), and the
+            // exchange made this call its only holder until it stores a pointer back.
+            let value = unsafe { T::from_ptr(p) };
+            let taken = Taken {
+                slot,
+                value: Some(value),
+            };
+            // While the slot is taken its address is the buffer's: it changes only once the
+            // value is emptied. The slot may have been freed and filed again under another
+            // address since this caller read the address.
+            if slot.addr.load(Ordering::Acquire) == addr {
+                return Some(taken);
+            }
+            return None;
+        }
+    }
+
+    /// Finds the slot filed under `addr` and takes it (see [`RawTable::take_slot`]).
+    fn find(&self, addr: usize) -> Option<Taken<'_, T>> {
         for i in Self::probe(addr) {
             let slot = &self.slots[i];
             let cur = slot.addr.load(Ordering::Acquire);
             if cur == EMPTY {
                 break;
             }
+            // A slot whose buffer was just taken out may still read `addr` for a moment:
+            // the address may be filed again further on, so the search goes on.
             if cur == addr {
-                let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
-                if p.is_null() {
-                    // Another removal took it (or the insert has not published it yet,
-                    // which the caller's order rules out).
-                    return None;
+                if let Some(taken) = self.take_slot(slot, addr) {
+                    return Some(taken);
                 }
-                slot.addr.store(FREED, Ordering::Release);
-                // SAFETY: `p` came from `into_ptr` in `insert`, and the swap made this call
-                // its only owner.
-                return Some(unsafe { T::from_ptr(p) });
             }
         }
-        self.remove_overflow(addr)
+        None
+    }
+
+    /// Takes out what is filed under `addr`, if anything.
+    pub(crate) fn remove(&self, addr: usize) -> Option<T> {
+        match self.find(addr) {
+            Some(taken) => taken.remove(),
+            None => self.remove_overflow(addr),
+        }
     }
 
     #[cold]
@@ -154,48 +247,52 @@ impl<T: Filed> RawTable<T> {
         if self.overflowed.load(Ordering::SeqCst) == 0 {
             return None;
         }
-        let mut found = None;
-        let mut rest = Vec::new();
-        for (a, v) in self.overflow.1.try_iter() {
-            if found.is_none() && a == addr {
-                found = Some(v);
-            } else {
-                rest.push((a, v));
-            }
-        }
-        for item in rest {
-            let _ = self.overflow.0.send(item);
-        }
-        if found.is_some() {
-            self.overflowed.fetch_sub(1, Ordering::SeqCst);
-        }
-        found
+        let mut overflow = lock(&self.overflow);
+        let i = overflow.iter().position(|(a, _)| *a == addr)?;
+        self.overflowed.fetch_sub(1, Ordering::SeqCst);
+        Some(overflow.swap_remove(i).1)
     }
 
-    /// Takes out everything filed (for the allocator's teardown).
+    /// Runs `f` on what is filed under `addr` where it lies (`None`, and `f` not run, when
+    /// nothing is): a removal or another `with` of the same address waits until `f` is done,
+    /// and never misses the buffer meanwhile.
+    pub(crate) fn with<U>(&self, addr: usize, f: impl FnOnce(&mut T) -> U) -> Option<U> {
+        if let Some(mut taken) = self.find(addr) {
+            return taken.value.as_mut().map(f);
+        }
+        self.with_overflow(addr, f)
+    }
+
+    #[cold]
+    fn with_overflow<U>(&self, addr: usize, f: impl FnOnce(&mut T) -> U) -> Option<U> {
+        if self.overflowed.load(Ordering::SeqCst) == 0 {
+            return None;
+        }
+        let mut overflow = lock(&self.overflow);
+        let (_, v) = overflow.iter_mut().find(|(a, _)| *a == addr)?;
+        Some(f(v))
+    }
+
+    /// Takes out everything filed (for the allocator's teardown, when nothing else can
+    /// reach the table).
     pub(crate) fn drain(&self) -> Vec<T> {
         let mut out = Vec::new();
         for slot in self.slots.iter() {
             let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
-            if !p.is_null() {
-                // SAFETY: as in `remove`.
+            if !p.is_null() && p != busy() {
+                // SAFETY: as in `take_slot`; the swap made this call its only owner.
                 out.push(unsafe { T::from_ptr(p) });
             }
         }
-        out.extend(self.overflow.1.try_iter().map(|(_, v)| v));
+        out.extend(lock(&self.overflow).drain(..).map(|(_, v)| v));
         out
     }
 }
 
 impl<T: Filed> Drop for RawTable<T> {
     fn drop(&mut self) {
-        for slot in self.slots.iter() {
-            let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
-            if !p.is_null() {
-                // SAFETY: as in `remove`; nobody else can reach the table any more.
-                drop(unsafe { T::from_ptr(p) });
-            }
-        }
+        // Nobody else can reach the table any more.
+        drop(self.drain());
     }
 }
 
@@ -232,20 +329,25 @@ mod tests {
         assert_eq!(t.remove(0x2000).as_deref(), Some(&2));
     }
 
-    #[test]
-    fn addresses_past_a_full_probe_sequence_overflow_and_are_still_found() {
-        let t = RawTable::new();
-        // Addresses that all start at the same slot: those whose products with the hash's
-        // multiplier are small (the multiplier's inverse modulo 2^64 times 1, 2, 3, ...).
+    /// `n` addresses whose probe sequences all start at one slot: those whose products with
+    /// the hash's multiplier are small (the multiplier's inverse modulo 2^64 times 1, 2, 3...).
+    fn colliding(n: usize) -> Vec<usize> {
         let mut inverse = MULTIPLIER;
         for _ in 0..5 {
             inverse = inverse.wrapping_mul(2u64.wrapping_sub(MULTIPLIER.wrapping_mul(inverse)));
         }
         assert_eq!(MULTIPLIER.wrapping_mul(inverse), 1);
-        let addrs: Vec<usize> = (1..=PROBES as u64 + 10)
+        let addrs: Vec<usize> = (1..=n as u64)
             .map(|i| i.wrapping_mul(inverse) as usize)
             .collect();
         assert!(addrs.iter().all(|&a| home(a) == home(addrs[0])));
+        addrs
+    }
+
+    #[test]
+    fn addresses_past_a_full_probe_sequence_overflow_and_are_still_found() {
+        let t = RawTable::new();
+        let addrs = colliding(PROBES + 10);
         for &a in &addrs {
             t.insert(a, Box::new(a));
         }
@@ -253,6 +355,63 @@ mod tests {
             assert_eq!(t.remove(a).as_deref(), Some(&a));
         }
         assert!(t.drain().is_empty());
+    }
+
+    /// Threads that work on one filed address in place while another takes it out: every
+    /// `with` before the removal finds the buffer (none is lost to another's work on it), the
+    /// removal finds it too, and the buffer taken out carries every change made to it.
+    fn with_racing_a_removal(overflowed: bool) {
+        let rounds = if cfg!(miri) { 2 } else { 50 };
+        for round in 0..rounds {
+            let t = std::sync::Arc::new(RawTable::new());
+            let addr = if overflowed {
+                // The address's probe sequence is full of others: it lies in the overflow.
+                let addrs = colliding(PROBES + 1);
+                for &a in &addrs[..PROBES] {
+                    t.insert(a, Box::new(0usize));
+                }
+                addrs[PROBES]
+            } else {
+                0x20_0000 + round * 512
+            };
+            t.insert(addr, Box::new(0usize));
+            let removing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let workers: Vec<_> = (0..3)
+                .map(|_| {
+                    let (t, removing) = (t.clone(), removing.clone());
+                    std::thread::spawn(move || {
+                        let mut done = 0;
+                        for _ in 0..if cfg!(miri) { 5 } else { 500 } {
+                            match t.with(addr, |v| **v += 1) {
+                                Some(()) => done += 1,
+                                None => {
+                                    assert!(removing.load(Ordering::SeqCst), "lost the buffer");
+                                    break;
+                                }
+                            }
+                        }
+                        done
+                    })
+                })
+                .collect();
+            std::thread::yield_now();
+            removing.store(true, Ordering::SeqCst);
+            let taken = t.remove(addr).expect("the removal finds the buffer");
+            let done: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+            assert_eq!(*taken, done);
+            assert_eq!(t.remove(addr), None);
+            assert_eq!(t.with(addr, |_| ()), None);
+        }
+    }
+
+    #[test]
+    fn work_in_place_on_an_address_racing_its_removal_loses_nothing() {
+        with_racing_a_removal(false);
+    }
+
+    #[test]
+    fn work_in_place_on_an_overflowed_address_racing_its_removal_loses_nothing() {
+        with_racing_a_removal(true);
     }
 
     #[test]

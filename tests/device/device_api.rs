@@ -143,7 +143,7 @@ async fn raw_pointers_give_back_the_bytes_they_requested_when_deleted() {
     let st = pool.stats(0).unwrap();
     assert_eq!(st.requested_bytes.all.current, 3000 + MIB as i64 + 1);
     assert_eq!(st.allocated_bytes.all.current, 3072 + MIB as i64 + 512);
-    // Recording a stream takes the pointer out of the table and puts it back.
+    // Recording a stream works on the pointer where it lies in the table.
     pool.raw_record_stream(q, &sim.stream()).unwrap();
     pool.raw_delete(q).unwrap();
     let st = pool.stats(0).unwrap();
@@ -154,6 +154,70 @@ async fn raw_pointers_give_back_the_bytes_they_requested_when_deleted() {
     assert_eq!(st.requested_bytes.all.current, 0);
     assert_eq!(st.allocation.all.current, 0);
     assert_eq!(st.requested_bytes.all.freed, 3000 + MIB as i64 + 1);
+}
+
+// `record_stream` on one pointer from many threads at once, with its free racing them (as
+// PyTorch's threads do with one tensor): every record before the free reaches the block, the
+// free always finds the pointer, and the block waits for every stream recorded.
+#[test]
+fn racing_record_streams_and_a_free_of_one_raw_pointer_lose_neither_a_stream_nor_the_free() {
+    let rt = pinpool_testkit::multi_thread(2);
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .handle(rt.handle().clone())
+        .build()
+        .unwrap();
+    let own = sim.stream();
+    let threads = 4;
+    for round in 0..20 {
+        let p = pool.raw_alloc_with_stream(MIB, &own).unwrap();
+        let streams: Vec<_> = (0..threads).map(|_| sim.stream()).collect();
+        let holds: Vec<_> = streams.iter().map(|s| s.hold()).collect();
+        let first = std::sync::Barrier::new(threads + 1);
+        let deleting = std::sync::atomic::AtomicBool::new(false);
+        let recorded = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for s in &streams {
+                let (pool, first, deleting, recorded) = (&pool, &first, &deleting, &recorded);
+                scope.spawn(move || {
+                    // Every thread records once before the free can start.
+                    pool.raw_record_stream(p, s).unwrap();
+                    first.wait();
+                    for _ in 0..200 {
+                        match pool.raw_record_stream(p, s) {
+                            Ok(()) => {
+                                recorded.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            }
+                            // The free came first (it had begun by the time the record
+                            // failed): the pointer is gone.
+                            Err(Error::UnknownPointer { .. })
+                                if deleting.load(std::sync::atomic::Ordering::SeqCst) =>
+                            {
+                                break
+                            }
+                            Err(e) => panic!("record_stream of round {round} failed: {e}"),
+                        }
+                    }
+                });
+            }
+            first.wait();
+            // The free comes while the threads are in the middle of their records.
+            while recorded.load(std::sync::atomic::Ordering::SeqCst) < threads * 50 {
+                std::thread::yield_now();
+            }
+            deleting.store(true, std::sync::atomic::Ordering::SeqCst);
+            pool.raw_delete(p)
+                .expect("the free finds the pointer while others record streams on it");
+        });
+        assert_eq!(pool.stats(0).unwrap().allocation.all.current, 0, "leaked");
+        // Every stream was recorded: the block waits while any of them is still busy.
+        for (i, hold) in holds.into_iter().enumerate() {
+            let q = pool.raw_alloc_with_stream(MIB, &own).unwrap();
+            assert_ne!(q, p, "reused while stream {i} of {threads} was busy");
+            pool.raw_delete(q).unwrap();
+            drop(hold);
+        }
+    }
 }
 
 #[tokio::test]
