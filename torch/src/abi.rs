@@ -3,19 +3,17 @@
 //! Owns the last error: each failed call stores its message for the calling thread (read it
 //! with `pinpool_last_error`), and the first [`LOUD_ERRORS`] failures of the process are
 //! also written to stderr, so that a NULL that becomes PyTorch's out-of-memory error, or a
-//! free whose failure PyTorch never sees, still says what went wrong. A panic inside a call
-//! is caught and is one more error. The entry points' bodies are the `*_with` functions
-//! here, generic over the runtime, so that the simulated runtime tests what the exported
-//! symbols do.
+//! free whose failure PyTorch never sees, still says what went wrong. Every entry point runs
+//! whole inside [`guarded`]: a panic anywhere in it (making the allocator, keeping the
+//! thread's context, the call itself) is caught and is one more error, and reporting an
+//! error cannot panic either: stderr is written with one `write` call whose failure (a
+//! closed pipe: `python train.py 2>&1 | head`) is ignored, and the thread's last error is
+//! skipped when the thread is exiting and its storage is gone.
 
 use std::cell::RefCell;
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-
-use pinpool::{DeviceRuntime, Error};
-
-use crate::plugin::Plugin;
 
 /// How many failures of the process are written to stderr besides being stored.
 pub(crate) const LOUD_ERRORS: usize = 16;
@@ -26,23 +24,53 @@ thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
+/// Writes `text` to the process's stderr (file descriptor 2) as it is, bypassing Rust's
+/// stderr handle (its lock, and `eprintln!`'s panic when the write fails); a failed or short
+/// write is given up.
+fn write_stderr(text: &str) {
+    #[cfg(unix)]
+    {
+        // SAFETY: `text` is valid for reads of its length; `write` touches nothing else.
+        let _ = unsafe { libc::write(2, text.as_ptr().cast(), text.len()) };
+    }
+    #[cfg(not(unix))]
+    {
+        use std::io::Write;
+        let _ = std::io::stderr().write_all(text.as_bytes());
+    }
+}
+
+/// Stores `message` as the calling thread's last error (and writes it to stderr while the
+/// process has had fewer than [`LOUD_ERRORS`] failures, unless `quiet`).
+fn store_error(op: &str, message: &str, quiet: bool) {
+    let text = format!("pinpool: {op}: {message}");
+    let n = FAILURES.fetch_add(1, Ordering::Relaxed);
+    if n < LOUD_ERRORS && !quiet {
+        let mut line = format!("{text}\n");
+        if n + 1 == LOUD_ERRORS {
+            line.push_str("pinpool: further errors are only kept for pinpool_last_error\n");
+        }
+        write_stderr(&line);
+    }
+    // At thread exit the storage may be gone already: the message is then only counted.
+    let _ = LAST_ERROR.try_with(|e| {
+        if let Ok(mut e) = e.try_borrow_mut() {
+            *e = text;
+        }
+    });
+}
+
 /// Stores `message` as the calling thread's last error (and writes it to stderr while the
 /// process has had fewer than [`LOUD_ERRORS`] failures).
 pub(crate) fn set_last_error(op: &str, message: &str) {
-    let text = format!("pinpool: {op}: {message}");
-    let n = FAILURES.fetch_add(1, Ordering::Relaxed);
-    if n < LOUD_ERRORS {
-        eprintln!("{text}");
-        if n + 1 == LOUD_ERRORS {
-            eprintln!("pinpool: further errors are only kept for pinpool_last_error");
-        }
-    }
-    LAST_ERROR.with(|e| *e.borrow_mut() = text);
+    store_error(op, message, false)
 }
 
 /// The calling thread's last error ("" if none).
 pub(crate) fn last_error() -> String {
-    LAST_ERROR.with(|e| e.borrow().clone())
+    LAST_ERROR
+        .try_with(|e| e.try_borrow().map(|e| e.clone()).unwrap_or_default())
+        .unwrap_or_default()
 }
 
 /// How many calls have failed in this process.
@@ -50,25 +78,42 @@ pub(crate) fn failures() -> usize {
     FAILURES.load(Ordering::Relaxed)
 }
 
-/// Runs `f`; an error or a panic is stored as the last error and gives `fail`.
-pub(crate) fn guarded<T, E: std::fmt::Display>(
+/// What a panic's payload says.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".to_string())
+}
+
+/// Runs `f`, an entry point's whole body; an error or a panic is stored as the last error
+/// and gives `fail`. Nothing here unwinds: a panic while reporting (or dropping a panic's payload) gives
+/// `fail` too.
+pub(crate) fn guarded<T: Copy, E: std::fmt::Display>(
     op: &str,
     fail: T,
     f: impl FnOnce() -> Result<T, E>,
 ) -> T {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    let outcome = catch_unwind(AssertUnwindSafe(f));
+    let reported = catch_unwind(AssertUnwindSafe(|| match outcome {
         Ok(Ok(v)) => v,
         Ok(Err(e)) => {
             set_last_error(op, &e.to_string());
             fail
         }
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".to_string());
-            set_last_error(op, &format!("panicked: {what}"));
+            set_last_error(op, &format!("panicked: {}", panic_message(&*panic)));
+            // The payload is dropped inside this guard.
+            drop(panic);
+            fail
+        }
+    }));
+    match reported {
+        Ok(v) => v,
+        Err(panic) => {
+            // Its drop could panic again: it is leaked instead.
+            std::mem::forget(panic);
             fail
         }
     }
@@ -92,44 +137,4 @@ pub(crate) unsafe fn copy_out(text: &str, buf: *mut c_char, cap: usize) -> usize
         }
     }
     bytes.len()
-}
-
-/// The body of `pinpool_alloc`: the address, or null (the error stored) on failure.
-pub(crate) fn alloc_with<R: DeviceRuntime>(
-    plugin: Result<&Plugin<R>, Error>,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-) -> *mut c_void {
-    let handle = stream as usize;
-    guarded("alloc", 0, || plugin?.alloc(size, device, handle)) as *mut c_void
-}
-
-/// The body of `pinpool_free`.
-pub(crate) fn free_with<R: DeviceRuntime>(
-    plugin: Result<&Plugin<R>, Error>,
-    ptr: *mut c_void,
-    device: c_int,
-    stream: *mut c_void,
-) {
-    let (ptr, handle) = (ptr as usize, stream as usize);
-    guarded("free", (), || plugin?.free(ptr, device, handle))
-}
-
-/// The body of `pinpool_record_stream`, for a block of device `device`.
-pub(crate) fn record_stream_with<R: DeviceRuntime>(
-    plugin: Result<&Plugin<R>, Error>,
-    ptr: *mut c_void,
-    device: c_int,
-    stream: *mut c_void,
-) {
-    let (ptr, handle) = (ptr as usize, stream as usize);
-    guarded("record_stream", (), || {
-        plugin?.record_stream(ptr, device, handle)
-    })
-}
-
-/// A status for C: 0 on success, -1 (the error stored) on failure.
-pub(crate) fn status<E: std::fmt::Display>(op: &str, f: impl FnOnce() -> Result<(), E>) -> c_int {
-    guarded(op, -1, || f().map(|()| 0))
 }

@@ -206,12 +206,16 @@ impl CudaStreams {
 
 impl StreamMap<CudaRuntime> for CudaStreams {
     fn stream(&self, device: usize, handle: usize) -> Result<Arc<CudaStream>, Error> {
-        let cached = STREAMS.with(|c| {
-            c.borrow()
-                .iter()
-                .find(|(d, h, _)| *d == device && *h == handle)
-                .map(|(_, _, s)| s.clone())
-        });
+        // At thread exit the cache may be gone: the stream is then wrapped afresh.
+        let cached = STREAMS
+            .try_with(|c| {
+                c.borrow()
+                    .iter()
+                    .find(|(d, h, _)| *d == device && *h == handle)
+                    .map(|(_, _, s)| s.clone())
+            })
+            .ok()
+            .flatten();
         if let Some(s) = cached {
             return Ok(s);
         }
@@ -224,7 +228,7 @@ impl StreamMap<CudaRuntime> for CudaStreams {
             // wrapper never destroys the stream. Work is ordered by PyTorch's own calls.
             other => unsafe { ctx.wrap_borrowed_stream(other as sys::CUstream) },
         };
-        STREAMS.with(|c| {
+        let _ = STREAMS.try_with(|c| {
             let mut c = c.borrow_mut();
             if c.len() >= CACHED_STREAMS {
                 c.clear();

@@ -1,13 +1,16 @@
 //! The exported C symbols (listed in `docs/torch.md`), each a thin adapter over the
-//! crate's `abi` module (no panic crosses the boundary, errors become null or -1 and a
-//! last-error string) and the process's plugin. Without the `cuda` feature they exist too,
-//! and every call fails with [`Error::DeviceUnavailable`] (and alloc returns null).
+//! crate's `abi` module and the process's plugin. Every symbol's whole body runs inside
+//! [`entry`] (the thread's context kept, the plugin made or found, the call, the context put
+//! back): no panic crosses the boundary, errors become null or -1 and a last-error string.
+//! Without the `cuda` feature they exist too, and every call fails with
+//! [`Error::DeviceUnavailable`] (and alloc returns null); `pinpool_cuda_support` says which
+//! build this is.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
 use pinpool::Error;
 
-use crate::abi::{self, guarded, status};
+use crate::abi::{self, guarded};
 use crate::call_times;
 #[cfg(feature = "cuda")]
 mod backend {
@@ -27,15 +30,32 @@ mod backend {
         }
     }
 
+    /// The tests make every call of this backend panic, to check that no panic leaves an
+    /// entry point.
+    #[cfg(test)]
+    pub(crate) static PANIC: std::sync::atomic::AtomicBool =
+        std::sync::atomic::AtomicBool::new(false);
+
+    fn maybe_panic(what: &str) {
+        #[cfg(test)]
+        if PANIC.load(std::sync::atomic::Ordering::Relaxed) {
+            panic!("injected panic in {what}");
+        }
+        let _ = what;
+    }
+
     pub(super) fn plugin() -> Result<&'static Plugin<SimRuntime>, Error> {
+        maybe_panic("plugin");
         Err(absent())
     }
 
     pub(super) fn block_on<T>(_: impl std::future::Future<Output = T>) -> Result<T, Error> {
+        maybe_panic("block_on");
         Err(absent())
     }
 
     pub(super) fn pointer_device(_: *mut std::ffi::c_void) -> Result<i32, Error> {
+        maybe_panic("pointer_device");
         Err(absent())
     }
 
@@ -43,21 +63,39 @@ mod backend {
 
     impl KeepContext {
         pub(super) fn new() -> Self {
+            maybe_panic("KeepContext::new");
             KeepContext
         }
     }
 }
 
+#[cfg(all(test, not(feature = "cuda")))]
+pub(crate) use backend::PANIC;
 use backend::{block_on, plugin, pointer_device, KeepContext};
+
+/// Runs an entry point's body `f` under the C boundary's rules ([`abi::guarded`]), with the
+/// calling thread's current context kept as it was.
+fn entry<T: Copy, E: std::fmt::Display>(op: &str, fail: T, f: impl FnOnce() -> Result<T, E>) -> T {
+    guarded(op, fail, || {
+        let _keep = KeepContext::new();
+        f()
+    })
+}
+
+/// [`entry`] for a call that answers 0 on success and -1 on failure.
+fn status<E: std::fmt::Display>(op: &str, f: impl FnOnce() -> Result<(), E>) -> c_int {
+    entry(op, -1, || f().map(|()| 0))
+}
 
 /// `void* alloc(size_t size, int device, cudaStream_t stream)`: null for size 0 and on
 /// failure (out of memory, no such device; the reason in `pinpool_last_error`).
 #[no_mangle]
 pub extern "C" fn pinpool_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    call_times::ALLOC.time(|| {
-        let _keep = KeepContext::new();
-        abi::alloc_with(plugin(), size, device, stream)
-    })
+    let stream = stream as usize;
+    let p = entry("alloc", 0, || {
+        call_times::ALLOC.time(|| plugin()?.alloc(size, device, stream))
+    });
+    p as *mut c_void
 }
 
 /// `void free(void* ptr, size_t size, int device, cudaStream_t stream)`: `stream` is the
@@ -65,51 +103,53 @@ pub extern "C" fn pinpool_alloc(size: usize, device: c_int, stream: *mut c_void)
 #[no_mangle]
 pub extern "C" fn pinpool_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     let _ = size;
-    call_times::FREE.time(|| {
-        let _keep = KeepContext::new();
-        abi::free_with(plugin(), ptr, device, stream)
+    let (ptr, stream) = (ptr as usize, stream as usize);
+    entry("free", (), || {
+        call_times::FREE.time(|| plugin()?.free(ptr, device, stream))
     })
 }
 
 /// `void record_stream(void* ptr, cudaStream_t stream)` (`Tensor.record_stream`).
 #[no_mangle]
 pub extern "C" fn pinpool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    let _keep = KeepContext::new();
-    let device = guarded("record_stream", -1, || pointer_device(ptr));
-    if device >= 0 {
-        abi::record_stream_with(plugin(), ptr, device, stream)
-    }
+    entry("record_stream", (), || {
+        let device = pointer_device(ptr)?;
+        plugin()?.record_stream(ptr as usize, device, stream as usize)
+    })
 }
 
 /// `void empty_cache(void)`: what `torch.cuda.empty_cache()` calls.
 #[no_mangle]
 pub extern "C" fn pinpool_empty_cache() {
-    let _keep = KeepContext::new();
     status("empty_cache", || plugin()?.empty_cache());
 }
 
 /// `void memory_fraction(double fraction, int device)`.
 #[no_mangle]
 pub extern "C" fn pinpool_memory_fraction(fraction: f64, device: c_int) {
-    let _keep = KeepContext::new();
     status("memory_fraction", || {
         plugin()?.set_memory_fraction(fraction, device)
     });
 }
 
 /// Makes the allocator now (it is otherwise made by the first call): 0, or -1 with the
-/// reason in `pinpool_last_error`.
+/// reason in `pinpool_last_error`. A failed start is tried again by the next call.
 #[no_mangle]
 pub extern "C" fn pinpool_init() -> c_int {
-    let _keep = KeepContext::new();
     status("init", || plugin().map(drop))
+}
+
+/// 1 when the library was built with CUDA support (the `cuda` feature), 0 when every call
+/// fails (a build for tests and tools).
+#[no_mangle]
+pub extern "C" fn pinpool_cuda_support() -> c_int {
+    c_int::from(cfg!(feature = "cuda"))
 }
 
 /// How many devices the allocator serves (-1 on failure).
 #[no_mangle]
 pub extern "C" fn pinpool_device_count() -> c_int {
-    let _keep = KeepContext::new();
-    guarded("device_count", -1, || {
+    entry("device_count", -1, || {
         Ok::<_, Error>(plugin()?.allocator().device_count() as c_int)
     })
 }
@@ -123,8 +163,7 @@ pub extern "C" fn pinpool_device_count() -> c_int {
 /// `buf` is null or valid for writes of `cap` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn pinpool_memory_stats(device: c_int, buf: *mut c_char, cap: usize) -> i64 {
-    let _keep = KeepContext::new();
-    guarded("memory_stats", -1, || {
+    entry("memory_stats", -1, || {
         let json = plugin()?.memory_stats_json(device)?;
         // SAFETY: this function's contract.
         Ok::<_, Error>(unsafe { abi::copy_out(&json, buf, cap) } as i64)
@@ -134,8 +173,7 @@ pub unsafe extern "C" fn pinpool_memory_stats(device: c_int, buf: *mut c_char, c
 /// Bytes the allocator holds of `device` (-1 on failure).
 #[no_mangle]
 pub extern "C" fn pinpool_reserved_bytes(device: c_int) -> i64 {
-    let _keep = KeepContext::new();
-    guarded("reserved_bytes", -1, || {
+    entry("reserved_bytes", -1, || {
         Ok::<_, Error>(plugin()?.reserved_bytes(device)? as i64)
     })
 }
@@ -171,7 +209,6 @@ pub extern "C" fn pinpool_record_history(enabled: c_int, max_entries: usize) -> 
 /// `path` is a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn pinpool_dump_snapshot(path: *const c_char) -> c_int {
-    let _keep = KeepContext::new();
     status("dump_snapshot", || {
         if path.is_null() {
             return Err("null path".to_string());
@@ -242,7 +279,6 @@ pub unsafe extern "C" fn pinpool_begin_allocate_to_pool(
     ctx: *mut c_void,
     drop_ctx: Option<DropFn>,
 ) -> c_int {
-    let _keep = KeepContext::new();
     status("begin_allocate_to_pool", || {
         let Some(call) = filter else {
             if let Some(d) = drop_ctx {
@@ -267,7 +303,6 @@ pub unsafe extern "C" fn pinpool_begin_allocate_to_pool(
 /// PyTorch's `endAllocateToPool(device, (pool_a, pool_b))`: 0, or -1.
 #[no_mangle]
 pub extern "C" fn pinpool_end_allocate_to_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
-    let _keep = KeepContext::new();
     status("end_allocate_to_pool", || {
         plugin()?.end_allocate_to_pool(device, (pool_a, pool_b))
     })
@@ -276,7 +311,6 @@ pub extern "C" fn pinpool_end_allocate_to_pool(device: c_int, pool_a: u64, pool_
 /// PyTorch's `releasePool(device, (pool_a, pool_b))`: 0, or -1.
 #[no_mangle]
 pub extern "C" fn pinpool_release_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
-    let _keep = KeepContext::new();
     status("release_pool", || {
         plugin()?.release_pool(device, (pool_a, pool_b))
     })
@@ -289,8 +323,16 @@ pub extern "C" fn pinpool_release_pool(device: c_int, pool_a: u64, pool_b: u64) 
 /// `buf` is null or valid for writes of `cap` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn pinpool_last_error(buf: *mut c_char, cap: usize) -> usize {
-    // SAFETY: this function's contract.
-    unsafe { abi::copy_out(&abi::last_error(), buf, cap) }
+    // Not `entry`: a failure here must not become the last error. Nothing below panics but
+    // a failed allocation of the copy, and that is caught all the same.
+    std::panic::catch_unwind(|| {
+        // SAFETY: this function's contract.
+        unsafe { abi::copy_out(&abi::last_error(), buf, cap) }
+    })
+    .unwrap_or_else(|panic| {
+        std::mem::forget(panic);
+        0
+    })
 }
 
 /// How many calls have failed in this process.

@@ -11,10 +11,12 @@
 //! Modules: `plugin` (the hooks' meaning, generic over the runtime), `abi` (the C boundary's
 //! rules: no panic crosses it, errors become null or -1 and a last-error string),
 //! `exports` (the C symbols), `call_times` (the alloc and free calls' time, where asked),
-//! and `cuda` (the process's plugin on the CUDA runtime and
-//! PyTorch's stream handles as cudarc streams; feature `cuda`).
+//! and `cuda` (the process's plugin on the CUDA runtime and PyTorch's stream handles as
+//! cudarc streams; feature `cuda`).
 
 mod abi;
+#[cfg(test)]
+mod boundary_tests;
 mod call_times;
 #[cfg(feature = "cuda")]
 mod cuda;

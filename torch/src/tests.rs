@@ -2,7 +2,6 @@
 //! get for each input, good and bad, called from threads outside any tokio runtime.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Arc, Barrier};
 
 use crate::abi;
@@ -103,10 +102,10 @@ fn size_zero_gives_null_and_freeing_null_does_nothing() {
     let s = setup();
     assert_eq!(s.plugin.alloc(0, 0, 3), Ok(0));
     assert_eq!(s.plugin.free(0, 0, 3), Ok(()));
-    let through_c = abi::alloc_with(Ok(&s.plugin), 0, 0, 3 as *mut c_void);
-    assert!(through_c.is_null());
+    let through_c = abi::guarded("alloc", 1, || s.plugin.alloc(0, 0, 3));
+    assert_eq!(through_c, 0);
     let before = abi::failures();
-    abi::free_with(Ok(&s.plugin), std::ptr::null_mut(), 0, 3 as *mut c_void);
+    abi::guarded("free", (), || s.plugin.free(0, 0, 3));
     assert_eq!(abi::failures(), before, "freeing null is not an error");
     assert_eq!(
         s.plugin
@@ -147,7 +146,7 @@ fn freeing_an_unknown_or_already_freed_pointer_is_a_typed_error_that_changes_not
         Err(Error::UnknownPointer { ptr: p as u64 })
     );
     // Through the C boundary: nothing returned, the reason kept for the thread.
-    abi::free_with(Ok(&s.plugin), p as *mut c_void, 0, 3 as *mut c_void);
+    abi::guarded("free", (), || s.plugin.free(p, 0, 3));
     assert!(
         abi::last_error().contains("not a live raw allocation"),
         "{}",
@@ -173,8 +172,8 @@ fn a_device_that_does_not_exist_gives_null_and_says_so() {
             s.plugin.alloc(MIB, device, 3),
             Err(Error::NoSuchDevice { count: 2, .. })
         ));
-        let p = abi::alloc_with(Ok(&s.plugin), MIB, device, 3 as *mut c_void);
-        assert!(p.is_null());
+        let p = abi::guarded("alloc", 0, || s.plugin.alloc(MIB, device, 3));
+        assert_eq!(p, 0);
         assert!(
             abi::last_error().contains("no CUDA device"),
             "{}",
@@ -190,8 +189,8 @@ fn a_device_that_does_not_exist_gives_null_and_says_so() {
 #[test]
 fn out_of_memory_gives_null_with_the_reason() {
     let s = setup_with(SimRuntime::builder().device_capacity(64 * MIB).build());
-    let p = abi::alloc_with(Ok(&s.plugin), 1 << 30, 0, 3 as *mut c_void);
-    assert!(p.is_null());
+    let p = abi::guarded("alloc", 0, || s.plugin.alloc(1 << 30, 0, 3));
+    assert_eq!(p, 0);
     assert!(
         abi::last_error().contains("out of memory"),
         "{}",
