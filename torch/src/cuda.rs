@@ -1,8 +1,8 @@
 //! The CUDA side of the library: the process's one [`Plugin`] on the CUDA runtime, and
 //! PyTorch's stream handles as cudarc streams.
 //!
-//! Owns the plugin (made on first use, once, with a small tokio runtime of its own for the
-//! allocator's actors: PyTorch's threads are in none), one retained primary context per
+//! Owns the plugin (made at the first call that can make it, with a small tokio runtime of
+//! its own for the allocator's actors: PyTorch's threads are in none), one retained primary context per
 //! device (PyTorch works in the primary contexts too), and each thread's cache of wrapped
 //! stream handles. Every entry point keeps the calling thread's current context as it found
 //! it ([`KeepContext`]): the allocator binds the contexts it needs, and PyTorch's current
@@ -18,6 +18,7 @@ use pinpool::cuda::CudaRuntime;
 use pinpool::{DeviceAllocator, Error, RuntimeError};
 
 use crate::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
+use crate::start::Started;
 
 /// The thread cache of the plugin's allocator where `PINPOOL_DEVICE_CONF` is not set (see
 /// `DeviceConfig::thread_cache`): a training or generation step repeats its requests, so its
@@ -45,7 +46,9 @@ struct Backend {
     runtime: tokio::runtime::Runtime,
 }
 
-static BACKEND: OnceLock<Result<Backend, Error>> = OnceLock::new();
+/// The process's backend, made at the first call that can make it (a failed start is tried
+/// again at the next call).
+static BACKEND: Started<Backend> = Started::new();
 
 fn build() -> Result<Backend, Error> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -83,7 +86,7 @@ fn build() -> Result<Backend, Error> {
 }
 
 fn backend() -> Result<&'static Backend, Error> {
-    BACKEND.get_or_init(build).as_ref().map_err(Error::clone)
+    BACKEND.get_or_start(build)
 }
 
 /// The process's plugin, made on first use.

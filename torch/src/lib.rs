@@ -11,8 +11,9 @@
 //! Modules: `plugin` (the hooks' meaning, generic over the runtime), `abi` (the C boundary's
 //! rules: no panic crosses it, errors become null or -1 and a last-error string),
 //! `exports` (the C symbols), `call_times` (the alloc and free calls' time, where asked),
-//! and `cuda` (the process's plugin on the CUDA runtime and PyTorch's stream handles as
-//! cudarc streams; feature `cuda`).
+//! `start` (the plugin made once a start succeeds, retried after a failed one), and `cuda`
+//! (the process's plugin on the CUDA runtime and PyTorch's stream handles as cudarc
+//! streams; feature `cuda`).
 
 mod abi;
 #[cfg(test)]
@@ -22,5 +23,7 @@ mod call_times;
 mod cuda;
 pub mod exports;
 mod plugin;
+#[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+mod start;
 #[cfg(test)]
 mod tests;
