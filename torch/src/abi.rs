@@ -8,12 +8,15 @@
 //! thread's context, the call itself) is caught and is one more error, and reporting an
 //! error cannot panic either: stderr is written with one `write` call whose failure (a
 //! closed pipe: `python train.py 2>&1 | head`) is ignored, and the thread's last error is
-//! skipped when the thread is exiting and its storage is gone.
+//! skipped when the thread is exiting and its storage is gone. In a child forked from the
+//! process that started the allocator, every call fails at once (see [`crate::fork`]).
 
 use std::cell::RefCell;
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::fork;
 
 /// How many failures of the process are written to stderr besides being stored.
 pub(crate) const LOUD_ERRORS: usize = 16;
@@ -88,13 +91,19 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Runs `f`, an entry point's whole body; an error or a panic is stored as the last error
-/// and gives `fail`. Nothing here unwinds: a panic while reporting (or dropping a panic's payload) gives
+/// and gives `fail`. In a forked child `f` does not run (see [`fork`]): the call fails at
+/// once, quietly (a child that drops an inherited tensor frees nothing of the parent's).
+/// Nothing here unwinds: a panic while reporting (or dropping a panic's payload) gives
 /// `fail` too.
 pub(crate) fn guarded<T: Copy, E: std::fmt::Display>(
     op: &str,
     fail: T,
     f: impl FnOnce() -> Result<T, E>,
 ) -> T {
+    if fork::in_child() {
+        store_error(op, fork::REFUSAL, true);
+        return fail;
+    }
     let outcome = catch_unwind(AssertUnwindSafe(f));
     let reported = catch_unwind(AssertUnwindSafe(|| match outcome {
         Ok(Ok(v)) => v,

@@ -17,6 +17,7 @@ use pinpool::config::{DeviceConfig, DEVICE_ENV_VAR};
 use pinpool::cuda::CudaRuntime;
 use pinpool::{DeviceAllocator, Error, RuntimeError};
 
+use crate::fork;
 use crate::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
 use crate::start::Started;
 
@@ -51,6 +52,8 @@ struct Backend {
 static BACKEND: Started<Backend> = Started::new();
 
 fn build() -> Result<Backend, Error> {
+    // From here on, a forked child is told apart from this process.
+    fork::arm();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("pinpool-torch")

@@ -11,9 +11,9 @@
 //! Modules: `plugin` (the hooks' meaning, generic over the runtime), `abi` (the C boundary's
 //! rules: no panic crosses it, errors become null or -1 and a last-error string),
 //! `exports` (the C symbols), `call_times` (the alloc and free calls' time, where asked),
-//! `start` (the plugin made once a start succeeds, retried after a failed one), and `cuda`
-//! (the process's plugin on the CUDA runtime and PyTorch's stream handles as cudarc
-//! streams; feature `cuda`).
+//! `start` (the plugin made once a start succeeds, retried after a failed one), `fork`
+//! (a forked child refuses the parent's allocator at once), and `cuda` (the process's plugin
+//! on the CUDA runtime and PyTorch's stream handles as cudarc streams; feature `cuda`).
 
 mod abi;
 #[cfg(test)]
@@ -22,6 +22,7 @@ mod call_times;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod exports;
+mod fork;
 mod plugin;
 #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
 mod start;

@@ -42,6 +42,8 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// plugin, and by the tests on the simulated runtime).
     #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
     pub(crate) fn new(alloc: DeviceAllocator<R>, streams: Arc<dyn StreamMap<R>>) -> Self {
+        // A child forked from now on is told apart (the allocator's threads are not there).
+        crate::fork::arm();
         Self { alloc, streams }
     }
 

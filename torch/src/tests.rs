@@ -526,3 +526,46 @@ fn reset_peak_stats_brings_the_allocated_peak_down_to_what_is_allocated_now() {
     s.plugin.reset_peak_stats(0).unwrap();
     assert!(peak(&s) < (64 * MIB) as i64, "{}", peak(&s));
 }
+
+/// A child forked from a process whose allocator runs has none of its threads: a call that
+/// needs a pool actor would wait for ever. Every call there fails at once instead (an
+/// allocation gives null, a free leaks the parent's block), and the parent goes on as before.
+#[cfg(unix)]
+#[test]
+fn a_forked_child_is_refused_the_parents_allocator_at_once_instead_of_hanging() {
+    let s = setup();
+    let p = s.plugin.alloc(MIB, 0, 3).unwrap();
+    // SAFETY: the child only runs the calls below (no lock another thread may hold is
+    // taken on their refused path) and leaves with `_exit`, running no destructor.
+    match unsafe { libc::fork() } {
+        0 => {
+            // A hang is ended by the alarm's signal, which the parent sees.
+            // SAFETY: `alarm` only schedules a signal.
+            unsafe { libc::alarm(20) };
+            let big = abi::guarded("alloc", 0, || s.plugin.alloc(256 * MIB, 0, 3));
+            let small = abi::guarded("alloc", 0, || s.plugin.alloc(MIB, 0, 3));
+            abi::guarded("free", (), || s.plugin.free(p, 0, 3));
+            let refused = abi::last_error().contains("forked");
+            let code = if big == 0 && small == 0 && refused {
+                0
+            } else {
+                1
+            };
+            // SAFETY: ends the child at once, as a forked child of a threaded process must.
+            unsafe { libc::_exit(code) }
+        }
+        -1 => panic!("fork failed"),
+        child => {
+            let mut status = 0;
+            // SAFETY: `status` is a writable int; `child` is this process's child.
+            assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+            assert!(
+                libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                "the child hung or was not refused: wait status {status:#x}"
+            );
+        }
+    }
+    // The parent's allocator is untouched.
+    s.plugin.free(p, 0, 3).unwrap();
+    assert_eq!(s.plugin.alloc(MIB, 0, 3).unwrap(), p);
+}
