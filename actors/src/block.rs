@@ -232,7 +232,8 @@ impl<R: Runtime> Block<R> {
     /// The free of a buffer: back to the ready queue when no stream used the block, or when
     /// every stream that did has run all its work (see [`idle_probe`]); parked in the freeing
     /// thread's shard with one event per busy stream otherwise (to be queried inline by that
-    /// thread's next miss, or by the event poller); kept when captured work used it. A
+    /// thread's next miss, or by the event poller); kept when captured work used it, unless
+    /// it waits for the capture to end instead (see [`Block::defers_capture`]). A
     /// stream on which no event could be recorded stays with the waiting block, and the
     /// event is recorded when the block is next asked about (see
     /// [`Block::events_completed`]): such a block is never reused before, and never kept
@@ -252,6 +253,9 @@ impl<R: Runtime> Block<R> {
                     Ok(StreamAtFree::Recorded(e)) => self.events.get_mut().push(e),
                     // Nothing the stream has still to run can touch the block.
                     Ok(StreamAtFree::Finished) => {}
+                    Ok(StreamAtFree::Capturing) if self.defers_capture() => {
+                        unrecorded.push((id, s));
+                    }
                     Ok(StreamAtFree::Capturing) => {
                         keep = true;
                         break;
@@ -314,6 +318,16 @@ impl<R: Runtime> Block<R> {
                     .park(self, |p| pool.poller.send(PollerMsg::Watch(p)).is_ok());
             }
         }
+    }
+
+    /// Whether a free that finds a recorded stream capturing waits for the capture to end
+    /// instead of keeping the block: a block of a stream's pool (device memory) waits, as
+    /// PyTorch's device allocator defers such frees, and the event is recorded once the
+    /// stream captures no more (see [`Block::events_completed`]); the block is reused once
+    /// that event completes. A block allocated during a capture (invariant 4), and a host
+    /// block, which a graph may copy from on every replay, are kept.
+    fn defers_capture(&self) -> bool {
+        self.pool.owner.is_some() && !self.during_capture
     }
 
     /// What the free finds of `stream`, one that used the block: capturing, done with its

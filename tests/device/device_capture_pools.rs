@@ -373,3 +373,63 @@ async fn capture_pool_calls_work_from_plain_threads() {
     .await;
     assert_eq!(sim.device_used(0), Some(0));
 }
+
+/// The waiting and the kept blocks of every pool of device 0.
+async fn waiting_and_kept(pool: &DeviceAllocator<SimRuntime>) -> (usize, usize) {
+    let engine = pinpool::tuning::device_engine(pool, 0).unwrap();
+    let inventory = engine.inventory().await.unwrap();
+    let waiting = inventory.iter().map(|i| i.waiting_blocks).sum();
+    (waiting, inventory.iter().map(|i| i.kept_blocks).sum())
+}
+
+// A stream's block freed while another stream recorded on it captures (a side stream's
+// capture, with no capture pool of the block's): an event recorded now would become part of
+// the graph, so the free waits for the capture to end and records the event then, as
+// PyTorch's allocator defers such frees. The block comes back once that event completes:
+// never during the capture, never while the work queued on the recorded stream before it
+// still runs, and it is not kept until its pool closes (empty_cache gives it back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_freed_while_a_recorded_stream_captures_comes_back_after_the_capture_once_its_work_ran(
+) {
+    let (pool, sim) = device_pool();
+    let (own, side) = (sim.stream(), sim.stream());
+    let mut a = pool.alloc(MIB, &own).await.unwrap();
+    let used = a.device_ptr();
+    pool.record_stream(&mut a, &side).unwrap();
+    let busy = side.hold(); // work queued on `side` before its capture, still to run
+    side.begin_capture().unwrap();
+    drop(a);
+    let not_back = |what: &'static str| {
+        let (pool, own) = (pool.clone(), own.clone());
+        async move {
+            for _ in 0..5 {
+                let b = pool.alloc(MIB, &own).await.unwrap();
+                let c = pool.alloc(MIB, &own).await.unwrap();
+                assert!(b.device_ptr() != used && c.device_ptr() != used, "{what}");
+                assert_eq!(waiting_and_kept(&pool).await, (1, 0), "{what}");
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+        }
+    };
+    not_back("reused during the capture").await;
+    assert_eq!(
+        sim.events_recorded(),
+        0,
+        "no event is recorded into the capture"
+    );
+    let _graph = side.end_capture().expect("the capture stayed valid");
+    not_back("reused while the side stream's earlier work still runs").await;
+    drop(busy);
+    let t0 = std::time::Instant::now();
+    while waiting_and_kept(&pool).await != (0, 0) {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "the block never came back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    pool.empty_cache().await.unwrap();
+    assert_eq!(pool.reserved_bytes(0).unwrap(), 0, "nothing kept");
+    assert_eq!(sim.device_used(0), Some(0));
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
