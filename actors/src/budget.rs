@@ -1,8 +1,8 @@
 //! The memory limit's books: one budget of reserved bytes shared by every pool of an
 //! allocator, and the registry of those pools.
 //!
-//! Owns the cap, the bytes reserved, how many requests wait for room, the registry of the
-//! allocator's pools (as [`Member`]s, so that this module knows nothing of pools), and the
+//! Owns the cap, the bytes reserved, how many requests wait for room, how many captures are
+//! underway, the registry of the allocator's pools (as [`Member`]s, so that this module knows nothing of pools), and the
 //! allocator's free-memory callbacks (run by `miss` before it gives up). A pool
 //! reserves a block's bytes here, atomically, before it asks for fresh memory, and gives them
 //! back when the memory goes back (invariant 2: the budget's reserved bytes are the pools'
@@ -93,6 +93,9 @@ pub(crate) struct Budget {
     returns: AtomicU64,
     /// Wakes the waiting heads when `returns` grows.
     changed: tokio::sync::Notify,
+    /// Captures underway on the allocator's memory (`begin_allocate_to_pool` without its
+    /// `end_allocate_to_pool` yet), as the router last published them.
+    captures: AtomicUsize,
 }
 
 /// Source of [`Budget::id`].
@@ -119,7 +122,20 @@ impl Budget {
             turn: tokio::sync::Semaphore::new(1),
             returns: AtomicU64::new(0),
             changed: tokio::sync::Notify::new(),
+            captures: AtomicUsize::new(0),
         }
+    }
+
+    /// The router's count of captures underway.
+    pub(crate) fn set_captures(&self, n: usize) {
+        self.captures.store(n, Ordering::SeqCst);
+    }
+
+    /// Whether a capture is underway: no cache is emptied to make room meanwhile, since
+    /// giving device memory back synchronises the device, which would invalidate the
+    /// capture (see `miss`).
+    pub(crate) fn capturing(&self) -> bool {
+        self.captures.load(Ordering::SeqCst) > 0
     }
 
     /// The cap on reserved bytes, if any.

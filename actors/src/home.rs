@@ -342,8 +342,34 @@ impl<R: Runtime, B> Home<R, B> {
         offset: usize,
         len: usize,
     ) -> Result<(), RuntimeError> {
+        self.unmapped(range, offset, len, || self.memory.unmap(range, offset, len))
+    }
+
+    /// [`Home::unmap_now`] for memory no work has used since it was mapped (what a map call
+    /// that failed part way had mapped): the memory source need not wait for the device's
+    /// work, which a capture underway would not survive (`MemorySource::unmap_unused`).
+    pub(crate) fn unmap_unused_now(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        self.unmapped(range, offset, len, || {
+            self.memory.unmap_unused(range, offset, len)
+        })
+    }
+
+    /// Runs `unmap`, the source call that unmaps `[offset, offset + len)` of `range`, and
+    /// keeps the books of it.
+    fn unmapped(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+        unmap: impl FnOnce() -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
         let t0 = Instant::now();
-        let res = self.memory.unmap(range, offset, len);
+        let res = unmap();
         self.stats.host_free_time.record(t0.elapsed());
         match &res {
             Ok(()) => {

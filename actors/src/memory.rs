@@ -193,6 +193,14 @@ pub trait MemorySource: Send + Sync + 'static {
         Err(unsupported("unmap"))
     }
 
+    /// [`MemorySource::unmap`] for memory that no work has used since it was mapped (a map
+    /// call that failed part way gives back what it mapped): no wait for the device's queued
+    /// work is needed, so none is made (a device-wide synchronisation would invalidate a
+    /// capture underway). The default unmaps as `unmap` does.
+    fn unmap_unused(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        self.unmap(range, offset, size)
+    }
+
     /// Whether [`MemorySource::remap`] moves a mapped granule to another place of its range
     /// without giving its memory back (false, the default: it is not offered).
     fn remaps(&self) -> bool {

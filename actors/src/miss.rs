@@ -6,7 +6,9 @@
 //! blocking thread, and asks again if one of them freed something (once per request); where
 //! the engine lends between streams, a request of a stream's pool then borrows a block of memory another stream's pool holds,
 //! handed over by ordering its stream after the other's queued work (no driver call, no
-//! waiting: `hand_over`); failing that, it empties the cache of every pool and asks again. If it still does not
+//! waiting: `hand_over`); failing that, it empties the cache of every pool and asks again,
+//! unless a capture is underway (`Budget::capturing`): emptying a cache synchronises the
+//! device, which would invalidate the capture, so the request goes on without it. If it still does not
 //! fit, the pool queues it, first come first served (see the pool actor's `waiters`), and the
 //! request waits for its reply, up to its timeout. Cancel-safe: a dropped request tells its
 //! pool to forget it, and a block sent to it meanwhile goes back.
@@ -407,6 +409,14 @@ async fn miss_with<R: Runtime, W: Waiter>(
                 // Memory another stream's pool holds serves it without the driver.
                 if let Some(block) = borrow(pool, class, waiter).await {
                     return Ok(block);
+                }
+                if pool.budget.capturing() {
+                    // As PyTorch's allocator: no cache is emptied while a capture is
+                    // underway (giving memory back synchronises the device, which would
+                    // invalidate the capture). The pool is asked once more as if it had
+                    // been, and the request fails (or waits, as its plan says) without it.
+                    ask.emptied = true;
+                    continue;
                 }
                 if !partly {
                     // One empty-and-retry per request, in one step or two.

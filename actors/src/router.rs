@@ -5,7 +5,7 @@
 //! own, made here at its first miss: its blocks are reusable by that stream without events.
 //!
 //! `begin_allocate_to_pool` registers a capture (a private pool and a stream filter),
-//! `end_allocate_to_pool` removes it, `release_pool` drops a use of the pool; a pool whose
+//! `end_allocate_to_pool` removes it (the budget's count of captures underway follows), `release_pool` drops a use of the pool; a pool whose
 //! uses are all released is freed by the next `empty_cache`, kept blocks included (its graphs
 //! are gone, so invariant 4 no longer binds). After each change the router publishes an
 //! immutable [`RoutingTable`] through `ArcSwap`: a handle routes with one atomic load, and
@@ -21,7 +21,7 @@ use arc_swap::ArcSwap;
 use flume::Receiver;
 
 use crate::actors::block::Pool;
-use crate::actors::budget::EmptyReport;
+use crate::actors::budget::{Budget, EmptyReport};
 use crate::actors::error::Error;
 use crate::actors::mailbox::{Inventory, PoolMsg, Reply};
 use crate::actors::pool::{start_pool, PoolSpec};
@@ -141,15 +141,17 @@ struct PrivatePool<R: Runtime> {
 /// knows how).
 pub(crate) type PoolFactory<R> = Box<dyn Fn(PoolId, Option<StreamId>) -> PoolSpec<R> + Send>;
 
-/// Starts the router.
+/// Starts the router; it counts the captures underway in `budget`.
 pub(crate) fn start_router<R: Runtime>(
     table: Arc<Routes<R>>,
+    budget: Arc<Budget>,
     rx: Receiver<RouterMsg<R>>,
     factory: PoolFactory<R>,
     handle: &tokio::runtime::Handle,
 ) {
     let actor = Router {
         table,
+        budget,
         rx,
         factory,
         captures: Vec::new(),
@@ -161,6 +163,8 @@ pub(crate) fn start_router<R: Runtime>(
 
 struct Router<R: Runtime> {
     table: Arc<Routes<R>>,
+    /// Where the count of captures underway is published (see [`Budget::capturing`]).
+    budget: Arc<Budget>,
     rx: Receiver<RouterMsg<R>>,
     factory: PoolFactory<R>,
     captures: Vec<(PoolId, StreamFilter<R>)>,
@@ -336,6 +340,7 @@ impl<R: Runtime> Router<R> {
     }
 
     fn publish(&self) {
+        self.budget.set_captures(self.captures.len());
         let captures = self
             .captures
             .iter()

@@ -223,6 +223,15 @@ impl MemorySource for CudaDeviceMemory {
         unsafe { vmm::unmap(range, offset, size, size) }
     }
 
+    fn unmap_unused(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        let _keep = KeepCurrent::new();
+        self.granules_of("cuMemUnmap", range, offset, size)?;
+        let _relaxed = self.enter()?;
+        // SAFETY: the engine unmaps exactly the run of one earlier `map` call that no work
+        // has used since it was mapped (`MemorySource::unmap_unused`): nothing to wait for.
+        unsafe { vmm::unmap(range, offset, size, size) }
+    }
+
     fn remaps(&self) -> bool {
         true
     }

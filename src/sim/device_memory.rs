@@ -96,7 +96,20 @@ impl SimDeviceMemory {
     /// may go back to the device only once the work queued on it has run. A stream that
     /// does not get there within a few seconds (stopped by a test) is recorded as a
     /// violation, and the memory goes back anyway.
+    ///
+    /// In CUDA, synchronising a device while one of its streams captures invalidates the
+    /// capture: the simulation invalidates it too, and records a violation.
     fn synchronize(&self, op: &'static str) {
+        for stream in self.state().invalidate_captures() {
+            self.shared.report(
+                ViolationKind::SyncDuringCapture,
+                Some(stream),
+                format!(
+                    "device {}: {op} synchronised the device while stream {} was capturing",
+                    self.ordinal, stream.0
+                ),
+            );
+        }
         for stream in self.state().synchronize(std::time::Duration::from_secs(5)) {
             self.shared.report(
                 ViolationKind::FreedWhileInUse,
@@ -107,6 +120,40 @@ impl SimDeviceMemory {
                 ),
             );
         }
+    }
+
+    /// Unmaps exactly one earlier map call's granules, waiting for the device's queued work
+    /// first where `wait` says so (see `MemorySource::unmap_unused`).
+    fn unmap_call(
+        &self,
+        range: &Region,
+        offset: usize,
+        size: usize,
+        wait: bool,
+    ) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemUnmap";
+        self.shared.faults.check(FaultPoint::DeviceFree)?;
+        let alloc = self.reserved(OP, range)?;
+        if wait {
+            self.synchronize(OP);
+        }
+        if !alloc.set_mapped_call(offset, size, false) {
+            self.shared.report(
+                ViolationKind::InvalidFree,
+                None,
+                format!(
+                    "device {}: unmap of {size} bytes at offset {offset:#x} is not exactly one earlier map call",
+                    self.ordinal
+                ),
+            );
+            return Err(RuntimeError::new(
+                OP,
+                format!("{size} bytes at offset {offset:#x} are not one mapped call's granules"),
+            ));
+        }
+        self.give(size);
+        self.state().frees.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
     fn report_free_in_use(&self, alloc: &Arc<HostAllocation>, addr: usize, size: usize) {
@@ -243,27 +290,11 @@ impl MemorySource for SimDeviceMemory {
     }
 
     fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        const OP: &str = "cuMemUnmap";
-        self.shared.faults.check(FaultPoint::DeviceFree)?;
-        let alloc = self.reserved(OP, range)?;
-        self.synchronize(OP);
-        if !alloc.set_mapped_call(offset, size, false) {
-            self.shared.report(
-                ViolationKind::InvalidFree,
-                None,
-                format!(
-                    "device {}: unmap of {size} bytes at offset {offset:#x} is not exactly one earlier map call",
-                    self.ordinal
-                ),
-            );
-            return Err(RuntimeError::new(
-                OP,
-                format!("{size} bytes at offset {offset:#x} are not one mapped call's granules"),
-            ));
-        }
-        self.give(size);
-        self.state().frees.fetch_add(1, Ordering::SeqCst);
-        Ok(())
+        self.unmap_call(range, offset, size, true)
+    }
+
+    fn unmap_unused(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        self.unmap_call(range, offset, size, false)
     }
 
     fn remaps(&self) -> bool {

@@ -5,7 +5,8 @@
 //! of the stream's queue, so capture works even while the stream is held. `end_capture`
 //! closes the capture, waits for enqueues already under way (an in-flight counter), and
 //! drains the channel into an immutable `SimGraph`. A capture whose captured event was
-//! queried is invalidated: `end_capture` reports it and discards the graph.
+//! queried, or whose device was synchronised meanwhile, is invalidated: `end_capture`
+//! reports it and discards the graph.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
@@ -92,6 +93,16 @@ impl CaptureState {
     /// Marks capture `generation` invalid (a captured event was queried).
     pub(crate) fn invalidate(&self, generation: u64) {
         self.invalidated.store(generation, SeqCst);
+    }
+
+    /// Marks the capture underway invalid, if one is (its device was synchronised); whether
+    /// one was.
+    pub(crate) fn invalidate_underway(&self) -> bool {
+        if !self.is_capturing() {
+            return false;
+        }
+        self.invalidate(self.generation.load(SeqCst));
+        true
     }
 
     /// Routes one operation: `build` is told the capture generation (if capturing) and

@@ -116,19 +116,49 @@ pub(crate) struct DeviceState {
     frees: AtomicU64,
     /// Map calls' memory moved to another place of its range (`MemorySource::remap_run`).
     remaps: AtomicU64,
-    /// The queues of the device's streams, so that giving memory back can wait for every
-    /// stream of the device first, as `cuMemFree` does (weak: streams end on their own).
-    streams: ArcSwap<Vec<(StreamId, flume::WeakSender<worker::Op>)>>,
+    /// The queues and capture states of the device's streams, so that giving memory back can
+    /// wait for every stream of the device first, as `cuMemFree` does, and catch a capture
+    /// that this would invalidate (weak: streams end on their own).
+    streams: ArcSwap<Vec<DeviceStream>>,
+}
+
+/// A stream of a device, as its device's books see it.
+#[derive(Clone)]
+struct DeviceStream {
+    id: StreamId,
+    queue: flume::WeakSender<worker::Op>,
+    capture: std::sync::Weak<graph::CaptureState>,
 }
 
 impl DeviceState {
     /// Notes a new stream of the device.
-    pub(crate) fn add_stream(&self, id: StreamId, queue: flume::WeakSender<worker::Op>) {
+    pub(crate) fn add_stream(
+        &self,
+        id: StreamId,
+        queue: flume::WeakSender<worker::Op>,
+        capture: &Arc<graph::CaptureState>,
+    ) {
+        let stream = DeviceStream {
+            id,
+            queue,
+            capture: Arc::downgrade(capture),
+        };
         self.streams.rcu(|streams| {
             let mut all = Vec::clone(streams);
-            all.push((id, queue.clone()));
+            all.push(stream.clone());
             all
         });
+    }
+
+    /// Invalidates the capture underway on every stream of the device that captures, as a
+    /// device-wide synchronisation does in CUDA; returns those streams.
+    pub(crate) fn invalidate_captures(&self) -> Vec<StreamId> {
+        self.streams
+            .load()
+            .iter()
+            .filter(|s| s.capture.upgrade().is_some_and(|c| c.invalidate_underway()))
+            .map(|s| s.id)
+            .collect()
     }
 
     /// Waits, up to `timeout` each, until every stream of the device has run the work
@@ -137,14 +167,14 @@ impl DeviceState {
         // Ended streams drop out of the list here.
         self.streams.rcu(|streams| {
             let mut live = Vec::clone(streams);
-            live.retain(|(_, q)| q.upgrade().is_some());
+            live.retain(|s| s.queue.upgrade().is_some());
             live
         });
         let queues: Vec<_> = self
             .streams
             .load()
             .iter()
-            .filter_map(|(id, q)| Some((*id, q.upgrade()?)))
+            .filter_map(|s| Some((s.id, s.queue.upgrade()?)))
             .collect();
         let waits: Vec<_> = queues
             .into_iter()

@@ -92,8 +92,9 @@ impl SimStream {
         let (tx, rx) = flume::unbounded();
         let progress = Arc::new(Progress::default());
         let started = worker::spawn(id, Arc::clone(&shared), rx, Arc::clone(&progress));
+        let capture = Arc::new(CaptureState::new(id));
         if let Some(d) = shared.devices.get(device) {
-            d.add_stream(id, tx.downgrade());
+            d.add_stream(id, tx.downgrade(), &capture);
         }
         if let Err(e) = &started {
             tracing::error!(stream = id.0, error = %e, "simulated stream has no worker");
@@ -105,7 +106,7 @@ impl SimStream {
                 shared,
                 tx,
                 progress,
-                capture: Arc::new(CaptureState::new(id)),
+                capture,
             }),
         };
         (stream, started)

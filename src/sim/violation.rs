@@ -1,5 +1,6 @@
 //! `Violation`: a record of misuse the simulation caught (early reuse of a buffer whose
-//! device work was still queued, freeing memory still in use, freeing memory it never gave).
+//! device work was still queued, freeing memory still in use, freeing memory it never gave,
+//! synchronising a device while one of its streams captures).
 //!
 //! Owns nothing but the record type; the runtime counts violations with an atomic and the
 //! ledger actor keeps the log.
@@ -16,6 +17,10 @@ pub enum ViolationKind {
     FreedWhileInUse,
     /// `host_free` of memory this runtime did not hand out, or that was already freed.
     InvalidFree,
+    /// The device was synchronised (as giving device memory back does: `cuMemFree`, and
+    /// the synchronisation before `cuMemUnmap`) while one of its streams was capturing:
+    /// CUDA invalidates the capture, and the simulation does too.
+    SyncDuringCapture,
 }
 
 /// One caught misuse.

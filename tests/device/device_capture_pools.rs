@@ -433,3 +433,54 @@ async fn a_block_freed_while_a_recorded_stream_captures_comes_back_after_the_cap
     assert_eq!(sim.device_used(0), Some(0));
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
+
+// Out of memory while a capture is underway: PyTorch's allocator frees no cached block then,
+// since giving memory back synchronises the device, and a device-wide synchronisation
+// invalidates the capture. The request fails with a clean out-of-memory error, the other
+// pools' caches stay, the capture stays valid (the simulated device invalidates a capture
+// whose device is synchronised, and records it), and once the capture ends the same request
+// empties the caches and fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_memory_during_a_capture_empties_no_cache_and_the_capture_stays_valid() {
+    let sim = SimRuntime::builder().device_capacity(64 * MIB).build();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
+    let (other, s) = (sim.stream(), sim.stream());
+    // Memory cached in another stream's pool.
+    drop(pool.alloc(48 * MIB, &other).await.unwrap());
+    let cached = pool.reserved_bytes(0).unwrap();
+    assert!(cached >= 48 * MIB);
+    let id = PoolId::fresh();
+    begin(&pool, 0, &s, id).await;
+    let err = pool.try_alloc(32 * MIB, &s).await.unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+    assert_eq!(
+        pool.reserved_bytes(0).unwrap(),
+        cached,
+        "no cache was emptied during the capture"
+    );
+    s.end_capture().expect("the capture stays valid");
+    pool.end_allocate_to_pool(0, id).await.unwrap();
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+    // No capture underway: the caches are emptied, and the request fits.
+    let b = pool.try_alloc(32 * MIB, &s).await.unwrap();
+    assert_eq!(b.len(), 32 * MIB);
+}
+
+// A device-wide synchronisation while a stream of the device captures (as giving memory back
+// does) invalidates the capture on the simulated device, as in CUDA, and is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulated_device_invalidates_a_capture_when_memory_goes_back_during_it() {
+    let (pool, sim) = device_pool();
+    let (other, s) = (sim.stream(), sim.stream());
+    drop(pool.alloc(8 * MIB, &other).await.unwrap());
+    s.begin_capture().unwrap();
+    pool.empty_cache().await.unwrap();
+    assert!(s.end_capture().is_err(), "the capture was invalidated");
+    let log = sim.violation_log();
+    assert!(
+        log.iter()
+            .any(|v| v.kind == pinpool::sim::ViolationKind::SyncDuringCapture
+                && v.stream == Some(s.id())),
+        "{log:?}"
+    );
+}

@@ -569,3 +569,32 @@ fn a_forked_child_is_refused_the_parents_allocator_at_once_instead_of_hanging() 
     s.plugin.free(p, 0, 3).unwrap();
     assert_eq!(s.plugin.alloc(MIB, 0, 3).unwrap(), p);
 }
+
+/// Out of memory while PyTorch captures a graph (a graph pool's begin without its end): no
+/// cache is emptied, since giving memory back synchronises the device and would invalidate
+/// the capture. The allocation gives null with an out-of-memory error (the shim raises it),
+/// the capture stays valid, and once it ends the same request fits.
+#[test]
+fn out_of_memory_during_a_capture_gives_null_and_leaves_the_capture_valid() {
+    let s = setup_with(SimRuntime::builder().device_capacity(64 * MIB).build());
+    let cached = s.plugin.alloc(48 * MIB, 0, 4).unwrap();
+    s.plugin.free(cached, 0, 4).unwrap();
+    let pool = (0, 9);
+    s.plugin
+        .begin_allocate_to_pool(0, pool, |handle| handle == 5)
+        .unwrap();
+    let capturing = s.stream(0, 5).clone();
+    capturing.begin_capture().unwrap();
+    let p = abi::guarded("alloc", 0, || s.plugin.alloc(32 * MIB, 0, 5));
+    assert_eq!(p, 0);
+    assert!(
+        abi::last_error().contains("out of memory"),
+        "{}",
+        abi::last_error()
+    );
+    capturing.end_capture().expect("the capture stays valid");
+    s.plugin.end_allocate_to_pool(0, pool).unwrap();
+    let sim = s.plugin.allocator().runtime();
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+    assert_ne!(s.plugin.alloc(32 * MIB, 0, 5).unwrap(), 0);
+}

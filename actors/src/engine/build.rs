@@ -155,6 +155,7 @@ impl<R: Runtime> EngineBuilder<R> {
         let memory = self.memory.clone();
         let (poller_tx, poller_rx) = flume::unbounded();
         start_poller(poller_rx, &handle);
+        let router_budget = budget.clone();
         let spec = {
             let runtime = self.runtime.clone();
             let poller = poller_tx.clone();
@@ -185,7 +186,13 @@ impl<R: Runtime> EngineBuilder<R> {
         let default = start_pool(spec(PoolId::DEFAULT, None));
         let table = Arc::new(Routes::new());
         let (router_tx, router_rx) = flume::unbounded();
-        start_router(table.clone(), router_rx, Box::new(spec), &handle);
+        start_router(
+            table.clone(),
+            router_budget,
+            router_rx,
+            Box::new(spec),
+            &handle,
+        );
         tracing::debug!(
             engine = id,
             runtime = self.runtime.name(),

@@ -786,7 +786,7 @@ impl<R: Runtime> PoolActor<R> {
                     // the budget, as `unmap_now` does).
                     let mut released = 0;
                     for (o, l) in done {
-                        if shared.unmap_now(&segment.memory, o, l).is_ok() {
+                        if shared.unmap_unused_now(&segment.memory, o, l).is_ok() {
                             released += l;
                         }
                     }
