@@ -1005,6 +1005,76 @@ def pinpool_tests():
         assert y2.sum().item() == 4 * 1024
         del g1, g2
 
+    def t_second_capture_into_a_capturing_pool_raises():
+        # PyTorch's allocator refuses a capture into a pool that is capturing already
+        # ("already recording to mempool_id"); the shim raises pinpool's refusal the same way,
+        # before the second capture begins, and the first capture is unaffected.
+        pool = torch.cuda.graph_pool_handle()
+        x = torch.ones(1024, device="cuda")
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        s1.wait_stream(torch.cuda.current_stream())
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        raised = None
+        with torch.cuda.stream(s1):
+            g1.capture_begin(pool=pool)
+            y = x * 2
+            with torch.cuda.stream(s2):
+                try:
+                    g2.capture_begin(pool=pool)
+                except RuntimeError as e:
+                    raised = e
+                else:
+                    g2.capture_end()
+            g1.capture_end()
+        torch.cuda.current_stream().wait_stream(s1)
+        assert raised is not None, "a second capture into a capturing pool went on"
+        g1.replay()
+        torch.cuda.synchronize()
+        assert y.sum().item() == 2 * 1024
+        del g1, g2
+        return f"raised: {str(raised).splitlines()[0][:160]}"
+
+    def t_out_of_memory_during_capture_raises_and_the_graph_replays():
+        # Memory cached by another stream, then a request during a capture that only fits if
+        # that cache is given back: PyTorch frees no cached block while a capture is underway
+        # (a device-wide sync would invalidate the capture). The request raises, the capture
+        # ends valid and its graph replays correctly.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            cached = torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda")
+        del cached  # cached in the side stream's pool
+        torch.cuda.synchronize()
+        if pinpool_torch.memory_reserved() < int(free * 0.6):
+            return "skipped: the side stream's memory went back before the capture"
+        x = torch.ones(1 << 20, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        raised = None
+        with torch.cuda.stream(s):
+            g.capture_begin()
+            y = x * 3
+            try:
+                big = torch.empty(int(free * 0.6), dtype=torch.uint8, device="cuda")
+                del big
+            except Exception as e:  # torch.OutOfMemoryError
+                raised = e
+            z = y + 1
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        assert raised is not None, "the request fitted: the cache was given back during the capture"
+        assert z.sum().item() == 4 * (1 << 20), "the graph replayed wrong"
+        del g, y, z
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return f"raised {type(raised).__name__}"
+
     def t_empty_cache_calls_pinpool():
         x = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
         del x

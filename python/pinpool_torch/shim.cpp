@@ -9,7 +9,10 @@
 //   else std::runtime_error, which PyTorch's Python bindings raise as RuntimeError.
 // - the graph-pool hooks: PyTorch calls `beginAllocateToPool` with a `std::function` (the
 //   capture's stream filter) and all three with a `MempoolId_t` (a pair of integers) by
-//   value; pinpool takes C types.
+//   value; pinpool takes C types and answers 0 or -1. A refused begin or end throws, as
+//   PyTorch's own allocator does (a second capture into a pool already capturing must not
+//   go on with its allocations in the stream's ordinary pool); a refused release does not
+//   (PyTorch releases pools from destructors).
 //
 // Without PINPOOL_WITH_C10 it needs no header of CUDA or PyTorch: the two types below are
 // declared as CUDA and c10 declare them.
@@ -83,16 +86,42 @@ static int call_filter(void* ctx, void* stream) {
 
 static void drop_filter(void* ctx) { delete static_cast<Filter*>(ctx); }
 
+// A graph-pool call pinpool refused, as PyTorch's own allocator reports one: c10::Error
+// (RuntimeError in Python) when built against PyTorch's headers, else std::runtime_error.
+[[noreturn]] static void refused(const char* what, int device, MempoolId_t id) {
+  std::string msg = std::string(what) + " (device " + std::to_string(device) + ", pool (" +
+                    std::to_string(id.first) + ", " + std::to_string(id.second) +
+                    ")): " + last_error();
+#ifdef PINPOOL_WITH_C10
+  throw c10::Error(c10::SourceLocation{what, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
+#else
+  throw std::runtime_error(msg);
+#endif
+}
+
+// A capture into a pool already capturing, or into the default pool, is refused: PyTorch's
+// allocator raises ("already recording to mempool_id"), and so does this hook, before the
+// capture begins (PyTorch calls it ahead of cudaStreamBeginCapture).
 static void begin_hook(int device, MempoolId_t id, Filter filter) {
   Filter* owned = new Filter(std::move(filter));
   // pinpool owns `owned` from here (it calls drop_filter, also when the call fails).
-  begin_impl(device, id.first, id.second, call_filter, owned, drop_filter);
+  if (begin_impl(device, id.first, id.second, call_filter, owned, drop_filter) != 0) {
+    refused("beginAllocateToPool", device, id);
+  }
 }
 
-static void end_hook(int device, MempoolId_t id) { end_impl(device, id.first, id.second); }
+// Ending a pool that is not capturing raises, as in PyTorch ("not currently recording").
+static void end_hook(int device, MempoolId_t id) {
+  if (end_impl(device, id.first, id.second) != 0) {
+    refused("endAllocateToPool", device, id);
+  }
+}
 
+// PyTorch releases pools from destructors (a CUDAGraph's, a MemPool's), where an exception
+// would end the process: a refusal is only reported (pinpool writes it to stderr, and
+// pinpool_torch.last_error() has it).
 static void release_hook(int device, MempoolId_t id) {
-  release_impl(device, id.first, id.second);
+  (void)release_impl(device, id.first, id.second);
 }
 
 extern "C" {
