@@ -18,13 +18,16 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 __all__ = [
+    "LibraryError",
     "enable",
     "enabled",
     "pluggable_allocator",
     "library",
     "library_path",
+    "cuda_support",
     "graph_hooks",
     "shim",
     "memory_stats",
@@ -46,14 +49,17 @@ _pluggable = None
 _hooks = None  # None: not tried; True: installed; a string: why not
 
 
-def library_path(path=None):
-    """Where the shared library is: `path`, else $PINPOOL_TORCH_LIB, else next to this
-    package, else the repository's target/release."""
+class LibraryError(OSError):
+    """The shared library cannot be found, loaded or used (the message names the path)."""
+
+
+def _library_source(path=None):
+    """Where the library should be, and who said so: (path, origin)."""
     if path:
-        return os.path.abspath(path)
+        return os.path.abspath(os.fspath(path)), "the path passed to pinpool_torch"
     env = os.environ.get("PINPOOL_TORCH_LIB")
     if env:
-        return os.path.abspath(env)
+        return os.path.abspath(env), "PINPOOL_TORCH_LIB"
     here = os.path.dirname(os.path.abspath(__file__))
     for candidate in (
         os.path.join(here, _LIB_NAME),
@@ -61,45 +67,84 @@ def library_path(path=None):
         os.path.join(here, "..", "..", "target", "release", _LIB_NAME),
     ):
         if os.path.isfile(candidate):
-            return os.path.abspath(candidate)
-    raise FileNotFoundError(
-        f"{_LIB_NAME} not found: build it with "
-        "`cargo build --release -p pinpool-torch --features cuda`, then pass its path to "
+            return os.path.abspath(candidate), "the package's own copy"
+    raise LibraryError(
+        f"{_LIB_NAME} not found next to the pinpool_torch package or in the repository's "
+        "target/release: install the package with `pip install ./python`, or build it with "
+        "`cargo build --release -p pinpool-torch --features cuda` and pass its path to "
         "pinpool_torch.enable(path) or set PINPOOL_TORCH_LIB"
     )
+
+
+def library_path(path=None):
+    """Where the shared library is: `path`, else $PINPOOL_TORCH_LIB, else next to this
+    package, else the repository's target/release. A path given (or set) that names no file
+    is a `LibraryError` naming it."""
+    found, origin = _library_source(path)
+    if not os.path.isfile(found):
+        raise LibraryError(f"{origin} names {found}, which is not a file")
+    return found
+
+
+# The library's C entry points: name, result type, argument types.
+_C = ctypes
+_SIGNATURES = [
+    ("pinpool_alloc", _C.c_void_p, [_C.c_size_t, _C.c_int, _C.c_void_p]),
+    ("pinpool_free", None, [_C.c_void_p, _C.c_size_t, _C.c_int, _C.c_void_p]),
+    ("pinpool_record_stream", None, [_C.c_void_p, _C.c_void_p]),
+    ("pinpool_empty_cache", None, []),
+    ("pinpool_memory_fraction", None, [_C.c_double, _C.c_int]),
+    ("pinpool_init", _C.c_int, []),
+    ("pinpool_cuda_support", _C.c_int, []),
+    ("pinpool_device_count", _C.c_int, []),
+    ("pinpool_memory_stats", _C.c_int64, [_C.c_int, _C.c_char_p, _C.c_size_t]),
+    ("pinpool_reserved_bytes", _C.c_int64, [_C.c_int]),
+    ("pinpool_reset_peak_stats", _C.c_int, [_C.c_int]),
+    ("pinpool_reset_accumulated_stats", _C.c_int, [_C.c_int]),
+    ("pinpool_record_history", _C.c_int, [_C.c_int, _C.c_size_t]),
+    ("pinpool_dump_snapshot", _C.c_int, [_C.c_char_p]),
+    ("pinpool_end_allocate_to_pool", _C.c_int, [_C.c_int, _C.c_uint64, _C.c_uint64]),
+    ("pinpool_release_pool", _C.c_int, [_C.c_int, _C.c_uint64, _C.c_uint64]),
+    ("pinpool_last_error", _C.c_size_t, [_C.c_char_p, _C.c_size_t]),
+    ("pinpool_failures", _C.c_size_t, []),
+]
 
 
 def _load(path=None):
     global _lib
     if _lib is not None:
         return _lib
-    lib = ctypes.CDLL(library_path(path))
-    c_int, c_size, c_void_p, c_char_p = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
-    c_i64, c_u64 = ctypes.c_int64, ctypes.c_uint64
-    for name, res, args in [
-        ("pinpool_alloc", c_void_p, [c_size, c_int, c_void_p]),
-        ("pinpool_free", None, [c_void_p, c_size, c_int, c_void_p]),
-        ("pinpool_record_stream", None, [c_void_p, c_void_p]),
-        ("pinpool_empty_cache", None, []),
-        ("pinpool_memory_fraction", None, [ctypes.c_double, c_int]),
-        ("pinpool_init", c_int, []),
-        ("pinpool_device_count", c_int, []),
-        ("pinpool_memory_stats", c_i64, [c_int, c_char_p, c_size]),
-        ("pinpool_reserved_bytes", c_i64, [c_int]),
-        ("pinpool_reset_peak_stats", c_int, [c_int]),
-        ("pinpool_reset_accumulated_stats", c_int, [c_int]),
-        ("pinpool_record_history", c_int, [c_int, c_size]),
-        ("pinpool_dump_snapshot", c_int, [c_char_p]),
-        ("pinpool_end_allocate_to_pool", c_int, [c_int, c_u64, c_u64]),
-        ("pinpool_release_pool", c_int, [c_int, c_u64, c_u64]),
-        ("pinpool_last_error", c_size, [c_char_p, c_size]),
-        ("pinpool_failures", c_size, []),
-    ]:
+    found = library_path(path)
+    try:
+        lib = ctypes.CDLL(found)
+    except OSError as e:
+        raise LibraryError(f"cannot load {found} as pinpool's library: {e}") from e
+    missing = [name for name, _, _ in _SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        raise LibraryError(
+            f"{found} is not a pinpool-torch library of this version (it lacks "
+            f"{', '.join(missing)}): build it again from this source"
+        )
+    for name, res, args in _SIGNATURES:
         f = getattr(lib, name)
         f.restype = res
         f.argtypes = args
     _lib = lib
     return lib
+
+
+def cuda_support(path=None):
+    """Whether the library was built with CUDA support (the `cuda` feature)."""
+    return _load(path).pinpool_cuda_support() == 1
+
+
+def _require_cuda(path=None):
+    if not cuda_support(path):
+        raise RuntimeError(
+            f"{library_path(path)} was built without CUDA support: every allocation would "
+            "fail. Build it with `cargo build --release -p pinpool-torch --features cuda` "
+            "(or install the package with `pip install ./python`)"
+        )
 
 
 def library():
@@ -119,14 +164,19 @@ def _address(lib, name):
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
+_GRAPH_HOOKS = ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool")
+
+
 def pluggable_allocator(path=None):
     """A `torch.cuda.memory.CUDAPluggableAllocator` on pinpool, with every hook wired
     (for `torch.cuda.MemPool(pluggable_allocator().allocator())` as well as for `enable`).
 
     Its alloc and free go through the shim (shim.cpp, built here once and cached), which
     turns pinpool's NULL into PyTorch's out-of-memory exception and carries the graph-pool
-    hooks; without a C++ compiler they are pinpool's own symbols (a failed allocation is then
-    a NULL that PyTorch may not check) and graph capture is unavailable."""
+    hooks. Without the shim, or without the hooks (a PyTorch too old to take them), there is
+    no fallback: a NULL PyTorch does not check, or a graph capture whose allocations go to the
+    ordinary pools, would corrupt memory silently. Both are a `RuntimeError` saying why, and
+    so is a library built without CUDA support."""
     global _pluggable, _hooks
     if _pluggable is not None:
         return _pluggable
@@ -136,50 +186,56 @@ def pluggable_allocator(path=None):
     try:
         shim, shim_path, flavour = _build_shim()
     except Exception as e:
-        shim = None
         _shim_info.update(error=f"{type(e).__name__}: {e}")
-    if shim is not None:
-        entry = (ctypes.c_void_p * 6)(
-            *[
-                _address(lib, name)
-                for name in (
-                    "pinpool_alloc",
-                    "pinpool_free",
-                    "pinpool_last_error",
-                    "pinpool_begin_allocate_to_pool",
-                    "pinpool_end_allocate_to_pool",
-                    "pinpool_release_pool",
-                )
-            ]
+        raise RuntimeError(
+            "pinpool_torch could not build or load its shim (shim.cpp, compiled with g++ or "
+            "$CXX into $PINPOOL_TORCH_CACHE or ~/.cache/pinpool_torch), without which PyTorch "
+            f"would get NULL on out of memory and graph capture would not reach pinpool: {e}"
+        ) from e
+    if flavour != "c10":
+        warnings.warn(
+            "pinpool_torch's shim was built without PyTorch's headers: out of memory raises "
+            f"RuntimeError instead of torch.OutOfMemoryError ({_shim_info.get('fallback_reason')})",
+            RuntimeWarning,
+            stacklevel=2,
         )
-        hooks_out = (ctypes.c_uint64 * 3)()
-        shim.pinpool_shim_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        shim.pinpool_shim_install.restype = ctypes.c_int
-        shim.pinpool_shim_install(ctypes.cast(entry, ctypes.c_void_p), ctypes.cast(hooks_out, ctypes.c_void_p))
-        _shim_info.update(path=shim_path, flavour=flavour)
-        globals()["_shim"] = shim  # keep it loaded
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(shim_path, "pinpool_shim_alloc", "pinpool_shim_free")
-    else:
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(path), "pinpool_alloc", "pinpool_free")
+    entry = (ctypes.c_void_p * 6)(
+        *[
+            _address(lib, name)
+            for name in (
+                "pinpool_alloc",
+                "pinpool_free",
+                "pinpool_last_error",
+                "pinpool_begin_allocate_to_pool",
+                "pinpool_end_allocate_to_pool",
+                "pinpool_release_pool",
+            )
+        ]
+    )
+    hooks_out = (ctypes.c_uint64 * 3)()
+    shim.pinpool_shim_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    shim.pinpool_shim_install.restype = ctypes.c_int
+    shim.pinpool_shim_install(ctypes.cast(entry, ctypes.c_void_p), ctypes.cast(hooks_out, ctypes.c_void_p))
+    _shim_info.update(path=shim_path, flavour=flavour)
+    globals()["_shim"] = shim  # keep it loaded
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(shim_path, "pinpool_shim_alloc", "pinpool_shim_free")
     hooks = alloc.allocator()
+    missing = [h for h in _GRAPH_HOOKS if not hasattr(hooks, h)]
+    if missing:
+        _hooks = f"this PyTorch has no {', '.join(missing)}"
+        raise RuntimeError(
+            f"this PyTorch ({getattr(torch, '__version__', '?')}) cannot hand pinpool its "
+            f"graph-pool hooks (no {', '.join(missing)}): CUDA graph captures would take "
+            "memory from the ordinary pools. Use a newer PyTorch"
+        )
+    _require_cuda(path)
     hooks.set_record_stream_fn(_address(lib, "pinpool_record_stream"))
     hooks.set_reset_fn(_address(lib, "pinpool_empty_cache"))
     hooks.set_memory_fraction_fn(_address(lib, "pinpool_memory_fraction"))
-    if shim is None:
-        _hooks = f"no shim: {_shim_info.get('error')}"
-    else:
-        missing = [
-            s
-            for s in ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool")
-            if not hasattr(hooks, s)
-        ]
-        if missing:
-            _hooks = f"this PyTorch has no {', '.join(missing)}"
-        else:
-            hooks.set_begin_allocate_to_pool(hooks_out[0])
-            hooks.set_end_allocate_to_pool_fn(hooks_out[1])
-            hooks.set_release_pool(hooks_out[2])
-            _hooks = True
+    hooks.set_begin_allocate_to_pool(hooks_out[0])
+    hooks.set_end_allocate_to_pool_fn(hooks_out[1])
+    hooks.set_release_pool(hooks_out[2])
+    _hooks = True
     _pluggable = alloc
     return alloc
 
@@ -259,16 +315,22 @@ def _build_shim():
 
 
 def graph_hooks():
-    """True when CUDA graph capture is wired to pinpool's graph pools; else why not
-    (a string), or None before `enable`. Without them, do not capture CUDA graphs."""
+    """True when CUDA graph capture is wired to pinpool's graph pools (always, once
+    `enable` or `pluggable_allocator` succeeded: without them they raise); why not (a
+    string) after they failed for want of them; None before."""
     return _hooks
 
 
 def enable(path=None, peer_access=False):
     """Makes pinpool PyTorch's CUDA allocator for this process. Call it before anything
     initialises CUDA (the first tensor on a GPU, torch.cuda.init(), ...): PyTorch can swap
-    its allocator only then. Returns a dict: the library's path and whether the graph-pool
-    hooks are installed.
+    its allocator only then. Returns a dict: the library's path, the graph-pool hooks (True)
+    and how the shim was built.
+
+    It works fully or raises: a library that cannot be found or loaded (`LibraryError`,
+    naming the path), one built without CUDA support, a shim that cannot be built, or a
+    PyTorch without the graph-pool hooks (`RuntimeError`) leave PyTorch's allocator in
+    place.
 
     `peer_access=True` (the same as PINPOOL_TORCH_PEER_ACCESS=1) gives every GPU access to
     the memory the others map, for copies between GPUs in this process (`tensor.to("cuda:1")`);
