@@ -123,3 +123,30 @@ async fn the_size_policy_of_pinpool_conf_and_the_cap_reach_a_cuda_builder() {
         Err(other) => panic!("{other:?}"),
     }
 }
+
+#[tokio::test]
+async fn pytorchs_alloc_conf_string_in_pinpool_device_conf_applies_on_the_simulated_runtime() {
+    let _env = EnvVar::set(
+        DEVICE_ENV_VAR,
+        Some("expandable_segments:True,roundup_power2_divisions:[256:1,>:4],per_process_memory_fraction:0.5"),
+    );
+    let pool = DeviceAllocator::builder().build().unwrap();
+    assert!(pool.config().roundup_power2_divisions_by_size.is_some());
+    // Half of the simulated 16 GiB device.
+    assert_eq!(pool.max_bytes(0).unwrap(), Some(8 << 30));
+    // A cap the program gives wins over the configuration's fraction.
+    let capped = DeviceAllocator::builder()
+        .max_bytes(1 << 30)
+        .build()
+        .unwrap();
+    assert_eq!(capped.max_bytes(0).unwrap(), Some(1 << 30));
+}
+
+#[tokio::test]
+async fn pinpool_device_conf_sets_only_its_keys_over_a_programs_defaults() {
+    let _env = EnvVar::set(DEVICE_ENV_VAR, Some("expandable_segments:false"));
+    let defaults = DeviceConfig::default().with_thread_cache(64 << 20);
+    let config = defaults.merged_with_env().unwrap();
+    assert_eq!(config.thread_cache, 64 << 20);
+    assert!(!config.expandable_segments);
+}

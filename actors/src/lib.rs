@@ -97,6 +97,7 @@ pub use mailbox::Inventory;
 pub(crate) use memory::Region;
 pub use memory::{MemoryKind, MemorySource, Origin};
 pub(crate) use miss::Wait;
+pub(crate) use policy::DIVISION_INTERVALS;
 pub use policy::{
     BestFit, BlockLayout, Carving, DeviceFit, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
 };

@@ -404,8 +404,24 @@ impl SizePolicy for BestFit {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceFit {
     carving: Carving,
-    /// Steps per power of two that sizes above 1 MiB round up to (0: none, 512-byte rounding).
-    divisions: u32,
+    /// Steps per power of two that sizes above 1 MiB round up to (0: none, 512-byte
+    /// rounding), per interval of sizes: [2^i MiB, 2^(i+1) MiB) for entry `i`, the first
+    /// also smaller sizes, the last also larger ones.
+    divisions: [u8; DIVISION_INTERVALS],
+}
+
+/// The intervals of request sizes [`DeviceFit`] rounds with divisions of their own: powers of
+/// two from 1 MiB to 32 GiB and above (PyTorch's `roundup_power2_divisions` list form).
+pub(crate) const DIVISION_INTERVALS: usize = 16;
+
+/// `divisions` as the policy keeps it: 0 or 1 (no rounding) as 0, others a power of two up
+/// to 64.
+fn steps(divisions: u32) -> u8 {
+    if divisions <= 1 {
+        0
+    } else {
+        divisions.next_power_of_two().min(64) as u8
+    }
 }
 
 impl Default for DeviceFit {
@@ -435,7 +451,7 @@ impl Default for DeviceFit {
                 // bert 308 to 396, for a mixed sizes loop about 15 % faster on an H200).
                 arena_cached_up_to: 0,
             },
-            divisions: 0,
+            divisions: [0; DIVISION_INTERVALS],
         }
     }
 }
@@ -445,11 +461,15 @@ impl DeviceFit {
     /// of two itself, at most 64; 0 or 1: no such rounding), as PyTorch's
     /// `roundup_power2_divisions`: more reuse of freed blocks, more bytes per block.
     pub fn roundup_power2_divisions(mut self, divisions: u32) -> Self {
-        self.divisions = if divisions <= 1 {
-            0
-        } else {
-            divisions.next_power_of_two().min(64)
-        };
+        self.divisions = [steps(divisions); DIVISION_INTERVALS];
+        self
+    }
+
+    /// [`DeviceFit::roundup_power2_divisions`] per interval of request sizes (PyTorch's list
+    /// form): entry `i` for requests of [2^i MiB, 2^(i+1) MiB), the first also for smaller
+    /// ones, the last also for larger ones.
+    pub fn roundup_power2_divisions_by_size(mut self, divisions: [u32; 16]) -> Self {
+        self.divisions = divisions.map(steps);
         self
     }
 
@@ -542,14 +562,16 @@ impl DeviceFit {
     /// checks (the caller bounds `size`).
     fn round(&self, size: usize) -> usize {
         let rounded = size.div_ceil(512) * 512;
-        if self.divisions == 0 || rounded <= 1 << 20 {
+        if rounded <= 1 << 20 {
             return rounded;
         }
-        let floor = 1usize << (usize::BITS - 1 - rounded.leading_zeros());
-        if floor == rounded {
+        let log = (usize::BITS - 1 - rounded.leading_zeros()) as usize;
+        let divisions = self.divisions[log.saturating_sub(20).min(DIVISION_INTERVALS - 1)];
+        let floor = 1usize << log;
+        if divisions == 0 || floor == rounded {
             return rounded;
         }
-        let step = (floor / self.divisions as usize).max(512);
+        let step = (floor / divisions as usize).max(512);
         rounded.div_ceil(step) * step
     }
 }
@@ -713,6 +735,26 @@ impl SizePolicy for PowerOfTwo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn divisions_by_size_round_each_interval_of_sizes_with_its_own_steps() {
+        const MIB: usize = 1 << 20;
+        // PyTorch's `[256:1,>:4]`: no rounding below 256 MiB, quarters from there.
+        let mut table = [1u32; 16];
+        table[8..].fill(4);
+        let p = DeviceFit::default().roundup_power2_divisions_by_size(table);
+        assert_eq!(p.class_of(100 * MIB + 1).unwrap().size, 100 * MIB + 512);
+        assert_eq!(p.class_of(300 * MIB).unwrap().size, 320 * MIB);
+        assert_eq!(p.class_of(600 * MIB).unwrap().size, 640 * MIB);
+        // The last interval serves every larger size; one value fills every interval.
+        assert_eq!(p.class_of(40 << 30).unwrap().size, 40 << 30);
+        assert_eq!(p.class_of((40 << 30) + 1).unwrap().size, 48 << 30);
+        let all = DeviceFit::default().roundup_power2_divisions(4);
+        let same = DeviceFit::default().roundup_power2_divisions_by_size([4; 16]);
+        for size in [3 * MIB + 1, 300 * MIB, 5 << 30] {
+            assert_eq!(all.class_of(size), same.class_of(size), "{size}");
+        }
+    }
 
     #[test]
     fn tiered_classes_are_pow2_below_the_threshold_and_within_a_sixteenth_above() {

@@ -1,9 +1,14 @@
 //! Configuration of device-memory allocation, parsed from `PINPOOL_DEVICE_CONF` in the
-//! grammar of `PINPOOL_CONF` (and in the spirit of `PYTORCH_CUDA_ALLOC_CONF`, whose keys it
-//! takes where they mean the same).
+//! grammar of PyTorch's `PYTORCH_CUDA_ALLOC_CONF` (bracketed lists included), with its keys
+//! and pinpool's own.
 //!
-//! Owns [`DeviceConfig`]. Every key is optional; a malformed string is a typed
-//! [`ConfigError`] naming the key or entry, never a panic and never an ignored key.
+//! Owns [`DeviceConfig`]. Every key is optional, and a string sets only the keys it names
+//! (over the defaults, or over another configuration: [`DeviceConfig::merged`]); a malformed
+//! string is a typed [`ConfigError`] naming the key or entry, never a panic and never an
+//! ignored key. PyTorch's keys that concern what pinpool does not do (its pinned-memory
+//! allocator, its allocator lock, its backends) are checked and have no effect, as
+//! documented on [`DeviceConfig::KEYS`]; one pinpool cannot honour is
+//! [`ConfigError::Unsupported`].
 
 use std::fmt;
 use std::str::FromStr;
@@ -40,6 +45,11 @@ pub struct DeviceConfig {
     /// 512 bytes only): more reuse of freed blocks for requests of varying size, at the
     /// price of more bytes per block.
     pub roundup_power2_divisions: u32,
+    /// The same per power-of-two interval of request sizes (PyTorch's list form,
+    /// `roundup_power2_divisions:[256:1,>:4]`: 1 division below 256 MiB, 4 from there):
+    /// entry `i` serves requests of [2^i MiB, 2^(i+1) MiB), the first also smaller ones, the
+    /// last also larger ones. When set, used instead of `roundup_power2_divisions`.
+    pub roundup_power2_divisions_by_size: Option<[u32; ROUNDUP_INTERVALS]>,
     /// Before fresh memory would take reserved bytes above this share of the memory limit,
     /// cached memory nobody uses goes back first (key `garbage_collection_threshold`,
     /// strictly between 0 and 1; only with a limit; off by default).
@@ -64,6 +74,12 @@ pub struct DeviceConfig {
     /// `dev_miss_us`); a longer linger keeps one of the actors' worker threads busy that
     /// much longer after each such request.
     pub linger: Duration,
+    /// Caps each device's reserved bytes at this share of its memory (key
+    /// `per_process_memory_fraction`, in (0, 1]; none by default), as
+    /// `torch.cuda.set_per_process_memory_fraction` and
+    /// [`DeviceBuilder::memory_fraction`](crate::DeviceBuilder::memory_fraction) do (a cap
+    /// the builder is given wins).
+    pub memory_fraction: Option<f64>,
 }
 
 impl Default for DeviceConfig {
@@ -71,14 +87,21 @@ impl Default for DeviceConfig {
         Self {
             max_split_size: None,
             roundup_power2_divisions: 0,
+            roundup_power2_divisions_by_size: None,
             garbage_collection_threshold: None,
             expandable_segments: true,
             thread_cache: 0,
             reserve_cap: Some(DEFAULT_RESERVE_CAP),
             linger: DEFAULT_LINGER,
+            memory_fraction: None,
         }
     }
 }
+
+/// Intervals of request sizes that `roundup_power2_divisions`' list form sets: powers of two
+/// from 1 MiB to 32 GiB and above (PyTorch's too).
+pub const ROUNDUP_INTERVALS: usize = 16;
+const _: () = assert!(ROUNDUP_INTERVALS == crate::actors::DIVISION_INTERVALS);
 
 /// The reserve cap when the key is not given (the device policy's own).
 const DEFAULT_RESERVE_CAP: f64 = 1.0;
@@ -94,8 +117,49 @@ const MAX_LINGER: Duration = Duration::from_millis(100);
 /// The smallest `max_split_size_mb` (PyTorch's minimum too).
 const MIN_SPLIT_MIB: usize = 20;
 
+/// The divisions per interval that the items of `roundup_power2_divisions`' list form give,
+/// as PyTorch reads them: `MiB:d` sets `d` for every interval from the one the previous item
+/// ended at (the first: from the smallest) up to the interval of `MiB`, exclusive; `>:d`
+/// sets `d` from there to the last. Intervals no item reaches round to 512 bytes only, as
+/// do those of 1 division (stored as 0).
+/// `None` for a size or a count of divisions that is not a power of two, or divisions
+/// above 64.
+fn divisions_by_size(items: &[(&str, &str)]) -> Option<[u32; ROUNDUP_INTERVALS]> {
+    let mut table = [0u32; ROUNDUP_INTERVALS];
+    let mut from = 0;
+    for &(size, divisions) in items {
+        let d: u32 = divisions.parse().ok()?;
+        if !d.is_power_of_two() || d > 64 {
+            return None;
+        }
+        let to = if size == ">" {
+            ROUNDUP_INTERVALS
+        } else {
+            let mib: u64 = size.parse().ok()?;
+            if !mib.is_power_of_two() {
+                return None;
+            }
+            (mib.trailing_zeros() as usize).min(ROUNDUP_INTERVALS - 1)
+        };
+        // One division is no rounding, stored as 0 like the other form's default.
+        let d = if d == 1 { 0 } else { d };
+        for slot in table.iter_mut().take(to).skip(from) {
+            *slot = d;
+        }
+        from = from.max(to);
+    }
+    Some(table)
+}
+
 impl DeviceConfig {
-    /// Every key `PINPOOL_DEVICE_CONF` accepts, in the order `Display` prints them.
+    /// Every key `PINPOOL_DEVICE_CONF` accepts: pinpool's (the first eight, in the order
+    /// `Display` prints them), then PyTorch's keys that concern what pinpool does not do,
+    /// checked and without effect: `backend` (`native` only: pinpool is the allocator),
+    /// `release_lock_on_cudamalloc` (pinpool holds no lock around driver calls),
+    /// `graph_capture_record_stream_reuse` (a free during a capture waits for the capture to
+    /// end), and the `pinned_*` keys (PyTorch's pinned-memory allocator, which pinpool's
+    /// device allocator does not replace; `PINPOOL_CONF` configures pinpool's). PyTorch's
+    /// `max_non_split_rounding_mb` is known and refused ([`ConfigError::Unsupported`]).
     pub const KEYS: &'static [&'static str] = &[
         "max_split_size_mb",
         "roundup_power2_divisions",
@@ -104,15 +168,59 @@ impl DeviceConfig {
         "thread_cache_mb",
         "reserve_cap",
         "linger_us",
+        "per_process_memory_fraction",
+        "backend",
+        "release_lock_on_cudamalloc",
+        "graph_capture_record_stream_reuse",
+        "pinned_use_cuda_host_register",
+        "pinned_use_host_register",
+        "pinned_num_register_threads",
+        "pinned_use_background_threads",
+        "pinned_reserve_segment_size_mb",
+        "max_non_split_rounding_mb",
     ];
 
     /// Reads [`DEVICE_ENV_VAR`] (`PINPOOL_DEVICE_CONF`); the defaults when it is unset.
     pub fn from_env() -> Result<Self, ConfigError> {
+        Self::default().merged_with_env()
+    }
+
+    /// This configuration with the keys [`DEVICE_ENV_VAR`] (`PINPOOL_DEVICE_CONF`) names set
+    /// (see [`DeviceConfig::merged`]); unchanged when it is unset.
+    ///
+    /// ```
+    /// use pinpool::config::DeviceConfig;
+    ///
+    /// // A program's own defaults, which the variable overrides key by key.
+    /// let defaults = DeviceConfig::default().with_thread_cache(256 << 20);
+    /// let config = defaults.merged_with_env()?;
+    /// # Ok::<(), pinpool::config::ConfigError>(())
+    /// ```
+    pub fn merged_with_env(self) -> Result<Self, ConfigError> {
         match std::env::var(DEVICE_ENV_VAR) {
-            Ok(text) => text.parse(),
-            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Ok(text) => self.merged(&text),
+            Err(std::env::VarError::NotPresent) => Ok(self),
             Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError::NotUnicode),
         }
+    }
+
+    /// This configuration with the keys `text` names set as they would be parsed, and every
+    /// other setting kept; on an error, nothing is set.
+    ///
+    /// ```
+    /// use pinpool::config::DeviceConfig;
+    ///
+    /// let base = DeviceConfig::default().with_thread_cache(256 << 20);
+    /// let c = base.merged("expandable_segments:False")?;
+    /// assert_eq!(c.thread_cache, 256 << 20); // kept
+    /// assert!(!c.expandable_segments);
+    /// # Ok::<(), pinpool::config::ConfigError>(())
+    /// ```
+    pub fn merged(mut self, text: &str) -> Result<Self, ConfigError> {
+        for (key, value) in grammar::entries(text, Self::KEYS)? {
+            self.set(key, value)?;
+        }
+        Ok(self)
     }
 
     /// Parses a `key:value,key:value` string; keys left out keep their defaults.
@@ -124,11 +232,7 @@ impl DeviceConfig {
     /// assert!(matches!(err, ConfigError::InvalidValue { .. }));
     /// ```
     pub(crate) fn parse(text: &str) -> Result<Self, ConfigError> {
-        let mut config = Self::default();
-        for (key, value) in grammar::entries(text, Self::KEYS)? {
-            config.set(key, value)?;
-        }
-        Ok(config)
+        Self::default().merged(text)
     }
 
     fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
@@ -151,14 +255,27 @@ impl DeviceConfig {
                     Some(bytes)
                 };
             }
-            "roundup_power2_divisions" => {
-                const EXPECTED: &str = "0, or a power of two from 1 to 64";
-                let d: u32 = value.parse().map_err(|_| invalid(EXPECTED))?;
-                if d > 64 || (d > 0 && !d.is_power_of_two()) {
-                    return Err(invalid(EXPECTED));
+            "roundup_power2_divisions" => match grammar::list_items(key, value) {
+                Some(items) => {
+                    self.roundup_power2_divisions_by_size =
+                        Some(divisions_by_size(&items?).ok_or_else(|| {
+                            invalid(
+                                "a list of `MiB:divisions` items (sizes and divisions powers \
+                                 of two, divisions at most 64; `>` for all larger sizes)",
+                            )
+                        })?);
                 }
-                self.roundup_power2_divisions = d;
-            }
+                None => {
+                    const EXPECTED: &str =
+                        "0, a power of two from 1 to 64, or a list such as [256:1,>:4]";
+                    let d: u32 = value.parse().map_err(|_| invalid(EXPECTED))?;
+                    if d > 64 || (d > 0 && !d.is_power_of_two()) {
+                        return Err(invalid(EXPECTED));
+                    }
+                    self.roundup_power2_divisions = d;
+                    self.roundup_power2_divisions_by_size = None;
+                }
+            },
             "garbage_collection_threshold" => {
                 const EXPECTED: &str = "a number strictly between 0 and 1";
                 let t: f64 = value.parse().map_err(|_| invalid(EXPECTED))?;
@@ -196,6 +313,47 @@ impl DeviceConfig {
                     return Err(invalid(EXPECTED));
                 }
                 self.linger = linger;
+            }
+            "per_process_memory_fraction" => {
+                const EXPECTED: &str = "a number in (0, 1]";
+                let f: f64 = value.parse().map_err(|_| invalid(EXPECTED))?;
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(invalid(EXPECTED));
+                }
+                self.memory_fraction = Some(f);
+            }
+            "backend" => {
+                if value != "native" {
+                    return Err(invalid(
+                        "`native` (pinpool is the allocator: `cudaMallocAsync` would replace it)",
+                    ));
+                }
+            }
+            "release_lock_on_cudamalloc"
+            | "graph_capture_record_stream_reuse"
+            | "pinned_use_cuda_host_register"
+            | "pinned_use_host_register"
+            | "pinned_use_background_threads" => {
+                grammar::parse_bool(value).ok_or_else(|| invalid("a boolean"))?;
+            }
+            "pinned_num_register_threads" => {
+                const EXPECTED: &str = "a power of two from 1 to 128";
+                let n: u32 = value.parse().map_err(|_| invalid(EXPECTED))?;
+                if !(n.is_power_of_two() && n <= 128) {
+                    return Err(invalid(EXPECTED));
+                }
+            }
+            "pinned_reserve_segment_size_mb" => {
+                value
+                    .parse::<usize>()
+                    .map_err(|_| invalid("a whole number of MiB"))?;
+            }
+            "max_non_split_rounding_mb" => {
+                return Err(ConfigError::Unsupported {
+                    key: key.to_owned(),
+                    reason: "pinpool does not hand a cached block above max_split_size_mb to a \
+                             smaller request; leave the key out",
+                })
             }
             _ => {
                 return Err(ConfigError::UnknownKey {
@@ -285,11 +443,14 @@ impl fmt::Display for DeviceConfig {
             )?,
             None => write!(f, "max_split_size_mb:unlimited")?,
         }
-        write!(
-            f,
-            ",roundup_power2_divisions:{}",
-            self.roundup_power2_divisions
-        )?;
+        match &self.roundup_power2_divisions_by_size {
+            Some(table) => write!(f, ",roundup_power2_divisions:{}", list_form(table))?,
+            None => write!(
+                f,
+                ",roundup_power2_divisions:{}",
+                self.roundup_power2_divisions
+            )?,
+        }
         if let Some(t) = self.garbage_collection_threshold {
             write!(f, ",garbage_collection_threshold:{t}")?;
         }
@@ -309,8 +470,24 @@ impl fmt::Display for DeviceConfig {
         if self.linger != DEFAULT_LINGER {
             write!(f, ",linger_us:{}", self.linger.as_micros())?;
         }
+        if let Some(x) = self.memory_fraction {
+            write!(f, ",per_process_memory_fraction:{x}")?;
+        }
         Ok(())
     }
+}
+
+/// `table` in the list form [`divisions_by_size`] reads back to it: one item where the
+/// divisions change, and `>` for the last run.
+fn list_form(table: &[u32; ROUNDUP_INTERVALS]) -> String {
+    let mut items = Vec::new();
+    for i in 1..ROUNDUP_INTERVALS {
+        if table[i] != table[i - 1] {
+            items.push(format!("{}:{}", 1u64 << i, table[i - 1].max(1)));
+        }
+    }
+    items.push(format!(">:{}", table[ROUNDUP_INTERVALS - 1].max(1)));
+    format!("[{}]", items.join(","))
 }
 
 #[cfg(test)]
@@ -403,6 +580,143 @@ mod tests {
                 matches!(&err, ConfigError::InvalidValue { key: k, .. } if k == key),
                 "{text}: {err:?}"
             );
+        }
+    }
+
+    #[test]
+    fn pytorchs_list_form_of_roundup_power2_divisions_sets_divisions_per_size() {
+        let c = DeviceConfig::parse("roundup_power2_divisions:[256:1,>:4]").unwrap();
+        let mut want = [0; ROUNDUP_INTERVALS];
+        want[8..].fill(4); // 1 division (none) below 256 MiB, 4 from there
+        assert_eq!(c.roundup_power2_divisions_by_size, Some(want));
+        let c = DeviceConfig::parse(
+            "roundup_power2_divisions: [ 64:2, 512:8 , >:16 ], expandable_segments:True",
+        )
+        .unwrap();
+        let mut want = [2; ROUNDUP_INTERVALS];
+        want[6..9].fill(8);
+        want[9..].fill(16);
+        assert_eq!(c.roundup_power2_divisions_by_size, Some(want));
+        assert!(
+            c.expandable_segments,
+            "the entry after the list is read too"
+        );
+        // Without `>` the larger sizes are not rounded.
+        let c = DeviceConfig::parse("roundup_power2_divisions:[1024:4]").unwrap();
+        let mut want = [0; ROUNDUP_INTERVALS];
+        want[..10].fill(4);
+        assert_eq!(c.roundup_power2_divisions_by_size, Some(want));
+        // Printed in the list form, which reads back to the same table.
+        for text in ["[256:1,>:4]", "[64:2,512:8,>:16]", "[1024:4]", "[>:8]"] {
+            let c = DeviceConfig::parse(&format!("roundup_power2_divisions:{text}")).unwrap();
+            assert_eq!(
+                DeviceConfig::parse(&c.to_string()).unwrap(),
+                c,
+                "{text}: {c}"
+            );
+        }
+        // The number form replaces a list given before it in a merge.
+        let c = c.merged("roundup_power2_divisions:2").unwrap();
+        assert_eq!(c.roundup_power2_divisions_by_size, None);
+        assert_eq!(c.roundup_power2_divisions, 2);
+    }
+
+    #[test]
+    fn bad_lists_and_brackets_are_typed_errors() {
+        for text in [
+            "roundup_power2_divisions:[256:3]",
+            "roundup_power2_divisions:[300:2]",
+            "roundup_power2_divisions:[256:128]",
+            "roundup_power2_divisions:[256]",
+            "roundup_power2_divisions:[:4]",
+            "roundup_power2_divisions:[256:x,>:4]",
+        ] {
+            let err = DeviceConfig::parse(text).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::InvalidValue { key, .. } if key == "roundup_power2_divisions"),
+                "{text}: {err:?}"
+            );
+        }
+        for text in [
+            "roundup_power2_divisions:[256:1,>:4",
+            "roundup_power2_divisions:256:1]",
+        ] {
+            assert!(
+                matches!(
+                    DeviceConfig::parse(text),
+                    Err(ConfigError::UnbalancedBrackets { .. })
+                ),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_full_pytorch_alloc_conf_string_is_accepted() {
+        let c = DeviceConfig::parse(
+            "expandable_segments:True,max_split_size_mb:128,garbage_collection_threshold:0.8,\
+             roundup_power2_divisions:[256:1,512:2,>:4],backend:native,\
+             release_lock_on_cudamalloc:True,pinned_use_cuda_host_register:True,\
+             pinned_num_register_threads:8,pinned_use_background_threads:False,\
+             graph_capture_record_stream_reuse:True,pinned_reserve_segment_size_mb:64,\
+             per_process_memory_fraction:0.5",
+        )
+        .unwrap();
+        assert!(c.expandable_segments);
+        assert_eq!(c.max_split_size, Some(128 << 20));
+        assert_eq!(c.garbage_collection_threshold, Some(0.8));
+        assert_eq!(c.memory_fraction, Some(0.5));
+        assert!(c.roundup_power2_divisions_by_size.is_some());
+        assert_eq!(DeviceConfig::parse(&c.to_string()).unwrap(), c);
+        // PyTorch's keys that pinpool cannot honour, or values that would mean another
+        // allocator, are refused by name.
+        assert!(matches!(
+            DeviceConfig::parse("backend:cudaMallocAsync"),
+            Err(ConfigError::InvalidValue { key, .. }) if key == "backend"
+        ));
+        assert!(matches!(
+            DeviceConfig::parse("max_non_split_rounding_mb:40"),
+            Err(ConfigError::Unsupported { key, .. }) if key == "max_non_split_rounding_mb"
+        ));
+        for text in [
+            "per_process_memory_fraction:0",
+            "per_process_memory_fraction:1.5",
+            "pinned_num_register_threads:3",
+            "release_lock_on_cudamalloc:maybe",
+        ] {
+            assert!(
+                matches!(
+                    DeviceConfig::parse(text),
+                    Err(ConfigError::InvalidValue { .. })
+                ),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_string_merged_over_a_configuration_sets_only_the_keys_it_names() {
+        let base = DeviceConfig::default()
+            .with_thread_cache(256 << 20)
+            .with_reserve_cap(Some(1.1));
+        let c = base.clone().merged("expandable_segments:false").unwrap();
+        assert_eq!(c.thread_cache, 256 << 20);
+        assert_eq!(c.reserve_cap, Some(1.1));
+        assert!(!c.expandable_segments);
+        let c = base.clone().merged("reserve_cap:none").unwrap();
+        assert_eq!((c.thread_cache, c.reserve_cap), (256 << 20, None));
+        assert_eq!(base.clone().merged("").unwrap(), base);
+        // A bad string sets nothing: the error is all there is.
+        assert!(base.merged("thread_cache_mb:8,linger_us:-1").is_err());
+    }
+
+    #[test]
+    fn an_unknown_key_names_every_valid_key() {
+        let err = DeviceConfig::parse("expandable_segment:true").unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("`expandable_segment`"), "{text}");
+        for key in DeviceConfig::KEYS {
+            assert!(text.contains(key), "{key} missing from: {text}");
         }
     }
 

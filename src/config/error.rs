@@ -50,4 +50,18 @@ pub enum ConfigError {
     /// The variable is set but is not valid Unicode.
     #[error("the variable is not valid Unicode")]
     NotUnicode,
+    /// A `[` without its `]`, or the other way round.
+    #[error("unbalanced brackets in `{text}`")]
+    UnbalancedBrackets {
+        /// The text as written.
+        text: String,
+    },
+    /// A key of PyTorch's `PYTORCH_CUDA_ALLOC_CONF` that pinpool cannot honour.
+    #[error("`{key}` is not supported by pinpool: {reason}")]
+    Unsupported {
+        /// The key.
+        key: String,
+        /// Why, and what to do instead.
+        reason: &'static str,
+    },
 }

@@ -1,7 +1,8 @@
-//! The grammar of configuration strings: `key:value` entries separated by commas, with
-//! whitespace tolerated around keys, values and separators, empty entries skipped, and every
-//! malformed entry a typed error (unknown, duplicate or empty keys, empty values, missing
-//! separators).
+//! The grammar of configuration strings (PyTorch's `PYTORCH_CUDA_ALLOC_CONF` grammar):
+//! `key:value` entries separated by commas, a value that is a bracketed list keeping its
+//! commas (`roundup_power2_divisions:[256:1,>:4]`), whitespace tolerated around keys, values
+//! and separators, empty entries skipped, and every malformed entry a typed error (unknown,
+//! duplicate or empty keys, empty values, missing separators, unbalanced brackets).
 
 use super::ConfigError;
 
@@ -11,7 +12,7 @@ pub(crate) fn entries<'a>(
     keys: &'static [&'static str],
 ) -> Result<Vec<(&'a str, &'a str)>, ConfigError> {
     let mut out: Vec<(&str, &str)> = Vec::new();
-    for entry in text.split(',') {
+    for entry in split_outside_brackets(text, ',')? {
         let entry = entry.trim();
         if entry.is_empty() {
             continue; // tolerate "a:1,,b:2" and a trailing comma
@@ -55,4 +56,57 @@ pub(crate) fn parse_bool(value: &str) -> Option<bool> {
         "false" | "0" | "off" | "no" => Some(false),
         _ => None,
     }
+}
+
+/// `text` split at each `sep` outside square brackets; unbalanced brackets are an error
+/// naming the text.
+pub(crate) fn split_outside_brackets(text: &str, sep: char) -> Result<Vec<&str>, ConfigError> {
+    let unbalanced = || ConfigError::UnbalancedBrackets {
+        text: text.trim().to_owned(),
+    };
+    let mut parts = Vec::new();
+    let (mut depth, mut start) = (0usize, 0);
+    for (i, c) in text.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.checked_sub(1).ok_or_else(unbalanced)?,
+            c if c == sep && depth == 0 => {
+                parts.push(&text[start..i]);
+                start = i + c.len_utf8();
+            }
+            _ => {}
+        }
+    }
+    if depth != 0 {
+        return Err(unbalanced());
+    }
+    parts.push(&text[start..]);
+    Ok(parts)
+}
+
+/// The `(key, value)` items of a bracketed list value (`[256:1, >:4]`), trimmed; `None`
+/// when `value` is not bracketed. An item without `:` or with an empty side is an error.
+pub(crate) fn list_items<'a>(
+    key: &str,
+    value: &'a str,
+) -> Option<Result<Vec<(&'a str, &'a str)>, ConfigError>> {
+    let inner = value.strip_prefix('[')?.strip_suffix(']')?;
+    let items = split_outside_brackets(inner, ',').and_then(|items| {
+        items
+            .into_iter()
+            .map(str::trim)
+            .filter(|item| !item.is_empty())
+            .map(|item| match item.split_once(':') {
+                Some((a, b)) if !a.trim().is_empty() && !b.trim().is_empty() => {
+                    Ok((a.trim(), b.trim()))
+                }
+                _ => Err(ConfigError::InvalidValue {
+                    key: key.to_owned(),
+                    value: value.to_owned(),
+                    expected: "a list of `size:value` items",
+                }),
+            })
+            .collect()
+    });
+    Some(items)
 }

@@ -21,7 +21,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use choices::{PinStrategy, SizePolicyChoice};
-pub use device::{DeviceConfig, DEVICE_ENV_VAR};
+pub use device::{DeviceConfig, DEVICE_ENV_VAR, ROUNDUP_INTERVALS};
 pub use error::ConfigError;
 
 /// The environment variable [`Config::from_env`] reads.

@@ -81,9 +81,11 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         }
     }
 
-    /// The layout settings (`PINPOOL_DEVICE_CONF`'s keys: `max_split_size_mb`,
-    /// `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`),
-    /// used instead of `PINPOOL_DEVICE_CONF`'s.
+    /// The settings of `PINPOOL_DEVICE_CONF`'s keys (`max_split_size_mb`,
+    /// `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`,
+    /// `per_process_memory_fraction`, ...), used instead of `PINPOOL_DEVICE_CONF`'s (see
+    /// [`DeviceConfig::merged_with_env`] to have the variable override some of them). A cap
+    /// given to this builder wins over the configuration's memory fraction.
     pub fn config(mut self, config: &DeviceConfig) -> Self {
         self.config = Some(config.clone());
         self
@@ -155,9 +157,11 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     /// The policy the configuration `c` describes: [`DeviceFit`] with its keys applied, its
     /// expandable range no larger than the device.
     fn device_policy(c: &DeviceConfig, total: usize) -> DeviceFit {
-        let mut p = DeviceFit::default()
-            .roundup_power2_divisions(c.roundup_power2_divisions)
-            .arena_reserve(total.next_multiple_of(2 << 20).max(2 << 20));
+        let mut p = match c.roundup_power2_divisions_by_size {
+            Some(table) => DeviceFit::default().roundup_power2_divisions_by_size(table),
+            None => DeviceFit::default().roundup_power2_divisions(c.roundup_power2_divisions),
+        }
+        .arena_reserve(total.next_multiple_of(2 << 20).max(2 << 20));
         if !c.expandable_segments {
             p = p.separate_segments();
         }
@@ -193,7 +197,10 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             let (_, total) = self.runtime.device_memory_info(d)?;
             totals.push(total);
             let limit = match self.cap {
-                Cap::None => None,
+                Cap::None => match config.memory_fraction {
+                    Some(f) => Some(super::allocator::fraction_of(f, total)?),
+                    None => None,
+                },
                 Cap::Bytes(b) => Some(b),
                 Cap::Fraction(f) => Some(super::allocator::fraction_of(f, total)?),
             };

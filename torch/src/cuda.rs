@@ -13,25 +13,13 @@ use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
-use pinpool::config::{DeviceConfig, DEVICE_ENV_VAR};
+use pinpool::config::DEVICE_ENV_VAR;
 use pinpool::cuda::CudaRuntime;
 use pinpool::{DeviceAllocator, Error, RuntimeError};
 
 use crate::fork;
-use crate::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
+use crate::plugin::{self, Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
 use crate::start::Started;
-
-/// The thread cache of the plugin's allocator where `PINPOOL_DEVICE_CONF` is not set (see
-/// `DeviceConfig::thread_cache`): a training or generation step repeats its requests, so its
-/// blocks, activations of a hundred MiB and more among them, are served again without a round
-/// trip to a pool actor. A model's step is mostly bound by the CPU that launches its work,
-/// where every such round trip counts.
-const THREAD_CACHE: usize = 256 << 20;
-
-/// The reserve cap of the plugin's allocator where `PINPOOL_DEVICE_CONF` is not set (see
-/// `DeviceConfig::reserve_cap`): a little room over the peak of live bytes, so that a
-/// repeated step does not move or map memory again each time to stay at the peak.
-const RESERVE_CAP: f64 = 1.1;
 
 /// The environment variable that, set to `1`, gives every GPU access to the memory the
 /// others map (for every pair with a peer path), before any memory is taken. PyTorch enables
@@ -62,16 +50,20 @@ fn build() -> Result<Backend, Error> {
         .map_err(|e| Error::DeviceUnavailable {
             message: format!("starting the allocator's threads: {e}"),
         })?;
-    let mut builder = DeviceAllocator::builder()
+    let invalid = |message: String| Error::InvalidConfig {
+        message: format!("{DEVICE_ENV_VAR}: {message}"),
+    };
+    let env = match std::env::var(DEVICE_ENV_VAR) {
+        Ok(text) => Some(text),
+        Err(std::env::VarError::NotPresent) => None,
+        Err(e) => return Err(invalid(e.to_string())),
+    };
+    let config = plugin::settings(env.as_deref()).map_err(|e| invalid(e.to_string()))?;
+    let alloc = DeviceAllocator::builder()
         .handle(runtime.handle().clone())
-        .cuda()?;
-    if std::env::var_os(DEVICE_ENV_VAR).is_none() {
-        let config = DeviceConfig::default()
-            .with_thread_cache(THREAD_CACHE)
-            .with_reserve_cap(Some(RESERVE_CAP));
-        builder = builder.config(&config);
-    }
-    let alloc = builder.build()?;
+        .config(&config)
+        .cuda()?
+        .build()?;
     if std::env::var_os(PEER_ENV_VAR).is_some_and(|v| v == "1") {
         let n = alloc.device_count();
         for (device, peer) in (0..n).flat_map(|d| (0..n).map(move |p| (d, p))) {

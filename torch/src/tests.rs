@@ -598,3 +598,26 @@ fn out_of_memory_during_a_capture_gives_null_and_leaves_the_capture_valid() {
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
     assert_ne!(s.plugin.alloc(32 * MIB, 0, 5).unwrap(), 0);
 }
+
+/// `PINPOOL_DEVICE_CONF` overrides the keys it names and no others: setting one key keeps
+/// the plug-in's thread cache and reserve cap (it used to drop them all), and PyTorch's
+/// `PYTORCH_CUDA_ALLOC_CONF` strings are read in PyTorch's grammar.
+#[test]
+fn the_device_setting_overrides_only_the_keys_it_names() {
+    use crate::plugin::{settings, RESERVE_CAP, THREAD_CACHE};
+    let defaults = settings(None).unwrap();
+    assert_eq!(defaults.thread_cache, THREAD_CACHE);
+    assert_eq!(defaults.reserve_cap, Some(RESERVE_CAP));
+    let one = settings(Some("expandable_segments:False")).unwrap();
+    assert!(!one.expandable_segments);
+    assert_eq!(one.thread_cache, THREAD_CACHE);
+    assert_eq!(one.reserve_cap, Some(RESERVE_CAP));
+    let cap = settings(Some("reserve_cap:none,thread_cache_mb:32")).unwrap();
+    assert_eq!((cap.thread_cache, cap.reserve_cap), (32 << 20, None));
+    let torch = settings(Some(
+        "roundup_power2_divisions:[256:1,>:4],max_split_size_mb:128",
+    ));
+    assert!(torch.unwrap().roundup_power2_divisions_by_size.is_some());
+    let err = settings(Some("thread_cache:32")).unwrap_err().to_string();
+    assert!(err.contains("thread_cache_mb"), "{err}");
+}
