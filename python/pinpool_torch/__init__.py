@@ -12,6 +12,7 @@ module instead. See docs/torch.md.
 """
 
 import ctypes
+import glob
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ __all__ = [
     "library",
     "library_path",
     "cuda_support",
+    "settings",
     "graph_hooks",
     "shim",
     "memory_stats",
@@ -61,13 +63,16 @@ def _library_source(path=None):
     if env:
         return os.path.abspath(env), "PINPOOL_TORCH_LIB"
     here = os.path.dirname(os.path.abspath(__file__))
+    # The copy `pip install` put in the package (named with Python's extension suffix).
+    bundled = sorted(glob.glob(os.path.join(here, "libpinpool_torch*.so")))
+    if bundled:
+        return bundled[0], "the package's own copy"
     for candidate in (
-        os.path.join(here, _LIB_NAME),
         os.path.join(here, "..", _LIB_NAME),
         os.path.join(here, "..", "..", "target", "release", _LIB_NAME),
     ):
         if os.path.isfile(candidate):
-            return os.path.abspath(candidate), "the package's own copy"
+            return os.path.abspath(candidate), "the repository's build"
     raise LibraryError(
         f"{_LIB_NAME} not found next to the pinpool_torch package or in the repository's "
         "target/release: install the package with `pip install ./python`, or build it with "
@@ -96,6 +101,7 @@ _SIGNATURES = [
     ("pinpool_memory_fraction", None, [_C.c_double, _C.c_int]),
     ("pinpool_init", _C.c_int, []),
     ("pinpool_cuda_support", _C.c_int, []),
+    ("pinpool_settings", _C.c_int64, [_C.c_char_p, _C.c_size_t]),
     ("pinpool_device_count", _C.c_int, []),
     ("pinpool_memory_stats", _C.c_int64, [_C.c_int, _C.c_char_p, _C.c_size_t]),
     ("pinpool_reserved_bytes", _C.c_int64, [_C.c_int]),
@@ -136,6 +142,62 @@ def _load(path=None):
 def cuda_support(path=None):
     """Whether the library was built with CUDA support (the `cuda` feature)."""
     return _load(path).pinpool_cuda_support() == 1
+
+
+_CONF_VAR = "PINPOOL_DEVICE_CONF"
+
+
+def settings(path=None):
+    """The settings the allocator starts with, in `PINPOOL_DEVICE_CONF`'s form: the plug-in's
+    defaults with the variable's keys over them. A malformed variable (an unknown key, a bad
+    value) is a `ValueError` saying what is wrong (an unknown key: every valid one)."""
+    lib = _load(path)
+    n = lib.pinpool_settings(None, 0)
+    if n >= 0:
+        buf = ctypes.create_string_buffer(n + 1)
+        n = lib.pinpool_settings(buf, len(buf))
+    if n < 0:
+        reason = last_error().removeprefix("pinpool: settings: ")
+        raise ValueError(f"{_CONF_VAR}: {reason}")
+    return buf.value.decode()
+
+
+def _conf_value(value):
+    """A Python value as a `PINPOOL_DEVICE_CONF` value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, dict):  # roundup_power2_divisions={256: 1, ">": 4}
+        return "[" + ",".join(f"{k}:{v}" for k, v in value.items()) + "]"
+    return str(value)
+
+
+def _split_conf(text):
+    """The `key:value` entries of a `PINPOOL_DEVICE_CONF` string (commas inside brackets
+    kept), as (key, entry) pairs."""
+    entries, depth, start = [], 0, 0
+    for i, c in enumerate(text + ","):
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        elif c == "," and depth <= 0:
+            entry = text[start:i].strip()
+            if entry:
+                entries.append((entry.split(":", 1)[0].strip(), entry))
+            start = i + 1
+    return entries
+
+
+def _apply_settings(given):
+    """Sets `PINPOOL_DEVICE_CONF` to its value with the keys `given` (keyword arguments of
+    `enable`) set over it."""
+    if not given:
+        return
+    kept = [entry for key, entry in _split_conf(os.environ.get(_CONF_VAR, "")) if key not in given]
+    kept += [f"{key}:{_conf_value(value)}" for key, value in given.items()]
+    os.environ[_CONF_VAR] = ",".join(kept)
 
 
 def _require_cuda(path=None):
@@ -321,7 +383,7 @@ def graph_hooks():
     return _hooks
 
 
-def enable(path=None, peer_access=False):
+def enable(path=None, peer_access=False, **settings_):
     """Makes pinpool PyTorch's CUDA allocator for this process. Call it before anything
     initialises CUDA (the first tensor on a GPU, torch.cuda.init(), ...): PyTorch can swap
     its allocator only then. Returns a dict: the library's path, the graph-pool hooks (True)
@@ -334,21 +396,32 @@ def enable(path=None, peer_access=False):
 
     `peer_access=True` (the same as PINPOOL_TORCH_PEER_ACCESS=1) gives every GPU access to
     the memory the others map, for copies between GPUs in this process (`tensor.to("cuda:1")`);
-    it makes every map call on a host of several GPUs dearer (docs/torch.md)."""
-    import torch
+    it makes every map call on a host of several GPUs dearer (docs/torch.md).
 
-    if peer_access:
-        os.environ["PINPOOL_TORCH_PEER_ACCESS"] = "1"
+    Other keyword arguments are settings, the keys of `PINPOOL_DEVICE_CONF` (and of
+    `PYTORCH_CUDA_ALLOC_CONF`), set over the variable's:
+    `enable(expandable_segments=False, roundup_power2_divisions={256: 1, ">": 4})`. An
+    unknown key or a bad value is a `ValueError` naming the valid keys."""
+    import torch
 
     if torch.cuda.is_initialized():
         raise RuntimeError(
             "pinpool_torch.enable() must run before CUDA is initialised in this process "
             "(PyTorch swaps its allocator only before its first CUDA allocation)"
         )
+    _apply_settings(settings_)
+    settings(path)  # a malformed setting is a ValueError before anything changes
+    if peer_access:
+        os.environ["PINPOOL_TORCH_PEER_ACCESS"] = "1"
     alloc = pluggable_allocator(path)
     torch.cuda.memory.change_current_allocator(alloc)
     globals()["_enabled"] = True
-    return {"library": library_path(path), "graph_hooks": _hooks, "shim": shim()}
+    return {
+        "library": library_path(path),
+        "graph_hooks": _hooks,
+        "shim": shim(),
+        "settings": settings(path),
+    }
 
 
 def enabled():

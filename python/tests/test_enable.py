@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """`pinpool_torch.enable()` works fully or raises, checked without a GPU and without
 PyTorch: a stand-in `torch` module records what enable() hands it, and the library is the
-build without CUDA support (`cargo build -p pinpool-torch`, target/debug, or
-$PINPOOL_TORCH_TEST_LIB).
+build without CUDA support ($PINPOOL_TORCH_TEST_LIB, or target/debug's, which the tests
+bring up to date with `cargo build -p pinpool-torch` first).
 
     python3 python/tests/test_enable.py
 """
 
 import importlib
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import types
@@ -27,6 +29,13 @@ def test_library():
     return os.environ.get("PINPOOL_TORCH_TEST_LIB") or os.path.join(
         ROOT, "target", "debug", "libpinpool_torch.so"
     )
+
+
+def setUpModule():
+    # target/debug's library is whichever build ran last (a wheel's build has CUDA support):
+    # the build without it again, quick when nothing changed.
+    if not os.environ.get("PINPOOL_TORCH_TEST_LIB") and shutil.which("cargo"):
+        subprocess.run(["cargo", "build", "-q", "-p", "pinpool-torch"], cwd=ROOT, check=True)
 
 
 class FakeTorch:
@@ -133,6 +142,27 @@ class EnableTest(unittest.TestCase):
         self.assertIn("without CUDA support", str(e.exception))
         self.assertIn(lib, str(e.exception))
         self.assert_not_installed()
+
+    def test_an_unknown_setting_is_a_value_error_naming_the_valid_keys(self):
+        lib = self.need_library()
+        with self.assertRaises(ValueError) as e:
+            self.pt.enable(lib, expandable_segment=False)
+        self.assertIn("expandable_segment", str(e.exception))
+        self.assertIn("valid keys", str(e.exception))
+        self.assertIn("roundup_power2_divisions", str(e.exception))
+        self.assert_not_installed()
+        os.environ["PINPOOL_DEVICE_CONF"] = "thread_cache:8"
+        with self.assertRaises(ValueError):
+            self.pt.settings(lib)
+
+    def test_settings_set_only_their_keys_over_the_variable_and_the_defaults(self):
+        lib = self.need_library()
+        self.assertIn("thread_cache_mb:256", self.pt.settings(lib))
+        os.environ["PINPOOL_DEVICE_CONF"] = "expandable_segments:false, thread_cache_mb:8"
+        self.pt._apply_settings({"thread_cache_mb": 32, "roundup_power2_divisions": {256: 1, ">": 4}})
+        got = self.pt.settings(lib)
+        for part in ("expandable_segments:false", "thread_cache_mb:32", "reserve_cap:1.1", "[256:1,>:4]"):
+            self.assertIn(part, got)
 
 
 if __name__ == "__main__":

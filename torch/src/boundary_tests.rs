@@ -76,6 +76,8 @@ fn call_every_export() {
     let _ = pinpool_device_count();
     let _ = pinpool_cuda_support();
     // SAFETY: a null buffer only asks for the length.
+    let _ = unsafe { pinpool_settings(std::ptr::null_mut(), 0) };
+    // SAFETY: a null buffer only asks for the length.
     let stats = unsafe { pinpool_memory_stats(99, std::ptr::null_mut(), 0) };
     assert_eq!(stats, -1);
     assert_eq!(pinpool_reserved_bytes(99), -1);

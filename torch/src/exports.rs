@@ -146,6 +146,28 @@ pub extern "C" fn pinpool_cuda_support() -> c_int {
     c_int::from(cfg!(feature = "cuda"))
 }
 
+/// The settings the allocator starts (or started) with, in `PINPOOL_DEVICE_CONF`'s form: the
+/// plug-in's defaults with the variable's keys over them. Copied as `pinpool_memory_stats`
+/// copies; -1 (the error, which names every valid key of an unknown one, stored) when the
+/// variable is malformed. Starts nothing: it checks a setting before `enable`.
+///
+/// # Safety
+///
+/// `buf` is null or valid for writes of `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn pinpool_settings(buf: *mut c_char, cap: usize) -> i64 {
+    entry("settings", -1, || {
+        let env = match std::env::var(pinpool::config::DEVICE_ENV_VAR) {
+            Ok(text) => Some(text),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(e) => return Err(e.to_string()),
+        };
+        let config = crate::plugin::settings(env.as_deref()).map_err(|e| e.to_string())?;
+        // SAFETY: this function's contract.
+        Ok(unsafe { abi::copy_out(&config.to_string(), buf, cap) } as i64)
+    })
+}
+
 /// How many devices the allocator serves (-1 on failure).
 #[no_mangle]
 pub extern "C" fn pinpool_device_count() -> c_int {

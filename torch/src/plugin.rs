@@ -27,7 +27,6 @@ pub(crate) const RESERVE_CAP: f64 = 1.1;
 /// The plug-in's settings: its own defaults ([`THREAD_CACHE`], [`RESERVE_CAP`], and the
 /// device allocator's), with the keys `env` (the value of `PINPOOL_DEVICE_CONF`, if set)
 /// names set over them, each key alone.
-#[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
 pub(crate) fn settings(env: Option<&str>) -> Result<DeviceConfig, ConfigError> {
     let defaults = DeviceConfig::default()
         .with_thread_cache(THREAD_CACHE)
