@@ -9,7 +9,10 @@
 #                                           torchvision, transformers; g++): run everything,
 #                                           each configuration in a fresh process, writing
 #                                           OUT/judge.log, OUT/summary.json and one log per
-#                                           process; finishes in 5 to 8 minutes
+#                                           process; finishes in 5 to 8 minutes. LIB
+#                                           `installed`: the pinpool_torch package that pip
+#                                           installed, with its bundled library, instead of
+#                                           the tree's python/ and a built LIB
 #
 # Every part has its own timeout and the whole run stops after $PINPOOL_JUDGE_TIMEOUT
 # seconds (default 570). Exit status: 0 when every verdict passed, 1 otherwise.
@@ -33,9 +36,14 @@ run)
     lib="${2:?usage: scripts/torch-judge.sh run LIB OUT}"
     out="${3:?usage: scripts/torch-judge.sh run LIB OUT}"
     mkdir -p "$out"
-    export PYTHONPATH="$here/../python${PYTHONPATH:+:$PYTHONPATH}"
-    export PINPOOL_TORCH_CACHE="${PINPOOL_TORCH_CACHE:-/tmp/pinpool_torch_cache}"
     py="${PYTHON:-python3}"
+    if [ "$lib" = installed ]; then
+        lib="$(cd / && "$py" -c 'import pinpool_torch; print(pinpool_torch.library_path())')" \
+            || { echo "torch-judge: no installed pinpool_torch (pip install ./python)"; exit 1; }
+    else
+        export PYTHONPATH="$here/../python${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    export PINPOOL_TORCH_CACHE="${PINPOOL_TORCH_CACHE:-/tmp/pinpool_torch_cache}"
     limit="${PINPOOL_JUDGE_TIMEOUT:-570}"
     timeout -k 10 "$limit" "$py" -u "$here/torch_judge.py" --lib "$lib" --out "$out" \
         --budget "$((limit - 15))"
@@ -46,7 +54,7 @@ run)
     exit "$status"
     ;;
 *)
-    sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
