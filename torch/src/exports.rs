@@ -109,10 +109,14 @@ pub extern "C" fn pinpool_free(ptr: *mut c_void, size: usize, device: c_int, str
     })
 }
 
-/// `void record_stream(void* ptr, cudaStream_t stream)` (`Tensor.record_stream`).
+/// `void record_stream(void* ptr, cudaStream_t stream)` (`Tensor.record_stream`). Null (an
+/// empty tensor's storage) does nothing, as PyTorch's allocator does.
 #[no_mangle]
 pub extern "C" fn pinpool_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     entry("record_stream", (), || {
+        if ptr.is_null() {
+            return Ok(());
+        }
         let device = pointer_device(ptr)?;
         plugin()?.record_stream(ptr as usize, device, stream as usize)
     })

@@ -621,3 +621,12 @@ fn the_device_setting_overrides_only_the_keys_it_names() {
     let err = settings(Some("thread_cache:32")).unwrap_err().to_string();
     assert!(err.contains("thread_cache_mb"), "{err}");
 }
+
+/// `Tensor.record_stream` on an empty tensor hands PyTorch's hook a null pointer: nothing to
+/// do, and no failure (PyTorch's allocator ignores it too).
+#[test]
+fn record_stream_of_null_does_nothing_and_is_no_failure() {
+    abi::set_last_error("earlier", "kept");
+    crate::exports::pinpool_record_stream(std::ptr::null_mut(), std::ptr::null_mut());
+    assert!(abi::last_error().contains("kept"), "{}", abi::last_error());
+}
