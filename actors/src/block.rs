@@ -14,7 +14,7 @@ use std::sync::Arc;
 use crate::actors::home::Home;
 use crate::actors::idle_probe;
 use crate::actors::keepalive;
-use crate::actors::mailbox::{Merge, Note, PollerMsg, PoolMsg, Split};
+use crate::actors::mailbox::{Note, PollerMsg, PoolMsg, Split};
 use crate::actors::memory::Region;
 use crate::actors::meta::MetaRef;
 use crate::actors::parked::Parkable;
@@ -110,6 +110,10 @@ pub(crate) struct Block<R: Runtime> {
     /// while that range was still free: a large piece stays on the cached path when freed
     /// (see `PoolShared::large_piece`).
     pub(crate) recalled: bool,
+    /// Placed by the pool actor into free memory it filled exactly: freed, it may be held
+    /// by the freeing thread for its next request of the same size (see
+    /// `ReadyQueues::put_held`), which the actor's best fit would most likely place there.
+    pub(crate) holdable: bool,
     /// While a [`crate::actors::lease::RawLease`] holds the block: the bytes requested and the
     /// lending engine's id (a [`crate::actors::lease::Lease`] keeps them itself).
     pub(crate) raw_len: usize,
@@ -132,6 +136,7 @@ impl<R: Runtime> Block<R> {
             meta: MetaRef::take(),
             segment: None,
             recalled: false,
+            holdable: false,
             raw_len: 0,
             raw_engine: 0,
         })
@@ -185,48 +190,6 @@ impl<R: Runtime> Block<R> {
     /// Whether the block was cut out of its pool's expandable range.
     pub(crate) fn in_arena(&self) -> bool {
         self.segment.as_ref().is_some_and(|s| s.is_arena())
-    }
-
-    /// Whether `next` begins where this block ends, in the same segment (two ready pieces
-    /// that [`Self::absorb_next`] can merge).
-    pub(crate) fn adjoins(&self, next: &Block<R>) -> bool {
-        match (&self.segment, &next.segment) {
-            (Some(a), Some(b)) => {
-                Arc::ptr_eq(a, b)
-                    && self.memory.addr().checked_add(self.size) == Some(next.memory.addr())
-            }
-            _ => false,
-        }
-    }
-
-    /// Merges the ready block `next`, which [`Self::adjoins`] this one, into it: this block
-    /// holds both ranges, filed under the largest class they serve, and `next`'s record is
-    /// recycled. The inverse of [`Self::split_off`]; the pool actor is told before the
-    /// merged block can come back (see [`Merge`]). Hands `next` back unchanged when the two
-    /// do not adjoin.
-    pub(crate) fn absorb_next(&mut self, mut next: Box<Block<R>>) -> Result<(), Box<Block<R>>> {
-        let class = match self.pool.policy.class_served_by(self.size + next.size) {
-            Some(c) if self.adjoins(&next) => c,
-            _ => return Err(next),
-        };
-        let Some(seg) = next.segment.take() else {
-            return Err(next);
-        };
-        self.pool.note(Note::Merge(Merge {
-            addr: self.memory.addr(),
-            len: self.size + next.size,
-            class,
-            next: next.memory.addr(),
-            seg: seg.id,
-            in_arena: seg.is_arena(),
-        }));
-        self.size += next.size;
-        self.memory.size = self.size;
-        self.class = class;
-        self.recalled = false;
-        next.freed = true;
-        self.pool.recycle(next);
-        Ok(())
     }
 
     /// The free of a buffer: back to the ready queue when no stream used the block, or when
@@ -508,6 +471,7 @@ impl<R: Runtime> Block<R> {
             meta: std::mem::replace(&mut self.meta, MetaRef::none()),
             segment: self.segment.take(),
             recalled: self.recalled,
+            holdable: self.holdable,
             raw_len: self.raw_len,
             raw_engine: self.raw_engine,
         })
@@ -528,18 +492,38 @@ pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     let pool = unsafe { &*pool };
     let divert = pool.divert.load(Ordering::Acquire);
     if divert != 0 || pool.wants_home(&block) {
-        block.state = BlockState::InUse;
         if divert == 0 && block.size <= pool.max_cached_size {
-            // A large piece: no message, no actor woken.
-            pool.home_quietly(block);
+            // A large piece: held by this thread until its next miss (a request of its size
+            // takes it back before then), or home at once, with no message and no actor
+            // woken.
+            block.state = BlockState::Cached;
+            let held = if block.holdable {
+                pool.ready.put_held(block)
+            } else {
+                Some(block)
+            };
+            if let Some(mut block) = held {
+                block.state = BlockState::InUse;
+                pool.home_quietly(block);
+            }
             return;
         }
+        block.state = BlockState::InUse;
         if let Err(flume::SendError(PoolMsg::Home(b))) = pool.mailbox.send(PoolMsg::Home(block)) {
             b.orphaned();
         }
         return;
     }
     block.state = BlockState::Cached;
+    if block.in_arena() {
+        // One block of a class per thread; more go home, to coalesce with the free memory
+        // around them, rather than pile up where only this thread reuses them.
+        if let Some(mut b) = pool.ready.put_in_slot(block) {
+            b.state = BlockState::InUse;
+            pool.home_quietly(b);
+        }
+        return;
+    }
     pool.ready.put(block);
 }
 
@@ -604,6 +588,7 @@ impl<R: Runtime> Pool<R> {
         b.freed = false;
         b.segment = Some(segment);
         b.recalled = false;
+        b.holdable = false;
         b.meta.lent(0);
         b
     }
@@ -631,6 +616,32 @@ impl<R: Runtime> Pool<R> {
         }
         for b in self.ready.drain().into_iter().chain(self.homed()) {
             b.orphaned();
+        }
+    }
+
+    /// Sends the large blocks this thread held since its last miss home (see
+    /// `ReadyQueues::put_held`), before it asks the pool actor: the actor coalesces them
+    /// first, so that its placement sees every block this thread freed.
+    #[cold]
+    pub(crate) fn send_held_home(&self) {
+        let mut held = Vec::new();
+        self.ready.take_held_mine(&mut held);
+        for mut b in held {
+            b.state = BlockState::InUse;
+            self.home_quietly(b);
+        }
+    }
+
+    /// Sends every ready block of this thread's shard home, where the pool actor coalesces
+    /// it with the free memory around it (see `Refused::Coalesce`).
+    #[cold]
+    pub(crate) fn send_mine_home(&self) {
+        let mut mine = Vec::new();
+        self.ready.drain_mine(&mut mine);
+        self.ready.take_held_mine(&mut mine);
+        for mut b in mine {
+            b.state = BlockState::InUse;
+            self.home_quietly(b);
         }
     }
 

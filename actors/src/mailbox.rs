@@ -31,8 +31,10 @@ pub(crate) struct Ask {
     pub(crate) wait: bool,
     /// Whether every pool's cache has been emptied for this request already.
     pub(crate) emptied: bool,
-    /// The requesting thread's shard of the pool's ready queues.
-    pub(crate) shard: usize,
+    /// The requesting thread may hold freed blocks of the sizes threads cache in its own
+    /// shard of the ready queues: before the pool takes fresh memory for such a size, it asks
+    /// the thread to send them home ([`Refused::Coalesce`]).
+    pub(crate) holds: bool,
     /// Whether the requesting thread waits on a plain thread that may block, and runs the
     /// errands it is sent while it waits (see [`crate::actors::errand`]).
     pub(crate) lends: bool,
@@ -46,6 +48,10 @@ pub(crate) struct Ask {
 pub(crate) enum Refused {
     /// No room (under the cap, or from the memory source): empty every cache and ask again.
     NeedRoom,
+    /// Only fresh memory would serve the request: the requesting thread sends the blocks its
+    /// own shard holds home, where they coalesce with the free memory around them, and asks
+    /// again (see [`Ask::holds`]).
+    Coalesce,
     /// A final answer.
     Failed(Error),
 }
@@ -158,7 +164,7 @@ pub(crate) enum PoolMsg<B> {
     },
     /// Look at the queued requests again: room was made, or one was cancelled.
     Wake,
-    /// Book the splits and merges threads noted (sent every `NOTE_BATCH` notes of a thread,
+    /// Book the splits threads noted (sent every `NOTE_BATCH` notes of a thread,
     /// so that the books keep up and a miss finds few notes to book before it is served).
     Books,
     /// The pool's owner is gone: give everything back as it comes home, then stop.
@@ -181,23 +187,9 @@ pub(crate) struct Split {
     pub(crate) rest_meta: MetaRef,
 }
 
-/// Two ready blocks that lie side by side in one segment, merged into one by a thread that
-/// held both (see `Block::absorb_next`): the first, at `addr`, now holds `len` bytes; the
-/// second, which began at `next`, is gone. The inverse of a [`Split`]; sent before the
-/// merged block can come back.
-pub(crate) struct Merge {
-    pub(crate) addr: usize,
-    pub(crate) len: usize,
-    pub(crate) class: usize,
-    pub(crate) next: usize,
-    pub(crate) seg: SegId,
-    pub(crate) in_arena: bool,
-}
-
 /// A change a thread made to the pieces a segment lends, for the actor's books.
 pub(crate) enum Note {
     Split(Split),
-    Merge(Merge),
 }
 
 /// A pool actor's mailbox, as its senders reach it: once the actor's task is gone (dropped

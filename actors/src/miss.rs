@@ -369,7 +369,7 @@ async fn miss_with<R: Runtime, W: Waiter>(
         requested: plan.requested,
         wait: plan.queue,
         emptied: false,
-        shard: pool.ready.my_shard(),
+        holds: true,
         lends: waiter.lends(),
         quiet: plan.quiet,
     };
@@ -434,6 +434,10 @@ async fn miss_with<R: Runtime, W: Waiter>(
                 }
             }
             Err(Refused::NeedRoom) => return Err(Missed::NoRoom),
+            Err(Refused::Coalesce) => {
+                pool.send_mine_home();
+                ask.holds = false;
+            }
         }
     }
 }
@@ -548,8 +552,10 @@ pub(crate) enum Tried {
     Failed(Error),
 }
 
-/// How long a blocking miss spins on its reply before it parks the thread.
-const REPLY_SPIN: Duration = Duration::from_micros(30);
+/// How long a blocking miss spins on its reply before it parks the thread: long enough for
+/// a pool actor that has to be woken first (the requester is blocked either way; polling
+/// spares it a wake-up of its own).
+const REPLY_SPIN: Duration = Duration::from_micros(200);
 
 /// Waits for a pool actor's answer, polling for it for [`REPLY_SPIN`] before parking the
 /// thread: a miss that the actor serves from memory it holds is answered within

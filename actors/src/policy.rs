@@ -115,16 +115,9 @@ pub struct Carving {
     /// a power of two granules that each go back, or move, on their own (a small share of
     /// the pool's peak, and of the run).
     pub(crate) map_whole_from: usize,
-    /// Threads split ready blocks up to this size for their requests without the pool actor
-    /// (the pool's split limit), and in an expandable range merge ready blocks that lie
-    /// side by side up to it (see `Engine::coalesce_mine`).
+    /// Outside an expandable range, threads split ready blocks up to this size for their
+    /// requests without the pool actor (the pool's split limit).
     pub(crate) thread_limit: usize,
-    /// A request up to this size that finds no block to split may be served by merging the
-    /// thread's ready neighbours (see `Engine::coalesce_mine`; never past `thread_limit`).
-    /// Larger requests go to the pool actor, which places them best-fit: a thread's merge
-    /// cuts the smallest merged block that holds the request, which strands more memory the
-    /// larger the blocks are.
-    pub(crate) thread_merge_limit: usize,
     /// A thread that splits a ready block for a request leaves the rest with the request
     /// when the rest is less than `1 / keep_rest_under` of the block (0: only a rest too
     /// small for any class). A sliver that small rarely serves a request before it is merged
@@ -132,12 +125,16 @@ pub struct Carving {
     /// fragment for the thread's next misses to pass over (PyTorch's device allocator does
     /// not split a large block whose rest would be 1 MiB or less).
     pub(crate) keep_rest_under: usize,
+    /// Keep the reserve cap inside a burst of requests too: idle memory moves, or goes back,
+    /// before a miss takes fresh memory over the cap (driver calls while requests come, for
+    /// a tighter layout). Otherwise memory above the cap goes back only between bursts.
+    pub(crate) cap_in_bursts: bool,
     /// Freed pieces of the expandable range up to this size (and the thread limit) stay on
-    /// the cached path even when larger than `small_limit`, as small ones do: threads merge
-    /// their ready neighbours themselves (see `thread_limit`), so the pool actor need not
-    /// coalesce them at once, and a request of their class is served again without a round
-    /// trip to it. Larger pieces, and those of separate segments, go back into their range or
-    /// segment when freed (0: every large piece does).
+    /// the cached path even when larger than `small_limit`, as small ones do (one block of
+    /// a class per thread), so that a request of their class is served again without a
+    /// round trip to the pool actor, whose placements then see less of the free memory.
+    /// Larger pieces, and those of separate segments, go back into their range or segment
+    /// when freed (0, the default: every large piece does).
     pub(crate) arena_cached_up_to: usize,
 }
 
@@ -159,13 +156,17 @@ impl Carving {
             .map(|p| (peak_live as u128 * p as u128 / 1000).min(usize::MAX as u128) as usize)
     }
 
+    /// Under a memory `limit`, the garbage-collection threshold's share of it, if set.
+    pub(crate) fn gc_cap(&self, limit: Option<usize>) -> Option<usize> {
+        self.gc_threshold_permille
+            .zip(limit)
+            .map(|(p, l)| (l as u128 * p as u128 / 1000) as usize)
+    }
+
     /// The cap on reserved bytes before fresh memory: the reserve cap, or under a memory
     /// `limit` the garbage-collection threshold, whichever is lower.
     pub(crate) fn fresh_cap(&self, peak_live: usize, limit: Option<usize>) -> Option<usize> {
-        let gc = self
-            .gc_threshold_permille
-            .zip(limit)
-            .map(|(p, l)| (l as u128 * p as u128 / 1000) as usize);
+        let gc = self.gc_cap(limit);
         match (self.reserve_cap(peak_live), gc) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -285,9 +286,11 @@ impl Default for BestFit {
                 pack_granules: false,
                 map_whole_from: usize::MAX,
                 thread_limit: BEST_FIT_THREAD_LIMIT,
-                thread_merge_limit: BEST_FIT_THREAD_LIMIT,
                 keep_rest_under: KEEP_REST_UNDER,
-                arena_cached_up_to: BEST_FIT_THREAD_LIMIT,
+                arena_cached_up_to: 0,
+                // Pinned memory keeps its cap while requests come: host replays stay within
+                // 1.2 of their peak (moves of host memory cost no device work).
+                cap_in_bursts: true,
             },
         }
     }
@@ -443,13 +446,13 @@ impl Default for DeviceFit {
                 pack_granules: true,
                 map_whole_from: 256 << 20,
                 thread_limit: 2 << 20,
-                thread_merge_limit: 2 << 20,
                 keep_rest_under: KEEP_REST_UNDER,
                 // Large pieces go back to the actor at once: with the reserve cap at the
                 // peak of live bytes, pieces cached on threads would have the actor map
                 // (and later unmap) more granules (decoder replay: 865 fresh maps to 1200,
                 // bert 308 to 396, for a mixed sizes loop about 15 % faster on an H200).
                 arena_cached_up_to: 0,
+                cap_in_bursts: false,
             },
             divisions: [0; DIVISION_INTERVALS],
         }

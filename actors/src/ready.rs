@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 
 use flume::{Receiver, Sender};
 
-use crate::actors::loom::{AtomicPtr, AtomicU64};
+use crate::actors::loom::{AtomicPtr, AtomicU64, AtomicUsize};
 use crate::actors::policy::SizeClass;
 use crate::actors::shard::{CachePadded, ThreadSlot};
 
@@ -139,6 +139,21 @@ pub(crate) struct ReadyQueues<B> {
     /// stealing and freeing threads all write (16 threads freeing and taking one class fell
     /// from about 220 to 53–87 million pairs a second).
     holders: Box<[AtomicU64]>,
+    /// Per shard, the large blocks its thread freed since its last miss (see
+    /// [`ReadyQueues::put_held`]).
+    held: Box<[Held<B>]>,
+}
+
+/// How many large blocks a thread holds between its misses.
+const HELD: usize = 1;
+
+/// A shard's held large blocks and their sizes, on lines of their own: only the shard's
+/// thread stores into them; others (a drain) only empty them.
+struct Held<B> {
+    /// The place the next block takes when every place is taken (the oldest).
+    next: AtomicUsize,
+    sizes: CachePadded<[AtomicUsize; HELD]>,
+    blocks: CachePadded<[AtomicPtr<B>; HELD]>,
 }
 
 fn empty_line<B>() -> SlotLine<B> {
@@ -175,7 +190,15 @@ impl<B: Slotted> ReadyQueues<B> {
         } else {
             Box::default()
         };
+        let held = (0..shards.len())
+            .map(|_| Held {
+                next: AtomicUsize::new(0),
+                sizes: CachePadded(std::array::from_fn(|_| AtomicUsize::new(0))),
+                blocks: CachePadded(std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut()))),
+            })
+            .collect();
         Self {
+            held,
             slots,
             lines_per_shard,
             shards,
@@ -434,6 +457,82 @@ impl<B: Slotted> ReadyQueues<B> {
         self.put_queue(me.shard, block);
     }
 
+    /// Puts a ready block into this thread's slot for its class if the slot is empty;
+    /// hands it back otherwise (or when the thread does not own its shard).
+    #[inline]
+    pub(crate) fn put_in_slot(&self, block: Box<B>) -> Option<Box<B>> {
+        let me = ThreadSlot::current(self.mask);
+        let class = block.class();
+        let slot = self.slot(me.shard, class);
+        if !me.owns || !slot.load(Ordering::Relaxed).is_null() {
+            return Some(block);
+        }
+        self.stock(me.shard);
+        self.hold(me.shard, class);
+        slot.store(Box::into_raw(block), Ordering::Release);
+        None
+    }
+
+    /// Holds a freed large block in one of this thread's [`HELD`] places until a request of
+    /// exactly its size takes it back, or the thread's next miss sends it home (see
+    /// [`Self::take_held_mine`]). Hands the block back when the thread does not own its
+    /// shard or every place is taken.
+    #[inline]
+    pub(crate) fn put_held(&self, block: Box<B>) -> Option<Box<B>> {
+        let me = ThreadSlot::current(self.mask);
+        if !me.owns {
+            return Some(block);
+        }
+        let held = &self.held[me.shard];
+        let i = held
+            .blocks
+            .iter()
+            .position(|p| p.load(Ordering::Relaxed).is_null());
+        // Every place taken: the oldest goes home, the newest stays.
+        let (i, evicted) = match i {
+            Some(i) => (i, None),
+            None => {
+                let i = held.next.load(Ordering::Relaxed) % HELD;
+                (i, take_slot(&held.blocks[i]))
+            }
+        };
+        held.next.store(i + 1, Ordering::Relaxed);
+        self.stock(me.shard);
+        // The size first: a taker that reads it and then finds the block takes this one.
+        held.sizes[i].store(block.size(), Ordering::Relaxed);
+        held.blocks[i].store(Box::into_raw(block), Ordering::Release);
+        evicted
+    }
+
+    /// A block of exactly `size` bytes this thread holds (see [`Self::put_held`]).
+    #[inline]
+    pub(crate) fn take_held(&self, size: usize) -> Option<Box<B>> {
+        let me = ThreadSlot::current(self.mask);
+        if !me.owns {
+            return None;
+        }
+        let held = &self.held[me.shard];
+        let i = held
+            .sizes
+            .iter()
+            .zip(held.blocks.iter())
+            .position(|(s, p)| {
+                s.load(Ordering::Relaxed) == size && !p.load(Ordering::Relaxed).is_null()
+            })?;
+        // Only this thread stores into its places; others only empty them, so the block
+        // found is the one stored after that size.
+        take_slot(&held.blocks[i])
+    }
+
+    /// Takes the large blocks this thread holds (see [`Self::put_held`]).
+    #[cold]
+    pub(crate) fn take_held_mine(&self, out: &mut Vec<Box<B>>) {
+        let me = ThreadSlot::current(self.mask);
+        if me.owns {
+            out.extend(self.held[me.shard].blocks.iter().filter_map(take_slot));
+        }
+    }
+
     /// Puts a ready block into `shard`'s queue for its class.
     #[cold]
     pub(crate) fn put_queue(&self, shard: usize, block: Box<B>) {
@@ -446,10 +545,11 @@ impl<B: Slotted> ReadyQueues<B> {
         shard.mark(class);
     }
 
-    /// Takes every ready block out of every slot and queue.
+    /// Takes every ready block out of every slot, held place and queue.
     pub(crate) fn drain(&self) -> Vec<Box<B>> {
         let mut out = Vec::new();
         for s in (0..self.shards.len()).filter(|&s| self.ever_stocked(s)) {
+            out.extend(self.held[s].blocks.iter().filter_map(take_slot));
             self.drain_shard(s, &mut out);
         }
         out
@@ -551,6 +651,11 @@ impl<B> Drop for ReadyQueues<B> {
         // be, dropping the block sends it home (or frees it when home is gone).
         for line in self.slots.iter() {
             for s in line.iter() {
+                drop(take_slot(s));
+            }
+        }
+        for h in self.held.iter() {
+            for s in h.blocks.iter() {
                 drop(take_slot(s));
             }
         }

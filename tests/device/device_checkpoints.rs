@@ -251,8 +251,16 @@ async fn unknown_pools_devices_and_bad_states_are_typed_errors() {
         pool.set_checkpoint_pool_state(0, &elsewhere, &s).await,
         Err(Error::InvalidCheckpoint { .. })
     ));
+    // The allocated block listed twice (free pieces may come first in its segment).
+    let allocated = |c: &pinpool::PoolCheckpoint| {
+        c.segments[0]
+            .blocks
+            .iter()
+            .position(|b| b.state == pinpool::BlockStatus::InUse)
+            .expect("the allocated block is listed")
+    };
     let mut twice = checkpoint.clone();
-    let block = twice.segments[0].blocks[0].clone();
+    let block = twice.segments[0].blocks[allocated(&checkpoint)].clone();
     twice.segments[0].blocks.push(block);
     assert!(matches!(
         pool.set_checkpoint_pool_state(0, &twice, &s).await,
@@ -260,7 +268,7 @@ async fn unknown_pools_devices_and_bad_states_are_typed_errors() {
     ));
     // A hand-made block whose end wraps around the address space.
     let mut wraps = checkpoint.clone();
-    let mut block = wraps.segments[0].blocks[0].clone();
+    let mut block = wraps.segments[0].blocks[allocated(&checkpoint)].clone();
     block.address += 4 * MIB;
     block.size = usize::MAX - 4 * MIB + 513; // aligned, and the end passes 2^64
     wraps.segments[0].blocks.push(block);

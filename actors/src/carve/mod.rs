@@ -19,6 +19,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+pub(crate) mod fits;
+
 /// Offsets and sizes of pieces are multiples of this (bytes).
 pub(crate) const ALIGN: usize = 512;
 
@@ -294,19 +296,6 @@ impl<T> Carver<T> {
         }
     }
 
-    /// Two lent pieces of `seg` were merged into one by whoever held both: one piece fewer
-    /// is lent. `false` for an unknown segment or one that lends fewer than two pieces.
-    pub(crate) fn merge_lent(&mut self, seg: SegId) -> bool {
-        match self.segments.get_mut(&seg) {
-            Some(s) if s.lent > 1 => {
-                s.lent -= 1;
-                self.lent_pieces -= 1;
-                true
-            }
-            _ => false,
-        }
-    }
-
     /// Takes back a lent piece and merges it with free neighbours. Returns whether its
     /// segment is now wholly free.
     pub(crate) fn release(&mut self, piece: Piece) -> Result<bool, CarveError> {
@@ -396,6 +385,20 @@ impl<T> Carver<T> {
         Some((s.payload, s.size))
     }
 
+    /// The free ranges of `seg` that overlap or touch `[lo, hi)`, as (offset, length), in
+    /// offset order.
+    pub(crate) fn free_touching(&self, seg: SegId, lo: usize, hi: usize) -> Vec<(usize, usize)> {
+        let Some(s) = self.segments.get(&seg) else {
+            return Vec::new();
+        };
+        let start = s.free.range(..=lo).next_back().map_or(lo, |(&o, _)| o);
+        s.free
+            .range(start..=hi)
+            .filter(|&(&o, &l)| o + l >= lo)
+            .map(|(&o, &l)| (o, l))
+            .collect()
+    }
+
     /// Every segment's payload with its free ranges (offset, length) in offset order.
     pub(crate) fn free_ranges_by_segment(&self) -> impl Iterator<Item = (&T, Vec<(usize, usize)>)> {
         self.segments
@@ -406,11 +409,6 @@ impl<T> Carver<T> {
     /// Every segment with its payload.
     pub(crate) fn segments_with(&self) -> impl Iterator<Item = (SegId, &T)> {
         self.segments.iter().map(|(&id, s)| (id, &s.payload))
-    }
-
-    /// Free ranges of segments that lend a piece, as (offset, length).
-    pub(crate) fn open_ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.open.iter().map(|&(len, _, offset)| (offset, len))
     }
 
     /// The payload of a segment.

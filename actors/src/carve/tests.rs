@@ -309,29 +309,3 @@ fn free_and_lent_bytes_always_add_up_to_the_segments() {
     }
     assert_eq!(c.free_ranges(), 2);
 }
-
-#[test]
-fn two_lent_pieces_merged_by_their_holder_come_back_as_one_and_the_segment_frees() {
-    let mut c = Carver::new();
-    let seg = c.add_segment(MIB, ());
-    let a = c.carve(256 * KIB).unwrap();
-    let b = c.carve(256 * KIB).unwrap();
-    assert_eq!(c.lent_pieces(), 2);
-    assert!(c.merge_lent(seg));
-    assert_eq!(c.lent_pieces(), 1);
-    // One piece lent: merging again would lose a piece the books still count.
-    assert!(!c.merge_lent(seg));
-    assert!(!c.merge_lent(SegId(999)), "unknown segment");
-    let both = Piece {
-        seg,
-        offset: a.offset,
-        len: a.len + b.len,
-    };
-    assert_eq!(
-        c.release(both),
-        Ok(true),
-        "the last piece frees the segment"
-    );
-    assert_eq!(c.lent_pieces(), 0);
-    assert_eq!(c.largest_free(), MIB);
-}

@@ -217,21 +217,26 @@ impl<R: Runtime> Engine<R> {
         engine: u64,
     ) -> Step<R> {
         let ready = &pool.ready;
-        let found = pool
-            .parked
-            .take_mine(class)
-            .or_else(|| Self::split_next(pool, class))
+        // In an expandable range, threads neither split nor merge blocks: the pool actor
+        // places every block best-fit in memory it keeps coalesced.
+        let cuts = !pool.placed_by_actor;
+        let found = ready
+            .take_held(class.size)
+            .or_else(|| pool.parked.take_mine(class))
+            .or_else(|| cuts.then(|| Self::split_next(pool, class)).flatten())
             .or_else(|| ready.steal(ready.my_shard(), class))
-            .or_else(|| Self::split_ready(pool, class))
-            .or_else(|| Self::coalesce_mine(pool, class))
+            .or_else(|| cuts.then(|| Self::split_ready(pool, class)).flatten())
             .or_else(|| pool.parked.steal(class));
         match found {
             Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),
-            None => Step::Miss {
-                pool: pool.clone(),
-                class,
-                during_capture,
-            },
+            None => {
+                pool.send_held_home();
+                Step::Miss {
+                    pool: pool.clone(),
+                    class,
+                    during_capture,
+                }
+            }
         }
     }
 
@@ -295,48 +300,6 @@ impl<R: Runtime> Engine<R> {
             None => block.class = class.index,
         }
         block
-    }
-
-    /// The ready blocks of this thread's shard merged where they lie side by side in the
-    /// pool's expandable range (pieces of separate segments are left to the actor, which
-    /// must see a segment's pieces come back to give it back). A thread that splits its
-    /// blocks for requests of every size and frees the parts one by one fragments its shard
-    /// until a large request fits none of them, and would then wait for the pool actor to
-    /// take every cached block back and coalesce. Merging here (each merge noted for the
-    /// actor, see `Block::absorb_next`) serves most of those requests on the thread. Merged
-    /// blocks stay within the pool's split limit; the smallest block of the range, or of
-    /// a segment within the limit, that holds the request is split for it (never a larger
-    /// block with a segment of its own, which the cut would pin), the rest go back.
-    #[cold]
-    fn coalesce_mine(pool: &Arc<Pool<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
-        let limit = pool.split_up_to;
-        if !pool.thread_merges || class.size >= limit || class.size >= pool.merge_below {
-            return None;
-        }
-        let mut blocks = Vec::new();
-        pool.ready.drain_mine(&mut blocks);
-        blocks.sort_unstable_by_key(|b| b.memory.addr());
-        let mut merged: Vec<Box<Block<R>>> = Vec::with_capacity(blocks.len());
-        for b in blocks {
-            let unmerged = match merged.last_mut() {
-                Some(last) if last.in_arena() && last.size + b.size <= limit => {
-                    last.absorb_next(b).err()
-                }
-                _ => Some(b),
-            };
-            merged.extend(unmerged);
-        }
-        let best = merged
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.size >= class.size && (b.size <= limit || b.in_arena()))
-            .min_by_key(|(_, b)| b.size)
-            .map(|(i, _)| i);
-        let found = best.map(|i| merged.swap_remove(i));
-        for b in merged {
-            pool.ready.put(b);
-        }
-        Some(Self::cut_for(pool, found?, class))
     }
 
     /// Allocates `size` bytes for work on `stream` (`None`: the default pool), waiting for

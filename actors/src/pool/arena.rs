@@ -27,6 +27,7 @@ use std::time::Instant;
 
 use super::PoolActor;
 use crate::actors::block::Seg;
+use crate::actors::carve::fits::Fits;
 use crate::actors::carve::{Carver, Piece, SegId};
 use crate::actors::error::{Error, OomCause};
 use crate::actors::memory::units;
@@ -56,6 +57,9 @@ const UNITS_PER_RUN: usize = 8;
 /// moves that waited would. Longer work is not waited for.
 const MOVE_PATIENCE: std::time::Duration = std::time::Duration::from_micros(50);
 
+/// The upper zone of an arena, where small blocks are placed, is this share of it.
+const SMALL_ZONE: usize = 8;
+
 /// (offset, bytes) in the range.
 type Range = (usize, usize);
 
@@ -79,6 +83,10 @@ pub(super) struct Arena<R: Runtime> {
     granules: BTreeMap<usize, Granule>,
     /// The granules mapped, as bits (see [`Bits`]).
     mapped_bits: Bits,
+    /// The mapped parts of the free ranges by length: best fit without a scan.
+    fits: Fits,
+    /// Blocks up to this size are placed in the upper zone of the range (see [`Fits`]).
+    small_limit: usize,
     /// Granules still mapped, by map call.
     maps: HashMap<u64, usize>,
     next_map: u64,
@@ -148,10 +156,17 @@ impl Bits {
 }
 
 impl<R: Runtime> Arena<R> {
-    /// An arena over the reserved range of `segment` (whose `arena` map is set).
-    pub(super) fn new(segment: Arc<Seg<R>>, granule: usize, whole: bool) -> Self {
+    /// An arena over the reserved range of `segment` (whose `arena` map is set); blocks up to
+    /// `small_limit` bytes are placed in its upper eighth, the others below.
+    pub(super) fn new(
+        segment: Arc<Seg<R>>,
+        granule: usize,
+        whole: bool,
+        small_limit: usize,
+    ) -> Self {
         let mut carver = Carver::new();
         let size = segment.size();
+        let boundary = (size - size / SMALL_ZONE) / granule.max(1) * granule.max(1);
         let seg = carver.add_segment_with(size, |_| segment.clone());
         Self {
             carver,
@@ -160,6 +175,8 @@ impl<R: Runtime> Arena<R> {
             granule,
             granules: BTreeMap::new(),
             mapped_bits: Bits::new(size.div_ceil(granule.max(1))),
+            fits: Fits::new(granule, boundary),
+            small_limit,
             maps: HashMap::new(),
             next_map: 0,
             clock: 0,
@@ -171,7 +188,16 @@ impl<R: Runtime> Arena<R> {
     /// Holds the place `[offset, offset + len)` that memory just moved away from (idle, so
     /// wholly free) until the move ends; `None` if it is not free (the move must end now).
     pub(super) fn hold_leaving(&mut self, offset: usize, len: usize) -> Option<Piece> {
-        self.carver.take_exact(self.seg, offset, len)
+        let p = self.carver.take_exact(self.seg, offset, len)?;
+        self.refit(p.offset, p.offset + p.len);
+        Some(p)
+    }
+
+    /// Brings the index of fits up to date after a change of the free ranges or of the
+    /// mapping inside `[lo, hi)` (see [`Fits::refit`]).
+    fn refit(&mut self, lo: usize, hi: usize) {
+        let free = self.carver.free_touching(self.seg, lo, hi);
+        self.fits.refit(lo, hi, &free);
     }
 
     /// Enters a batch of held places memory moved away from, and the event after which no
@@ -199,7 +225,9 @@ impl<R: Runtime> Arena<R> {
 
     /// A held place whose mapping has ended goes back to the free ranges.
     pub(super) fn release_left(&mut self, place: Piece) {
-        if let Err(e) = self.carver.release(place) {
+        let released = self.carver.release(place);
+        self.refit(place.offset, place.offset + place.len);
+        if let Err(e) = released {
             tracing::error!(
                 ?e,
                 ?place,
@@ -218,15 +246,19 @@ impl<R: Runtime> Arena<R> {
         self.granule
     }
 
-    /// Cuts a piece for `size` bytes out of mapped memory only, from the smallest free
-    /// range no longer than `max_len` that holds it.
-    pub(super) fn place_mapped(&mut self, size: usize, max_len: usize) -> Option<Piece> {
-        let (bits, g) = (&self.mapped_bits, self.granule);
-        let piece = self.carver.place_ranked(self.seg, size, 0, |at, len| {
-            (len <= max_len && count_unmapped(bits, g, at, size) == 0).then_some((len, at))
-        })?;
+    /// Cuts a piece for `size` bytes out of mapped memory only, at the start of the
+    /// shortest stretch of mapped free memory that holds it (see [`Fits::best`]), if that
+    /// stretch is no longer than `max_len`: one lookup, no scan.
+    pub(super) fn place_mapped(&mut self, size: usize, max_len: usize) -> Option<(Piece, bool)> {
+        let want = crate::actors::carve::align_up(size.max(1))?;
+        let (offset, len) = self.fits.best(want, self.zone_for(want))?;
+        if len > max_len {
+            return None;
+        }
+        let piece = self.carver.take_exact(self.seg, offset, want)?;
+        self.refit(piece.offset, piece.offset + piece.len);
         self.touch(piece);
-        Some(piece)
+        Some((piece, len == want))
     }
 
     /// Cuts a piece for `size` bytes where the fewest granules need mapping, then from the
@@ -237,26 +269,48 @@ impl<R: Runtime> Arena<R> {
     /// may also start or end at granule boundaries. Returns the piece and the granules it
     /// still needs mapped (the mapped ones it touches are held from now on).
     pub(super) fn place(&mut self, size: usize, pack: bool) -> Option<(Piece, Vec<usize>)> {
-        let (granules, bits, g) = (&self.granules, &self.mapped_bits, self.granule);
         let want = crate::actors::carve::align_up(size)?;
-        let boundary = if pack { g } else { 0 };
+        let zone = self.zone_for(want);
         let piece = self
-            .carver
-            .place_ranked(self.seg, size, boundary, |at, len| {
-                let stranded = if pack {
-                    let tail = (g - (at + want) % g) % g;
-                    let head_shared = granules.get(&(at / g)).is_some_and(|gr| gr.refs > 0);
-                    tail + if head_shared { 0 } else { at % g }
-                } else {
-                    0
-                };
-                Some((count_unmapped(bits, g, at, size), stranded, len, at))
-            })?;
+            .place_in(want, pack, Some(zone))
+            .or_else(|| self.place_in(want, pack, Some(1 - zone)))
+            .or_else(|| self.place_in(want, pack, None))?;
+        self.refit(piece.offset, piece.offset + piece.len);
         self.touch(piece);
-        let need = span(g, piece.offset, piece.len)
+        let need = span(self.granule, piece.offset, piece.len)
             .filter(|i| !self.granules.contains_key(i))
             .collect();
         Some((piece, need))
+    }
+
+    /// The zone a block of `want` bytes is placed in: the upper one for small blocks.
+    fn zone_for(&self, want: usize) -> usize {
+        usize::from(want <= self.small_limit)
+    }
+
+    /// [`Self::place`] within one zone (`None`: anywhere, across the boundary too).
+    fn place_in(&mut self, want: usize, pack: bool, zone: Option<usize>) -> Option<Piece> {
+        let (granules, bits, g) = (&self.granules, &self.mapped_bits, self.granule);
+        let edge = if pack { g } else { 0 };
+        let boundary = self.fits.boundary();
+        let fits = |at: usize| match zone {
+            Some(1) => at >= boundary,
+            Some(_) => at + want <= boundary,
+            None => true,
+        };
+        self.carver.place_ranked(self.seg, want, edge, |at, len| {
+            if !fits(at) {
+                return None;
+            }
+            let stranded = if pack {
+                let tail = (g - (at + want) % g) % g;
+                let head_shared = granules.get(&(at / g)).is_some_and(|gr| gr.refs > 0);
+                tail + if head_shared { 0 } else { at % g }
+            } else {
+                0
+            };
+            Some((count_unmapped(bits, g, at, want), stranded, len, at))
+        })
     }
 
     /// Cuts exactly `piece` again, if it is wholly free and mapped.
@@ -267,6 +321,7 @@ impl<R: Runtime> Arena<R> {
             return None;
         }
         let p = self.carver.take_exact(self.seg, piece.offset, piece.len)?;
+        self.refit(p.offset, p.offset + p.len);
         self.touch(p);
         Some(p)
     }
@@ -281,6 +336,7 @@ impl<R: Runtime> Arena<R> {
         let mut out = Vec::new();
         for (o, l) in self.runs(&unmapped) {
             if let Some(p) = self.carver.take_exact(self.seg, o, l) {
+                self.refit(o, o + l);
                 out.push((p, (o / self.granule..(o + l) / self.granule).collect()));
             }
         }
@@ -306,28 +362,6 @@ impl<R: Runtime> Arena<R> {
         }
     }
 
-    /// Free mapped memory in stretches no longer than `max_len`, largest first, at most
-    /// `n`, as (offset, length): free ranges that are wholly mapped, and the mapped start of
-    /// a free range that runs on into unmapped granules (it ends at a granule boundary).
-    pub(super) fn mapped_free(&self, max_len: usize, n: usize) -> Vec<Range> {
-        let g = self.granule;
-        let mut out: Vec<Range> = self
-            .carver
-            .open_ranges()
-            .filter_map(|(o, l)| {
-                let mut end = o;
-                while end < o + l && end - o <= max_len && self.granules.contains_key(&(end / g)) {
-                    end = (end / g + 1) * g;
-                }
-                let len = end.min(o + l) - o;
-                (len > 0 && len <= max_len).then_some((o, len))
-            })
-            .collect();
-        out.sort_unstable_by_key(|r| std::cmp::Reverse(r.1));
-        out.truncate(n);
-        out
-    }
-
     /// A lent piece was split at `at` (an offset in the range) by whoever held it: one more
     /// piece is lent, and the granule the cut falls inside, if any, is touched by both.
     pub(super) fn split(&mut self, at: usize) -> bool {
@@ -342,25 +376,11 @@ impl<R: Runtime> Arena<R> {
         true
     }
 
-    /// Two lent pieces that met at `at` (an offset in the range) were merged by whoever held
-    /// both: one piece fewer is lent, and the granule the seam falls inside, if any, is
-    /// touched once less (the inverse of [`Self::split`]).
-    pub(super) fn merge(&mut self, at: usize) -> bool {
-        if !self.carver.merge_lent(self.seg) {
-            return false;
-        }
-        if at % self.granule != 0 {
-            if let Some(gr) = self.granules.get_mut(&(at / self.granule)) {
-                gr.refs = gr.refs.saturating_sub(1);
-            }
-        }
-        true
-    }
-
     /// Takes a lent piece back (or one whose granules could not be mapped): its granules
     /// are let go and its range coalesces with free neighbours.
     pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::actors::carve::CarveError> {
         self.carver.release(piece)?;
+        self.refit(piece.offset, piece.offset + piece.len);
         self.clock += 1;
         for (_, gr) in self
             .granules
@@ -396,6 +416,21 @@ impl<R: Runtime> Arena<R> {
             m.set_start(granules[0], true);
             m.live_maps.fetch_add(1, Ordering::Relaxed);
         }
+        self.refit_granules(granules, true);
+    }
+
+    /// Enters `granules` (in order) as mapped or unmapped in the index of fits, and refits
+    /// the spans they cover.
+    fn refit_granules(&mut self, granules: &[usize], mapped: bool) {
+        let g = self.granule;
+        for (o, l) in self.runs(granules) {
+            if mapped {
+                self.fits.map(o / g, (o + l) / g);
+            } else {
+                self.fits.unmap(o / g, (o + l) / g);
+            }
+            self.refit(o, o + l);
+        }
     }
 
     /// Enters the memory of the idle run of `n` granules at `from` (one map call's, or one
@@ -426,6 +461,10 @@ impl<R: Runtime> Arena<R> {
         if let Some(m) = self.segment.arena_map() {
             m.set_start(to, true);
         }
+        let (gone, came): (Vec<usize>, Vec<usize>) =
+            ((from..from + n).collect(), (to..to + n).collect());
+        self.refit_granules(&gone, false);
+        self.refit_granules(&came, true);
     }
 
     /// Which idle memory to move into the places of `need` (granules, in order), at most
@@ -510,6 +549,9 @@ impl<R: Runtime> Arena<R> {
         if let Some(m) = self.segment.arena_map() {
             m.live_maps.fetch_sub(ended, Ordering::Relaxed);
         }
+        let mut gone = granules.to_vec();
+        gone.sort_unstable();
+        self.refit_granules(&gone, false);
         ended
     }
 
@@ -664,9 +706,11 @@ impl<R: Runtime> PoolActor<R> {
             // Granules would be too coarse for the limit: blocks get their own sizes.
             return None;
         }
+        // Under a limit, twice its address space: room for the places that memory moves
+        // to (see `move_idle`) beside those it leaves.
         let size = c
             .arena_reserve
-            .min(limit.saturating_add(granule - 1))
+            .min(limit.saturating_mul(2).saturating_add(granule - 1))
             .checked_next_multiple_of(granule)?;
         let source = self.shared.memory.clone();
         let reserved = self.off_executor(move || source.reserve(size)).await;
@@ -685,13 +729,15 @@ impl<R: Runtime> PoolActor<R> {
         let segment = Segment::new(SegId(u64::MAX), memory, self.shared.clone(), Some(map));
         let segs = self.carved.as_mut()?;
         let whole = !self.shared.memory.unmaps_granules();
-        segs.arena = Some(Arena::new(segment, granule, whole));
+        segs.arena = Some(Arena::new(segment, granule, whole, c.small_limit));
         Some(())
     }
 
-    /// Maps the granules a piece needs (one map call), first unmapping idle granules to
-    /// stay under `cap` and, under a memory limit, to make room. On failure the piece goes
-    /// back into the arena.
+    /// Maps the granules a piece needs (one map call), first moving or unmapping idle
+    /// granules to stay under `cap` (the garbage-collection threshold) and under the memory
+    /// limit. The reserve cap is not looked at here: memory above it goes back between bursts
+    /// (see `PoolActor::trim`), not while requests come. On failure the piece goes back into
+    /// the arena.
     pub(super) async fn map_for(
         &mut self,
         piece: Piece,
@@ -708,7 +754,7 @@ impl<R: Runtime> PoolActor<R> {
         let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
         let budget = self.shared.budget.clone();
         if movable {
-            // Over the cap or the memory limit: idle memory moves into the piece's places
+            // Over `cap` or the memory limit: idle memory moves into the piece's places
             // instead of going back while fresh memory is taken for it. Where memory goes
             // back only by whole map calls, every idle call that fits moves (each is a call
             // that need not be made, and a piece of memory that need not go back).

@@ -22,6 +22,7 @@ mod cache;
 mod fresh;
 mod restore;
 mod segments;
+mod spin;
 mod waiters;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -109,7 +110,9 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         refused: Vec::new(),
         deferred: VecDeque::new(),
         lender: None,
-        linger: spec.linger,
+        spin: spin::Spin::new(spec.linger),
+        answered: None,
+        trim_due: false,
     };
     let pool = if spec.id.is_default() {
         "default".to_string()
@@ -148,8 +151,13 @@ pub(crate) struct PoolActor<R: Runtime> {
     deferred: VecDeque<PoolMsg<Block<R>>>,
     /// The reply channel of the miss being served, when its requester runs errands.
     lender: Option<MissTx<Block<R>>>,
-    /// How long it stays awake after a message for the next one (see [`Self::linger`]).
-    linger: Duration,
+    /// How long it keeps polling its mailbox after an answer (see [`Self::linger`]).
+    spin: spin::Spin,
+    /// When it last answered a request (see [`answers_a_request`]).
+    answered: Option<std::time::Instant>,
+    /// Reserved memory crossed the reserve cap during a burst: once no message came for
+    /// [`TRIM_AFTER`], idle memory above the cap goes back (see [`Self::trim`]).
+    trim_due: bool,
 }
 
 impl<R: Runtime> Drop for PoolActor<R> {
@@ -247,11 +255,15 @@ const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 /// How long a pool stays awake for the result of a call its requester runs (see
 /// `PoolActor::off_executor`): a map call takes 0.04–0.5 ms.
 const HOT_WAIT: Duration = Duration::from_millis(1);
-/// How long an idle pool stays awake after a miss for the next one unless its engine
-/// says otherwise (see `PoolActor::linger`): misses come in bursts (a model's step, a
-/// replayed stream), and a requester blocked on a reply from a parked worker waits for that
-/// worker's wake-up too.
-pub(crate) const DEFAULT_LINGER: Duration = Duration::from_micros(50);
+/// The longest a pool keeps polling after an answer for the next request unless its engine
+/// says otherwise (see `PoolActor::linger`): requests 100 µs apart (a model's host thread
+/// between two of its large tensors) find it awake; requests further apart wake it.
+pub(crate) const DEFAULT_LINGER: Duration = Duration::from_micros(200);
+/// How long a pool waits with no message before it gives back memory above its reserve cap:
+/// a burst of requests (a model's step, a batch of a server) maps what it needs and nothing
+/// goes back while it runs, so that a repeated burst finds its memory mapped; a pause this
+/// long ends the burst.
+const TRIM_AFTER: Duration = Duration::from_millis(20);
 
 /// Whether `msg` is a request whose thread waits for the answer (a miss, or another pool's
 /// ask to lend), after which the actor lingers for the next one (see `PoolActor::linger`).
@@ -369,10 +381,20 @@ impl<R: Runtime> PoolActor<R> {
                     Err(_) => self.relieve().await,
                 }
             } else {
-                match self.rx.recv_async().await {
+                let next = if self.trim_due {
+                    match tokio::time::timeout(TRIM_AFTER, self.rx.recv_async()).await {
+                        Ok(next) => next,
+                        Err(_) => {
+                            self.trim().await;
+                            continue;
+                        }
+                    }
+                } else {
+                    self.rx.recv_async().await
+                };
+                match next {
                     Ok(msg) => {
-                        let asked = answers_a_request(&msg);
-                        self.handle(msg).await;
+                        let asked = self.take_request(msg).await;
                         if asked && !self.linger().await {
                             break;
                         }
@@ -387,16 +409,34 @@ impl<R: Runtime> PoolActor<R> {
         tracing::debug!(pool = %self.shared.id, "pool actor stopped");
     }
 
-    /// Stays awake after a request it answered while more come within its linger of the
-    /// last (see [`answers_a_request`]), handling every message as it comes and yielding
-    /// between looks (the worker's other tasks run), so that a burst of misses does not wait
-    /// for a parked worker's wake-up each. Gives up at once when the pool closes or has
+    /// Handles a message; for a request (see [`answers_a_request`]), also notes the gap
+    /// since the last answer and when this one was answered. Whether it was a request.
+    async fn take_request(&mut self, msg: PoolMsg<Block<R>>) -> bool {
+        let asked = answers_a_request(&msg);
+        if asked {
+            if let Some(at) = self.answered {
+                self.spin.gap(at.elapsed());
+            }
+        }
+        self.handle(msg).await;
+        if asked {
+            self.answered = Some(std::time::Instant::now());
+        }
+        asked
+    }
+
+    /// Keeps polling the mailbox after a request it answered, without yielding to its
+    /// executor or making a system call, for as long as requests have lately come that
+    /// fast (see [`spin::Spin`]): a request in a burst then needs no wake-up of the actor.
+    /// Every message is handled as it comes. Gives up at once when the pool closes or has
     /// waiters or pressure to watch (the main loop's other arms do). False when the mailbox
     /// is closed.
     async fn linger(&mut self) -> bool {
-        let mut last = std::time::Instant::now();
-        while last.elapsed() < self.linger {
-            if self.closing
+        loop {
+            let window = self.spin.window();
+            let since = self.answered.map_or(Duration::MAX, |at| at.elapsed());
+            if since >= window
+                || self.closing
                 || self.shared.budget.under_pressure()
                 || !self.waiters.is_empty()
                 || !self.deferred.is_empty()
@@ -405,17 +445,29 @@ impl<R: Runtime> PoolActor<R> {
             }
             match self.rx.try_recv() {
                 Ok(msg) => {
-                    let asked = answers_a_request(&msg);
-                    self.handle(msg).await;
-                    if asked {
-                        last = std::time::Instant::now();
-                    }
+                    self.take_request(msg).await;
                 }
-                Err(flume::TryRecvError::Empty) => tokio::task::yield_now().await,
+                Err(flume::TryRecvError::Empty) => std::hint::spin_loop(),
                 Err(flume::TryRecvError::Disconnected) => return false,
             }
         }
-        true
+    }
+
+    /// Between bursts: gives back idle memory of the arena above the reserve cap, least
+    /// recently used first (see [`TRIM_AFTER`]).
+    async fn trim(&mut self) {
+        self.trim_due = false;
+        let Some(cap) = self
+            .carved
+            .as_ref()
+            .and_then(|s| s.carving.reserve_cap(s.peak_live))
+        else {
+            return;
+        };
+        let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+        if reserved > cap {
+            self.unmap_idle(reserved - cap).await;
+        }
     }
 
     async fn handle(&mut self, msg: PoolMsg<Block<R>>) {

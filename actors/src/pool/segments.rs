@@ -34,16 +34,13 @@ use super::PoolActor;
 use crate::actors::block::{Block, Seg};
 use crate::actors::carve::{Carver, Piece, SegId};
 use crate::actors::error::Error;
-use crate::actors::mailbox::{Merge, Note, PieceView, SegmentView, Split};
+use crate::actors::mailbox::{Note, PieceView, SegmentView, Split};
 use crate::actors::memory::Region;
 use crate::actors::meta::MetaRef;
 use crate::actors::policy::{BlockLayout, Carving, SizeClass};
 use crate::actors::ready::ReadyQueues;
 use crate::actors::runtime::{Runtime, RuntimeError};
 use crate::actors::segment::Segment;
-
-/// How many free ranges a miss hands the requesting thread (see `PoolActor::refill`).
-const REFILL_RANGES: usize = 16;
 
 /// The free ranges of a pool's segments.
 pub(super) struct Segments<R: Runtime> {
@@ -125,28 +122,6 @@ impl<R: Runtime> Segments<R> {
         };
         if !noted {
             tracing::error!(addr = s.addr, "split of a block the pool does not lend");
-        }
-    }
-
-    /// Books a merge of two lent pieces (see `Block::absorb_next`): one piece fewer, the
-    /// first holds both ranges.
-    fn book_merge(&mut self, m: Merge) {
-        self.mark_line(m.class);
-        let known = self.lent.contains_key(&m.addr) && self.lent.remove(&m.next).is_some();
-        if let Some(entry) = self.lent.get_mut(&m.addr) {
-            entry.0 = m.len;
-        }
-        let noted = known
-            && match (m.in_arena, self.arena.as_mut()) {
-                (true, Some(a)) => {
-                    let base = a.segment.memory.addr();
-                    a.merge(m.next - base)
-                }
-                (true, None) => false,
-                (false, _) => self.carver.merge_lent(m.seg),
-            };
-        if !noted {
-            tracing::error!(addr = m.addr, "merge of blocks the pool does not lend");
         }
     }
 
@@ -298,20 +273,14 @@ impl<R: Runtime> PoolActor<R> {
         self.block_for(class, piece, seg)
     }
 
-    /// Cuts a block of `class` out of a free range that it fills to within 1/8, if there is
-    /// one (in the arena's mapped memory first): such a miss is served without draining the
-    /// ready queues. A block cut at the very range its class last gave back is recalled (see
+    /// Cuts a block of `class` out of a free range of a separate segment that it fills to
+    /// within 1/8, if there is one: such a miss is served without draining the ready
+    /// queues. A block cut at the very range its class last gave back is recalled (see
     /// `recall`).
     fn carve_tight(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         let max_len = class.size.saturating_add(class.size / 8);
         let segs = self.carved.as_mut()?;
-        let (piece, seg) = match segs.arena.as_mut() {
-            Some(a) => match a.place_mapped(class.size, max_len) {
-                Some(p) => (p, a.segment.clone()),
-                None => Self::tight_in_carver(segs, class.size, max_len)?,
-            },
-            None => Self::tight_in_carver(segs, class.size, max_len)?,
-        };
+        let (piece, seg) = Self::tight_in_carver(segs, class.size, max_len)?;
         let recalled = segs.last_range.get(&class.index) == Some(&(piece, seg.is_arena()));
         let mut b = self.block_for(class, piece, seg)?;
         b.recalled = recalled;
@@ -387,7 +356,6 @@ impl<R: Runtime> PoolActor<R> {
         for note in self.shared.notes() {
             match note {
                 Note::Split(s) => segs.book_split(s),
-                Note::Merge(m) => segs.book_merge(m),
             }
         }
         let homed: Vec<_> = self.shared.homed().collect();
@@ -397,44 +365,6 @@ impl<R: Runtime> PoolActor<R> {
             } else {
                 b.state = crate::actors::block::BlockState::Cached;
                 self.shared.ready.put(b);
-            }
-        }
-    }
-
-    /// After a miss, hands the requesting thread's shard the largest free stretches of the
-    /// arena's mapped memory up to 4 times the pool's split limit, each cut to that limit
-    /// (the rest stays with the actor), as ready blocks: its next requests that find no
-    /// block of their class split one of these without a round trip (see
-    /// `Engine::split_ready`). Longer free ranges stay with the actor whole (for large
-    /// requests); so do the free ranges of separate segments, which must come back whole
-    /// to be given back (handing them out fragments them: bert's waste under separate
-    /// device segments went from 1.39 to 1.55); nothing is handed out while the pool closes
-    /// or requests wait for room.
-    pub(super) fn refill(&mut self, shard: usize) {
-        let limit = self.shared.split_up_to;
-        if limit == 0 || self.closing || self.shared.divert.load(Ordering::Relaxed) != 0 {
-            return;
-        }
-        let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) else {
-            return;
-        };
-        let seg = a.seg();
-        for (offset, len) in a.mapped_free(limit.saturating_mul(4), REFILL_RANGES) {
-            let len = len.min(limit);
-            let Some(index) = self.shared.policy.class_served_by(len) else {
-                continue;
-            };
-            let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) else {
-                return;
-            };
-            let Some(piece) = a.take_exact(Piece { seg, offset, len }) else {
-                continue;
-            };
-            let segment = a.segment.clone();
-            let class = SizeClass { index, size: len };
-            if let Some(mut b) = self.block_for(class, piece, segment) {
-                b.state = crate::actors::block::BlockState::Cached;
-                self.shared.ready.put_queue(shard, b);
             }
         }
     }
@@ -521,27 +451,27 @@ impl<R: Runtime> PoolActor<R> {
                 .is_some_and(|s| block.size > s.carving.max_cached_size)
     }
 
-    /// A miss under a carving layout: a free range, then the ready queues drained and
-    /// coalesced, then (after noticing completed events) the same again; then, if fresh
-    /// memory would cross the reserve cap, any wholly free segment split; then a fresh
-    /// segment, after giving back wholly free segments to stay under the cap.
+    /// A miss under a carving layout. In the arena: the best fit among mapped free memory
+    /// (one lookup), else the place that needs the fewest granules mapped (see
+    /// `miss_arena`); the ready queues are never drained for it: memory freed above the
+    /// threads' limit came home when it was freed and coalesced then. Separate segments: a
+    /// free range, then the ready queues drained and coalesced, then (after noticing
+    /// completed events) the same again; then, if fresh memory would cross the reserve cap,
+    /// any wholly free segment split; then a fresh segment, after giving back wholly free
+    /// segments to stay under the cap.
     pub(super) async fn miss_carved(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
         let live = self.shared.stats.active_bytes_now().max(0) as usize;
         if let Some(s) = self.carved.as_mut() {
             s.peak_live = s.peak_live.max(live.saturating_add(class.size));
-        }
-        // A free range that the block fills (a large piece that came back, say) serves it as
-        // is, and so does the range its class last gave back. Otherwise coalesce every ready
-        // block first, so that placement sees all free memory: draining is not free for the
-        // other threads, whose cached blocks it takes (and whose next requests then miss).
-        if let Some(b) = self.carve_tight(class).or_else(|| self.recall(class)) {
-            return Ok(b);
         }
         let arena_fits = self
             .carved
             .as_ref()
             .is_some_and(|s| class.size <= s.carving.arena_max_block);
         if arena_fits && self.has_arena().await {
+            if let Some(b) = self.carve_mapped(class) {
+                return Ok(b);
+            }
             match self.miss_arena(class).await {
                 // The driver has no granule left for a block smaller than one: a segment
                 // of the block's own size may still fit (near the pinned-memory limit).
@@ -550,6 +480,12 @@ impl<R: Runtime> PoolActor<R> {
                 Some(res) => return res,
                 None => {}
             }
+        }
+        // A free range that the block fills (a large piece that came back, say) serves it as
+        // is, and so does the range its class last gave back. Otherwise coalesce every ready
+        // block first, so that placement sees all free memory.
+        if let Some(b) = self.carve_tight(class).or_else(|| self.recall(class)) {
+            return Ok(b);
         }
         self.absorb_ready();
         if let Some(b) = self.carve_block(class, false) {
@@ -605,13 +541,45 @@ impl<R: Runtime> PoolActor<R> {
         })
     }
 
-    /// A miss in the arena, after the ready queues are drained: the place that needs the
+    /// Whether threads keep freed blocks of `class` in their own shards (the ready queues),
+    /// rather than sending them home as they are freed: sizes up to the pool's limit for
+    /// large pieces, in a pool with an arena.
+    pub(super) fn thread_cached(&self, class: SizeClass) -> bool {
+        self.carved
+            .as_ref()
+            .is_some_and(|s| s.carving.expandable && class.size <= self.shared.absorb_above)
+    }
+
+    /// A block of `class` from memory the pool holds, mapped and free: a ready block, or the
+    /// best fit in the arena. `None` when only fresh memory would serve it.
+    pub(super) fn without_growing(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let live = self.shared.stats.active_bytes_now().max(0) as usize;
+        if let Some(s) = self.carved.as_mut() {
+            s.peak_live = s.peak_live.max(live.saturating_add(class.size));
+        }
+        self.shared
+            .ready
+            .take(class)
+            .or_else(|| self.carve_mapped(class))
+    }
+
+    /// A block of `class` cut at the start of the shortest stretch of the arena's mapped free
+    /// memory that holds it (see `Arena::place_mapped`).
+    fn carve_mapped(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let a = self.carved.as_mut()?.arena.as_mut()?;
+        let (piece, exact) = a.place_mapped(class.size, usize::MAX)?;
+        let seg = a.segment.clone();
+        let mut b = self.block_for(class, piece, seg)?;
+        b.holdable = exact;
+        Some(b)
+    }
+
+    /// A miss in the arena that mapped free memory cannot serve: the place that needs the
     /// fewest granules mapped (best fit among those), mapping them after noticing completed
-    /// events (invariant 3) and unmapping idle granules to stay under the reserve cap.
-    /// `None` when the arena's range cannot hold the block (separate segments then).
+    /// events (invariant 3). `None` when the arena's range cannot hold the block (separate
+    /// segments then).
     async fn miss_arena(&mut self, class: SizeClass) -> Option<Result<Box<Block<R>>, Error>> {
         self.retire_moves(false).await;
-        self.absorb_ready();
         let pack = self.carved.as_ref()?.carving.pack_granules;
         let mut placed = self
             .carved
@@ -625,7 +593,12 @@ impl<R: Runtime> PoolActor<R> {
                 tracing::error!(?e, "arena piece could not be taken back; range leaked");
             }
             self.flush_events().await;
-            self.absorb_ready();
+            // Blocks whose events completed came home to the ready queues or the homing
+            // queue: look again, with them.
+            self.book_notes();
+            if let Some(b) = self.carve_mapped(class) {
+                return Some(Ok(b));
+            }
             placed = self
                 .carved
                 .as_mut()?
@@ -636,11 +609,21 @@ impl<R: Runtime> PoolActor<R> {
         let (piece, need) = placed;
         if !need.is_empty() {
             let segs = self.carved.as_ref()?;
-            let cap = segs
-                .carving
-                .fresh_cap(segs.peak_live, self.shared.budget.limit());
-            if let Err(e) = self.map_for(piece, need, cap).await {
+            // The cap a miss keeps: the garbage-collection threshold, and the reserve cap
+            // only where the layout keeps it inside bursts too.
+            let limit = self.shared.budget.limit();
+            let gc = if segs.carving.cap_in_bursts {
+                segs.carving.fresh_cap(segs.peak_live, limit)
+            } else {
+                segs.carving.gc_cap(limit)
+            };
+            let cap = segs.carving.reserve_cap(segs.peak_live);
+            if let Err(e) = self.map_for(piece, need, gc).await {
                 return Some(Err(e));
+            }
+            let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+            if cap.is_some_and(|c| reserved > c) {
+                self.trim_due = true;
             }
         }
         let seg = self.carved.as_ref()?.arena.as_ref()?.segment.clone();
@@ -660,7 +643,7 @@ impl<R: Runtime> PoolActor<R> {
         self.absorb_ready();
         let segs = self.carved.as_mut()?;
         let in_arena = segs.arena.as_mut().and_then(|a| {
-            let p = a.place_mapped(class.size, usize::MAX)?;
+            let (p, _) = a.place_mapped(class.size, usize::MAX)?;
             Some((p, a.segment.clone()))
         });
         let (piece, seg) = match in_arena {

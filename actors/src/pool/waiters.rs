@@ -63,6 +63,14 @@ impl<R: Runtime> PoolActor<R> {
                 Some(Err(Refused::Failed(e)))
             };
         }
+        if ask.holds && self.thread_cached(class) {
+            // Before the pool grows for a size threads cache, the requester's own cached
+            // blocks come home and coalesce (a miss never takes other threads' blocks).
+            return Some(match self.without_growing(class) {
+                Some(b) => Ok(b),
+                None => Err(Refused::Coalesce),
+            });
+        }
         // The requester's thread runs the memory source's calls of this miss, if it lends it.
         self.lender = ask.lends.then(|| reply.clone());
         let result = self.miss(class).await;
@@ -86,11 +94,6 @@ impl<R: Runtime> PoolActor<R> {
             }
             Err(e) => Err(Refused::Failed(e)),
         };
-        if result.is_ok() {
-            // Before the reply: the requester's next requests find the ranges there, however
-            // soon they come (the same requests then take the same memory every time).
-            self.refill(ask.shard);
-        }
         Some(result)
     }
 
