@@ -504,14 +504,11 @@ impl DeviceFit {
         self
     }
 
-    /// Freed blocks of the expandable range up to `bytes` stay on the cached path, and
-    /// threads split ready blocks up to `bytes` for their requests, without the pool actor
-    /// (0, the default: blocks above 1 MiB go back to the actor when freed, and threads
-    /// split blocks up to 2 MiB). Requests of a repeating pattern are then served without a
-    /// round trip to the actor, at the price of placements the actor did not choose: more
-    /// memory reserved for the same peak of live bytes. Threads still merge their ready
-    /// neighbours only for requests up to 2 MiB (the merge's placement is what strands
-    /// memory for larger ones).
+    /// Freed blocks of the expandable range up to `bytes` stay on the cached path, one of a
+    /// size class per thread (0, the default: blocks above 1 MiB go back to the actor when
+    /// freed). Requests of a repeating pattern are then served without a round trip to the
+    /// actor, at the price of placements the actor did not choose: more memory reserved for
+    /// the same peak of live bytes.
     pub fn thread_cache(mut self, bytes: usize) -> Self {
         let default = Self::default().carving;
         if bytes == 0 {

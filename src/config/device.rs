@@ -57,22 +57,23 @@ pub struct DeviceConfig {
     /// Cut blocks out of one expandable range per pool and stream, mapped granule by
     /// granule (key `expandable_segments`, default `true`), rather than separate segments.
     pub expandable_segments: bool,
-    /// Freed blocks up to this size stay with the threads, which split them for their
-    /// requests without the pool actor (key `thread_cache_mb`, whole MiB; 0, the default:
-    /// blocks above 1 MiB go back to the pool actor). Faster on repeating patterns of large
-    /// requests, with more memory reserved for the same peak (see `DeviceFit::thread_cache`).
+    /// Freed blocks up to this size stay with the threads that freed them, one of a size
+    /// class per thread, for their next requests of that class without the pool actor (key
+    /// `thread_cache_mb`, whole MiB; 0, the default: blocks above 1 MiB go back to the pool
+    /// actor as they are freed). Fewer round trips on repeating patterns of large requests,
+    /// with placements the actor did not choose (see `DeviceFit::thread_cache`).
     pub thread_cache: usize,
-    /// Before fresh memory would take a pool's reserved bytes above this multiple of its
-    /// peak of live bytes, memory it maps but no block uses is moved to where the request
-    /// needs it, or given back (key `reserve_cap`: a number, at least 1; default 1). `None`
-    /// (`reserve_cap:none`) keeps such memory until `empty_cache` or a limit needs it: no
-    /// driver calls in a repeating workload's steady state, for more memory reserved.
+    /// Memory a pool maps but no block uses goes back once requests pause, while its
+    /// reserved bytes are above this multiple of its peak of live bytes (key `reserve_cap`:
+    /// a number, at least 1; default 1). Inside a burst of requests nothing goes back for
+    /// it: a repeated step runs on the memory it mapped. `None` (`reserve_cap:none`) keeps
+    /// such memory until `empty_cache` or a memory limit needs it.
     pub reserve_cap: Option<f64>,
-    /// How long a pool actor stays awake after a miss for the next one (key `linger_us`,
-    /// whole microseconds, at most 100 000; default 50). A request the actor answers while it
-    /// sleeps waits for its thread to wake, tens of microseconds more (`device_bench`'s
-    /// `dev_miss_us`); a longer linger keeps one of the actors' worker threads busy that
-    /// much longer after each such request.
+    /// The longest a pool actor keeps polling for the next request after answering one
+    /// (key `linger_us`, whole microseconds, at most 100 000; default 200). It polls for
+    /// twice the recent gap between requests when that is shorter, not at all when requests
+    /// come further apart; a request that finds the actor parked waits for its thread to
+    /// wake, tens of microseconds more (`device_bench`'s `dev_miss_us`).
     pub linger: Duration,
     /// Caps each device's reserved bytes at this share of its memory (key
     /// `per_process_memory_fraction`, in (0, 1]; none by default), as

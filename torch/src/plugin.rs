@@ -13,24 +13,11 @@ use std::sync::Arc;
 use pinpool::config::{ConfigError, DeviceConfig};
 use pinpool::{DeviceAllocator, DeviceRuntime, Error, HistoryContext, PoolId};
 
-/// The plug-in's thread cache (see `DeviceConfig::thread_cache`): a training or generation
-/// step repeats its requests, so its blocks, activations of a hundred MiB and more among
-/// them, are served again without a round trip to a pool actor. A model's step is mostly
-/// bound by the CPU that launches its work, where every such round trip counts.
-pub(crate) const THREAD_CACHE: usize = 256 << 20;
-
-/// The plug-in's reserve cap (see `DeviceConfig::reserve_cap`): a little room over the peak
-/// of live bytes, so that a repeated step does not move or map memory again each time to
-/// stay at the peak.
-pub(crate) const RESERVE_CAP: f64 = 1.1;
-
-/// The plug-in's settings: its own defaults ([`THREAD_CACHE`], [`RESERVE_CAP`], and the
-/// device allocator's), with the keys `env` (the value of `PINPOOL_DEVICE_CONF`, if set)
-/// names set over them, each key alone.
+/// The plug-in's settings: the device allocator's defaults (the library and the plug-in
+/// share one), with the keys `env` (the value of `PINPOOL_DEVICE_CONF`, if set) names set
+/// over them, each key alone.
 pub(crate) fn settings(env: Option<&str>) -> Result<DeviceConfig, ConfigError> {
-    let defaults = DeviceConfig::default()
-        .with_thread_cache(THREAD_CACHE)
-        .with_reserve_cap(Some(RESERVE_CAP));
+    let defaults = DeviceConfig::default();
     match env {
         Some(text) => defaults.merged(text),
         None => Ok(defaults),

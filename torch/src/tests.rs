@@ -599,19 +599,22 @@ fn out_of_memory_during_a_capture_gives_null_and_leaves_the_capture_valid() {
     assert_ne!(s.plugin.alloc(32 * MIB, 0, 5).unwrap(), 0);
 }
 
-/// `PINPOOL_DEVICE_CONF` overrides the keys it names and no others: setting one key keeps
-/// the plug-in's thread cache and reserve cap (it used to drop them all), and PyTorch's
-/// `PYTORCH_CUDA_ALLOC_CONF` strings are read in PyTorch's grammar.
+/// `PINPOOL_DEVICE_CONF` overrides the keys it names and no others (setting one key used to
+/// drop the rest of the plug-in's settings), over the device allocator's own defaults, and
+/// PyTorch's `PYTORCH_CUDA_ALLOC_CONF` strings are read in PyTorch's grammar.
 #[test]
 fn the_device_setting_overrides_only_the_keys_it_names() {
-    use crate::plugin::{settings, RESERVE_CAP, THREAD_CACHE};
+    use crate::plugin::settings;
+    let library = pinpool::config::DeviceConfig::default();
     let defaults = settings(None).unwrap();
-    assert_eq!(defaults.thread_cache, THREAD_CACHE);
-    assert_eq!(defaults.reserve_cap, Some(RESERVE_CAP));
+    assert_eq!(defaults, library, "the plug-in's defaults are the library's");
+    let capped = settings(Some("reserve_cap:1.25")).unwrap();
     let one = settings(Some("expandable_segments:False")).unwrap();
     assert!(!one.expandable_segments);
-    assert_eq!(one.thread_cache, THREAD_CACHE);
-    assert_eq!(one.reserve_cap, Some(RESERVE_CAP));
+    assert_eq!(one.thread_cache, library.thread_cache);
+    assert_eq!(one.reserve_cap, library.reserve_cap);
+    assert_eq!(capped.reserve_cap, Some(1.25));
+    assert_eq!(capped.expandable_segments, library.expandable_segments);
     let cap = settings(Some("reserve_cap:none,thread_cache_mb:32")).unwrap();
     assert_eq!((cap.thread_cache, cap.reserve_cap), (32 << 20, None));
     let torch = settings(Some(

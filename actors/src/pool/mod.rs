@@ -454,8 +454,13 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Between bursts: gives back idle memory of the arena above the reserve cap, least
-    /// recently used first (see [`TRIM_AFTER`]).
+    /// recently used first (see [`TRIM_AFTER`]). Not while a capture is underway: giving
+    /// memory back waits for the device's work, which a capture forbids; it is tried again
+    /// after the next pause.
     async fn trim(&mut self) {
+        if self.shared.budget.capturing() {
+            return;
+        }
         self.trim_due = false;
         let Some(cap) = self
             .carved
