@@ -515,15 +515,6 @@ pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
         return;
     }
     block.state = BlockState::Cached;
-    if block.in_arena() {
-        // One block of a class per thread; more go home, to coalesce with the free memory
-        // around them, rather than pile up where only this thread reuses them.
-        if let Some(mut b) = pool.ready.put_in_slot(block) {
-            b.state = BlockState::InUse;
-            pool.home_quietly(b);
-        }
-        return;
-    }
     pool.ready.put(block);
 }
 

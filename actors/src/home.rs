@@ -92,9 +92,6 @@ pub(crate) struct Home<R: Runtime, B> {
     /// A thread's split leaves a rest under `1 / keep_rest_under` of the block with the
     /// request (0: never; see `Carving::keep_rest_under`).
     pub(crate) keep_rest_under: usize,
-    /// The layout cuts blocks out of an expandable range, where the pool actor places every
-    /// block best-fit in memory it keeps coalesced: threads neither split nor merge blocks.
-    pub(crate) placed_by_actor: bool,
     /// Splits and merges made by threads, for the actor to book (see [`Note`]). A lock-free
     /// queue: a splitting thread and the booking actor never wait on one lock (a channel's
     /// lock, taken by both for every note, was a tenth of the mixed sizes loop).
@@ -189,7 +186,6 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
                 BlockLayout::Whole => 0,
                 BlockLayout::Carved(c) => c.keep_rest_under,
             },
-            placed_by_actor: matches!(parts.layout, BlockLayout::Carved(c) if c.expandable),
             notes: SegQueue::new(),
             homing: SegQueue::new(),
             shells: ArrayQueue::new(SHELLS),

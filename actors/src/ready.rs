@@ -457,22 +457,6 @@ impl<B: Slotted> ReadyQueues<B> {
         self.put_queue(me.shard, block);
     }
 
-    /// Puts a ready block into this thread's slot for its class if the slot is empty;
-    /// hands it back otherwise (or when the thread does not own its shard).
-    #[inline]
-    pub(crate) fn put_in_slot(&self, block: Box<B>) -> Option<Box<B>> {
-        let me = ThreadSlot::current(self.mask);
-        let class = block.class();
-        let slot = self.slot(me.shard, class);
-        if !me.owns || !slot.load(Ordering::Relaxed).is_null() {
-            return Some(block);
-        }
-        self.stock(me.shard);
-        self.hold(me.shard, class);
-        slot.store(Box::into_raw(block), Ordering::Release);
-        None
-    }
-
     /// Holds a freed large block in one of this thread's [`HELD`] places until a request of
     /// exactly its size takes it back, or the thread's next miss sends it home (see
     /// [`Self::take_held_mine`]). Hands the block back when the thread does not own its

@@ -1,25 +1,91 @@
-//! Spawning actors as named tokio tasks, so that tokio-console shows them by name.
+//! Spawning actors as named tokio tasks, so that tokio-console shows them by name: on a
+//! given runtime, or on a runtime of their own, on a thread of their own (the pool actors,
+//! which poll their mailbox between requests without holding up anyone else's tasks).
 //!
 //! Task names need `tokio::task::Builder`, which exists only under `--cfg tokio_unstable`;
 //! without it, actors are plain `spawn`ed tasks.
 
 use std::future::Future;
 
-/// Spawns `fut` on `handle`, named `name` where the build supports task names.
-pub(crate) fn spawn_named<F>(name: &str, handle: &tokio::runtime::Handle, fut: F)
+/// Runs `fut` as a task named `name` on a single-threaded runtime of its own, on a thread of
+/// its own, until it ends; where no thread or runtime can be made, on `handle` instead.
+/// The task's timers and blocking work use that runtime.
+pub(crate) fn spawn_on_own_thread<F>(name: &str, handle: &tokio::runtime::Handle, fut: F)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .thread_name("pinpool-blocking")
+        .build();
+    let runtime = match runtime {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::warn!(error = %e, task = name, "no runtime of its own; on the caller's");
+            spawn_named(name, handle, fut);
+            return;
+        }
+    };
+    // The future moves to the thread through a one-shot hand-over, so that it is still
+    // here to spawn on `handle` should the thread not start.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<F>(1);
+    let task = name.to_string();
+    let started = std::thread::Builder::new()
+        .name(thread_name(name))
+        .spawn(move || {
+            let Ok(fut) = rx.recv() else {
+                return;
+            };
+            runtime.block_on(async move {
+                let h = tokio::runtime::Handle::current();
+                if let Some(join) = spawn_named(&task, &h, fut) {
+                    let _ = join.await;
+                }
+            });
+        });
+    match started {
+        Ok(_) => {
+            let _ = tx.send(fut);
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, task = name, "no thread of its own; on the caller's runtime");
+            spawn_named(name, handle, fut);
+        }
+    }
+}
+
+/// A thread name from a task name (threads' names are cut at 15 bytes on Linux): the part
+/// in parentheses, after `pinpool-`.
+fn thread_name(task: &str) -> String {
+    let inner = task
+        .split_once('(')
+        .map_or(task, |(_, rest)| rest.trim_end_matches(')'));
+    format!("pinpool-{inner}")
+}
+
+/// Spawns `fut` on `handle`, named `name` where the build supports task names; its join
+/// handle, if it could be spawned.
+pub(crate) fn spawn_named<F>(
+    name: &str,
+    handle: &tokio::runtime::Handle,
+    fut: F,
+) -> Option<tokio::task::JoinHandle<()>>
 where
     F: Future<Output = ()> + Send + 'static,
 {
     #[cfg(tokio_unstable)]
     {
         match tokio::task::Builder::new().name(name).spawn_on(fut, handle) {
-            Ok(_) => {}
-            Err(e) => tracing::error!(error = %e, task = name, "could not spawn actor"),
+            Ok(join) => Some(join),
+            Err(e) => {
+                tracing::error!(error = %e, task = name, "could not spawn actor");
+                None
+            }
         }
     }
     #[cfg(not(tokio_unstable))]
     {
         let _ = name;
-        handle.spawn(fut);
+        Some(handle.spawn(fut))
     }
 }

@@ -100,9 +100,9 @@ impl Fits {
         }
     }
 
-    /// The fits of the free range `[offset, offset + len)`: its overlap with each mapped run,
-    /// cut at the zones' boundary.
-    fn extents(&self, offset: usize, len: usize) -> Vec<(usize, usize)> {
+    /// Enters the fits of the free range `[offset, offset + len)`: its overlap with each
+    /// mapped run, cut at the zones' boundary.
+    fn enter_extents(&mut self, offset: usize, len: usize) {
         let g = self.granule;
         let end = offset + len;
         let (first, last) = (offset / g, end.div_ceil(g));
@@ -112,20 +112,30 @@ impl Fits {
             .range(..=first)
             .next_back()
             .map_or(first, |(&s, _)| s);
-        let mut out = Vec::new();
-        for (&s, &e) in self.runs.range(start..last) {
+        let Self {
+            runs,
+            by_off,
+            by_len,
+            boundary,
+            ..
+        } = self;
+        let boundary = *boundary;
+        let mut enter = |a: usize, n: usize| {
+            by_off.insert(a, n);
+            by_len[usize::from(a >= boundary)].insert((n, a));
+        };
+        for (&s, &e) in runs.range(start..last) {
             let (a, b) = (offset.max(s * g), end.min(e * g));
             if a >= b {
                 continue;
             }
-            if a < self.boundary && b > self.boundary {
-                out.push((a, self.boundary - a));
-                out.push((self.boundary, b - self.boundary));
+            if a < boundary && b > boundary {
+                enter(a, boundary - a);
+                enter(boundary, b - boundary);
             } else {
-                out.push((a, b - a));
+                enter(a, b - a);
             }
         }
-        out
     }
 
     /// After a change of the free ranges or of the mapping inside `[lo, hi)`: forgets every
@@ -137,24 +147,18 @@ impl Fits {
     pub(crate) fn refit(&mut self, lo: usize, hi: usize, free: &[(usize, usize)]) {
         let lo = free.iter().map(|&(o, _)| o).fold(lo, usize::min);
         let hi = free.iter().map(|&(o, l)| o + l).fold(hi, usize::max);
-        let stale: Vec<(usize, usize)> = self
-            .by_off
-            .range(..hi)
-            .rev()
-            .take_while(|&(&o, &l)| o + l > lo)
-            .map(|(&o, &l)| (o, l))
-            .collect();
-        for (o, l) in stale {
+        // Fits do not overlap: from the last one starting before `hi`, back while they end
+        // past `lo`.
+        while let Some((&o, &l)) = self.by_off.range(..hi).next_back() {
+            if o + l <= lo {
+                break;
+            }
             self.by_off.remove(&o);
             let z = self.zone(o);
             self.by_len[z].remove(&(l, o));
         }
         for &(o, l) in free {
-            for (a, n) in self.extents(o, l) {
-                self.by_off.insert(a, n);
-                let z = self.zone(a);
-                self.by_len[z].insert((n, a));
-            }
+            self.enter_extents(o, l);
         }
     }
 

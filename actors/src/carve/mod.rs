@@ -386,17 +386,25 @@ impl<T> Carver<T> {
     }
 
     /// The free ranges of `seg` that overlap or touch `[lo, hi)`, as (offset, length), in
-    /// offset order.
-    pub(crate) fn free_touching(&self, seg: SegId, lo: usize, hi: usize) -> Vec<(usize, usize)> {
+    /// offset order, into `out` (cleared first).
+    pub(crate) fn free_touching(
+        &self,
+        seg: SegId,
+        lo: usize,
+        hi: usize,
+        out: &mut Vec<(usize, usize)>,
+    ) {
+        out.clear();
         let Some(s) = self.segments.get(&seg) else {
-            return Vec::new();
+            return;
         };
         let start = s.free.range(..=lo).next_back().map_or(lo, |(&o, _)| o);
-        s.free
-            .range(start..=hi)
-            .filter(|&(&o, &l)| o + l >= lo)
-            .map(|(&o, &l)| (o, l))
-            .collect()
+        out.extend(
+            s.free
+                .range(start..=hi)
+                .filter(|&(&o, &l)| o + l >= lo)
+                .map(|(&o, &l)| (o, l)),
+        );
     }
 
     /// Every segment's payload with its free ranges (offset, length) in offset order.

@@ -203,11 +203,13 @@ impl<R: Runtime> Engine<R> {
         Ok(Self::miss_here(pool, class, size, during_capture, inner.id))
     }
 
-    /// Before asking the pool actor: a block this thread freed after a stream used it may
+    /// Before asking the pool actor: a large block this thread holds of exactly the size
+    /// (see `ReadyQueues::put_held`); a block this thread freed after a stream used it may
     /// have completed its events by now (one inline query; invariant 1); failing that, this
     /// thread's block of the next class up (carving layouts, see [`Self::split_next`]), a
     /// ready block in another thread's shard, a larger ready block split in two (carving
-    /// layouts), or a block another thread parked whose events have completed.
+    /// layouts), or a block another thread parked whose events have completed. A miss sends
+    /// the large blocks this thread holds home first.
     #[cold]
     fn miss_here(
         pool: &Arc<Pool<R>>,
@@ -217,15 +219,12 @@ impl<R: Runtime> Engine<R> {
         engine: u64,
     ) -> Step<R> {
         let ready = &pool.ready;
-        // In an expandable range, threads neither split nor merge blocks: the pool actor
-        // places every block best-fit in memory it keeps coalesced.
-        let cuts = !pool.placed_by_actor;
         let found = ready
             .take_held(class.size)
             .or_else(|| pool.parked.take_mine(class))
-            .or_else(|| cuts.then(|| Self::split_next(pool, class)).flatten())
+            .or_else(|| Self::split_next(pool, class))
             .or_else(|| ready.steal(ready.my_shard(), class))
-            .or_else(|| cuts.then(|| Self::split_ready(pool, class)).flatten())
+            .or_else(|| Self::split_ready(pool, class))
             .or_else(|| pool.parked.steal(class));
         match found {
             Some(block) => Step::Ready(Lease::new(block, size, during_capture, engine)),

@@ -87,6 +87,8 @@ pub(super) struct Arena<R: Runtime> {
     fits: Fits,
     /// Blocks up to this size are placed in the upper zone of the range (see [`Fits`]).
     small_limit: usize,
+    /// The free ranges around a change, for [`Self::refit`] (kept to reuse its buffer).
+    around: Vec<(usize, usize)>,
     /// Granules still mapped, by map call.
     maps: HashMap<u64, usize>,
     next_map: u64,
@@ -177,6 +179,7 @@ impl<R: Runtime> Arena<R> {
             mapped_bits: Bits::new(size.div_ceil(granule.max(1))),
             fits: Fits::new(granule, boundary),
             small_limit,
+            around: Vec::new(),
             maps: HashMap::new(),
             next_map: 0,
             clock: 0,
@@ -196,8 +199,10 @@ impl<R: Runtime> Arena<R> {
     /// Brings the index of fits up to date after a change of the free ranges or of the
     /// mapping inside `[lo, hi)` (see [`Fits::refit`]).
     fn refit(&mut self, lo: usize, hi: usize) {
-        let free = self.carver.free_touching(self.seg, lo, hi);
+        let mut free = std::mem::take(&mut self.around);
+        self.carver.free_touching(self.seg, lo, hi, &mut free);
         self.fits.refit(lo, hi, &free);
+        self.around = free;
     }
 
     /// Enters a batch of held places memory moved away from, and the event after which no
@@ -239,6 +244,11 @@ impl<R: Runtime> Arena<R> {
     /// Whether each run is mapped, and unmapped, as one piece of memory.
     pub(super) fn whole_runs(&self) -> bool {
         self.whole
+    }
+
+    /// The arena's clock: it ticks at every piece cut or taken back.
+    pub(super) fn clock(&self) -> u64 {
+        self.clock
     }
 
     /// Bytes of a granule.
@@ -475,7 +485,7 @@ impl<R: Runtime> Arena<R> {
     pub(super) fn plan_moves(&self, need: &[usize], max: usize) -> Vec<(usize, usize, usize)> {
         if !self.whole {
             return self
-                .idle_granules(max.min(need.len()) * self.granule)
+                .idle_granules(max.min(need.len()) * self.granule, u64::MAX)
                 .into_iter()
                 .zip(need.iter().copied())
                 .map(|(f, t)| (f, t, 1))
@@ -557,12 +567,14 @@ impl<R: Runtime> Arena<R> {
 
     /// The ranges to unmap to give back `bytes` of idle memory (all of it for `usize::MAX`),
     /// least recently used first: runs of idle granules, or, when the source unmaps only
-    /// whole map calls, the runs of map calls none of whose granules a lent piece touches.
-    pub(super) fn idle_runs(&self, bytes: usize) -> Vec<(usize, usize)> {
+    /// whole map calls, the runs of map calls none of whose granules a lent piece touches;
+    /// only memory last used before the arena's clock read `before` (see [`Self::clock`]).
+    pub(super) fn idle_runs(&self, bytes: usize, before: u64) -> Vec<(usize, usize)> {
         if !self.whole {
-            return self.runs(&self.idle_granules(bytes));
+            return self.runs(&self.idle_granules(bytes, before));
         }
         let mut idle = self.idle_calls();
+        idle.retain(|c| c.0 < before);
         idle.sort_unstable();
         let mut out = Vec::new();
         let mut freed = 0;
@@ -576,13 +588,14 @@ impl<R: Runtime> Arena<R> {
         out
     }
 
-    /// Mapped granules that no lent piece touches, least recently used first, until they
-    /// make `bytes` (all of them when `bytes` is `usize::MAX`).
-    pub(super) fn idle_granules(&self, bytes: usize) -> Vec<usize> {
+    /// Mapped granules that no lent piece touches, last used before the clock read `before`,
+    /// least recently used first, until they make `bytes` (all of them when `bytes` is
+    /// `usize::MAX`).
+    pub(super) fn idle_granules(&self, bytes: usize, before: u64) -> Vec<usize> {
         let mut idle: Vec<(u64, usize)> = self
             .granules
             .iter()
-            .filter(|(_, gr)| gr.refs == 0)
+            .filter(|(_, gr)| gr.refs == 0 && gr.used < before)
             .map(|(&i, gr)| (gr.used, i))
             .collect();
         idle.sort_unstable();
@@ -1070,13 +1083,18 @@ impl<R: Runtime> PoolActor<R> {
     /// Unmaps idle granules, least recently used first, until `bytes` have gone (all of
     /// them for `usize::MAX`). Returns (map calls ended, bytes unmapped).
     pub(super) async fn unmap_idle(&mut self, bytes: usize) -> (usize, usize) {
+        self.unmap_idle_before(bytes, u64::MAX).await
+    }
+
+    /// [`Self::unmap_idle`] of memory last used before the arena's clock read `before`.
+    pub(super) async fn unmap_idle_before(&mut self, bytes: usize, before: u64) -> (usize, usize) {
         let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
             return (0, 0);
         };
         let runs = if bytes == 0 {
             Vec::new()
         } else {
-            arena.idle_runs(bytes)
+            arena.idle_runs(bytes, before)
         };
         if runs.is_empty() {
             return (0, 0);

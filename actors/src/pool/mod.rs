@@ -44,7 +44,7 @@ use crate::actors::peaks::{Group, Ledger};
 use crate::actors::policy::{BlockLayout, SizePolicy};
 use crate::actors::pool_id::PoolId;
 use crate::actors::runtime::{Runtime, StreamId};
-use crate::actors::spawn::spawn_named;
+use crate::actors::spawn::spawn_on_own_thread;
 
 /// Everything needed to start a pool.
 pub(crate) struct PoolSpec<R: Runtime> {
@@ -127,7 +127,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
             format!("pinpool::device_pool({d}, {pool}, stream {:#x})", s.0)
         }
     };
-    spawn_named(&name, &spec.handle, actor.run());
+    spawn_on_own_thread(&name, &spec.handle, actor.run());
     shared
 }
 
@@ -454,25 +454,35 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Between bursts: gives back idle memory of the arena above the reserve cap, least
-    /// recently used first (see [`TRIM_AFTER`]). Not while a capture is underway: giving
+    /// recently used first, but only memory no block used since the trim before (see
+    /// [`TRIM_AFTER`]): a repeated burst uses its memory each time, and keeps it, while
+    /// memory only an earlier burst needed goes. Not while a capture is underway: giving
     /// memory back waits for the device's work, which a capture forbids; it is tried again
     /// after the next pause.
     async fn trim(&mut self) {
         if self.shared.budget.capturing() {
             return;
         }
-        self.trim_due = false;
-        let Some(cap) = self
-            .carved
-            .as_ref()
-            .and_then(|s| s.carving.reserve_cap(s.peak_live))
-        else {
+        let Some(segs) = self.carved.as_mut() else {
+            self.trim_due = false;
             return;
         };
+        let (Some(cap), Some(clock)) = (
+            segs.carving.reserve_cap(segs.peak_live),
+            segs.arena.as_ref().map(|a| a.clock()),
+        ) else {
+            self.trim_due = false;
+            return;
+        };
+        let before = std::mem::replace(&mut segs.trimmed_at, clock);
         let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
-        if reserved > cap {
-            self.unmap_idle(reserved - cap).await;
+        let over = reserved.saturating_sub(cap);
+        if over > 0 {
+            self.unmap_idle_before(over, before).await;
         }
+        // Memory used since this trim may go at the next one.
+        let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+        self.trim_due = reserved > cap;
     }
 
     async fn handle(&mut self, msg: PoolMsg<Block<R>>) {

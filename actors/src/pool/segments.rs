@@ -61,6 +61,8 @@ pub(super) struct Segments<R: Runtime> {
     pub(super) arena: Option<Arena<R>>,
     /// Whether reserving the arena was tried (it is tried once, at the first miss).
     pub(super) arena_tried: bool,
+    /// The arena's clock at the last trim (see `PoolActor::trim`).
+    pub(super) trimmed_at: u64,
     pub(super) carving: Carving,
 }
 
@@ -78,6 +80,7 @@ impl<R: Runtime> Segments<R> {
                 slot_lines: Vec::new(),
                 arena: None,
                 arena_tried: false,
+                trimmed_at: 0,
             }),
         }
     }
