@@ -139,21 +139,16 @@ pub(crate) struct ReadyQueues<B> {
     /// stealing and freeing threads all write (16 threads freeing and taking one class fell
     /// from about 220 to 53–87 million pairs a second).
     holders: Box<[AtomicU64]>,
-    /// Per shard, the large blocks its thread freed since its last miss (see
+    /// Per shard, the large block its thread freed last since its last miss (see
     /// [`ReadyQueues::put_held`]).
-    held: Box<[Held<B>]>,
+    held: Box<[CachePadded<Held<B>>]>,
 }
 
-/// How many large blocks a thread holds between its misses.
-const HELD: usize = 1;
-
-/// A shard's held large blocks and their sizes, on lines of their own: only the shard's
-/// thread stores into them; others (a drain) only empty them.
+/// A shard's held large block and its size, on a line of its own: only the shard's thread
+/// stores into it; others (a drain) only empty it.
 struct Held<B> {
-    /// The place the next block takes when every place is taken (the oldest).
-    next: AtomicUsize,
-    sizes: CachePadded<[AtomicUsize; HELD]>,
-    blocks: CachePadded<[AtomicPtr<B>; HELD]>,
+    size: AtomicUsize,
+    block: AtomicPtr<B>,
 }
 
 fn empty_line<B>() -> SlotLine<B> {
@@ -191,10 +186,11 @@ impl<B: Slotted> ReadyQueues<B> {
             Box::default()
         };
         let held = (0..shards.len())
-            .map(|_| Held {
-                next: AtomicUsize::new(0),
-                sizes: CachePadded(std::array::from_fn(|_| AtomicUsize::new(0))),
-                blocks: CachePadded(std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut()))),
+            .map(|_| {
+                CachePadded(Held {
+                    size: AtomicUsize::new(0),
+                    block: AtomicPtr::new(ptr::null_mut()),
+                })
             })
             .collect();
         Self {
@@ -457,10 +453,10 @@ impl<B: Slotted> ReadyQueues<B> {
         self.put_queue(me.shard, block);
     }
 
-    /// Holds a freed large block in one of this thread's [`HELD`] places until a request of
-    /// exactly its size takes it back, or the thread's next miss sends it home (see
-    /// [`Self::take_held_mine`]). Hands the block back when the thread does not own its
-    /// shard or every place is taken.
+    /// Holds a freed large block in this thread's held place until a request of exactly its
+    /// size takes it back, or the thread's next miss sends it home (see
+    /// [`Self::take_held_mine`]). Hands back the block held before, which goes home (only the
+    /// last block freed is held), or this one when the thread does not own its shard.
     #[inline]
     pub(crate) fn put_held(&self, block: Box<B>) -> Option<Box<B>> {
         let me = ThreadSlot::current(self.mask);
@@ -468,52 +464,36 @@ impl<B: Slotted> ReadyQueues<B> {
             return Some(block);
         }
         let held = &self.held[me.shard];
-        let i = held
-            .blocks
-            .iter()
-            .position(|p| p.load(Ordering::Relaxed).is_null());
-        // Every place taken: the oldest goes home, the newest stays.
-        let (i, evicted) = match i {
-            Some(i) => (i, None),
-            None => {
-                let i = held.next.load(Ordering::Relaxed) % HELD;
-                (i, take_slot(&held.blocks[i]))
-            }
-        };
-        held.next.store(i + 1, Ordering::Relaxed);
+        let before = take_slot(&held.0.block);
         self.stock(me.shard);
         // The size first: a taker that reads it and then finds the block takes this one.
-        held.sizes[i].store(block.size(), Ordering::Relaxed);
-        held.blocks[i].store(Box::into_raw(block), Ordering::Release);
-        evicted
+        held.0.size.store(block.size(), Ordering::Relaxed);
+        held.0.block.store(Box::into_raw(block), Ordering::Release);
+        before
     }
 
-    /// A block of exactly `size` bytes this thread holds (see [`Self::put_held`]).
+    /// The block this thread holds (see [`Self::put_held`]) if it has exactly `size` bytes.
     #[inline]
     pub(crate) fn take_held(&self, size: usize) -> Option<Box<B>> {
         let me = ThreadSlot::current(self.mask);
         if !me.owns {
             return None;
         }
-        let held = &self.held[me.shard];
-        let i = held
-            .sizes
-            .iter()
-            .zip(held.blocks.iter())
-            .position(|(s, p)| {
-                s.load(Ordering::Relaxed) == size && !p.load(Ordering::Relaxed).is_null()
-            })?;
-        // Only this thread stores into its places; others only empty them, so the block
-        // found is the one stored after that size.
-        take_slot(&held.blocks[i])
+        let held = &self.held[me.shard].0;
+        if held.size.load(Ordering::Relaxed) != size {
+            return None;
+        }
+        // Only this thread stores into its place; others only empty it, so a block found
+        // now is the one stored after that size.
+        take_slot(&held.block)
     }
 
-    /// Takes the large blocks this thread holds (see [`Self::put_held`]).
+    /// Takes the large block this thread holds (see [`Self::put_held`]).
     #[cold]
     pub(crate) fn take_held_mine(&self, out: &mut Vec<Box<B>>) {
         let me = ThreadSlot::current(self.mask);
         if me.owns {
-            out.extend(self.held[me.shard].blocks.iter().filter_map(take_slot));
+            out.extend(take_slot(&self.held[me.shard].0.block));
         }
     }
 
@@ -533,7 +513,7 @@ impl<B: Slotted> ReadyQueues<B> {
     pub(crate) fn drain(&self) -> Vec<Box<B>> {
         let mut out = Vec::new();
         for s in (0..self.shards.len()).filter(|&s| self.ever_stocked(s)) {
-            out.extend(self.held[s].blocks.iter().filter_map(take_slot));
+            out.extend(take_slot(&self.held[s].0.block));
             self.drain_shard(s, &mut out);
         }
         out
@@ -639,9 +619,7 @@ impl<B> Drop for ReadyQueues<B> {
             }
         }
         for h in self.held.iter() {
-            for s in h.blocks.iter() {
-                drop(take_slot(s));
-            }
+            drop(take_slot(&h.0.block));
         }
     }
 }
