@@ -607,7 +607,10 @@ fn the_device_setting_overrides_only_the_keys_it_names() {
     use crate::plugin::settings;
     let library = pinpool::config::DeviceConfig::default();
     let defaults = settings(None).unwrap();
-    assert_eq!(defaults, library, "the plug-in's defaults are the library's");
+    assert_eq!(
+        defaults, library,
+        "the plug-in's defaults are the library's"
+    );
     let capped = settings(Some("reserve_cap:1.25")).unwrap();
     let one = settings(Some("expandable_segments:False")).unwrap();
     assert!(!one.expandable_segments);
