@@ -165,12 +165,15 @@ async fn a_replayed_loop_of_mixed_large_blocks_makes_few_map_calls_and_reserves_
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
 
-/// A pool configured as `thread_cache_mb`, and its runtime.
+/// A pool configured as `thread_cache_mb`, and its runtime. A shard for every thread that
+/// could be alive (the test harness runs tests side by side), so that each thread owns its
+/// shard and keeps the blocks it frees in its own slots.
 fn thread_cached_pool(mb: usize) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
     let config = pinpool::config::DeviceConfig::default().with_thread_cache(mb * MIB);
     let pool = DeviceBuilder::new(Arc::new(sim.clone()))
         .config(&config)
+        .shards(1024)
         .build()
         .expect("allocator builds inside a runtime");
     (pool, sim)
@@ -192,6 +195,7 @@ async fn misses_of_a_repeated_round(
             }
             v
         };
+        // Freed together, on one thread.
         drop(blocks);
         if round == 1 {
             return pool.stats(0).unwrap().num_misses - before;
@@ -200,12 +204,17 @@ async fn misses_of_a_repeated_round(
     unreachable!()
 }
 
+/// With a thread cache, a thread keeps the large blocks it frees (up to the cache's size),
+/// one of a size class: a repeated round of requests of as many classes as blocks is
+/// served from the thread's slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_thread_cache_a_repeated_round_of_large_requests_is_served_without_the_pool_actor() {
-    let sizes = [8 * MIB, 3 * MIB + 4096, 20 * MIB, 8 * MIB, 5 * MIB];
+    // Five sizes of five size classes.
+    let sizes = [8 * MIB, 3 * MIB + 4096, 20 * MIB, 6 * MIB, 5 * MIB];
     let (cached, sim) = thread_cached_pool(32);
     let s = sim.stream();
     assert_eq!(misses_of_a_repeated_round(&cached, &s, &sizes).await, 0);
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
     // Without it, every block above 1 MiB went back to the actor, which answers each again.
     let (plain, sim) = thread_cached_pool(0);
     let s = sim.stream();
@@ -213,6 +222,17 @@ async fn with_a_thread_cache_a_repeated_round_of_large_requests_is_served_withou
         misses_of_a_repeated_round(&plain, &s, &sizes).await,
         sizes.len() as i64
     );
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+/// With a thread cache, a thread keeps one freed block of a size class; a second one of the
+/// class goes home to the pool actor, which answers the request for it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_thread_cache_a_thread_keeps_one_block_of_a_class_and_the_next_goes_home() {
+    let sizes = [8 * MIB, 8 * MIB, 3 * MIB];
+    let (pool, sim) = thread_cached_pool(32);
+    let s = sim.stream();
+    assert_eq!(misses_of_a_repeated_round(&pool, &s, &sizes).await, 1);
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
 

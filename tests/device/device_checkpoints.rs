@@ -166,12 +166,14 @@ async fn a_users_buffer_in_the_way_is_a_typed_error_and_changes_nothing() {
     pool.end_allocate_to_pool(0, id).await.unwrap();
     s.synchronize().unwrap();
 
-    let stats = pool.pool_stats(0, id).unwrap();
+    // The inventory first: the pool actors take back the blocks that went home without a
+    // message (`a`, freed above) before they answer, and their statistics follow then.
     let inventory = pinpool::tuning::device_engine(&pool, 0)
         .unwrap()
         .inventory()
         .await
         .unwrap();
+    let stats = pool.pool_stats(0, id).unwrap();
     let before = pool.checkpoint_state(0, id).await.unwrap();
     let err = pool
         .set_checkpoint_pool_state(0, &checkpoint, &s)

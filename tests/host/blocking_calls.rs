@@ -1,7 +1,8 @@
 //! The blocking API where blocking would deadlock: on a thread that runs a current-thread
 //! runtime's tasks, every `*_blocking` call is `Error::WouldDeadlock` at once, naming the
 //! async call to use, and changes nothing; on a multi-thread runtime's worker it works (it
-//! blocks inside `block_in_place`); outside any runtime it blocks as before.
+//! blocks inside `block_in_place`); outside any runtime it blocks as before, also while the
+//! actors run on a runtime built without timers.
 //!
 //! Each scenario runs on a thread of its own behind a watchdog, so that a regression fails
 //! the test instead of hanging the suite.
@@ -362,5 +363,33 @@ fn on_a_multi_thread_runtime_the_device_allocators_blocking_calls_work_from_a_wo
             .await
             .unwrap();
         });
+    });
+}
+
+/// A runtime built without timers (no `enable_time`, as `Runtime::new` and `enable_all` would
+/// give) runs the pool actors like any other: the pinned and the device allocator keep
+/// serving requests after their pools grew past the reserve cap (where an actor waits for a
+/// pause in requests before it gives memory back).
+#[test]
+fn a_runtime_without_timers_keeps_serving_requests_after_the_pools_grow() {
+    within(Duration::from_secs(30), || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .unwrap();
+        let (pinned, device, sim) = rt.block_on(async {
+            let sim = SimRuntime::new();
+            let pinned = pinpool::PinnedAllocator::builder()
+                .runtime(Arc::new(sim.clone()))
+                .build()
+                .unwrap();
+            let device = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
+            (pinned, device, sim)
+        });
+        let s = sim.stream();
+        for size in [64, 3 << 20, 64 << 10, 8 << 20, 64, 3 << 20] {
+            drop(pinned.alloc_blocking(size).unwrap());
+            drop(device.alloc_blocking(size, &s).unwrap());
+        }
     });
 }

@@ -6,6 +6,7 @@
 //! Each module holds the tests of one behaviour; the helpers all test binaries share are in
 //! `pinpool_testkit` (`tests/common`).
 
+mod arena_frees;
 mod blocking_calls;
 mod builder_settings;
 mod cached_path;

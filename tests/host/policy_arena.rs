@@ -1,12 +1,14 @@
 //! `BestFit` on a runtime with expandable host memory: blocks are cut out of one reserved
-//! range whose granules are mapped as blocks need them. Pinned down here: the range grows
-//! by the granules a block needs and no more, free neighbours coalesce across granules, a
-//! granule that no block touches goes back while its neighbours still lend, under a memory
-//! limit such granules are room for a request larger than any free range, over the reserve
-//! cap idle granules move where a request needs them (and a refused move changes nothing),
-//! snapshots list the mapped runs, and everything (the range included) goes back at shutdown, however
-//! the allocator is dropped. A runtime without the capability, or a limit of fewer than
-//! eight granules, gets separate segments instead.
+//! range whose granules are mapped as blocks need them, small blocks (up to 1 MiB) in the
+//! upper zone of the range and large ones below. Pinned down here: the range grows by the
+//! granules a block needs and no more, free neighbours coalesce across granules, a granule
+//! that no block touches goes back while its neighbours still lend, under a memory limit
+//! such granules are room for a request larger than any free range, over the reserve cap
+//! (which pinned memory keeps while requests come) idle granules move where a request needs
+//! them (and a refused move changes nothing), snapshots list the mapped runs, and
+//! everything (the range included) goes back at shutdown, however the allocator is dropped.
+//! A runtime without the capability, or a limit of fewer than eight granules, gets separate
+//! segments instead.
 
 use std::sync::Arc;
 
@@ -21,23 +23,39 @@ const MIB: usize = 1 << 20;
 const GRANULE: usize = 2 * MIB;
 
 #[tokio::test]
-async fn the_range_grows_by_the_granules_a_block_needs_and_blocks_sit_side_by_side() {
+async fn the_range_grows_by_the_granules_a_block_needs_and_blocks_of_a_zone_sit_side_by_side() {
     let (pool, sim) = best_fit_pool();
     let a = pool.alloc(4 * KIB).await.unwrap();
     assert_eq!(sim.live_bytes(), GRANULE, "one granule mapped");
+    // Large blocks sit in the lower zone of the range, from its start.
     let b = pool.alloc(3 * MIB).await.unwrap();
+    assert_eq!(sim.live_bytes(), 3 * GRANULE, "the two granules it needs");
+    let c = pool.alloc(3 * MIB / 2).await.unwrap();
     assert_eq!(
-        b.as_ptr() as usize,
-        a.as_ptr() as usize + 4 * KIB,
-        "right after the first block, across the granule boundary"
+        c.as_ptr() as usize,
+        b.as_ptr() as usize + 3 * MIB,
+        "right after the large block before it, across the granule boundary"
     );
     assert_eq!(
         sim.live_bytes(),
-        2 * GRANULE,
+        4 * GRANULE,
         "only the one more granule it needs"
     );
+    // Small blocks sit in the upper zone, side by side within a granule, above every large
+    // block: the free memory around large blocks coalesces without them in the way.
+    let d = pool.alloc(8 * KIB).await.unwrap();
+    let e = pool.alloc(8 * KIB).await.unwrap();
+    assert_eq!(e.as_ptr() as usize, d.as_ptr() as usize + 8 * KIB);
+    assert_eq!(
+        sim.live_bytes(),
+        4 * GRANULE,
+        "in the small blocks' granule"
+    );
+    for small in [&a, &d, &e] {
+        assert!(small.as_ptr() as usize > c.as_ptr() as usize + 64 * MIB);
+    }
     assert_eq!(pinpool::tuning::engine(&pool).policy().name(), "bestfit");
-    drop((a, b));
+    drop((a, b, c, d, e));
     assert_books_balance(&pool, &sim, 0).await;
 }
 
@@ -62,17 +80,28 @@ async fn freed_neighbours_coalesce_across_granules_and_serve_a_larger_request_in
     assert_books_balance(&pool, &sim, 0).await;
 }
 
+/// Three large blocks side by side from the start of the range: 1.5 MiB in granule 0, 3 MiB
+/// across granules 0, 1 and 2, and 1.5 MiB, the rest of granule 2.
+async fn three_large_blocks(
+    pool: &PinnedAllocator<SimRuntime>,
+    sim: &SimRuntime,
+) -> [PinnedBuffer<SimRuntime>; 3] {
+    let x = pool.alloc(3 * MIB / 2).await.unwrap();
+    let y = pool.alloc(3 * MIB).await.unwrap();
+    let z = pool.alloc(3 * MIB / 2).await.unwrap();
+    assert_eq!(sim.live_bytes(), 3 * GRANULE);
+    assert_eq!(y.as_ptr() as usize, x.as_ptr() as usize + 3 * MIB / 2);
+    assert_eq!(z.as_ptr() as usize, y.as_ptr() as usize + 3 * MIB);
+    [x, y, z]
+}
+
 #[tokio::test]
 async fn a_granule_no_block_touches_goes_back_while_its_neighbours_still_lend() {
     let (pool, sim) = best_fit_pool();
-    let x = pool.alloc(MIB).await.unwrap(); // granule 0
-    let y = pool.alloc(4 * MIB).await.unwrap(); // granules 0, 1 and 2
-    let z = pool.alloc(MIB).await.unwrap(); // the rest of granule 2
-    assert_eq!(sim.live_bytes(), 3 * GRANULE);
-    assert_eq!(z.as_ptr() as usize, y.as_ptr() as usize + 4 * MIB);
+    let [x, y, z] = three_large_blocks(&pool, &sim).await;
     drop(y);
     eventually("the large block is home", || {
-        pool.stats().active_bytes.current as usize == 2 * MIB
+        pool.stats().active_bytes.current as usize == 3 * MIB
     })
     .await;
     let report = pool.empty_cache().await.unwrap();
@@ -98,19 +127,20 @@ async fn under_a_memory_limit_idle_granules_are_room_for_a_request_larger_than_a
         .max_bytes(8 * GRANULE)
         .build()
         .unwrap();
+    // Eight 2 MiB blocks, side by side from the start of the range, one to a granule.
     let mut blocks = Vec::new();
-    for _ in 0..16 {
-        blocks.push(Some(pool.try_alloc(MIB).await.unwrap()));
+    for _ in 0..8 {
+        blocks.push(Some(pool.try_alloc(GRANULE).await.unwrap()));
     }
     let base = blocks[0].as_ref().unwrap().as_ptr() as usize;
     for (i, b) in blocks.iter().enumerate() {
-        assert_eq!(b.as_ref().unwrap().as_ptr() as usize, base + i * MIB);
+        assert_eq!(b.as_ref().unwrap().as_ptr() as usize, base + i * GRANULE);
     }
     assert_eq!(sim.live_bytes(), 8 * GRANULE, "the limit is reached");
-    // Keep one block in granules 0, 2, 5 and 7: the largest free range is 4 MiB, and
+    // Keep the blocks in granules 0, 2, 5 and 7: the largest free range is 4 MiB, and
     // granules 1, 3, 4 and 6 are touched by no block.
     for (i, b) in blocks.iter_mut().enumerate() {
-        if ![0, 5, 10, 15].contains(&i) {
+        if ![0, 2, 5, 7].contains(&i) {
             drop(b.take());
         }
     }
@@ -121,7 +151,7 @@ async fn under_a_memory_limit_idle_granules_are_room_for_a_request_larger_than_a
     assert!(sim.live_bytes() <= 8 * GRANULE);
     sim.host_write(big.as_ptr() as *mut u8, &vec![1; 6 * MIB])
         .unwrap();
-    // Nothing more fits: 4 MiB held, 6 MiB in use, and 2 MiB granules.
+    // Nothing more fits: 8 MiB held, 6 MiB in use, and 2 MiB granules.
     assert!(matches!(
         pool.try_alloc(6 * MIB).await,
         Err(Error::OutOfMemory { .. })
@@ -130,8 +160,9 @@ async fn under_a_memory_limit_idle_granules_are_room_for_a_request_larger_than_a
     assert_books_balance(&pool, &sim, 0).await;
 }
 
-/// Sixteen 1 MiB blocks, of which those in granules 0, 2, 5 and 7 are kept, each filled at
-/// its start with its own byte; granules 1, 3, 4 and 6 are touched by no block. Peak live is
+/// Sixteen 1 MiB blocks (small ones: side by side downwards from the top of the range), of
+/// which those in granules 0, 2, 5 and 7 counted from the top are kept, each filled at its
+/// start with its own byte; granules 1, 3, 4 and 6 are touched by no block. Peak live is
 /// 16 MiB, so `BestFit`'s cap allows at most 18.4 MiB reserved.
 async fn four_blocks_around_idle_granules(
     pool: &PinnedAllocator<SimRuntime>,
@@ -177,8 +208,8 @@ async fn over_the_reserve_cap_idle_granules_move_where_a_request_needs_them_inst
     let kept = four_blocks_around_idle_granules(&pool, &sim).await;
     let (maps, before) = (sim.total_host_allocs(), pool.stats());
     assert_eq!(before.allocated_bytes.current, 8 * GRANULE as i64);
-    // No free range holds 6 MiB: three granules past the last one are needed, which would
-    // take 22 MiB. Idle granules move there (at least two, to stay under the cap); any
+    // No mapped free range holds 6 MiB: three granules of the lower zone are needed, which
+    // would take 22 MiB. Idle granules move there (at least two, to stay under the cap); any
     // other is mapped fresh.
     let big = pool.alloc(6 * MIB).await.unwrap();
     let moved = sim.total_host_remaps();
@@ -282,12 +313,10 @@ async fn random_requests_under_a_tight_cap_move_granules_and_every_buffer_keeps_
 #[tokio::test]
 async fn a_snapshot_lists_each_mapped_run_as_a_segment_tiled_by_its_pieces() {
     let (pool, sim) = best_fit_pool();
-    let x = pool.alloc(MIB).await.unwrap();
-    let y = pool.alloc(4 * MIB).await.unwrap();
-    let z = pool.alloc(MIB).await.unwrap();
+    let [x, y, z] = three_large_blocks(&pool, &sim).await;
     drop(y);
     eventually("the large block is home", || {
-        pool.stats().active_bytes.current as usize == 2 * MIB
+        pool.stats().active_bytes.current as usize == 3 * MIB
     })
     .await;
     pool.empty_cache().await.unwrap();
@@ -307,7 +336,7 @@ async fn a_snapshot_lists_each_mapped_run_as_a_segment_tiled_by_its_pieces() {
             .filter(|b| b.state == BlockStatus::InUse)
             .collect();
         assert_eq!(lent.len(), 1);
-        assert_eq!(lent[0].requested_size, MIB);
+        assert_eq!(lent[0].requested_size, 3 * MIB / 2);
     }
     let total: usize = snap.segments.iter().map(|s| s.total_size).sum();
     assert_eq!(total, sim.live_bytes());

@@ -1,8 +1,9 @@
-//! Misses served on the requesting thread: under a carving layout (`bestfit` for pinned
-//! memory, the device layout), a request that finds no ready block of its class splits a
-//! ready block of a larger class, and after a miss the pool actor hands the requesting thread
-//! the free ranges of its mapped memory as ready blocks. Neither needs the pool actor, and
-//! the actor books every split so that the parts coalesce and all memory goes back.
+//! Misses served on the requesting thread where blocks are cut out of separate segments
+//! (`BestFit::separate_segments` for pinned memory, the device layout without expandable
+//! segments): a request that finds no ready block of its class splits a ready block of a
+//! larger class, up to the pool's split limit, without the pool actor, and the actor books
+//! every split so that the parts coalesce and all memory goes back. (In an expandable range,
+//! the default layout, threads neither split nor merge blocks: see `arena_frees`.)
 //!
 //! To show that no actor is involved, the allocators here run their actors on a
 //! current-thread runtime that is driven only during set-up: once nothing drives it, a request
@@ -14,9 +15,11 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pinpool::config::DeviceConfig;
 use pinpool::sim::SimRuntime;
-use pinpool::{BlockStatus, DeviceAllocator, DeviceBuilder};
-use pinpool_testkit::{best_fit_pool_on, current_thread, multi_thread};
+use pinpool::tuning::BestFit;
+use pinpool::{BlockStatus, Builder, DeviceAllocator, DeviceBuilder, PinnedAllocator};
+use pinpool_testkit::{current_thread, multi_thread};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -38,9 +41,22 @@ fn without_actors<T: Send + 'static>(
     out
 }
 
-fn device_pool(rt: &tokio::runtime::Runtime) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+/// A device pool of separate segments whose actors run on `rt`.
+fn device_segments_pool(rt: &tokio::runtime::Runtime) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
     let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .config(&DeviceConfig::default().with_expandable_segments(false))
+        .handle(rt.handle().clone())
+        .build()
+        .unwrap();
+    (pool, sim)
+}
+
+/// A `BestFit` pool of separate segments whose actors run on `rt`.
+fn segments_pool_on(rt: &tokio::runtime::Runtime) -> (PinnedAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = Builder::new(Arc::new(sim.clone()))
+        .policy(Arc::new(BestFit::default().separate_segments()))
         .handle(rt.handle().clone())
         .build()
         .unwrap();
@@ -50,11 +66,11 @@ fn device_pool(rt: &tokio::runtime::Runtime) -> (DeviceAllocator<SimRuntime>, Si
 #[test]
 fn a_device_request_whose_class_is_empty_splits_a_larger_ready_block_without_the_pool_actor() {
     let rt = current_thread();
-    let (pool, sim) = device_pool(&rt);
+    let (pool, sim) = device_segments_pool(&rt);
     let s = sim.stream();
     let (big, other) = rt.block_on(async {
         let b = pool.alloc(MIB, &s).await.unwrap();
-        // The rest of the granule, so that no other free memory is handed over.
+        // The rest of its 2 MiB segment: no other memory is free.
         let other = pool.alloc(MIB, &s).await.unwrap();
         (b.device_ptr(), other)
     });
@@ -103,40 +119,9 @@ fn a_device_request_whose_class_is_empty_splits_a_larger_ready_block_without_the
 }
 
 #[test]
-fn after_a_miss_the_thread_gets_the_free_mapped_ranges_and_its_next_requests_need_no_actor() {
-    let rt = current_thread();
-    let (pool, sim) = device_pool(&rt);
-    let s = sim.stream();
-    let (a, b) = rt.block_on(async {
-        // 1.5 MiB then 100 KiB: one 2 MiB granule, 412 KiB of it left free after the second
-        // miss, which the actor hands this thread as a ready block.
-        let a = pool.alloc(3 * MIB / 2, &s).await.unwrap();
-        let b = pool.alloc(100 * KIB, &s).await.unwrap();
-        tokio::task::yield_now().await;
-        (a, b)
-    });
-    let (p, st) = (pool.clone(), s.clone());
-    let c = without_actors(
-        || pool.stats(0).unwrap().num_misses,
-        move || p.raw_alloc_with_stream(200 * KIB, &st).unwrap(),
-    )
-    .expect("served from the ranges handed over at the miss");
-    assert_eq!(c, b.device_ptr() + 100 * KIB as u64);
-    rt.block_on(async {
-        drop((a, b));
-        pool.raw_delete(c).unwrap();
-        pool.empty_cache().await.unwrap();
-        assert_eq!(sim.device_used(0), Some(0), "all memory went back");
-        let stats = pool.stats(0).unwrap();
-        assert_eq!(stats.reserved_bytes.all.current, 0);
-        assert_eq!(stats.active_bytes.all.current, 0);
-    });
-}
-
-#[test]
 fn a_pinned_request_under_bestfit_splits_a_larger_ready_block_without_the_pool_actor() {
     let rt = current_thread();
-    let (pool, sim) = best_fit_pool_on(&rt);
+    let (pool, sim) = segments_pool_on(&rt);
     let big = rt.block_on(async {
         let b = pool.alloc(512 * KIB).await.unwrap();
         b.as_ptr() as usize
@@ -154,127 +139,9 @@ fn a_pinned_request_under_bestfit_splits_a_larger_ready_block_without_the_pool_a
         },
     )
     .expect("served without the pool actor");
-    // Cut out of the freed 512 KiB block, or out of the free memory after it that the actor
-    // handed over at the miss; the same block again from the thread's slot.
-    assert_eq!(head.0, head.1);
-    assert!(
-        (big..big + 2 * MIB).contains(&head.0),
-        "{:#x} {big:#x}",
-        head.0
-    );
+    // The head of the freed 512 KiB block; the same block again from the thread's slot.
+    assert_eq!(head, (big, big));
     rt.block_on(async {
-        pool.empty_cache().await.unwrap();
-        assert_eq!(sim.live_bytes(), 0, "all memory went back");
-    });
-}
-
-#[test]
-fn a_pinned_request_under_bestfit_merges_the_threads_freed_neighbours_without_the_pool_actor() {
-    let rt = current_thread();
-    let (pool, sim) = best_fit_pool_on(&rt);
-    // Four 512 KiB blocks side by side fill the first 2 MiB granule: no free mapped memory
-    // is left for the actor to hand over.
-    let blocks = rt.block_on(async {
-        let mut v = Vec::new();
-        for _ in 0..4 {
-            v.push(pool.alloc(512 * KIB).await.unwrap());
-        }
-        v
-    });
-    let addrs: Vec<usize> = blocks.iter().map(|b| b.as_ptr() as usize).collect();
-    for w in addrs.windows(2) {
-        assert_eq!(w[1], w[0] + 512 * KIB, "side by side: {addrs:x?}");
-    }
-    let mut blocks = blocks.into_iter();
-    let (a, b, c, d) = (
-        blocks.next().unwrap(),
-        blocks.next().unwrap(),
-        blocks.next().unwrap(),
-        blocks.next().unwrap(),
-    );
-    let p = pool.clone();
-    let (merged, again) = without_actors(
-        || pool.stats().num_misses,
-        move || {
-            // Freed on this thread: two ready 512 KiB blocks in its shard, neither large enough
-            // for 1 MiB on its own.
-            drop((b, c));
-            let merged = p.alloc_blocking(MIB).unwrap();
-            let at = merged.as_ptr() as usize;
-            // The merged block is an ordinary ready block once freed: the same size again is
-            // the cached path.
-            drop(merged);
-            let again = p.alloc_blocking(MIB).unwrap();
-            (at, again)
-        },
-    )
-    .expect("served from the merged neighbours without the pool actor");
-    assert_eq!(merged, addrs[1], "the two freed blocks, merged in place");
-    assert_eq!(again.as_ptr() as usize, addrs[1]);
-    // The actor booked the merge: every piece coalesces and all memory goes back.
-    rt.block_on(async {
-        drop((a, d, again));
-        pool.empty_cache().await.unwrap();
-        assert_eq!(sim.live_bytes(), 0, "all memory went back");
-        assert_eq!(pool.stats().allocated_bytes.current, 0);
-    });
-}
-
-#[test]
-fn merged_neighbours_keep_the_books_of_the_pieces_still_lent() {
-    let rt = current_thread();
-    let (pool, sim) = best_fit_pool_on(&rt);
-    // Six 256 KiB blocks and one 512 KiB block fill one 2 MiB granule.
-    let mut held = rt.block_on(async {
-        let mut v = Vec::new();
-        for _ in 0..6 {
-            v.push(pool.alloc(256 * KIB).await.unwrap());
-        }
-        v.push(pool.alloc(512 * KIB).await.unwrap());
-        v
-    });
-    let last = held.pop().unwrap();
-    let p = pool.clone();
-    let kept = without_actors(
-        || pool.stats().num_misses,
-        move || {
-            // Free the 2nd to 5th: the thread merges them (1 MiB) for a 768 KiB request, and the
-            // rest of the merged block goes back to its ready queues.
-            let mut it = held.into_iter();
-            let first = it.next().unwrap();
-            let sixth = it.next_back().unwrap();
-            drop(it);
-            let r = p.alloc_blocking(768 * KIB).unwrap();
-            (first, sixth, r)
-        },
-    )
-    .expect("served without the pool actor");
-    let (first, sixth, r) = kept;
-    let base = first.as_ptr() as usize;
-    assert_eq!(r.as_ptr() as usize, base + 256 * KIB);
-    assert_eq!(sixth.as_ptr() as usize, base + 5 * 256 * KIB);
-    assert_eq!(last.as_ptr() as usize, base + 3 * MIB / 2);
-    rt.block_on(async {
-        // The snapshot, made from the actor's books, shows the pieces as they are: the
-        // merged block cut for the request, its rest cached, the others lent.
-        let snap = pool.snapshot().await.unwrap();
-        let pieces: Vec<(usize, usize, BlockStatus)> = snap
-            .blocks()
-            .map(|(_, b)| (b.address, b.size, b.state))
-            .filter(|&(a, _, _)| (base..base + 2 * MIB).contains(&a))
-            .collect();
-        assert_eq!(
-            pieces,
-            vec![
-                (base, 256 * KIB, BlockStatus::InUse),
-                (base + 256 * KIB, 768 * KIB, BlockStatus::InUse),
-                (base + MIB, 256 * KIB, BlockStatus::Cached),
-                (base + 5 * 256 * KIB, 256 * KIB, BlockStatus::InUse),
-                (base + 3 * MIB / 2, 512 * KIB, BlockStatus::InUse),
-            ],
-            "{pieces:x?}"
-        );
-        drop((first, sixth, r, last));
         pool.empty_cache().await.unwrap();
         assert_eq!(sim.live_bytes(), 0, "all memory went back");
     });
@@ -282,8 +149,23 @@ fn merged_neighbours_keep_the_books_of_the_pieces_still_lent() {
 
 #[test]
 fn a_thread_never_cuts_a_small_request_out_of_a_large_cached_block() {
-    let rt = current_thread();
-    let (pool, _sim) = best_fit_pool_on(&rt);
+    // Separate segments, and the expandable range (where a block this large gets a segment
+    // of its own too).
+    for policy in [BestFit::default().separate_segments(), BestFit::default()] {
+        let rt = current_thread();
+        let pool = Builder::new(Arc::new(SimRuntime::new()))
+            .policy(Arc::new(policy))
+            .handle(rt.handle().clone())
+            .build()
+            .unwrap();
+        a_small_request_leaves_a_large_cached_block_whole(&rt, &pool);
+    }
+}
+
+fn a_small_request_leaves_a_large_cached_block_whole(
+    rt: &tokio::runtime::Runtime,
+    pool: &PinnedAllocator<SimRuntime>,
+) {
     rt.block_on(async {
         // 600 MiB: a segment of its own, which it fills, so freed it stays cached on this
         // thread.
@@ -304,9 +186,9 @@ fn a_thread_never_cuts_a_small_request_out_of_a_large_cached_block() {
 #[test]
 fn a_split_whose_rest_would_be_a_sliver_lends_the_whole_block_and_keeps_it_for_the_class() {
     let rt = current_thread();
-    let (pool, sim) = best_fit_pool_on(&rt);
-    // Four 512 KiB blocks fill the first 2 MiB granule; the second is freed into the ready
-    // queues of this thread, the only ready block of the pool.
+    let (pool, sim) = segments_pool_on(&rt);
+    // Four 512 KiB blocks fill a 2 MiB segment; the second is freed into the ready queues of
+    // this thread, the only ready block of the pool.
     let mut held = rt.block_on(async {
         let mut v = Vec::new();
         for _ in 0..4 {
@@ -354,37 +236,9 @@ fn a_split_whose_rest_would_be_a_sliver_lends_the_whole_block_and_keeps_it_for_t
     });
 }
 
-#[test]
-fn a_freed_large_piece_of_the_expandable_range_stays_on_the_cached_path() {
-    let rt = current_thread();
-    let (pool, sim) = best_fit_pool_on(&rt);
-    // A 3 MiB block between two others: larger than the 1 MiB of small blocks, within the
-    // 4 MiB that threads merge themselves. Freed, it goes to the ready queues, not back
-    // into the range through the pool actor.
-    let (first, big, last) = rt.block_on(async {
-        let first = pool.alloc(MIB).await.unwrap();
-        let big = pool.alloc(3 * MIB).await.unwrap();
-        let last = pool.alloc(MIB).await.unwrap();
-        (first, big, last)
-    });
-    let at = big.as_ptr() as usize;
-    drop(big);
-    let p = pool.clone();
-    let again = without_actors(
-        || pool.stats().num_misses,
-        move || p.alloc_blocking(3 * MIB).unwrap(),
-    )
-    .expect("served from the ready queues without the pool actor");
-    assert_eq!(again.as_ptr() as usize, at);
-    rt.block_on(async {
-        drop((first, again, last));
-        pool.empty_cache().await.unwrap();
-        assert_eq!(sim.live_bytes(), 0, "all memory went back");
-    });
-}
-
-/// Four 512 KiB blocks held (one 2 MiB granule, nothing else free), on a `bestfit` pool
-/// whose actors run on `rt`: the ready blocks of the tests below are only those they free.
+/// Four 512 KiB blocks held (one 2 MiB segment, nothing else free), on a pool of separate
+/// segments whose actors run on `rt`: the ready blocks of the tests below are only those
+/// they free.
 /// A shard for every thread that could be alive (the test harness runs tests side by side),
 /// so that each thread owns its shard and fills its own slots.
 fn four_half_mebibytes(
@@ -394,7 +248,7 @@ fn four_half_mebibytes(
     Vec<pinpool::PinnedBuffer<SimRuntime>>,
 ) {
     let pool = pinpool::Builder::new(Arc::new(SimRuntime::new()))
-        .policy(Arc::new(pinpool::tuning::BestFit::default()))
+        .policy(Arc::new(BestFit::default().separate_segments()))
         .handle(rt.handle().clone())
         .shards(1024)
         .build()

@@ -70,9 +70,14 @@ fn setup_with(sim: SimRuntime) -> Setup {
         .build()
         .unwrap();
     let streams = Arc::new(SimStreams::new(&sim));
+    // More shards than threads alive at once (the test harness runs tests side by side,
+    // each with its runtime's threads): each test thread owns its shard, so that a block it
+    // frees waits in its own slot for its next request rather than going home to the pool
+    // actor, as it would from a thread beyond the shard count.
     let alloc = DeviceAllocator::builder()
         .runtime(Arc::new(sim))
         .handle(rt.handle().clone())
+        .shards(64)
         .build()
         .unwrap();
     Setup {
