@@ -145,6 +145,23 @@ impl<R: Runtime> Lease<R> {
         }
     }
 
+    /// Gives the block back as if it had never been lent: for a buffer taken by a request
+    /// for several that did not get them all, whose requester never sees it. It is freed as
+    /// a drop would free it, and then its counts go back (see `PoolStats::roll_back`), so
+    /// that the statistics count what requesters received. A lease on which a stream was
+    /// recorded is dropped as usual.
+    pub(crate) fn roll_back(mut self) {
+        let Some(b) = self.block.take_if(|b| b.streams.is_empty()) else {
+            return;
+        };
+        let (pool, shard, size, len) = (b.pool.clone(), b.shard, b.size, self.len);
+        pool.history
+            .on_free(pool.id, pool.owner, b.memory.addr(), size, len, || None);
+        // No stream used it: the release makes it reusable at once (counted as deactivated).
+        b.release();
+        pool.stats.roll_back(shard, size, len);
+    }
+
     /// The streams recorded so far.
     pub(crate) fn recorded_streams(&self) -> Vec<StreamId> {
         self.block

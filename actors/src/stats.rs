@@ -25,7 +25,10 @@ pub struct HostStats {
     pub allocations: Stat,
     /// Bytes of pinned memory held.
     pub allocated_bytes: Stat,
-    /// Blocks handed out and not yet reusable (in use, or waiting on events).
+    /// Blocks handed out and not yet reusable (in use, or waiting on events). Its
+    /// `allocated` count is the buffers requesters received: buffers a
+    /// [`BufferSet`](crate::BufferSet) took and gave back, because another of its buffers
+    /// found no room, are not counted.
     pub active_requests: Stat,
     /// Bytes of the blocks counted by `active_requests`.
     pub active_bytes: Stat,
@@ -277,6 +280,24 @@ impl PoolStats {
         self.leaves.note_slack(shard);
     }
 
+    /// A block of `bytes` charged to `shard`, lent for a request of `requested` bytes, was
+    /// taken back before its requester saw it (one buffer of a request for several that did
+    /// not get them all) and has become reusable: its counts go back as if it had never been
+    /// lent, so that `allocated` counts what requesters received.
+    pub(crate) fn roll_back(&self, shard: usize, bytes: usize, requested: usize) {
+        let me = ThreadSlot::current(self.mask);
+        let owner = me.owns && me.shard == shard;
+        let s = &self.leaves.shards[shard];
+        match &self.detail {
+            Some(d) => d.rolled_back(s, owner, bytes, requested),
+            None => {
+                s.leaf[REQUESTS][0].retract(1, owner);
+                s.leaf[BYTES][0].retract(bytes as i64, owner);
+            }
+        }
+        self.leaves.note_slack(shard);
+    }
+
     /// A segment of `bytes` was taken from the memory source (`taken`) or given back
     /// (device statistics only; the host books count segments where they are made).
     pub(crate) fn segment(&self, bytes: usize, taken: bool) {
@@ -296,7 +317,11 @@ impl PoolStats {
     /// pool's group.
     pub(crate) fn read_device(&self) -> Option<DeviceStats> {
         let d = self.detail.as_ref()?;
-        let mut s = d.read(&self.leaves.shards);
+        let mut s = d.read(
+            &self.leaves.shards,
+            self.allocated_bytes.read(),
+            self.allocations.read(),
+        );
         s.set_peaks(&self.leaves.group);
         s.num_alloc_retries = self.num_alloc_retries.load(Relaxed);
         s.num_ooms = self.num_ooms.load(Relaxed);

@@ -245,15 +245,15 @@ async fn try_all<R: Runtime>(
     order: &[usize],
     empty: bool,
 ) -> Result<Result<Vec<Lease<R>>, Vec<(u64, u64)>>, Error> {
-    let mut got: Vec<Option<Lease<R>>> = wants.iter().map(|_| None).collect();
+    let mut got = Taken(wants.iter().map(|_| None).collect());
     for &i in order {
         let w = &wants[i];
         match w.engine.try_once(w.size, w.stream, empty).await {
-            Ok(lease) => got[i] = Some(lease),
+            Ok(lease) => got.0[i] = Some(lease),
             Err(Tried::Failed(e)) => return Err(e),
             Err(Tried::NoRoom) => {
                 let mut gave: Vec<(u64, u64)> = Vec::new();
-                for (j, lease) in got.iter().enumerate() {
+                for (j, lease) in got.0.iter().enumerate() {
                     if lease.is_some() && wants[j].size > 0 {
                         let id = wants[j].engine.budget().id;
                         match gave.iter_mut().find(|(b, _)| *b == id) {
@@ -268,7 +268,23 @@ async fn try_all<R: Runtime>(
             }
         }
     }
-    Ok(Ok(got.into_iter().flatten().collect()))
+    Ok(Ok(std::mem::take(&mut got.0)
+        .into_iter()
+        .flatten()
+        .collect()))
+}
+
+/// The buffers a try has taken so far. Unless the try took them all and handed them out,
+/// they go back as if never lent ([`Lease::roll_back`]: the statistics count what requesters
+/// received), also when the request is dropped halfway.
+struct Taken<R: Runtime>(Vec<Option<Lease<R>>>);
+
+impl<R: Runtime> Drop for Taken<R> {
+    fn drop(&mut self) {
+        for lease in self.0.drain(..).flatten() {
+            lease.roll_back();
+        }
+    }
 }
 
 /// Counts the request among the waiters of each of its budgets while it lives: frees under
