@@ -53,7 +53,9 @@
 //! rule: outside a tokio runtime it blocks; on a multi-thread runtime's thread it blocks
 //! inside `tokio::task::block_in_place`, so the allocator's actors keep running; on a
 //! current-thread runtime's thread it fails with [`Error::WouldDeadlock`] instead of hanging
-//! (that thread is the one that runs the actors).
+//! (that thread is the one that runs the actors). The answer depends on the thread alone:
+//! an allocation the cache would serve at once is refused there too, so code tested with a
+//! warm cache behaves as it will with a cold one.
 //!
 //! Crate layout: the engine (actors, messages, size classes) is a private module that knows
 //! nothing of CUDA (`actors/`, with its `ARCHITECTURE.md`); this crate implements its
