@@ -47,6 +47,17 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Waiting under a cap
+//!
+//! Under a cap (`max_bytes`, `memory_fraction`), `alloc` waits first come first served until
+//! its buffer fits, as long as it takes unless `alloc_timeout` bounds it. No wait is silent:
+//! one that has lasted a second is logged (the cap, what is held, and the ways out), and a
+//! request that could fit only once buffers its own task took come back is refused with
+//! [`OomCause::HeldByRequester`] instead of waiting for ever (where buffers have not been
+//! seen to change hands between tasks). A request that needs several buffers takes them
+//! together with [`BufferSet`], which holds nothing while it waits. The rules and their
+//! reasons are in the guide's page on limits and waiting (`docs/limits-and-waiting.md`).
+//!
 //! # Blocking calls
 //!
 //! Every `*_blocking` call is the async call driven to completion on the calling thread. Its

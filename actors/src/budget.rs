@@ -17,7 +17,7 @@
 //! that tries and waits for room under this budget) and the count of blocks that came home
 //! under pressure, with the notification that wakes the head when it grows.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -93,6 +93,10 @@ pub(crate) struct Budget {
     returns: AtomicU64,
     /// Wakes the waiting heads when `returns` grows.
     changed: tokio::sync::Notify,
+    /// Set once a buffer was dropped by another task or thread than the one that took it:
+    /// buffers move between holders here, so what a task took is not known to be what it
+    /// holds (see `long_wait`).
+    handed_over: AtomicBool,
 }
 
 /// Source of [`Budget::id`].
@@ -119,7 +123,22 @@ impl Budget {
             turn: tokio::sync::Semaphore::new(1),
             returns: AtomicU64::new(0),
             changed: tokio::sync::Notify::new(),
+            handed_over: AtomicBool::new(false),
         }
+    }
+
+    /// A buffer was dropped by another task or thread than the one that took it.
+    #[cold]
+    pub(crate) fn note_handed_over(&self) {
+        if !self.handed_over.load(Ordering::Relaxed) {
+            self.handed_over.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a buffer was ever dropped by another task or thread than the one that took
+    /// it.
+    pub(crate) fn handed_over(&self) -> bool {
+        self.handed_over.load(Ordering::Relaxed)
     }
 
     /// The cap on reserved bytes, if any.

@@ -431,8 +431,9 @@ impl Detail {
 
     /// A block of `bytes` lent for a request of `requested` was taken back before its
     /// requester saw it (one buffer of a request for several that did not get them all),
-    /// and has become reusable ([`Detail::deactivated`]): every count it raised goes back as
-    /// if it had never been lent, so that `allocated` counts what requesters received.
+    /// and freed and made reusable as usual ([`Detail::freed`], [`Detail::deactivated`]):
+    /// every count it changed goes back as if it had never been lent, so that `allocated`
+    /// counts what requesters received.
     pub(crate) fn rolled_back(
         &self,
         shard: &ShardLeaves,
@@ -442,18 +443,17 @@ impl Detail {
     ) {
         let c = block_pool(bytes);
         let p = &shard.leaf;
-        for (kind, n) in [(ACTIVE, 1), (ACTIVE_BYTES, bytes as i64)] {
-            p[kind][c].retract(n, owner);
-        }
         for (kind, n) in [
+            (ACTIVE, 1),
+            (ACTIVE_BYTES, bytes as i64),
             (ALLOCATION, 1),
             (ALLOCATED_BYTES, bytes as i64),
             (REQUESTED_BYTES, requested as i64),
         ] {
-            p[kind][c].increase(-n, owner);
+            p[kind][c].retract(n, owner);
         }
         if bytes > self.max_split {
-            p[OVERSIZE][c].increase(-1, owner);
+            p[OVERSIZE][c].retract(1, owner);
         }
     }
 

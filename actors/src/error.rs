@@ -247,6 +247,13 @@ pub enum OomCause {
     /// use hold the memory (under the cap, or on the device). Waiting (`alloc`), or trying
     /// again once buffers came back, may succeed.
     NoRoomNow,
+    /// It waited for room under the cap, and it fits only once buffers that its own task (or
+    /// thread) took come back: all the others together could not make room for it, so the
+    /// wait would never end. Drop those buffers first, or take all of a request's buffers
+    /// together with [`BufferSet`](crate::BufferSet). (Refused only where no buffer under the
+    /// cap has ever been dropped by another task than the one that took it; see
+    /// [limits and waiting](crate#waiting-under-a-cap).)
+    HeldByRequester,
 }
 
 impl OomCause {
@@ -263,6 +270,11 @@ impl std::fmt::Display for OomCause {
             OomCause::ExceedsLimit => "it can never fit under the limit",
             OomCause::ExceedsDevice => "it can never fit on the device",
             OomCause::NoRoomNow => "no room now (buffers in use hold the memory)",
+            OomCause::HeldByRequester => {
+                "it fits only once buffers its own task holds come back, and would wait for \
+                 them for ever (drop them first, or take all of a request's buffers together \
+                 with BufferSet)"
+            }
         })
     }
 }

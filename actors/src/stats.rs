@@ -282,8 +282,8 @@ impl PoolStats {
 
     /// A block of `bytes` charged to `shard`, lent for a request of `requested` bytes, was
     /// taken back before its requester saw it (one buffer of a request for several that did
-    /// not get them all) and has become reusable: its counts go back as if it had never been
-    /// lent, so that `allocated` counts what requesters received.
+    /// not get them all), freed and made reusable as usual: its counts go back as if it had
+    /// never been lent, so that `allocated` counts what requesters received.
     pub(crate) fn roll_back(&self, shard: usize, bytes: usize, requested: usize) {
         let me = ThreadSlot::current(self.mask);
         let owner = me.owns && me.shard == shard;

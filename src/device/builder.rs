@@ -127,7 +127,8 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     }
 
     /// How long `alloc` waits for room under the cap before [`Error::Timeout`] (default: as
-    /// long as it takes).
+    /// long as it takes; a wait that lasts a second is logged, or refused when it waits on
+    /// the requester's own buffers: see [waiting under a cap](crate#waiting-under-a-cap)).
     pub fn alloc_timeout(mut self, timeout: Duration) -> Self {
         self.alloc_timeout = Some(timeout);
         self

@@ -35,6 +35,7 @@ use crate::actors::blocking::may_block;
 use crate::actors::budget::Budget;
 use crate::actors::error::{Error, OomCause};
 use crate::actors::lease::Lease;
+use crate::actors::long_wait;
 use crate::actors::miss::{Tried, Wait};
 use crate::actors::runtime::Runtime;
 
@@ -123,7 +124,7 @@ pub(crate) async fn alloc_many<R: Runtime>(
             return Err(no_room_now(wants, &budgets));
         }
     }
-    let work = wait_for_all(wants, &order, &budgets);
+    let work = looked_at(wait_for_all(wants, &order, &budgets), wants, &budgets);
     match timeout {
         None => work.await,
         Some(d) => match tokio::time::timeout(d, work).await {
@@ -285,6 +286,42 @@ impl<R: Runtime> Drop for Taken<R> {
             lease.roll_back();
         }
     }
+}
+
+/// `wait`, the wait of a request for `wants`, given its one look under each of `budgets`
+/// once it has waited [`long_wait::AFTER`]: a warning, or a refusal where it waits on memory
+/// only its own task holds (see `long_wait`; the request itself holds nothing while it
+/// waits, so only buffers its task took before count).
+async fn looked_at<R: Runtime>(
+    wait: impl Future<Output = Result<Vec<Lease<R>>, Error>>,
+    wants: &[Want<'_, R>],
+    budgets: &[&Arc<Budget>],
+) -> Result<Vec<Lease<R>>, Error> {
+    let mut wait = std::pin::pin!(wait);
+    // Without a tokio runtime to time it (another executor polls the request): no look.
+    if tokio::runtime::Handle::try_current().is_err() {
+        return wait.await;
+    }
+    if let Ok(done) = tokio::time::timeout(long_wait::AFTER, wait.as_mut()).await {
+        return done;
+    }
+    for b in budgets {
+        let mine = || {
+            wants
+                .iter()
+                .filter(|w| w.engine.budget().id == b.id && w.size > 0)
+        };
+        let Some(first) = mine().next() else {
+            continue;
+        };
+        let need = mine()
+            .filter_map(|w| w.engine.policy().class_of(w.size))
+            .map(|c| c.size)
+            .sum();
+        let requested = mine().map(|w| w.size).sum();
+        long_wait::look(first.engine.default_pool(), need, requested, false).await?;
+    }
+    wait.await
 }
 
 /// Counts the request among the waiters of each of its budgets while it lives: frees under
