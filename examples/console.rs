@@ -74,7 +74,7 @@ async fn worker(
     stop: Instant,
     ops: Arc<AtomicU64>,
 ) {
-    let stream = sim.stream();
+    let stream = sim.new_stream().expect("stream");
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     while Instant::now() < stop {
         x ^= x << 13;
@@ -129,7 +129,7 @@ async fn main() {
         if tick % 5 == 0 {
             // A capture pool now and then, so that a `pinpool::pool(<id>)` task comes and goes.
             let id = pinpool::PoolId::fresh();
-            let capture = sim.stream();
+            let capture = sim.new_stream().expect("stream");
             let target = capture.id();
             if pool
                 .begin_allocate_to_pool(id, move |s| s.id() == target)

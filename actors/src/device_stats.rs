@@ -127,16 +127,16 @@ pub struct DeviceStats {
     /// given back and taken again (pinpool's own; not among `torch.cuda.memory_stats()`'s
     /// keys).
     pub num_device_remaps: i64,
-    /// Times a request asked the pool actor for a block, the cached path having found none
-    /// (again after room was made; pinpool's own, not among `torch.cuda.memory_stats()`'s
+    /// Requests the cache could not serve at once (misses), counted again when one asked
+    /// anew after room was made (pinpool's own, not among `torch.cuda.memory_stats()`'s
     /// keys).
     pub num_misses: i64,
-    /// Nanoseconds requests spent on the miss path, from first asking the pool actor to
-    /// holding the block (or the error), each request once however often it asked
-    /// (pinpool's own, not among `torch.cuda.memory_stats()`'s keys).
+    /// Nanoseconds requests spent on misses, from the miss to holding the buffer (or the
+    /// error), each request once however often it asked (pinpool's own, not among
+    /// `torch.cuda.memory_stats()`'s keys).
     pub miss_wait_ns: i64,
-    /// Nanoseconds the pool actors spent serving those requests, from taking each ask from
-    /// the mailbox until it is answered, queued for room or refused (pinpool's own): what
+    /// Nanoseconds the allocator's actors spent serving those misses, from taking each
+    /// request until it is answered, queued for room or refused (pinpool's own): what
     /// `miss_wait_ns` has over it is the hand-offs between threads and the time queued.
     pub miss_serve_ns: i64,
     /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:

@@ -72,9 +72,17 @@ pub enum Error {
     /// A buffer was handed to an allocator that did not allocate it.
     #[error("the buffer was allocated by another allocator")]
     ForeignBuffer,
-    /// `record_stream` with a stream of another runtime than the allocator's: no event
-    /// could ever tell when its work is done. Nothing was recorded.
-    #[error("stream {stream} belongs to another runtime than the allocator's ({runtime})")]
+    /// `record_stream` (or a request) with a stream of another runtime than the allocator's:
+    /// no event could ever tell when its work is done. Nothing was recorded. The stream is of
+    /// the same kind of runtime (its type is the allocator's), made by another instance of
+    /// it: make streams with the allocator's `runtime().new_stream()`, and build allocators
+    /// that share streams on one runtime (`.runtime(a.runtime().clone())` on the builder of
+    /// the second).
+    #[error(
+        "stream {stream} belongs to another {runtime} runtime than the allocator's: make it \
+         with the allocator's runtime().new_stream(), and build allocators that share streams \
+         on one runtime (.runtime(a.runtime().clone()) on the second's builder)"
+    )]
     ForeignStream {
         /// The stream's id.
         stream: u64,

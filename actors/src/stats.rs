@@ -36,8 +36,9 @@ pub struct HostStats {
     pub num_host_alloc: i64,
     /// Calls that gave pinned memory back.
     pub num_host_free: i64,
-    /// Granules of pinned memory moved to another place of the expandable range instead of
-    /// being given back and taken again (pinpool's own count; not in `num_host_alloc`).
+    /// Pieces of pinned memory moved to another place of the allocator's reserved range
+    /// instead of being given back and taken again (pinpool's own count; not in
+    /// `num_host_alloc`).
     pub num_host_remaps: i64,
     /// Time spent taking fresh pinned memory.
     pub host_alloc_time: DurationStat,
@@ -55,16 +56,16 @@ pub struct HostStats {
     pub num_alloc_retries: i64,
     /// Requests that failed for want of memory.
     pub num_ooms: i64,
-    /// Times a request asked the pool actor for a block, the cached path having found none
-    /// (again after room was made; pinpool's own count).
+    /// Requests the cache could not serve at once (misses), counted again when one asked
+    /// anew after room was made (pinpool's own count).
     pub num_misses: i64,
-    /// Nanoseconds requests spent on the miss path, from first asking the pool actor to
-    /// holding the block (or the error), each request once however often it asked; making
-    /// room and waiting under the cap included (pinpool's own count).
+    /// Nanoseconds requests spent on misses, from the miss to holding the buffer (or the
+    /// error), each request once however often it asked; making room and waiting under the
+    /// cap included (pinpool's own count).
     pub miss_wait_ns: i64,
-    /// Nanoseconds the pool actors spent serving those requests, from taking each ask from
-    /// the mailbox until it is answered, queued for room or refused (pinpool's own count):
-    /// what `miss_wait_ns` has over it is the hand-offs between threads and the time queued.
+    /// Nanoseconds the allocator's actors spent serving those misses, from taking each
+    /// request until it is answered, queued for room or refused (pinpool's own count): what
+    /// `miss_wait_ns` has over it is the hand-offs between threads and the time queued.
     pub miss_serve_ns: i64,
     /// The cap on reserved bytes of the whole allocator, if one is set.
     pub limit_bytes: Option<i64>,

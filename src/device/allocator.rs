@@ -54,7 +54,7 @@ impl<R: DeviceRuntime> Drop for Inner<R> {
 /// use pinpool::DeviceAllocator;
 ///
 /// let pool = DeviceAllocator::builder().build()?; // the simulated device
-/// let stream = pool.runtime().stream();
+/// let stream = pool.runtime().new_stream()?;
 /// let buf = pool.alloc(1 << 20, &stream).await?; // fresh memory the first time
 /// let ptr = buf.device_ptr();
 /// drop(buf); // no other stream used it: reusable by `stream` at once

@@ -81,9 +81,10 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         }
     }
 
-    /// The layout settings (`PINPOOL_DEVICE_CONF`'s keys: `max_split_size_mb`,
-    /// `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`),
-    /// used instead of `PINPOOL_DEVICE_CONF`'s.
+    /// The device settings, used instead of `PINPOOL_DEVICE_CONF`'s: every key of
+    /// [`DeviceConfig::KEYS`] (`max_split_size_mb`, `roundup_power2_divisions`,
+    /// `garbage_collection_threshold`, `expandable_segments`, `thread_cache_mb`,
+    /// `reserve_cap`, `linger_us`; each [`DeviceConfig`] field says what its key takes).
     pub fn config(mut self, config: &DeviceConfig) -> Self {
         self.config = Some(config.clone());
         self
@@ -120,7 +121,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     /// memory another stream's pool holds, before every cache is emptied (default: off):
     /// no driver call and no waiting, the requesting stream ordered after the lender's
     /// queued work with an event (`cuStreamWaitEvent`), and the block back in its own pool
-    /// once the borrower's work on it has run. See `EngineBuilder::lend_between_streams`.
+    /// once the borrower's work on it has run.
     pub fn lend_between_streams(mut self, on: bool) -> Self {
         self.lend_between_streams = on;
         self
@@ -175,7 +176,8 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         p.thread_cache(c.thread_cache)
     }
 
-    /// Starts one engine per device.
+    /// Builds the allocator: for each device, its actors (on the tokio runtime), its cap,
+    /// statistics and history.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a malformed `PINPOOL_DEVICE_CONF` (when no
@@ -229,5 +231,24 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             ipc: OnceLock::new(),
             peers: PeerTable::new(count),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The documentation of `DeviceBuilder::config` names every key the parser takes (it
+    /// named four of seven).
+    #[test]
+    fn the_config_call_documents_every_device_key() {
+        let source = include_str!("builder.rs");
+        let at = source.find("pub fn config(").expect("the config call");
+        let doc_start = source[..at].rfind("\n\n").expect("the doc before it");
+        let doc = &source[doc_start..at];
+        for key in crate::config::DeviceConfig::KEYS {
+            assert!(
+                doc.contains(&format!("`{key}`")),
+                "{key} missing from: {doc}"
+            );
+        }
     }
 }

@@ -512,7 +512,7 @@ impl<R: Runtime> Engine<R> {
 
     /// Frees every cached block of the default pool and of released capture pools (kept
     /// blocks of released pools too); blocks in use or waiting on events are untouched. The
-    /// pools forget what their layouts learned from requests (see `PoolMsg::EmptyCache`).
+    /// pools forget what their layouts learned from requests.
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
         let mut report = EmptyReport::default();
         for rx in self.ask_default_pools_to_empty()? {
