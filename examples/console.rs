@@ -8,7 +8,7 @@
 //! `pinpool::event_poller`, `pinpool::router`, `pinpool::history` and `pinpool::observer`.
 //!
 //! ```text
-//! RUSTFLAGS="--cfg tokio_unstable" cargo run --features console --example console -- --seconds 60
+//! RUSTFLAGS="--cfg tokio_unstable" cargo run --release --features console --example console -- --seconds 60
 //! tokio-console            # in another terminal
 //! ```
 //!
@@ -61,7 +61,7 @@ fn start_tracing() {
 fn start_tracing() {
     eprintln!(
         "tokio-console support is off. Build with\n  \
-         RUSTFLAGS=\"--cfg tokio_unstable\" cargo run --features console --example console\n\
+         RUSTFLAGS=\"--cfg tokio_unstable\" cargo run --release --features console --example console\n\
          (the `console` feature adds console-subscriber; `tokio_unstable` gives tasks their names).\n\
          Running the workload anyway, without the console."
     );

@@ -347,6 +347,23 @@ fn documented_files() -> Vec<std::path::PathBuf> {
 }
 
 #[test]
+fn the_readme_says_to_run_programs_with_release_and_runs_every_example_so() {
+    let readme = include_str!("../../README.md");
+    assert!(
+        readme.contains("Run the examples, the benchmarks and your own programs with `--release`"),
+        "the README says to build programs with --release"
+    );
+    for line in readme.lines().filter(|l| l.contains("cargo run")) {
+        if line.trim_start().starts_with("cargo run") {
+            assert!(
+                line.contains("--release"),
+                "a debug run in the README: {line}"
+            );
+        }
+    }
+}
+
+#[test]
 fn every_rust_block_of_the_readme_and_the_guide_is_compiled_here() {
     let source = trimmed_lines(&THIS_FILE.lines().collect::<Vec<_>>());
     let mut missing = Vec::new();
