@@ -190,6 +190,9 @@ pub fn all_bytes_are(bytes: &[u8], value: u8) -> bool {
     bytes.chunks(chunk.len()).all(|c| c == &chunk[..c.len()])
 }
 
+/// One of PyTorch's pools (or both) of a statistic.
+type Part = fn(&StatArray) -> Stat;
+
 /// Every rule the device statistics keep, checked on one report taken at a quiescent point:
 /// in the small pool, the large pool and both, allocated bytes are at most active bytes, which
 /// are at most reserved bytes (their peaks too); inactive bytes are the rest; segments are
@@ -210,7 +213,7 @@ pub fn assert_device_stats_add_up(s: &DeviceStats) {
         // Inactive bytes are a value now: no accumulated counts are kept for them.
         assert_parts_add_up(name, a, name != "inactive_split_bytes");
     }
-    let parts: [(&str, fn(&StatArray) -> Stat); 3] = [
+    let parts: [(&str, Part); 3] = [
         ("small_pool", |a: &StatArray| a.small_pool),
         ("large_pool", |a: &StatArray| a.large_pool),
         ("all", |a: &StatArray| a.all),
