@@ -8,7 +8,7 @@
 //! `pinpool::event_poller`, `pinpool::router`, `pinpool::history` and `pinpool::observer`.
 //!
 //! ```text
-//! RUSTFLAGS="--cfg tokio_unstable" cargo run --features console --example console -- --seconds 60
+//! RUSTFLAGS="--cfg tokio_unstable" cargo run --release --features console --example console -- --seconds 60
 //! tokio-console            # in another terminal
 //! ```
 //!
@@ -61,7 +61,7 @@ fn start_tracing() {
 fn start_tracing() {
     eprintln!(
         "tokio-console support is off. Build with\n  \
-         RUSTFLAGS=\"--cfg tokio_unstable\" cargo run --features console --example console\n\
+         RUSTFLAGS=\"--cfg tokio_unstable\" cargo run --release --features console --example console\n\
          (the `console` feature adds console-subscriber; `tokio_unstable` gives tasks their names).\n\
          Running the workload anyway, without the console."
     );
@@ -74,7 +74,7 @@ async fn worker(
     stop: Instant,
     ops: Arc<AtomicU64>,
 ) {
-    let stream = sim.stream();
+    let stream = sim.new_stream().expect("stream");
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     while Instant::now() < stop {
         x ^= x << 13;
@@ -129,7 +129,7 @@ async fn main() {
         if tick % 5 == 0 {
             // A capture pool now and then, so that a `pinpool::pool(<id>)` task comes and goes.
             let id = pinpool::PoolId::fresh();
-            let capture = sim.stream();
+            let capture = sim.new_stream().expect("stream");
             let target = capture.id();
             if pool
                 .begin_allocate_to_pool(id, move |s| s.id() == target)

@@ -776,7 +776,7 @@ fn bench<R: DeviceRuntime>(
 
 fn run_sim(args: &Args, traces: &[(String, Replay)]) -> Result<()> {
     let sim = Arc::new(pinpool::sim::SimRuntime::new());
-    bench(sim, "sim", |sim| Ok(sim.stream()), args, traces)
+    bench(sim, "sim", |sim| Ok(sim.new_stream()?), args, traces)
 }
 
 #[cfg(feature = "cuda")]

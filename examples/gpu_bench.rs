@@ -258,7 +258,7 @@ fn run_sim(args: &Args) {
         })
         .expect("allocator");
     pair_ns(&pool, args.quick, args.repeat);
-    let stream = sim.stream();
+    let stream = sim.new_stream().expect("stream");
     pair_with_record(&pool, &stream, args.quick);
     mt(&pool, args.quick);
     async_pair(&pool, &rt, args.quick);
@@ -267,7 +267,7 @@ fn run_sim(args: &Args) {
     if let Some(p) = idle_cpu_pct(1.0) {
         println!("pinpool poller_idle_cpu_pct pending=0 {p:.2}");
     }
-    let held = sim.stream();
+    let held = sim.new_stream().expect("stream");
     let hold = held.hold();
     for _ in 0..3 {
         let mut b = pool.alloc_blocking(4096).expect("alloc");

@@ -230,9 +230,14 @@ pub(crate) fn replay_device(
             match *event {
                 TraceEvent::Alloc { id, bytes, stream } => {
                     let size = usize::try_from(bytes).unwrap_or(usize::MAX);
-                    let s = streams
-                        .entry(stream)
-                        .or_insert_with(|| pool.runtime().stream());
+                    let s = match streams.entry(stream) {
+                        std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::btree_map::Entry::Vacant(e) => e.insert(
+                            pool.runtime()
+                                .new_stream()
+                                .map_err(|e| alloc_err(e.into()))?,
+                        ),
+                    };
                     live[id] = Some(pool.alloc(size, s).await.map_err(alloc_err)?);
                 }
                 TraceEvent::Free { id } => live[id] = None,

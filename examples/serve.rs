@@ -172,8 +172,8 @@ fn parse_args() -> Result<Args, String> {
                      --max-mib caps reserved pinned memory (default 40; 0 for none): requests\n\
                      over the cap wait for buffers to come back instead of failing\n\
                      --device-max-mib caps reserved device memory (default 48; 0 for none)\n\
-                     --no-lend: under the device cap, stream pools empty their caches instead\n\
-                     of lending each other memory\n\
+                     --no-lend: under the device cap, streams' cached memory is given back\n\
+                     instead of lent from one stream to another\n\
                      --policy sets the pinned allocator's size policy (default, tiered, pow2,\n\
                      bestfit, bestfit_segments; default: PINPOOL_CONF's, else the default)\n\
                      {DEVICE_ENV_VAR} sets the device allocator's layout \
@@ -596,7 +596,7 @@ fn report(
             device.num_device_free.to_string(),
         ),
         (
-            "granules moved instead (no memory taken)",
+            "memory moved within its range instead of taken anew (calls)",
             host.num_host_remaps.to_string(),
             "-".to_string(),
         ),
@@ -727,7 +727,10 @@ async fn serve_sim(args: Args) {
     );
     println!("{}", args.describe());
     println!("device layout: {}", device.config());
-    let streams: Vec<SimStream> = (0..args.streams).map(|_| sim.stream()).collect();
+    let streams: Vec<SimStream> = (0..args.streams)
+        .map(|_| sim.new_stream())
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| fail(e.to_string()));
     let server = Arc::new(Server::new(pool, device));
     let (failed, elapsed) = run_workers(
         &server,
@@ -749,7 +752,7 @@ async fn serve_sim(args: Args) {
     );
     if args.lend {
         println!(
-            "device blocks handed over between streams (stream waits): {}",
+            "device buffers lent from one stream to another (stream waits): {}",
             sim.stream_waits()
         );
     }

@@ -181,7 +181,9 @@ impl<R: Runtime> Builder<R> {
     }
 
     /// How long [`PinnedAllocator::alloc`] and `alloc_blocking` wait for room under the cap
-    /// before failing with [`Error::Timeout`] (default: as long as it takes).
+    /// before failing with [`Error::Timeout`] (default: as long as it takes; a wait that
+    /// lasts a second is logged, or refused when it waits on the requester's own buffers:
+    /// see [waiting under a cap](crate#waiting-under-a-cap)).
     pub fn alloc_timeout(mut self, timeout: Duration) -> Self {
         self.alloc_timeout = Some(timeout);
         self
@@ -315,8 +317,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     ///
     /// Under a memory cap ([`Builder::max_bytes`]) a request that does not fit waits, first
     /// come first served, until buffers come back (up to [`Builder::alloc_timeout`], then
-    /// [`Error::Timeout`]). Cancel-safe: dropping the future leaves nothing queued and loses
-    /// no memory.
+    /// [`Error::Timeout`]). A wait that could end only once buffers this task holds come back
+    /// is refused ([`crate::OomCause::HeldByRequester`]); see
+    /// [waiting under a cap](crate#waiting-under-a-cap). Cancel-safe: dropping the future
+    /// leaves nothing queued and loses no memory.
     pub async fn alloc(&self, size: usize) -> Result<PinnedBuffer<R>, Error> {
         self.engine
             .alloc_with(size, None, Wait::Default)

@@ -49,7 +49,7 @@ enum Item<'a, R: DeviceRuntime> {
 ///
 /// let host = pinpool::PinnedAllocator::builder().max_bytes(4 << 20).build()?;
 /// let device = DeviceBuilder::new(host.runtime().clone()).max_bytes(8 << 20).build()?;
-/// let stream = host.runtime().stream();
+/// let stream = host.runtime().new_stream()?;
 /// let taken = BufferSet::new()
 ///     .pinned(&host, 1 << 20) // the input, staged
 ///     .pinned(&host, 1 << 18) // the result

@@ -135,7 +135,7 @@ impl<R: Runtime> PinnedAllocator<R> {
         self.engine().attach_oom_observer(f)
     }
 
-    /// Attaches a free-memory callback (PyTorch's `FreeMemoryCallback`): `f` frees what it
+    /// Attaches a free-memory callback (as PyTorch's free-memory callbacks): `f` frees what it
     /// can (drops buffers it holds, say) and returns whether it freed anything. It runs when
     /// a request finds no cached block that fits and no room under the cap or in the
     /// runtime, before the allocator empties its caches and gives up with

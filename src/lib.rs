@@ -8,8 +8,9 @@
 //! stream has completed. Under a cap, a request waits for memory instead of failing.
 //!
 //! - [`PinnedAllocator`] hands out [`PinnedBuffer`]s of pinned host memory.
-//! - [`DeviceAllocator`] hands out [`DeviceBuffer`]s of one device's memory, each pool
-//!   ordered by a stream, with PyTorch's device statistics ([`DeviceStats`]).
+//! - [`DeviceAllocator`] hands out [`DeviceBuffer`]s of device memory, of every device of
+//!   its runtime, each buffer for a stream (reused first by that stream), with PyTorch's
+//!   device statistics ([`DeviceStats`]).
 //! - [`BufferSet`] takes a request's buffers of both kinds together, first come first
 //!   served under the caps.
 //! - [`sim`] is a simulated GPU that checks every reuse; the `cuda` feature adds `cuda`,
@@ -21,7 +22,7 @@
 //! use pinpool::PinnedAllocator;
 //!
 //! let pool = PinnedAllocator::builder().build()?;
-//! let stream = pool.runtime().stream();
+//! let stream = pool.runtime().new_stream()?;
 //! let mut buf = pool.alloc(1 << 20).await?;
 //! buf.fill(1);
 //! buf.record_stream(&stream)?; // reuse waits for this stream's work
@@ -39,7 +40,7 @@
 //! use pinpool::DeviceAllocator;
 //!
 //! let device = DeviceAllocator::builder().build()?;
-//! let stream = device.runtime().stream();
+//! let stream = device.runtime().new_stream()?;
 //! let buf = device.alloc(64 << 20, &stream).await?; // ordered by `stream`
 //! drop(buf); // reusable at once by work queued on `stream` after this point
 //! let stats = device.stats(0)?;
@@ -47,19 +48,35 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Waiting under a cap
+//!
+//! Under a cap (`max_bytes`, `memory_fraction`), `alloc` waits first come first served until
+//! its buffer fits, as long as it takes unless `alloc_timeout` bounds it. No wait is silent:
+//! one that has lasted a second is logged (the cap, what is held, and the ways out), and a
+//! request that could fit only once buffers its own task took come back is refused with
+//! [`OomCause::HeldByRequester`] instead of waiting for ever (where buffers have not been
+//! seen to change hands between tasks). A request that needs several buffers takes them
+//! together with [`BufferSet`], which holds nothing while it waits. The rules and their
+//! reasons are in the guide's page on limits and waiting (`docs/limits-and-waiting.md`).
+//!
 //! # Blocking calls
 //!
 //! Every `*_blocking` call is the async call driven to completion on the calling thread. Its
 //! rule: outside a tokio runtime it blocks; on a multi-thread runtime's thread it blocks
 //! inside `tokio::task::block_in_place`, so the allocator's actors keep running; on a
 //! current-thread runtime's thread it fails with [`Error::WouldDeadlock`] instead of hanging
-//! (that thread is the one that runs the actors).
+//! (that thread is the one that runs the actors). The answer depends on the thread alone:
+//! an allocation the cache would serve at once is refused there too, so code tested with a
+//! warm cache behaves as it will with a cold one.
 //!
-//! Crate layout: the engine (actors, messages, size classes) is a private module that knows
-//! nothing of CUDA (`actors/`, with its `ARCHITECTURE.md`); this crate implements its
-//! [`Runtime`] twice — [`sim`] and, with the `cuda` feature, `cuda` — and gives it its
-//! public face. Tuned size policies and the engine under an allocator, for tools, are in
-//! [`tuning`].
+//! # Modules
+//!
+//! The allocators, buffers, statistics and errors are at the crate's root. Beside them:
+//! [`config`] (the `PINPOOL_CONF` and `PINPOOL_DEVICE_CONF` settings), [`sim`] (the
+//! simulated runtime), `cuda` (the CUDA runtime, with the `cuda` feature), [`plan`]
+//! (serving a recorded run from one planned arena), [`report`] (the history page) and
+//! [`tuning`] (size policies and the allocators' books, for tools). Both runtimes implement
+//! [`Runtime`], so code written against one runs on the other.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

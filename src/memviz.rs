@@ -47,7 +47,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     ///
     /// let pool = DeviceAllocator::builder().build()?;
     /// pool.record_history(true, 100_000, HistoryContext::Alloc)?; // device_traces, with frames
-    /// let stream = pool.runtime().stream();
+    /// let stream = pool.runtime().new_stream()?;
     /// let buf = pool.alloc(1 << 20, &stream).await?;
     /// let bytes = pool.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
     /// assert_eq!(&bytes[..2], &[0x80, 2]);

@@ -21,8 +21,13 @@
 //!   `spawn_blocking` closure on a current-thread runtime, use
 //!   `Handle::current().block_on(pool.alloc(n))`.
 //!
-//! The allocation calls decide only once the cached path has found nothing (it never blocks,
-//! and the check would cost it a thread-local lookup on every call).
+//! The allocation calls decide before anything else, the cached path included: a call is
+//! refused or served whether or not its request would have missed, so that code tested with
+//! a warm cache behaves the same with a cold one. The decision is cheap: outside a runtime
+//! it is tokio's own thread-local look (no runtime handle is cloned); in a task, the
+//! decision for that task is kept in a thread-local beside its id (a task stays on its
+//! runtime), so only the first blocking call of each task on each thread looks at the
+//! runtime.
 
 use std::cell::Cell;
 
@@ -33,6 +38,29 @@ use crate::actors::error::Error;
 thread_local! {
     /// Set while this thread runs code that is known not to be a runtime's executor thread.
     static OFF_RUNTIME: Cell<bool> = const { Cell::new(false) };
+    /// The last decision made on this thread in a task, with that task's id.
+    static DECIDED: Cell<Option<(tokio::task::Id, Decision)>> = const { Cell::new(None) };
+}
+
+/// What [`may_block`] decided for a thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    Block(Blocking),
+    Refuse,
+}
+
+impl Decision {
+    /// Decides from the runtime context this thread is in now.
+    fn now() -> Self {
+        let Ok(handle) = Handle::try_current() else {
+            return Decision::Block(Blocking::Plain);
+        };
+        match handle.runtime_flavor() {
+            RuntimeFlavor::CurrentThread if !OFF_RUNTIME.with(Cell::get) => Decision::Refuse,
+            RuntimeFlavor::CurrentThread => Decision::Block(Blocking::Plain),
+            _ => Decision::Block(Blocking::InPlace),
+        }
+    }
 }
 
 /// How a blocking call may block the calling thread.
@@ -55,19 +83,28 @@ impl Blocking {
 }
 
 /// Decides whether the blocking call `call` may block this thread: how, or
-/// [`Error::WouldDeadlock`] naming `use_instead`, the async call to use from async code.
-/// Cheap outside a runtime (one thread-local read); inside one it also reads the runtime's
-/// flavour.
+/// [`Error::WouldDeadlock`] naming `use_instead`, what to use instead. Cheap enough for the
+/// cached path: outside a runtime, tokio's thread-local looks alone; in a task, a
+/// thread-local read once the task's first call decided (see the module's header).
+#[inline]
 pub(crate) fn may_block(call: &'static str, use_instead: &'static str) -> Result<Blocking, Error> {
-    let Ok(handle) = Handle::try_current() else {
-        return Ok(Blocking::Plain);
+    let decision = match tokio::task::try_id() {
+        None => Decision::now(),
+        Some(task) => match DECIDED.with(Cell::get) {
+            Some((seen, d)) if seen == task => d,
+            _ => {
+                let d = Decision::now();
+                // A decision made on an observer's thread holds only while it is marked.
+                if !OFF_RUNTIME.with(Cell::get) {
+                    DECIDED.with(|c| c.set(Some((task, d))));
+                }
+                d
+            }
+        },
     };
-    match handle.runtime_flavor() {
-        RuntimeFlavor::CurrentThread if !OFF_RUNTIME.with(Cell::get) => {
-            Err(Error::WouldDeadlock { call, use_instead })
-        }
-        RuntimeFlavor::CurrentThread => Ok(Blocking::Plain),
-        _ => Ok(Blocking::InPlace),
+    match decision {
+        Decision::Block(how) => Ok(how),
+        Decision::Refuse => Err(Error::WouldDeadlock { call, use_instead }),
     }
 }
 

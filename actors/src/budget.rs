@@ -17,7 +17,7 @@
 //! that tries and waits for room under this budget) and the count of blocks that came home
 //! under pressure, with the notification that wakes the head when it grows.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -96,6 +96,10 @@ pub(crate) struct Budget {
     /// Captures underway on the allocator's memory (`begin_allocate_to_pool` without its
     /// `end_allocate_to_pool` yet), as the router last published them.
     captures: AtomicUsize,
+    /// Set once a buffer was dropped by another task or thread than the one that took it:
+    /// buffers move between holders here, so what a task took is not known to be what it
+    /// holds (see `long_wait`).
+    handed_over: AtomicBool,
 }
 
 /// Source of [`Budget::id`].
@@ -123,6 +127,7 @@ impl Budget {
             returns: AtomicU64::new(0),
             changed: tokio::sync::Notify::new(),
             captures: AtomicUsize::new(0),
+            handed_over: AtomicBool::new(false),
         }
     }
 
@@ -136,6 +141,20 @@ impl Budget {
     /// capture (see `miss`).
     pub(crate) fn capturing(&self) -> bool {
         self.captures.load(Ordering::SeqCst) > 0
+    }
+
+    /// A buffer was dropped by another task or thread than the one that took it.
+    #[cold]
+    pub(crate) fn note_handed_over(&self) {
+        if !self.handed_over.load(Ordering::Relaxed) {
+            self.handed_over.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a buffer was ever dropped by another task or thread than the one that took
+    /// it.
+    pub(crate) fn handed_over(&self) -> bool {
+        self.handed_over.load(Ordering::Relaxed)
     }
 
     /// The cap on reserved bytes, if any.

@@ -187,6 +187,16 @@ impl ShardStat {
         }
     }
 
+    /// Takes back an add of `n` whose removal was already counted (a block lent and taken
+    /// back before its requester saw it): both totals lose `n`, as if neither had happened.
+    /// The removal goes first, so that a read meanwhile sees the count too high, never too
+    /// low (see [`ShardStat::side`]).
+    #[inline]
+    pub(crate) fn retract(&self, n: i64, owner: bool) {
+        self.decrease(-n, owner);
+        self.increase(-n, owner);
+    }
+
     /// Whether the `owner`'s (or the other threads') side of the count is within its
     /// allowance.
     #[inline]

@@ -3,9 +3,13 @@
 //!
 //! PyTorch splits each statistic over its two pools: the small pool (blocks up to 1 MiB, cut
 //! from 2 MiB segments) and the large pool. A [`StatArray`] holds the aggregate and both
-//! parts. Here a block is small when it is at most 1 MiB, and a segment (an allocation from
-//! the memory source, or one run of granules mapped by one call) is small when it is at most
-//! 2 MiB.
+//! parts. Here a block is small when it is at most 1 MiB. Segments (allocations from the
+//! memory source, or runs of granules mapped by one call) have no pool of their own: one
+//! range of a stream's pool serves blocks of both sizes. Reserved bytes and segments are
+//! therefore apportioned when read ([`apportion`]): the small pool holds its active blocks'
+//! bytes rounded up to whole 2 MiB segments, as far as the large pool's active bytes leave
+//! room, and the large pool the rest. So, for both parts, what is allocated is at most what
+//! is active, which is at most what is reserved, and the parts add up to the whole.
 //!
 //! The counters a request changes (allocations and active blocks, their bytes, the bytes
 //! requested) live in per-thread shards like the host statistics, so that a device pool's
@@ -16,6 +20,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::Mutex;
 
 use crate::actors::counters::{AtomicStat, Stat};
 use crate::actors::peaks::{
@@ -67,12 +72,28 @@ impl StatArray {
 
 /// Statistics of one device (or one of its pools), with the keys of
 /// `torch.cuda.memory_stats()`.
+///
+/// Each statistic is split over PyTorch's two pools: `small_pool` (blocks up to 1 MiB) and
+/// `large_pool`, which add up to `all`. A block's pool is its size's. Reserved memory has no
+/// pool of its own here (a stream's memory serves blocks of both sizes), so reserved bytes
+/// and segments are apportioned when the statistics are read: the small pool reserves its
+/// active blocks' bytes rounded up to whole 2 MiB segments, as far as the large pool's active
+/// bytes leave room, and the large pool the rest (cached memory, once no small block is
+/// active, is the large pool's). So in each pool, as in PyTorch, `allocated_bytes` ≤
+/// `active_bytes` ≤ `reserved_bytes`, and `inactive_split_bytes` is the difference. The
+/// apportioned parts' `peak` is the highest value a read saw, and their `freed` counts what a
+/// part lost between reads.
+///
+/// `allocated` counts (`allocation.all.allocated`, …) are the buffers requesters received:
+/// buffers a [`BufferSet`](crate::BufferSet) took and gave back, because another of its
+/// buffers found no room, are not counted.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DeviceStats {
     /// Blocks handed out and not yet freed by their users.
     pub allocation: StatArray,
-    /// Segments: allocations from the device (or runs of granules mapped by one call).
+    /// Segments: allocations from the device (or runs of granules mapped by one call),
+    /// apportioned to the pools by their reserved bytes (see above).
     pub segment: StatArray,
     /// Blocks handed out and not yet reusable (in use, or freed and waiting on events).
     pub active: StatArray,
@@ -80,11 +101,13 @@ pub struct DeviceStats {
     pub inactive_split: StatArray,
     /// Bytes of `allocation`.
     pub allocated_bytes: StatArray,
-    /// Bytes of `segment`: what the allocator holds of the device.
+    /// Bytes of `segment`: what the allocator holds of the device (apportioned to the pools:
+    /// see above).
     pub reserved_bytes: StatArray,
     /// Bytes of `active`.
     pub active_bytes: StatArray,
-    /// Bytes of reserved memory that no active block uses.
+    /// Bytes of reserved memory that no active block uses, in each pool its reserved less
+    /// its active bytes (a value now: no accumulated counts).
     pub inactive_split_bytes: StatArray,
     /// Bytes the users asked for, of the blocks in `allocation`.
     pub requested_bytes: StatArray,
@@ -104,16 +127,16 @@ pub struct DeviceStats {
     /// given back and taken again (pinpool's own; not among `torch.cuda.memory_stats()`'s
     /// keys).
     pub num_device_remaps: i64,
-    /// Times a request asked the pool actor for a block, the cached path having found none
-    /// (again after room was made; pinpool's own, not among `torch.cuda.memory_stats()`'s
+    /// Requests the cache could not serve at once (misses), counted again when one asked
+    /// anew after room was made (pinpool's own, not among `torch.cuda.memory_stats()`'s
     /// keys).
     pub num_misses: i64,
-    /// Nanoseconds requests spent on the miss path, from first asking the pool actor to
-    /// holding the block (or the error), each request once however often it asked
-    /// (pinpool's own, not among `torch.cuda.memory_stats()`'s keys).
+    /// Nanoseconds requests spent on misses, from the miss to holding the buffer (or the
+    /// error), each request once however often it asked (pinpool's own, not among
+    /// `torch.cuda.memory_stats()`'s keys).
     pub miss_wait_ns: i64,
-    /// Nanoseconds the pool actors spent serving those requests, from taking each ask from
-    /// the mailbox until it is answered, queued for room or refused (pinpool's own): what
+    /// Nanoseconds the allocator's actors spent serving those misses, from taking each
+    /// request until it is answered, queued for room or refused (pinpool's own): what
     /// `miss_wait_ns` has over it is the hand-offs between threads and the time queued.
     pub miss_serve_ns: i64,
     /// Times every stream was synchronized to free cached blocks (PyTorch's count; 0 here:
@@ -130,11 +153,18 @@ impl DeviceStats {
     /// Sets the reserved peak of a device's total to `reserved_peak` (all pools together,
     /// counted where memory is taken), and caps the peaks summed over pools by it (those of
     /// segments' parts and of inactive bytes: upper bounds, each part peaking at its own
-    /// time).
+    /// time). A part's reserved peak is at least its active peak: its active bytes were
+    /// reserved when they peaked.
     pub(crate) fn set_reserved_peak(&mut self, reserved_peak: i64) {
         let r = &mut self.reserved_bytes;
         r.all.peak = reserved_peak.max(r.all.current);
         let bound = r.all.peak;
+        for (part, active) in [
+            (&mut r.small_pool, &self.active_bytes.small_pool),
+            (&mut r.large_pool, &self.active_bytes.large_pool),
+        ] {
+            part.peak = part.peak.max(active.peak);
+        }
         r.cap_peaks(bound);
         self.inactive_split_bytes.cap_peaks(bound);
     }
@@ -250,18 +280,79 @@ fn block_pool(bytes: usize) -> usize {
     usize::from(bytes > SMALL_BLOCK)
 }
 
-/// Which pool a segment of `bytes` is in: 0 small, 1 large.
-fn segment_pool(bytes: usize) -> usize {
-    usize::from(bytes > SMALL_SEGMENT)
+/// The small pool's part of `reserved` bytes now, given the active bytes of each pool:
+/// its active bytes rounded up to whole small segments (2 MiB), as far as the large pool's
+/// active bytes leave room. The large pool's part is the rest, so each part holds at least
+/// its active bytes (when they fit at all: counts read while blocks move may not) and the
+/// parts add up to `reserved`.
+pub(crate) fn small_share(reserved: i64, active: [i64; 2]) -> i64 {
+    let reserved = reserved.max(0);
+    let large = active[1].clamp(0, reserved);
+    let small = active[0].clamp(0, reserved - large);
+    let seg = SMALL_SEGMENT as i64;
+    let rounded = (small as u64).div_ceil(seg as u64) as i64 * seg;
+    rounded.min(reserved - large).max(small)
+}
+
+/// The small pool's part of `segments` now, given each pool's reserved bytes: all of them
+/// while the large pool reserves nothing, none while the small pool reserves nothing, else
+/// enough for the small pool's bytes in whole small segments (2 MiB), leaving at least one to
+/// the large pool (a single segment that holds both counts in the large pool).
+fn small_segments(segments: i64, small: i64, large: i64) -> i64 {
+    let segments = segments.max(0);
+    if large <= 0 {
+        return segments;
+    }
+    if small <= 0 || segments < 2 {
+        return 0;
+    }
+    let needed = (small as u64).div_ceil(SMALL_SEGMENT as u64) as i64;
+    needed.clamp(1, segments - 1)
+}
+
+/// What the reads of an apportioned statistic remember of its small part: its last value,
+/// what it lost since the last reset of the accumulated counts, and each part's highest value
+/// seen at a read since the last reset of the peaks.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    small_last: i64,
+    small_freed: i64,
+    peaks: [i64; 2],
+}
+
+/// Splits `total` into the two pools, the small part being `small` now: the parts' current
+/// values add up to the total's, and so do their accumulated counts (each part's `allocated`
+/// less its `freed` is its current value; the small part's `freed` is what it lost between
+/// reads, the large part's the rest of the total's). Peaks are the highest values reads saw,
+/// capped by the total's.
+fn apportion(total: Stat, small: i64, seen: &mut Seen) -> StatArray {
+    let small = small.clamp(0, total.current.max(0));
+    let large = total.current - small;
+    seen.small_freed += (seen.small_last - small).max(0);
+    seen.small_last = small;
+    seen.peaks[0] = seen.peaks[0].max(small);
+    seen.peaks[1] = seen.peaks[1].max(large);
+    let freed = seen.small_freed.clamp(0, total.freed.max(0));
+    let part = |current: i64, freed: i64, peak: i64| Stat {
+        current,
+        peak: peak.max(current).min(total.peak.max(current)),
+        allocated: freed + current,
+        freed,
+    };
+    StatArray {
+        all: total,
+        small_pool: part(small, freed, seen.peaks[0]),
+        large_pool: part(large, total.freed - freed, seen.peaks[1]),
+    }
 }
 
 /// The device counters of one engine pool that its actor writes (the counts of the cached
 /// path are leaves of the engine's ledger: see [`crate::actors::peaks`]).
 #[derive(Debug)]
 pub(crate) struct Detail {
-    segment: [AtomicStat; 2],
-    reserved: [AtomicStat; 2],
     oversize_segments: AtomicStat,
+    /// What reads saw of the apportioned statistics: reserved bytes, then segments.
+    seen: Mutex<[Seen; 2]>,
     /// Free ranges inside segments that lend blocks, as the pool actor last counted them.
     pub(crate) free_ranges: AtomicI64,
     /// Blocks above this are oversize.
@@ -271,9 +362,8 @@ pub(crate) struct Detail {
 impl Detail {
     pub(crate) fn new(max_split: usize) -> Self {
         Self {
-            segment: Default::default(),
-            reserved: Default::default(),
             oversize_segments: AtomicStat::default(),
+            seen: Mutex::default(),
             free_ranges: AtomicI64::new(0),
             max_split,
         }
@@ -339,27 +429,55 @@ impl Detail {
         shard.leaf[ACTIVE_BYTES][c].decrease(bytes as i64, owner);
     }
 
-    /// A segment of `bytes` was taken (`taken`) or given back.
+    /// A block of `bytes` lent for a request of `requested` was taken back before its
+    /// requester saw it (one buffer of a request for several that did not get them all),
+    /// and freed and made reusable as usual ([`Detail::freed`], [`Detail::deactivated`]):
+    /// every count it changed goes back as if it had never been lent, so that `allocated`
+    /// counts what requesters received.
+    pub(crate) fn rolled_back(
+        &self,
+        shard: &ShardLeaves,
+        owner: bool,
+        bytes: usize,
+        requested: usize,
+    ) {
+        let c = block_pool(bytes);
+        let p = &shard.leaf;
+        for (kind, n) in [
+            (ACTIVE, 1),
+            (ACTIVE_BYTES, bytes as i64),
+            (ALLOCATION, 1),
+            (ALLOCATED_BYTES, bytes as i64),
+            (REQUESTED_BYTES, requested as i64),
+        ] {
+            p[kind][c].retract(n, owner);
+        }
+        if bytes > self.max_split {
+            p[OVERSIZE][c].retract(1, owner);
+        }
+    }
+
+    /// A segment of `bytes` was taken (`taken`) or given back (the reserved bytes and
+    /// segments themselves are the pool's host books: see [`Detail::read`]).
     pub(crate) fn segment(&self, bytes: usize, taken: bool) {
-        let p = segment_pool(bytes);
-        if taken {
-            self.segment[p].increase(1);
-            self.reserved[p].increase(bytes as i64);
-            if bytes > self.max_split {
+        if bytes > self.max_split {
+            if taken {
                 self.oversize_segments.increase(1);
-            }
-        } else {
-            self.segment[p].decrease(1);
-            self.reserved[p].decrease(bytes as i64);
-            if bytes > self.max_split {
+            } else {
                 self.oversize_segments.decrease(1);
             }
         }
     }
 
     /// The statistics, summed over `shards`, with no peaks for the counts kept there (see
-    /// [`DeviceStats::set_peaks`]).
-    pub(crate) fn read(&self, shards: &[CachePadded<ShardLeaves>]) -> DeviceStats {
+    /// [`DeviceStats::set_peaks`]); `reserved` and `segments` are the pool's bytes and
+    /// segments held, apportioned to the two pools here.
+    pub(crate) fn read(
+        &self,
+        shards: &[CachePadded<ShardLeaves>],
+        reserved: Stat,
+        segments: Stat,
+    ) -> DeviceStats {
         let mut parts: [[Stat; 2]; 6] = Default::default();
         const KINDS: [usize; 6] = [
             ALLOCATION,
@@ -376,23 +494,27 @@ impl Detail {
                 }
             }
         }
-        let segment = [self.segment[0].read(), self.segment[1].read()];
-        let reserved = [self.reserved[0].read(), self.reserved[1].read()];
-        // Reserved bytes that no active block uses, now (peaks are not tracked). Blocks and
-        // segments fall in the pools by different sizes, so the small pool's part is taken
-        // as it comes and the large pool's is the rest of the total.
-        let active_all = parts[4][0].current + parts[4][1].current;
-        let total = (reserved[0].current + reserved[1].current - active_all).max(0);
-        let small = (reserved[0].current - parts[4][0].current).clamp(0, total);
+        let active = [parts[4][0].current, parts[4][1].current];
+        let small = small_share(reserved.current, active);
+        let large = reserved.current - small;
+        let (reserved, segment) = {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let small_segs = small_segments(segments.current, small, large);
+            (
+                apportion(reserved, small, &mut seen[0]),
+                apportion(segments, small_segs, &mut seen[1]),
+            )
+        };
+        // Reserved bytes that no active block uses, now (peaks are not tracked).
         let mut inactive = [Stat::default(); 2];
-        inactive[0].current = small;
-        inactive[1].current = total - small;
+        inactive[0].current = (reserved.small_pool.current - active[0]).max(0);
+        inactive[1].current = (reserved.large_pool.current - active[1]).max(0);
         let ranges = self.free_ranges.load(Relaxed);
         let mut oversize = parts[5][0];
         oversize.add(&parts[5][1]);
         DeviceStats {
             allocation: StatArray::from_parts(parts[0]),
-            segment: StatArray::from_parts(segment),
+            segment,
             active: StatArray::from_parts(parts[3]),
             inactive_split: StatArray {
                 all: Stat {
@@ -402,7 +524,7 @@ impl Detail {
                 ..StatArray::default()
             },
             allocated_bytes: StatArray::from_parts(parts[1]),
-            reserved_bytes: StatArray::from_parts(reserved),
+            reserved_bytes: reserved,
             active_bytes: StatArray::from_parts(parts[4]),
             inactive_split_bytes: StatArray::from_parts(inactive),
             requested_bytes: StatArray::from_parts(parts[2]),
@@ -413,16 +535,20 @@ impl Detail {
         }
     }
 
+    /// Starts the peaks over. The apportioned parts' peaks start from their values at the
+    /// last read (the next read raises them to the values then).
     pub(crate) fn reset_peak(&self) {
-        for s in self.segment.iter().chain(&self.reserved) {
-            s.reset_peak();
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        for s in seen.iter_mut() {
+            s.peaks = [0; 2];
         }
         self.oversize_segments.reset_peak();
     }
 
     pub(crate) fn reset_accumulated(&self) {
-        for s in self.segment.iter().chain(&self.reserved) {
-            s.reset_accumulated();
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        for s in seen.iter_mut() {
+            s.small_freed = 0;
         }
         self.oversize_segments.reset_accumulated();
     }

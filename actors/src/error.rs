@@ -72,9 +72,17 @@ pub enum Error {
     /// A buffer was handed to an allocator that did not allocate it.
     #[error("the buffer was allocated by another allocator")]
     ForeignBuffer,
-    /// `record_stream` with a stream of another runtime than the allocator's: no event
-    /// could ever tell when its work is done. Nothing was recorded.
-    #[error("stream {stream} belongs to another runtime than the allocator's ({runtime})")]
+    /// `record_stream` (or a request) with a stream of another runtime than the allocator's:
+    /// no event could ever tell when its work is done. Nothing was recorded. The stream is of
+    /// the same kind of runtime (its type is the allocator's), made by another instance of
+    /// it: make streams with the allocator's `runtime().new_stream()`, and build allocators
+    /// that share streams on one runtime (`.runtime(a.runtime().clone())` on the builder of
+    /// the second).
+    #[error(
+        "stream {stream} belongs to another {runtime} runtime than the allocator's: make it \
+         with the allocator's runtime().new_stream(), and build allocators that share streams \
+         on one runtime (.runtime(a.runtime().clone()) on the second's builder)"
+    )]
     ForeignStream {
         /// The stream's id.
         stream: u64,
@@ -247,6 +255,13 @@ pub enum OomCause {
     /// use hold the memory (under the cap, or on the device). Waiting (`alloc`), or trying
     /// again once buffers came back, may succeed.
     NoRoomNow,
+    /// It waited for room under the cap, and it fits only once buffers that its own task (or
+    /// thread) took come back: all the others together could not make room for it, so the
+    /// wait would never end. Drop those buffers first, or take all of a request's buffers
+    /// together with [`BufferSet`](crate::BufferSet). (Refused only where no buffer under the
+    /// cap has ever been dropped by another task than the one that took it; see
+    /// [limits and waiting](crate#waiting-under-a-cap).)
+    HeldByRequester,
 }
 
 impl OomCause {
@@ -263,6 +278,11 @@ impl std::fmt::Display for OomCause {
             OomCause::ExceedsLimit => "it can never fit under the limit",
             OomCause::ExceedsDevice => "it can never fit on the device",
             OomCause::NoRoomNow => "no room now (buffers in use hold the memory)",
+            OomCause::HeldByRequester => {
+                "it fits only once buffers its own task holds come back, and would wait for \
+                 them for ever (drop them first, or take all of a request's buffers together \
+                 with BufferSet)"
+            }
         })
     }
 }

@@ -7,6 +7,7 @@ use std::ptr::NonNull;
 
 use crate::actors::block::{Block, BlockState};
 use crate::actors::error::Error;
+use crate::actors::holder::{self, NOBODY};
 use crate::actors::memory::Origin;
 use crate::actors::pool_id::PoolId;
 use crate::actors::runtime::{Runtime, StreamId};
@@ -40,6 +41,10 @@ impl<R: Runtime> Lease<R> {
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
         block.meta.lent(len);
+        // Who took it matters only to a request that waits under a cap (see `long_wait`).
+        if block.pool.budget.limit().is_some() {
+            block.meta.held_by(holder::current());
+        }
         Lease {
             block: Some(block),
             len,
@@ -145,6 +150,20 @@ impl<R: Runtime> Lease<R> {
         }
     }
 
+    /// Gives the block back as if it had never been lent: for a buffer taken by a request
+    /// for several that did not get them all, whose requester never sees it. It is freed as
+    /// a drop frees it (no stream used it: it is reusable at once), and then its counts go
+    /// back (see `PoolStats::roll_back`), so that the statistics count what requesters
+    /// received. A lease on which a stream was recorded is only dropped.
+    pub(crate) fn roll_back(self) {
+        let Some(b) = self.block.as_ref().filter(|b| b.streams.is_empty()) else {
+            return;
+        };
+        let (pool, shard, size, len) = (b.pool.clone(), b.shard, b.size, self.len);
+        drop(self);
+        pool.stats.roll_back(shard, size, len);
+    }
+
     /// The streams recorded so far.
     pub(crate) fn recorded_streams(&self) -> Vec<StreamId> {
         self.block
@@ -152,6 +171,18 @@ impl<R: Runtime> Lease<R> {
             .map(|b| b.streams.iter().map(|(s, _)| *s).collect())
             .unwrap_or_default()
     }
+}
+
+/// The block's holder, who took it (`taker`), is done with it: when the buffer is dropped by
+/// another task or thread, buffers change hands under this cap (see `long_wait`; once that
+/// is known, nobody looks again).
+#[inline(never)]
+fn dropped_by_holder<R: Runtime>(b: &Block<R>, taker: u64) {
+    let budget = &b.pool.budget;
+    if !budget.handed_over() && taker != holder::current() {
+        budget.note_handed_over();
+    }
+    b.meta.held_by(NOBODY);
 }
 
 /// Marks the block as used by work on `stream` (see [`Lease::record_stream`]).
@@ -259,6 +290,10 @@ impl<R: Runtime> Drop for Lease<R> {
                 || b.streams.first().map(|(s, _)| *s),
             );
             b.pool.stats.freed(b.shard, b.size, self.len);
+            let taker = b.meta.holder();
+            if taker != NOBODY {
+                dropped_by_holder(&b, taker);
+            }
             b.release();
         }
     }

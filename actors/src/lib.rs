@@ -18,7 +18,7 @@
 //! `parked::Parkable`, `budget::Member`), or a type it is generic over (`home::Home<R, B>`).
 //!
 //! 1. Vocabulary: `runtime`, `memory`, `pool_id`, `error`, `blocking` (whether a blocking
-//!    call may block this thread), `shard`, `spawn`, `keepalive`, `policy`, `carve`,
+//!    call may block this thread), `holder` (who took a buffer), `shard`, `spawn`, `keepalive`, `policy`, `carve`,
 //!    `counters`, `peaks` (exact peaks of counts kept in thread shards), `device_stats`,
 //!    `stats`, `meta`, `trace`, `snapshot`, `pickle` (a pickle writer), `torch_snapshot`
 //!    (snapshots in PyTorch's pickle layout).
@@ -33,7 +33,8 @@
 //! 5. Blocks: `block` (a lent piece of memory and where it goes when freed), `lease` (a
 //!    block lent to a user).
 //! 6. Actors: `poller`, `pool`, `router`.
-//! 7. Requests and the handle: `miss` (the miss path), `engine`.
+//! 7. Requests and the handle: `long_wait` (a request that waits long under a cap), `miss`
+//!    (the miss path), `engine`.
 
 // Blocks travel between threads and actors as `Box<Block>` so that moving one is a pointer
 // copy and the allocation is made once per block, not once per trip.
@@ -45,6 +46,7 @@ mod memory;
 mod pool_id;
 mod error;
 pub(crate) mod blocking;
+mod holder;
 mod loom;
 mod shard;
 mod idle_probe;
@@ -82,6 +84,7 @@ mod poller;
 mod pool;
 mod router;
 // 7. Requests and the handle.
+mod long_wait;
 mod miss;
 mod engine;
 

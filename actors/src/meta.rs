@@ -1,5 +1,5 @@
 //! A block's record for snapshots: the one thing only a block's holder knows — the bytes
-//! last requested of it, and the streams recorded on it — kept in a small per-block record
+//! last requested of it, the streams recorded on it, and who took it — kept in a small per-block record
 //! of atomics written by that holder (one thread at a time), so that reading it costs the
 //! cached path no shared cache line.
 //!
@@ -13,6 +13,7 @@ use std::sync::OnceLock;
 
 use flume::{Receiver, Sender};
 
+use crate::actors::holder::NOBODY;
 use crate::actors::runtime::StreamId;
 
 /// How many recorded streams a block's record remembers.
@@ -26,14 +27,30 @@ pub(crate) struct BlockMeta {
     requested: AtomicUsize,
     nstreams: AtomicUsize,
     streams: [AtomicU64; STREAMS_KEPT],
+    /// Who took the block and holds it now (see `holder`; `holder::NOBODY` while it is not
+    /// lent).
+    holder: AtomicU64,
 }
 
 impl BlockMeta {
-    /// The block is lent for a request of `len` bytes.
+    /// The block is lent for a request of `len` bytes (by nobody yet: see
+    /// [`BlockMeta::held_by`]).
     #[inline]
     pub(crate) fn lent(&self, len: usize) {
         self.requested.store(len, Relaxed);
         self.nstreams.store(0, Relaxed);
+        self.holder.store(NOBODY, Relaxed);
+    }
+
+    /// The block is held by `holder` (a number of `holder`; `NOBODY` once it is freed).
+    #[inline]
+    pub(crate) fn held_by(&self, holder: u64) {
+        self.holder.store(holder, Relaxed);
+    }
+
+    /// Who holds the block (`NOBODY` when it is not lent).
+    pub(crate) fn holder(&self) -> u64 {
+        self.holder.load(Relaxed)
     }
 
     /// `stream` was recorded on the block (the first few are remembered).
@@ -67,6 +84,7 @@ static NONE: BlockMeta = BlockMeta {
     requested: AtomicUsize::new(0),
     nstreams: AtomicUsize::new(0),
     streams: [const { AtomicU64::new(0) }; STREAMS_KEPT],
+    holder: AtomicU64::new(NOBODY),
 };
 
 /// Records given back, for the next blocks made.

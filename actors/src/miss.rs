@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use crate::actors::block::{Block, Pool};
 use crate::actors::budget::{Budget, EmptyReport};
 use crate::actors::error::{Error, OomCause};
+use crate::actors::long_wait;
 use crate::actors::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
 use crate::actors::policy::SizeClass;
 use crate::actors::runtime::Runtime;
@@ -146,6 +147,14 @@ trait Waiter: Sync {
         &self,
         rx: &flume::Receiver<Answer<B>>,
     ) -> impl Future<Output = Result<MissReply<B>, Stop>> + Send;
+    /// The answer, or `None` once `at` has passed without it (the ask stays with the pool).
+    fn answer_until<B: Send>(
+        &self,
+        rx: &flume::Receiver<Answer<B>>,
+        at: Instant,
+    ) -> impl Future<Output = Result<Option<MissReply<B>>, Stop>> + Send;
+    /// Whether it blocks its thread for replies (a thread) rather than awaiting them.
+    fn blocks(&self) -> bool;
     /// Another actor's reply (an emptied cache's report, a lent block); `None` when it is gone.
     fn recv<T: Send>(&self, rx: &flume::Receiver<T>) -> impl Future<Output = Option<T>> + Send;
     /// Runs the free-memory callbacks: whether one of them freed something.
@@ -158,6 +167,8 @@ enum Stop {
     Shutdown,
     /// The request's deadline passed.
     TimedOut,
+    /// The request was refused while it waited (see `long_wait`).
+    Refused(Error),
 }
 
 /// A task: it awaits every reply.
@@ -170,6 +181,26 @@ impl Waiter for Task {
 
     async fn answer<B: Send>(&self, rx: &flume::Receiver<Answer<B>>) -> Result<MissReply<B>, Stop> {
         answer_async(rx).await.map_err(|_| Stop::Shutdown)
+    }
+
+    /// Without a tokio runtime to time it (the future polled by another executor), as
+    /// `answer`.
+    async fn answer_until<B: Send>(
+        &self,
+        rx: &flume::Receiver<Answer<B>>,
+        at: Instant,
+    ) -> Result<Option<MissReply<B>>, Stop> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.answer(rx).await.map(Some);
+        }
+        match tokio::time::timeout_at(at.into(), answer_async(rx)).await {
+            Ok(reply) => reply.map(Some).map_err(|_| Stop::Shutdown),
+            Err(_) => Ok(None),
+        }
+    }
+
+    fn blocks(&self) -> bool {
+        false
     }
 
     async fn recv<T: Send>(&self, rx: &flume::Receiver<T>) -> Option<T> {
@@ -218,6 +249,25 @@ impl Waiter for Thread {
         })
     }
 
+    fn answer_until<B: Send>(
+        &self,
+        rx: &flume::Receiver<Answer<B>>,
+        at: Instant,
+    ) -> impl Future<Output = Result<Option<MissReply<B>>, Stop>> + Send {
+        std::future::ready(match self.deadline {
+            Some(deadline) if deadline <= at => self_deadline(answer_by(rx, deadline)),
+            Some(_) => match answer_by(rx, at) {
+                Err(flume::RecvTimeoutError::Timeout) => Ok(None),
+                other => self_deadline(other),
+            },
+            None => recv_spinning_until(rx, Some(at)).map_err(|_| Stop::Shutdown),
+        })
+    }
+
+    fn blocks(&self) -> bool {
+        true
+    }
+
     fn recv<T: Send>(&self, rx: &flume::Receiver<T>) -> impl Future<Output = Option<T>> + Send {
         std::future::ready(rx.recv().ok())
     }
@@ -226,6 +276,39 @@ impl Waiter for Thread {
     fn free_memory(&self, budget: &Arc<Budget>) -> impl Future<Output = bool> + Send {
         std::future::ready(budget.free_memory.run())
     }
+}
+
+/// A thread's answer by its own deadline.
+fn self_deadline<B>(
+    r: Result<MissReply<B>, flume::RecvTimeoutError>,
+) -> Result<Option<MissReply<B>>, Stop> {
+    match r {
+        Ok(reply) => Ok(Some(reply)),
+        Err(flume::RecvTimeoutError::Timeout) => Err(Stop::TimedOut),
+        Err(flume::RecvTimeoutError::Disconnected) => Err(Stop::Shutdown),
+    }
+}
+
+/// The answer to an ask the pool may queue (room was made, and the request waits): a wait
+/// that outlasts [`long_wait::AFTER`] gets its one look, a warning or a refusal (see
+/// `long_wait`).
+async fn answer_queued<R: Runtime, W: Waiter>(
+    waiter: &W,
+    rx: &flume::Receiver<Answer<Block<R>>>,
+    pool: &Pool<R>,
+    class: SizeClass,
+    requested: usize,
+) -> Result<MissReply<Block<R>>, Stop> {
+    if let Some(reply) = waiter
+        .answer_until(rx, Instant::now() + long_wait::AFTER)
+        .await?
+    {
+        return Ok(reply);
+    }
+    long_wait::look(pool, class.size, requested, waiter.blocks())
+        .await
+        .map_err(Stop::Refused)?;
+    waiter.answer(rx).await
 }
 
 /// Asks every pool to give back up to `upto` bytes of its cache (`usize::MAX`: all of it)
@@ -383,7 +466,12 @@ async fn miss_with<R: Runtime, W: Waiter>(
     loop {
         let rx = send_miss(pool, class, ask).map_err(Missed::Failed)?;
         let mut pending = Pending { pool, armed: true };
-        let reply = match waiter.answer(&rx).await {
+        let answer = if ask.emptied && plan.queue {
+            answer_queued(waiter, &rx, pool, class, plan.requested).await
+        } else {
+            waiter.answer(&rx).await
+        };
+        let reply = match answer {
             Ok(reply) => reply,
             Err(stop) => {
                 // Dropping `rx` hands back a block sent in the meantime; `pending` tells the
@@ -393,6 +481,7 @@ async fn miss_with<R: Runtime, W: Waiter>(
                 return Err(match stop {
                     Stop::Shutdown => Missed::Failed(Error::Shutdown),
                     Stop::TimedOut => Missed::TimedOut,
+                    Stop::Refused(e) => Missed::Failed(e),
                 });
             }
         };
@@ -563,6 +652,15 @@ const REPLY_SPIN: Duration = Duration::from_micros(200);
 /// the actor sends meanwhile run here (see [`crate::actors::errand`]), and the spin starts again
 /// after each: the answer follows soon after the errand's result.
 fn recv_spinning<B>(rx: &flume::Receiver<Answer<B>>) -> Result<MissReply<B>, flume::RecvError> {
+    // Without a deadline, the answer or the end of the channel.
+    recv_spinning_until(rx, None)?.ok_or(flume::RecvError::Disconnected)
+}
+
+/// [`recv_spinning`] until `until`: `None` once it has passed without an answer.
+fn recv_spinning_until<B>(
+    rx: &flume::Receiver<Answer<B>>,
+    until: Option<Instant>,
+) -> Result<Option<MissReply<B>>, flume::RecvError> {
     let mut start = Instant::now();
     loop {
         let answer = match rx.try_recv() {
@@ -572,10 +670,19 @@ fn recv_spinning<B>(rx: &flume::Receiver<Answer<B>>) -> Result<MissReply<B>, flu
                 std::hint::spin_loop();
                 continue;
             }
-            Err(flume::TryRecvError::Empty) => rx.recv()?,
+            Err(flume::TryRecvError::Empty) => match until {
+                None => rx.recv()?,
+                Some(at) => match rx.recv_deadline(at) {
+                    Ok(a) => a,
+                    Err(flume::RecvTimeoutError::Timeout) => return Ok(None),
+                    Err(flume::RecvTimeoutError::Disconnected) => {
+                        return Err(flume::RecvError::Disconnected)
+                    }
+                },
+            },
         };
         match answer {
-            Answer::Done(reply) => return Ok(reply),
+            Answer::Done(reply) => return Ok(Some(reply)),
             Answer::Errand(errand) => {
                 errand.run();
                 start = Instant::now();

@@ -318,7 +318,7 @@ impl BestFit {
     }
 
     /// Cut blocks out of separate host allocations even where the runtime offers
-    /// expandable host memory (default: one expandable range, the carving's `expandable` setting).
+    /// expandable host memory (default: one expandable range, as the carving sets it).
     pub fn separate_segments(mut self) -> Self {
         self.carving.expandable = false;
         // A segment goes back only once every piece of it is back: threads split only small

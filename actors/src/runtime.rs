@@ -27,7 +27,8 @@ pub struct RuntimeError {
     pub op: &'static str,
     /// The runtime's own description of what went wrong.
     pub message: String,
-    /// True when the failure means "out of memory": the engine empties its cache and retries once.
+    /// True when the failure means "out of memory": the allocator empties its caches and
+    /// retries once.
     pub out_of_memory: bool,
 }
 
@@ -64,7 +65,7 @@ impl std::error::Error for RuntimeError {}
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamId(pub u64);
 
-/// What the engine needs from CUDA streams and events (or from a simulation of them).
+/// What the allocators need from CUDA streams and events (or from a simulation of them).
 pub trait Runtime: Send + Sync + 'static {
     /// A stream on which device work is enqueued. Cheap to clone (an `Arc`, or an id).
     type Stream: Clone + Send + Sync + 'static;

@@ -12,7 +12,7 @@ use crate::actors::pool_id::PoolId;
 pub enum BlockStatus {
     /// Lent to a buffer.
     InUse,
-    /// In a ready queue, free for the next request of its class.
+    /// Cached: free for the next request of its size.
     Cached,
     /// Freed by its user, waiting for the events recorded on its streams.
     Waiting,
@@ -72,8 +72,8 @@ pub struct ConfigInfo {
     pub runtime: String,
 }
 
-/// Every segment and block of an allocator, and its configuration; `Engine::snapshot` takes
-/// one.
+/// Every segment and block of an allocator, and its configuration; `snapshot()` of either
+/// allocator takes one.
 ///
 /// ```
 /// use pinpool::{BlockInfo, BlockStatus, ConfigInfo, MemorySnapshot, SegmentInfo};

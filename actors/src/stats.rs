@@ -25,7 +25,10 @@ pub struct HostStats {
     pub allocations: Stat,
     /// Bytes of pinned memory held.
     pub allocated_bytes: Stat,
-    /// Blocks handed out and not yet reusable (in use, or waiting on events).
+    /// Blocks handed out and not yet reusable (in use, or waiting on events). Its
+    /// `allocated` count is the buffers requesters received: buffers a
+    /// [`BufferSet`](crate::BufferSet) took and gave back, because another of its buffers
+    /// found no room, are not counted.
     pub active_requests: Stat,
     /// Bytes of the blocks counted by `active_requests`.
     pub active_bytes: Stat,
@@ -33,8 +36,9 @@ pub struct HostStats {
     pub num_host_alloc: i64,
     /// Calls that gave pinned memory back.
     pub num_host_free: i64,
-    /// Granules of pinned memory moved to another place of the expandable range instead of
-    /// being given back and taken again (pinpool's own count; not in `num_host_alloc`).
+    /// Pieces of pinned memory moved to another place of the allocator's reserved range
+    /// instead of being given back and taken again (pinpool's own count; not in
+    /// `num_host_alloc`).
     pub num_host_remaps: i64,
     /// Time spent taking fresh pinned memory.
     pub host_alloc_time: DurationStat,
@@ -52,16 +56,16 @@ pub struct HostStats {
     pub num_alloc_retries: i64,
     /// Requests that failed for want of memory.
     pub num_ooms: i64,
-    /// Times a request asked the pool actor for a block, the cached path having found none
-    /// (again after room was made; pinpool's own count).
+    /// Requests the cache could not serve at once (misses), counted again when one asked
+    /// anew after room was made (pinpool's own count).
     pub num_misses: i64,
-    /// Nanoseconds requests spent on the miss path, from first asking the pool actor to
-    /// holding the block (or the error), each request once however often it asked; making
-    /// room and waiting under the cap included (pinpool's own count).
+    /// Nanoseconds requests spent on misses, from the miss to holding the buffer (or the
+    /// error), each request once however often it asked; making room and waiting under the
+    /// cap included (pinpool's own count).
     pub miss_wait_ns: i64,
-    /// Nanoseconds the pool actors spent serving those requests, from taking each ask from
-    /// the mailbox until it is answered, queued for room or refused (pinpool's own count):
-    /// what `miss_wait_ns` has over it is the hand-offs between threads and the time queued.
+    /// Nanoseconds the allocator's actors spent serving those misses, from taking each
+    /// request until it is answered, queued for room or refused (pinpool's own count): what
+    /// `miss_wait_ns` has over it is the hand-offs between threads and the time queued.
     pub miss_serve_ns: i64,
     /// The cap on reserved bytes of the whole allocator, if one is set.
     pub limit_bytes: Option<i64>,
@@ -277,6 +281,24 @@ impl PoolStats {
         self.leaves.note_slack(shard);
     }
 
+    /// A block of `bytes` charged to `shard`, lent for a request of `requested` bytes, was
+    /// taken back before its requester saw it (one buffer of a request for several that did
+    /// not get them all), freed and made reusable as usual: its counts go back as if it had
+    /// never been lent, so that `allocated` counts what requesters received.
+    pub(crate) fn roll_back(&self, shard: usize, bytes: usize, requested: usize) {
+        let me = ThreadSlot::current(self.mask);
+        let owner = me.owns && me.shard == shard;
+        let s = &self.leaves.shards[shard];
+        match &self.detail {
+            Some(d) => d.rolled_back(s, owner, bytes, requested),
+            None => {
+                s.leaf[REQUESTS][0].retract(1, owner);
+                s.leaf[BYTES][0].retract(bytes as i64, owner);
+            }
+        }
+        self.leaves.note_slack(shard);
+    }
+
     /// A segment of `bytes` was taken from the memory source (`taken`) or given back
     /// (device statistics only; the host books count segments where they are made).
     pub(crate) fn segment(&self, bytes: usize, taken: bool) {
@@ -296,7 +318,11 @@ impl PoolStats {
     /// pool's group.
     pub(crate) fn read_device(&self) -> Option<DeviceStats> {
         let d = self.detail.as_ref()?;
-        let mut s = d.read(&self.leaves.shards);
+        let mut s = d.read(
+            &self.leaves.shards,
+            self.allocated_bytes.read(),
+            self.allocations.read(),
+        );
         s.set_peaks(&self.leaves.group);
         s.num_alloc_retries = self.num_alloc_retries.load(Relaxed);
         s.num_ooms = self.num_ooms.load(Relaxed);

@@ -1,14 +1,31 @@
 //! Configuration, parsed from `PINPOOL_CONF` (pinned memory: [`Config`]) and from
 //! `PINPOOL_DEVICE_CONF` (device memory: [`DeviceConfig`]).
 //!
-//! Owns the [`Config`] struct. The format follows PyTorch's `PYTORCH_CUDA_ALLOC_CONF`:
-//! comma-separated `key:value` pairs, whitespace around keys, values and separators
-//! tolerated, e.g. `pin_method:register, prefault_threads:8` (the grammar is `grammar`'s).
-//! Keeps invariant 7: a malformed string is a typed [`ConfigError`] naming what is wrong,
-//! never a panic and never a silently ignored key.
+//! The format follows PyTorch's `PYTORCH_CUDA_ALLOC_CONF`: comma-separated `key:value`
+//! pairs, whitespace around keys, values and separators tolerated, e.g.
+//! `pin_method:register, prefault_threads:8`. A malformed string is a [`ConfigError`] naming
+//! what is wrong: never a panic, and never a key silently ignored. [`Config::KEYS`] and
+//! [`DeviceConfig::KEYS`] list the keys; each field's documentation says what its key takes.
 //!
-//! To add a key: add a field (with its default in [`Config::default`]), add its name to
-//! [`Config::KEYS`], parse it in `Config::set`, and print it in the `Display` impl.
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use pinpool::config::{Config, DeviceConfig};
+//!
+//! let pinned: Config = "size_policy:bestfit".parse()?;
+//! let device: DeviceConfig = "max_split_size_mb:64, expandable_segments:false".parse()?;
+//! let host = pinpool::PinnedAllocator::builder().config(&pinned).build()?;
+//! let gpu = pinpool::DeviceAllocator::builder().config(&device).build()?;
+//! assert_eq!(gpu.stats(0)?.max_split_size, Some(64 << 20));
+//! assert!("pin_method:glue".parse::<Config>().is_err());
+//! # drop(host);
+//! # Ok(()) }
+//! ```
+
+// This module owns the `Config` struct (the grammar is `grammar`'s, the device keys
+// `device`'s). To add a key: add a field (with its default in `Config::default`), add its
+// name to `Config::KEYS`, parse it in `Config::set`, and print it in the `Display` impl.
+// Malformed input is a typed error, never a panic (invariant 7 of `actors/ARCHITECTURE.md`).
 
 mod choices;
 mod device;

@@ -147,6 +147,9 @@ impl AutoRuntime {
     }
 }
 
+// The allocators\' side of the runtime: hidden from the runtime\'s page, whose users call the
+// runtime\'s own methods.
+#[doc(hidden)]
 impl MemorySource for AutoRuntime {
     fn kind(&self) -> MemoryKind {
         MemoryKind::Pinned

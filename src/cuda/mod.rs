@@ -2,20 +2,18 @@
 //! driver API, the driver loaded at run time (so the crate builds and runs without CUDA;
 //! [`CudaRuntime::new`] then reports [`CudaInitError::NoDriver`]).
 //!
-//! - `context`: binding contexts to threads, relaxed capture mode around host calls.
-//! - `host`: the two ways of pinning (`cuMemHostAlloc`; `mmap` + pre-fault + register).
-//! - `vmm`: expandable memory (a reserved range mapped in granules), host or device.
-//! - `device`: device memory (`CudaDeviceMemory`), the devices of the device allocator,
-//!   and cudarc's `DevicePtr`/`DevicePtrMut` for `DeviceBuffer<CudaRuntime>`.
-//! - `ipc`: the driver calls of inter-process handles, peer access and copies between
-//!   devices.
-//! - `events`: pooled events, one free list per context.
-//! - `runtime`: [`CudaRuntime`] itself, detection ([`cuda_available`]).
-//! - `builder`: [`Builder::cuda`](crate::Builder::cuda) and
-//!   [`Builder::best_available`](crate::Builder::best_available) on the public builder.
-//! - `auto`: [`AutoRuntime`], the GPU where there is one and the simulation elsewhere.
-//! - `copy`: cudarc's `HostSlice` for `PinnedBuffer<CudaRuntime>`, and copy calls that
-//!   record the stream by themselves.
+//! - [`CudaRuntime`]: the driver's devices, streams ([`CudaRuntime::new_stream`]) and events
+//!   ([`PooledEvent`], recycled); [`cuda_available`] and [`device_count`] tell whether there
+//!   is a GPU.
+//! - [`Builder::cuda`](crate::Builder::cuda) and
+//!   [`Builder::best_available`](crate::Builder::best_available) build a pinned allocator
+//!   on it; [`DeviceBuilder::cuda`](crate::DeviceBuilder::cuda) a device allocator of every
+//!   device; [`AutoRuntime`] is the GPU where there is one and the simulation elsewhere.
+//! - Pinned memory comes from `cuMemHostAlloc`, or from `mmap` pinned with
+//!   `cuMemHostRegister` (`PINPOOL_CONF`'s `pin_method`); expandable memory (host or
+//!   device) is a reserved range mapped a granule at a time with CUDA's virtual memory calls.
+//! - `DeviceBuffer<CudaRuntime>` is a cudarc `DevicePtr`/`DevicePtrMut`, and
+//!   `PinnedBuffer<CudaRuntime>` a cudarc `HostSlice`.
 //!
 //! Copies with cudarc: `CudaStream::memcpy_htod`/`memcpy_dtoh` take any
 //! `cudarc::driver::HostSlice`, an unsealed trait that `PinnedBuffer<CudaRuntime>`
@@ -35,6 +33,14 @@
 //! }
 //! # Ok::<(), pinpool::cuda::CudaInitError>(())
 //! ```
+
+// Module layout: `context` (binding contexts to threads, relaxed capture mode around host
+// calls), `host` (the two ways of pinning), `vmm` (expandable memory, host or device),
+// `device` (device memory, the devices of the device allocator, cudarc's device-pointer
+// traits), `ipc` (inter-process handles, peer access, copies between devices), `events`
+// (pooled events, one free list per context), `runtime` (`CudaRuntime`, detection),
+// `builder` (the builders' `cuda` calls), `auto` (`AutoRuntime`), `copy` (cudarc's
+// `HostSlice`, and copy calls that record the stream by themselves).
 
 mod auto;
 mod builder;

@@ -272,7 +272,7 @@ impl CudaRuntime {
     }
 }
 
-/// Pinned host memory: the runtime's own calls, and the engine's memory source.
+/// Pinned host memory: the runtime's own calls.
 impl CudaRuntime {
     /// Gets `size` bytes of pinned memory the configured way (`pin_method`).
     pub fn host_alloc(&self, size: usize) -> Result<Region, RuntimeError> {
@@ -374,6 +374,9 @@ impl CudaRuntime {
     }
 }
 
+// The allocators\' side of the runtime: hidden from the runtime\'s page, whose users call the
+// runtime\'s own methods.
+#[doc(hidden)]
 impl MemorySource for CudaRuntime {
     fn kind(&self) -> MemoryKind {
         MemoryKind::Pinned

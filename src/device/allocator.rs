@@ -54,7 +54,7 @@ impl<R: DeviceRuntime> Drop for Inner<R> {
 /// use pinpool::DeviceAllocator;
 ///
 /// let pool = DeviceAllocator::builder().build()?; // the simulated device
-/// let stream = pool.runtime().stream();
+/// let stream = pool.runtime().new_stream()?;
 /// let buf = pool.alloc(1 << 20, &stream).await?; // fresh memory the first time
 /// let ptr = buf.device_ptr();
 /// drop(buf); // no other stream used it: reusable by `stream` at once
@@ -200,10 +200,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     }
 
     /// [`DeviceAllocator::alloc`] for threads outside the tokio runtime: blocks the calling
-    /// thread on a miss (and while it waits for room). Where a thread that runs a
-    /// current-thread runtime's tasks would block, it fails with [`Error::WouldDeadlock`]
-    /// instead; on a multi-thread runtime's threads it blocks inside `block_in_place`
-    /// ([blocking calls](crate#blocking-calls)).
+    /// thread on a miss (and while it waits for room). On a thread that runs a
+    /// current-thread runtime's tasks it fails at once with [`Error::WouldDeadlock`],
+    /// whether or not the request would have missed; on a multi-thread runtime's threads it
+    /// blocks inside `block_in_place` ([blocking calls](crate#blocking-calls)).
     pub fn alloc_blocking(
         &self,
         size: usize,
@@ -261,10 +261,15 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// PyTorch's `raw_alloc_with_stream`: allocates `size` bytes for `stream` and returns
     /// only the device address (0 for `size` 0), for code that holds pointers. Give it back
     /// with [`DeviceAllocator::raw_delete`]; whatever is never given back goes back with
-    /// the allocator. Blocks the calling thread on a miss, as `alloc_blocking` does
-    /// ([`Error::WouldDeadlock`] where that would deadlock).
+    /// the allocator. Blocks the calling thread on a miss, as `alloc_blocking` does, and
+    /// fails with [`Error::WouldDeadlock`] where `alloc_blocking` does (from async code, take
+    /// a [`DeviceBuffer`] with `alloc(..).await`: its [`DeviceBuffer::device_ptr`] is the
+    /// address).
     pub fn raw_alloc_with_stream(&self, size: usize, stream: &R::Stream) -> Result<u64, Error> {
-        let call = ("raw_alloc_with_stream", "alloc(..).await");
+        let call = (
+            "raw_alloc_with_stream",
+            "alloc(..).await (its DeviceBuffer's device_ptr() is the address)",
+        );
         self.raw_alloc_with(size, stream, Wait::Default, call)
     }
 
@@ -272,7 +277,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// back: where that would wait at the cap, this fails at once with
     /// [`Error::OutOfMemory`] (PyTorch's allocator fails such a request at once too).
     pub fn try_raw_alloc_with_stream(&self, size: usize, stream: &R::Stream) -> Result<u64, Error> {
-        let call = ("try_raw_alloc_with_stream", "try_alloc(..).await");
+        let call = (
+            "try_raw_alloc_with_stream",
+            "try_alloc(..).await (its DeviceBuffer's device_ptr() is the address)",
+        );
         self.raw_alloc_with(size, stream, Wait::Never, call)
     }
 

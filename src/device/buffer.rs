@@ -20,7 +20,7 @@ use crate::sim::SimRuntime;
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), pinpool::Error> {
 /// let pool = pinpool::DeviceAllocator::builder().build()?;
-/// let stream = pool.runtime().stream();
+/// let stream = pool.runtime().new_stream()?;
 /// let buf = pool.alloc(1 << 20, &stream).await?;
 /// assert_eq!((buf.len(), buf.device()), (1 << 20, 0));
 /// assert_ne!(buf.device_ptr(), 0);

@@ -81,11 +81,17 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         }
     }
 
-    /// The settings of `PINPOOL_DEVICE_CONF`'s keys (`max_split_size_mb`,
-    /// `roundup_power2_divisions`, `garbage_collection_threshold`, `expandable_segments`,
-    /// `per_process_memory_fraction`, ...), used instead of `PINPOOL_DEVICE_CONF`'s (see
-    /// [`DeviceConfig::merged_with_env`] to have the variable override some of them). A cap
-    /// given to this builder wins over the configuration's memory fraction.
+    /// The device settings, used instead of `PINPOOL_DEVICE_CONF`'s: every key of
+    /// [`DeviceConfig::KEYS`] (`max_split_size_mb`, `roundup_power2_divisions`,
+    /// `garbage_collection_threshold`, `expandable_segments`, `thread_cache_mb`,
+    /// `reserve_cap`, `linger_us`, `per_process_memory_fraction`, and PyTorch's keys that
+    /// take no effect here: `backend`, `release_lock_on_cudamalloc`,
+    /// `graph_capture_record_stream_reuse`, `pinned_use_cuda_host_register`,
+    /// `pinned_use_host_register`, `pinned_num_register_threads`,
+    /// `pinned_use_background_threads`, `pinned_reserve_segment_size_mb`,
+    /// `max_non_split_rounding_mb`; each [`DeviceConfig`] field says what its key takes).
+    /// See [`DeviceConfig::merged_with_env`] to have the variable override some of them. A
+    /// cap given to this builder wins over the configuration's memory fraction.
     pub fn config(mut self, config: &DeviceConfig) -> Self {
         self.config = Some(config.clone());
         self
@@ -122,14 +128,15 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     /// memory another stream's pool holds, before every cache is emptied (default: off):
     /// no driver call and no waiting, the requesting stream ordered after the lender's
     /// queued work with an event (`cuStreamWaitEvent`), and the block back in its own pool
-    /// once the borrower's work on it has run. See `EngineBuilder::lend_between_streams`.
+    /// once the borrower's work on it has run.
     pub fn lend_between_streams(mut self, on: bool) -> Self {
         self.lend_between_streams = on;
         self
     }
 
     /// How long `alloc` waits for room under the cap before [`Error::Timeout`] (default: as
-    /// long as it takes).
+    /// long as it takes; a wait that lasts a second is logged, or refused when it waits on
+    /// the requester's own buffers: see [waiting under a cap](crate#waiting-under-a-cap)).
     pub fn alloc_timeout(mut self, timeout: Duration) -> Self {
         self.alloc_timeout = Some(timeout);
         self
@@ -178,7 +185,8 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         p.thread_cache(c.thread_cache)
     }
 
-    /// Starts one engine per device.
+    /// Builds the allocator: for each device, its actors (on the tokio runtime), its cap,
+    /// statistics and history.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a malformed `PINPOOL_DEVICE_CONF` (when no
@@ -235,5 +243,24 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             ipc: OnceLock::new(),
             peers: PeerTable::new(count),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The documentation of `DeviceBuilder::config` names every key the parser takes (it
+    /// named four of seven).
+    #[test]
+    fn the_config_call_documents_every_device_key() {
+        let source = include_str!("builder.rs");
+        let at = source.find("pub fn config(").expect("the config call");
+        let doc_start = source[..at].rfind("\n\n").expect("the doc before it");
+        let doc = &source[doc_start..at];
+        for key in crate::config::DeviceConfig::KEYS {
+            assert!(
+                doc.contains(&format!("`{key}`")),
+                "{key} missing from: {doc}"
+            );
+        }
     }
 }

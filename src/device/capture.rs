@@ -32,7 +32,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// use pinpool::{DeviceAllocator, Error};
     ///
     /// let pool = DeviceAllocator::builder().build()?;
-    /// let stream = pool.runtime().stream();
+    /// let stream = pool.runtime().new_stream()?;
     /// let id = pinpool::PoolId::fresh(); // torch.cuda.graph_pool_handle()
     /// let capturing = stream.id();
     /// pool.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;

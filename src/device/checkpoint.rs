@@ -38,7 +38,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// use pinpool::DeviceAllocator;
     ///
     /// let pool = DeviceAllocator::builder().build()?;
-    /// let stream = pool.runtime().stream();
+    /// let stream = pool.runtime().new_stream()?;
     /// let id = pinpool::PoolId::fresh();
     /// let s = stream.id();
     /// pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;

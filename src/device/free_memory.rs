@@ -25,7 +25,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// use pinpool::{DeviceAllocator, DeviceBuffer};
     ///
     /// let pool = DeviceAllocator::builder().max_bytes(8 << 20).build()?;
-    /// let stream = pool.runtime().stream();
+    /// let stream = pool.runtime().new_stream()?;
     /// // Buffers kept around in case they are needed again, given up when memory runs out.
     /// let (spare, spares) = flume::unbounded::<DeviceBuffer>();
     /// pool.attach_free_memory_callback(move || spares.drain().count() > 0);

@@ -12,7 +12,7 @@
 //! use pinpool::PinnedAllocator;
 //!
 //! let pool = PinnedAllocator::builder().build()?;
-//! let stream = pool.runtime().stream();
+//! let stream = pool.runtime().new_stream()?;
 //!
 //! // 1. Record one iteration: only allocations made through the recorder count.
 //! let rec = pool.record_plan()?;

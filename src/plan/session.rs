@@ -111,7 +111,8 @@ impl ArenaPlan {
         self.plan.arena_size()
     }
 
-    /// Id of the allocator the plan is for ([`Engine::id`](crate::tuning::Engine::id)).
+    /// Id of the allocator the plan is for: a plan serves only the allocator it was made
+    /// for.
     pub fn allocator_id(&self) -> u64 {
         self.allocator
     }

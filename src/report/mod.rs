@@ -12,6 +12,19 @@
 //! replays stay in "waiting"). When the history
 //! began after memory was already held, or the ring dropped its oldest entries, a curve is
 //! raised so that it never goes below zero; the page says so.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), pinpool::Error> {
+//! use pinpool::HistoryContext;
+//!
+//! let pool = pinpool::PinnedAllocator::builder().build()?;
+//! pool.record_history(true, 1000, HistoryContext::Alloc)?;
+//! drop(pool.alloc(1 << 20).await?);
+//! let page = pinpool::report::render_history_html(&pool.history().await?, "my server");
+//! assert!(page.starts_with("<!DOCTYPE html>") && page.contains("my server"));
+//! # Ok(()) }
+//! ```
 
 mod svg;
 

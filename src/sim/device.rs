@@ -14,7 +14,7 @@ use std::sync::Arc;
 /// use pinpool::Runtime;
 ///
 /// let sim = SimRuntime::new();
-/// let stream = sim.stream();
+/// let stream = sim.new_stream()?;
 /// let host = sim.host_alloc(4).unwrap();
 /// sim.host_write(host.ptr.as_ptr(), &[1, 2, 3, 4]).unwrap();
 /// let dev = SimDeviceBuffer::new(4);
@@ -22,6 +22,7 @@ use std::sync::Arc;
 /// stream.synchronize().unwrap();
 /// assert_eq!(dev.to_vec(), [1, 2, 3, 4]);
 /// sim.host_free(host).unwrap();
+/// # Ok::<(), pinpool::RuntimeError>(())
 /// ```
 #[derive(Clone)]
 pub struct SimDeviceBuffer {

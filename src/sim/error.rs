@@ -11,8 +11,9 @@ use crate::actors::RuntimeError;
 /// use pinpool::sim::{SimError, SimRuntime};
 ///
 /// let sim = SimRuntime::new();
-/// let stream = sim.stream();
+/// let stream = sim.new_stream()?;
 /// assert!(matches!(stream.end_capture(), Err(SimError::NotCapturing { .. })));
+/// # Ok::<(), pinpool::RuntimeError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SimError {
@@ -117,7 +118,8 @@ pub enum SimError {
 }
 
 impl SimError {
-    /// Converts into the engine's error type, naming the failed operation.
+    /// Converts into the allocators' runtime error ([`crate::RuntimeError`]), naming the
+    /// failed operation.
     pub fn into_runtime(self, op: &'static str) -> RuntimeError {
         RuntimeError::new(op, self.to_string())
     }

@@ -54,7 +54,7 @@ impl EventState {
 /// use pinpool::Runtime;
 ///
 /// let sim = SimRuntime::new();
-/// let stream = sim.stream();
+/// let stream = sim.new_stream()?;
 /// let hold = stream.hold();
 /// let event = sim.record_event(&stream).unwrap();
 /// assert_eq!(sim.query_event(&event), Ok(false));
@@ -63,6 +63,7 @@ impl EventState {
 /// assert_eq!(sim.query_event(&event), Ok(true));
 /// sim.release_event(event);
 /// assert_eq!(sim.events_released(), 1);
+/// # Ok::<(), pinpool::RuntimeError>(())
 /// ```
 pub struct SimEvent {
     pub(crate) state: Arc<EventState>,

@@ -139,7 +139,7 @@ impl CaptureState {
 /// use pinpool::Runtime;
 ///
 /// let sim = SimRuntime::new();
-/// let stream = sim.stream();
+/// let stream = sim.new_stream()?;
 /// let host = sim.host_alloc(2).unwrap();
 /// let dev = SimDeviceBuffer::new(2);
 /// stream.begin_capture().unwrap();
@@ -152,6 +152,7 @@ impl CaptureState {
 /// drop(graph);
 /// sim.host_free(host).unwrap();
 /// assert_eq!(sim.violations(), 0);
+/// # Ok::<(), pinpool::RuntimeError>(())
 /// ```
 #[derive(Clone)]
 pub struct SimGraph {

@@ -1,21 +1,37 @@
-//! The simulated CUDA runtime: `SimRuntime` implements the engine's `Runtime` trait with
-//! heap memory and software streams. It is the default on machines without a GPU and the
-//! test double for every semantic test of the allocator.
-//!
-//! This module owns the runtime handle, its options and its counters; the parts live in
-//! one module per concept:
-//! - `memory`: zeroed, page-aligned heap allocations and atomic byte access;
-//! - `ledger`: the actor that owns the registry of live allocations and the violation log;
-//! - `stream`, `worker`: streams and the thread that runs each one's operations in order;
-//! - `event`: events as marker operations; `graph`: stream capture and graph replay;
-//! - `device`: simulated device buffers; `fault`: fault injection; `violation`: misuse records;
-//! - `write_map`: which stream last wrote each unit of device memory (early reuse across streams).
+//! The simulated CUDA runtime: [`SimRuntime`] is a [`Runtime`] of heap
+//! memory, simulated devices ([`SimDeviceBuffer`]) and software streams ([`SimStream`]),
+//! whose operations run in order on a thread of their own. It is the default on machines
+//! without a GPU, and the runtime the allocators are tested on.
 //!
 //! Misuse is made detectable: a copy whose host bytes changed between enqueue and execution
-//! (early reuse), a `host_free` of memory still referenced by queued work, or of memory the
+//! (early reuse), a kernel or copy that touches device memory another stream wrote after it
+//! was enqueued, a `host_free` of memory still referenced by queued work, or of memory the
 //! runtime never gave out, is counted in [`SimRuntime::violations`] and described in
-//! [`SimRuntime::violation_log`]. No locks are used: shared state is atomics, and the
-//! allocation registry has a single owner thread.
+//! [`SimRuntime::violation_log`]. [`Faults`] make chosen calls fail, for tests of error
+//! paths.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), pinpool::Error> {
+//! let pool = pinpool::PinnedAllocator::builder().build()?; // on a SimRuntime
+//! let stream = pool.runtime().new_stream()?;
+//! let mut buf = pool.alloc(4096).await?;
+//! buf.fill(1);
+//! buf.record_stream(&stream)?;
+//! drop(buf); // reused only once the stream's work is done
+//! assert_eq!(pool.runtime().violations(), 0);
+//! # Ok(()) }
+//! ```
+
+// This module owns the runtime handle, its options and its counters; the parts live in one
+// module per concept: `memory` (zeroed, page-aligned heap allocations and atomic byte
+// access), `ledger` (the actor that owns the registry of live allocations and the
+// violation log), `stream` and `worker` (streams and the thread that runs each one's
+// operations in order), `event` (events as marker operations), `graph` (stream capture and
+// graph replay), `device` (simulated device buffers), `fault` (fault injection), `violation`
+// (misuse records), `write_map` (which stream last wrote each unit of device memory). No
+// locks are used: shared state is atomics, and the allocation registry has a single owner
+// thread.
 
 mod device;
 mod device_memory;
@@ -208,7 +224,7 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 /// assert_eq!(sim.live_bytes(), 1 << 16);
 ///
 /// // A buffer overwritten while its copy is still queued is early reuse.
-/// let stream = sim.stream();
+/// let stream = sim.new_stream()?;
 /// let dev = SimDeviceBuffer::new(16);
 /// let hold = stream.hold();
 /// stream.copy_to_device(mem.ptr.as_ptr(), 16, &dev).unwrap();
@@ -222,6 +238,7 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 /// sim.release_event(event);
 /// sim.host_free(mem).unwrap();
 /// assert_eq!(sim.live_allocations(), 0);
+/// # Ok::<(), pinpool::RuntimeError>(())
 /// ```
 #[derive(Clone)]
 pub struct SimRuntime {
@@ -424,9 +441,8 @@ impl SimRuntime {
         ))
     }
 
-    /// Map calls' memory moved to another place of its range on device `ordinal`
-    /// (`MemorySource::remap_run`: no memory taken or given back), `None` past the last
-    /// device.
+    /// Map calls' memory moved to another place of its range on device `ordinal` (no memory
+    /// taken or given back), `None` past the last device.
     pub fn device_remaps(&self, ordinal: usize) -> Option<u64> {
         Some(
             self.shared
@@ -494,7 +510,8 @@ impl SimRuntime {
         self.shared.stream_waits.load(Ordering::SeqCst)
     }
 
-    /// Granules of expandable host memory moved with `MemorySource::remap` so far.
+    /// Granules of expandable host memory moved to another place of their range so far
+    /// (no memory taken or given back).
     pub fn total_host_remaps(&self) -> u64 {
         self.shared.host_remaps.load(Ordering::SeqCst)
     }
@@ -583,7 +600,7 @@ impl SimRuntime {
     }
 }
 
-/// Host memory: what the simulated runtime's calls operate on, as the engine's memory source.
+/// Host memory: what the simulated runtime's calls operate on.
 impl SimRuntime {
     /// Gets `size` bytes of simulated pinned memory (zeroed, page-aligned), counted as live
     /// until `host_free`. Fails as out of memory past the runtime's memory limit.
@@ -718,6 +735,9 @@ pub(crate) fn count_memory_call() {
     MEMORY_CALLS.with(|c| c.set(c.get() + 1));
 }
 
+// The allocators\' side of the runtime: hidden from the runtime\'s page, whose users call the
+// runtime\'s own methods.
+#[doc(hidden)]
 impl MemorySource for SimRuntime {
     fn kind(&self) -> MemoryKind {
         MemoryKind::Pinned

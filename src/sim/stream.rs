@@ -42,7 +42,7 @@ struct StreamInner {
 /// use pinpool::Runtime;
 ///
 /// let sim = SimRuntime::new();
-/// let stream = sim.stream();
+/// let stream = sim.new_stream()?;
 /// let host = sim.host_alloc(3).unwrap();
 /// let dev = SimDeviceBuffer::new(3);
 /// stream.delay(Duration::from_millis(1));
@@ -51,6 +51,7 @@ struct StreamInner {
 /// stream.synchronize().unwrap();
 /// assert_eq!(dev.to_vec(), [7, 7, 7]);
 /// sim.host_free(host).unwrap();
+/// # Ok::<(), pinpool::RuntimeError>(())
 /// ```
 #[derive(Clone)]
 pub struct SimStream {

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use pinpool::sim::SimRuntime;
 use pinpool::tuning::{BestFit, TieredPowerOfTwo};
-use pinpool::{Builder, DeviceAllocator, DeviceBuilder, PinnedAllocator};
+use pinpool::{
+    Builder, DeviceAllocator, DeviceBuilder, DeviceStats, PinnedAllocator, Stat, StatArray,
+};
 
 /// An allocator on a fresh simulated runtime (call inside a tokio runtime), with the
 /// `tiered` size policy (named, not left to the default): one host allocation per block, so
@@ -186,4 +188,91 @@ pub async fn eventually_nothing_in_use(pool: &PinnedAllocator<SimRuntime>) {
 pub fn all_bytes_are(bytes: &[u8], value: u8) -> bool {
     let chunk = [value; 4096];
     bytes.chunks(chunk.len()).all(|c| c == &chunk[..c.len()])
+}
+
+/// One of PyTorch's pools (or both) of a statistic.
+type Part = fn(&StatArray) -> Stat;
+
+/// Every rule the device statistics keep, checked on one report taken at a quiescent point:
+/// in the small pool, the large pool and both, allocated bytes are at most active bytes, which
+/// are at most reserved bytes (their peaks too); inactive bytes are the rest; segments are
+/// never negative, and none are counted without reserved bytes; and the parts add up to the
+/// whole (see [`assert_parts_add_up`]).
+pub fn assert_device_stats_add_up(s: &DeviceStats) {
+    let arrays = [
+        ("allocation", &s.allocation),
+        ("segment", &s.segment),
+        ("active", &s.active),
+        ("allocated_bytes", &s.allocated_bytes),
+        ("reserved_bytes", &s.reserved_bytes),
+        ("active_bytes", &s.active_bytes),
+        ("inactive_split_bytes", &s.inactive_split_bytes),
+        ("requested_bytes", &s.requested_bytes),
+    ];
+    for (name, a) in arrays {
+        // Inactive bytes are a value now: no accumulated counts are kept for them.
+        assert_parts_add_up(name, a, name != "inactive_split_bytes");
+    }
+    let parts: [(&str, Part); 3] = [
+        ("small_pool", |a: &StatArray| a.small_pool),
+        ("large_pool", |a: &StatArray| a.large_pool),
+        ("all", |a: &StatArray| a.all),
+    ];
+    for (name, part) in parts {
+        let (allocated, active, reserved) = (
+            part(&s.allocated_bytes).current,
+            part(&s.active_bytes).current,
+            part(&s.reserved_bytes).current,
+        );
+        assert!(
+            allocated <= active && active <= reserved,
+            "{name}: allocated {allocated}, active {active}, reserved {reserved}"
+        );
+        assert_eq!(
+            part(&s.inactive_split_bytes).current,
+            reserved - active,
+            "{name}: inactive bytes are the reserved bytes no active block uses"
+        );
+        assert!(
+            part(&s.allocated_bytes).peak <= part(&s.reserved_bytes).peak,
+            "{name}: allocated peak above reserved peak: {s:?}"
+        );
+        let segments = part(&s.segment).current;
+        assert!(segments >= 0, "{name}: {segments} segments");
+        if reserved == 0 {
+            assert_eq!(
+                segments, 0,
+                "{name}: segments without reserved bytes: {s:?}"
+            );
+        }
+    }
+}
+
+/// The small and large parts of `a` add up to its whole: current values and (where kept,
+/// `accumulated`) accumulated counts, each part's current value being what it gained less
+/// what it lost; no part is negative or above its peak.
+pub fn assert_parts_add_up(name: &str, a: &StatArray, accumulated: bool) {
+    let (s, l, all) = (a.small_pool, a.large_pool, a.all);
+    assert_eq!(s.current + l.current, all.current, "{name}: {a:?}");
+    for (part, st) in [("small", s), ("large", l), ("all", all)] {
+        assert!(
+            st.current >= 0 && st.current <= st.peak,
+            "{name}.{part}: {st:?}"
+        );
+    }
+    for (part, st) in [("small", s), ("large", l)] {
+        assert!(
+            st.peak <= all.peak,
+            "{name}.{part} peak above the whole's: {a:?}"
+        );
+    }
+    if !accumulated {
+        return;
+    }
+    assert_eq!(s.allocated + l.allocated, all.allocated, "{name}: {a:?}");
+    assert_eq!(s.freed + l.freed, all.freed, "{name}: {a:?}");
+    for (part, st) in [("small", s), ("large", l), ("all", all)] {
+        assert!(st.allocated >= 0 && st.freed >= 0, "{name}.{part}: {st:?}");
+        assert_eq!(st.allocated - st.freed, st.current, "{name}.{part}: {st:?}");
+    }
 }

@@ -67,28 +67,119 @@ fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
     (pool, sim)
 }
 
+/// Code tested with a warm cache must behave as it will with a cold one: on a thread that
+/// runs a current-thread runtime's tasks, a blocking allocation is refused whether or not the
+/// cached path would serve it (it was served when cached, refused when not), and nothing
+/// changes; on a plain thread both are served.
 #[test]
-fn alloc_blocking_after_a_cached_allocation_on_a_current_thread_runtime_is_a_typed_error_not_a_hang(
-) {
+fn alloc_blocking_on_a_current_thread_runtime_is_refused_whether_or_not_the_cache_would_serve_it() {
     within(Duration::from_secs(20), || {
         current_thread().block_on(async {
             let (pool, sim) = sim_pool();
-            let first = pool.alloc(4096).await.unwrap();
-            drop(first);
-            assert_eq!(pool.alloc(4096).await.unwrap().len(), 4096, "cached");
-            let allocs = sim.total_host_allocs();
-            assert_would_deadlock(
-                pool.alloc_blocking(1 << 20),
-                "alloc_blocking",
-                "alloc(..).await",
+            let (device, dsim) = device_pool();
+            let s = dsim.stream();
+            drop(pool.alloc(1 << 20).await.unwrap());
+            drop(device.alloc(1 << 20, &s).await.unwrap());
+            let (allocs, device_allocs) = (sim.total_host_allocs(), device.stats(0).unwrap());
+            for size in [1 << 20, 3 << 20] {
+                // The first size is cached, the second is not: the same answer.
+                assert_would_deadlock(
+                    pool.alloc_blocking(size),
+                    "alloc_blocking",
+                    "alloc(..).await",
+                );
+                assert_would_deadlock(
+                    pool.alloc_blocking_timeout(size, Duration::from_secs(1)),
+                    "alloc_blocking_timeout",
+                    "alloc_timeout(..).await",
+                );
+                assert_would_deadlock(
+                    device.alloc_blocking(size, &s),
+                    "alloc_blocking",
+                    "alloc(..).await",
+                );
+                assert_would_deadlock(
+                    device.try_alloc_blocking(size, &s),
+                    "try_alloc_blocking",
+                    "try_alloc(..).await",
+                );
+                assert!(matches!(
+                    device.raw_alloc_with_stream(size, &s),
+                    Err(Error::WouldDeadlock {
+                        call: "raw_alloc_with_stream",
+                        ..
+                    })
+                ));
+            }
+            // A task the runtime runs is refused alike, cached or not.
+            let (p, d, st) = (pool.clone(), device.clone(), s.clone());
+            let in_task = tokio::spawn(async move {
+                [
+                    p.alloc_blocking(1 << 20).map(drop),
+                    p.alloc_blocking(3 << 20).map(drop),
+                    d.alloc_blocking(1 << 20, &st).map(drop),
+                ]
+            })
+            .await
+            .unwrap();
+            for r in in_task {
+                assert!(matches!(r, Err(Error::WouldDeadlock { .. })), "{r:?}");
+            }
+            // Nothing was taken, nothing was lent.
+            assert_eq!(sim.total_host_allocs(), allocs);
+            assert_eq!(pool.stats().active_requests.allocated, 1);
+            let d = device.stats(0).unwrap();
+            assert_eq!(d.num_device_alloc, device_allocs.num_device_alloc);
+            assert_eq!(d.allocation.all.allocated, 1);
+            // A plain thread may block: the cached and the uncached request are served.
+            let (p, d, st) = (pool.clone(), device.clone(), s.clone());
+            let served = pinpool_testkit::on_plain_thread(move || {
+                [1 << 20, 3 << 20].map(|n| {
+                    (
+                        p.alloc_blocking(n).map(|b| b.len()),
+                        d.alloc_blocking(n, &st).map(|b| b.len()),
+                    )
+                })
+            })
+            .await;
+            assert_eq!(
+                served,
+                [(Ok(1 << 20), Ok(1 << 20)), (Ok(3 << 20), Ok(3 << 20))]
             );
-            assert_eq!(sim.total_host_allocs(), allocs, "nothing was asked for");
-            // A request the cached path serves never blocks: it is served (the check costs
-            // the cached path nothing).
-            assert_eq!(pool.alloc_blocking(4096).unwrap().len(), 4096);
-            // The allocator is untouched and the async call works.
-            assert_eq!(pool.alloc(1 << 20).await.unwrap().len(), 1 << 20);
         })
+    });
+}
+
+/// The decision is kept per task, not per thread: a thread that blocks plainly, then runs a
+/// current-thread runtime (refused), then a multi-thread one (served), then none (served),
+/// gets each runtime's answer, cached request or not.
+#[test]
+fn one_thread_gets_each_runtimes_answer_as_it_enters_and_leaves_them() {
+    within(Duration::from_secs(20), || {
+        let actors = multi_thread(1);
+        let (pool, _sim) = pinpool_testkit::best_fit_pool_on(&actors);
+        drop(pool.alloc_blocking(4096).unwrap());
+        assert!(pool.alloc_blocking(4096).is_ok(), "a plain thread");
+        let current = current_thread();
+        for _ in 0..2 {
+            let r = current.block_on(async { pool.alloc_blocking(4096).map(drop) });
+            assert!(matches!(r, Err(Error::WouldDeadlock { .. })), "{r:?}");
+            let p = pool.clone();
+            let r = current.block_on(async move {
+                tokio::spawn(async move { p.alloc_blocking(4096).map(drop) })
+                    .await
+                    .unwrap()
+            });
+            assert!(matches!(r, Err(Error::WouldDeadlock { .. })), "{r:?}");
+            let p = pool.clone();
+            let r = actors.block_on(async move {
+                tokio::spawn(async move { p.alloc_blocking(4096).map(drop) })
+                    .await
+                    .unwrap()
+            });
+            assert!(r.is_ok(), "a multi-thread runtime's task: {r:?}");
+            assert!(pool.alloc_blocking(4096).is_ok(), "a plain thread again");
+        }
     });
 }
 
@@ -166,7 +257,12 @@ fn every_blocking_call_of_the_device_allocator_is_refused_on_a_current_thread_ru
             assert_would_deadlock(
                 pool.raw_alloc_with_stream(64, &s),
                 "raw_alloc_with_stream",
-                "alloc(..).await",
+                "alloc(..).await (its DeviceBuffer's device_ptr() is the address)",
+            );
+            assert_would_deadlock(
+                pool.try_raw_alloc_with_stream(64, &s),
+                "try_raw_alloc_with_stream",
+                "try_alloc(..).await (its DeviceBuffer's device_ptr() is the address)",
             );
             assert_would_deadlock(
                 pool.empty_cache_blocking(),

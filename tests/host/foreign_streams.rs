@@ -105,6 +105,27 @@ async fn device_memory_is_not_allocated_on_a_stream_of_another_runtime() {
     assert!(matches!(err, Error::ForeignStream { .. }), "{err:?}");
 }
 
+/// Both runtimes are simulated, so naming the runtime's kind does not tell them apart: the
+/// message says the stream is of another runtime instance, and how to share one.
+#[tokio::test]
+async fn a_foreign_streams_error_says_how_to_share_one_runtime() {
+    let (pinned, _sim) = pinned();
+    let (device, other) = device();
+    let mut buf = pinned.alloc(4096).await.unwrap();
+    let err = buf.record_stream(&other.new_stream().unwrap()).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("another sim runtime"), "{text}");
+    assert!(text.contains("runtime().new_stream()"), "{text}");
+    assert!(text.contains(".runtime(a.runtime().clone())"), "{text}");
+    // Following the advice: the device allocator on the pinned one's runtime.
+    let shared = DeviceBuilder::new(pinned.runtime().clone())
+        .build()
+        .unwrap();
+    let stream = shared.runtime().new_stream().unwrap();
+    assert_eq!(buf.record_stream(&stream), Ok(()));
+    drop(device);
+}
+
 #[tokio::test]
 async fn many_requests_recording_a_foreign_stream_take_no_more_memory_than_without() {
     // The downstream program of the report: 640 requests, each recording the device

@@ -188,7 +188,7 @@ async fn readme_capture_pools_on_device_memory() -> Result {
     use pinpool::{DeviceAllocator, DeviceBuffer, Error};
 
     let pool = DeviceAllocator::builder().build()?;
-    let stream = pool.runtime().stream();
+    let stream = pool.runtime().new_stream()?;
     let id = pinpool::PoolId::fresh(); // torch.cuda.graph_pool_handle()
     let capturing = stream.id();
     pool.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
@@ -221,7 +221,7 @@ async fn readme_checkpoints_of_a_capture_pool() -> Result {
     use pinpool::DeviceAllocator;
 
     let pool = DeviceAllocator::builder().build()?;
-    let stream = pool.runtime().stream();
+    let stream = pool.runtime().new_stream()?;
     let id = pinpool::PoolId::fresh();
     let s = stream.id();
     pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
@@ -250,7 +250,7 @@ async fn readme_snapshot_for_the_memory_visualizer() -> Result {
 
     let pool = DeviceAllocator::builder().build()?;
     pool.record_history(true, 100_000, HistoryContext::Alloc)?; // device_traces, with frames
-    let stream = pool.runtime().stream();
+    let stream = pool.runtime().new_stream()?;
     let buf = pool.alloc(1 << 20, &stream).await?;
     let bytes = pool.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
     assert_eq!(&bytes[..2], &[0x80, 2]);
@@ -344,6 +344,23 @@ fn documented_files() -> Vec<std::path::PathBuf> {
     pages.sort();
     files.extend(pages);
     files
+}
+
+#[test]
+fn the_readme_says_to_run_programs_with_release_and_runs_every_example_so() {
+    let readme = include_str!("../../README.md");
+    assert!(
+        readme.contains("Run the examples, the benchmarks and your own programs with `--release`"),
+        "the README says to build programs with --release"
+    );
+    for line in readme.lines().filter(|l| l.contains("cargo run")) {
+        if line.trim_start().starts_with("cargo run") {
+            assert!(
+                line.contains("--release"),
+                "a debug run in the README: {line}"
+            );
+        }
+    }
 }
 
 #[test]

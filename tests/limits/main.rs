@@ -11,3 +11,4 @@ mod limits_driver_oom;
 mod limits_waiting;
 mod liveness;
 mod liveness_sets;
+mod long_waits;

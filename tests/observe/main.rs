@@ -10,5 +10,6 @@ mod html_history_page;
 mod observers_callbacks;
 mod replay_tool;
 mod snapshot_contents;
+mod stats_add_up;
 mod torch_snapshot;
 mod trace_parse;

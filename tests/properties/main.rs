@@ -6,3 +6,4 @@
 
 mod fuzz_inputs;
 mod model;
+mod stats_invariants;

@@ -35,6 +35,7 @@ use crate::actors::blocking::may_block;
 use crate::actors::budget::Budget;
 use crate::actors::error::{Error, OomCause};
 use crate::actors::lease::Lease;
+use crate::actors::long_wait;
 use crate::actors::miss::{Tried, Wait};
 use crate::actors::runtime::Runtime;
 
@@ -123,7 +124,7 @@ pub(crate) async fn alloc_many<R: Runtime>(
             return Err(no_room_now(wants, &budgets));
         }
     }
-    let work = wait_for_all(wants, &order, &budgets);
+    let work = looked_at(wait_for_all(wants, &order, &budgets), wants, &budgets);
     match timeout {
         None => work.await,
         Some(d) => match tokio::time::timeout(d, work).await {
@@ -245,15 +246,15 @@ async fn try_all<R: Runtime>(
     order: &[usize],
     empty: bool,
 ) -> Result<Result<Vec<Lease<R>>, Vec<(u64, u64)>>, Error> {
-    let mut got: Vec<Option<Lease<R>>> = wants.iter().map(|_| None).collect();
+    let mut got = Taken(wants.iter().map(|_| None).collect());
     for &i in order {
         let w = &wants[i];
         match w.engine.try_once(w.size, w.stream, empty).await {
-            Ok(lease) => got[i] = Some(lease),
+            Ok(lease) => got.0[i] = Some(lease),
             Err(Tried::Failed(e)) => return Err(e),
             Err(Tried::NoRoom) => {
                 let mut gave: Vec<(u64, u64)> = Vec::new();
-                for (j, lease) in got.iter().enumerate() {
+                for (j, lease) in got.0.iter().enumerate() {
                     if lease.is_some() && wants[j].size > 0 {
                         let id = wants[j].engine.budget().id;
                         match gave.iter_mut().find(|(b, _)| *b == id) {
@@ -268,7 +269,59 @@ async fn try_all<R: Runtime>(
             }
         }
     }
-    Ok(Ok(got.into_iter().flatten().collect()))
+    Ok(Ok(std::mem::take(&mut got.0)
+        .into_iter()
+        .flatten()
+        .collect()))
+}
+
+/// The buffers a try has taken so far. Unless the try took them all and handed them out,
+/// they go back as if never lent ([`Lease::roll_back`]: the statistics count what requesters
+/// received), also when the request is dropped halfway.
+struct Taken<R: Runtime>(Vec<Option<Lease<R>>>);
+
+impl<R: Runtime> Drop for Taken<R> {
+    fn drop(&mut self) {
+        for lease in self.0.drain(..).flatten() {
+            lease.roll_back();
+        }
+    }
+}
+
+/// `wait`, the wait of a request for `wants`, given its one look under each of `budgets`
+/// once it has waited [`long_wait::AFTER`]: a warning, or a refusal where it waits on memory
+/// only its own task holds (see `long_wait`; the request itself holds nothing while it
+/// waits, so only buffers its task took before count).
+async fn looked_at<R: Runtime>(
+    wait: impl Future<Output = Result<Vec<Lease<R>>, Error>>,
+    wants: &[Want<'_, R>],
+    budgets: &[&Arc<Budget>],
+) -> Result<Vec<Lease<R>>, Error> {
+    let mut wait = std::pin::pin!(wait);
+    // Without a tokio runtime to time it (another executor polls the request): no look.
+    if tokio::runtime::Handle::try_current().is_err() {
+        return wait.await;
+    }
+    if let Ok(done) = tokio::time::timeout(long_wait::AFTER, wait.as_mut()).await {
+        return done;
+    }
+    for b in budgets {
+        let mine = || {
+            wants
+                .iter()
+                .filter(|w| w.engine.budget().id == b.id && w.size > 0)
+        };
+        let Some(first) = mine().next() else {
+            continue;
+        };
+        let need = mine()
+            .filter_map(|w| w.engine.policy().class_of(w.size))
+            .map(|c| c.size)
+            .sum();
+        let requested = mine().map(|w| w.size).sum();
+        long_wait::look(first.engine.default_pool(), need, requested, false).await?;
+    }
+    wait.await
 }
 
 /// Counts the request among the waiters of each of its budgets while it lives: frees under

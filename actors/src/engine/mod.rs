@@ -406,8 +406,9 @@ impl<R: Runtime> Engine<R> {
     /// runs a current-thread runtime's tasks would block, it fails with
     /// [`Error::WouldDeadlock`] naming `call` (the public blocking call, and the async call
     /// to use instead); on a multi-thread runtime's threads it blocks inside
-    /// `block_in_place` (see [`crate::actors::blocking`]). The cached path never blocks and checks
-    /// nothing.
+    /// `block_in_place` (see [`crate::actors::blocking`]). The thread is looked at first, so a
+    /// request the cached path would serve is refused where a miss would be: a call behaves
+    /// the same whether or not the cache is warm.
     pub(crate) fn alloc_blocking_with(
         &self,
         size: usize,
@@ -415,12 +416,11 @@ impl<R: Runtime> Engine<R> {
         wait: Wait,
         call: (&'static str, &'static str),
     ) -> Result<Lease<R>, Error> {
-        // Only a request the cached path cannot serve blocks: the thread is looked at then.
+        let blocking = may_block(call.0, call.1)?;
         let step = match self.step(size, stream)? {
             Step::Ready(lease) => return Ok(lease),
             step => step,
         };
-        let blocking = may_block(call.0, call.1)?;
         blocking.run(|| run_here(self.serve(step, size, wait, Who::Thread)))
     }
 
@@ -474,7 +474,7 @@ impl<R: Runtime> Engine<R> {
 
     /// Frees every cached block of the default pool and of released capture pools (kept
     /// blocks of released pools too); blocks in use or waiting on events are untouched. The
-    /// pools forget what their layouts learned from requests (see `PoolMsg::EmptyCache`).
+    /// pools forget what their layouts learned from requests.
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
         let mut report = EmptyReport::default();
         for rx in self.ask_default_pools_to_empty()? {
