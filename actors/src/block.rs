@@ -653,9 +653,9 @@ impl<R: Runtime> Pool<R> {
     /// Whether the block is a large piece that fills less than 3/4 of its carved segment: on
     /// free it goes back into its segment at once, to coalesce with its neighbours. Larger
     /// pieces, pieces recalled to the range their class just gave back, and pieces of the
-    /// expandable range that threads merge themselves (`Carving::arena_cached_up_to`) stay
-    /// on the cached path like whole segments: a request of their class that comes back
-    /// again and again is served without the pool actor.
+    /// expandable range up to `Carving::arena_cached_up_to` stay on the cached path like
+    /// whole segments: a request of their class that comes back again and again is served
+    /// without the pool actor.
     #[inline]
     pub(crate) fn large_piece(&self, block: &Block<R>) -> bool {
         block.size > self.absorb_above

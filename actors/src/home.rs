@@ -92,7 +92,7 @@ pub(crate) struct Home<R: Runtime, B> {
     /// A thread's split leaves a rest under `1 / keep_rest_under` of the block with the
     /// request (0: never; see `Carving::keep_rest_under`).
     pub(crate) keep_rest_under: usize,
-    /// Splits and merges made by threads, for the actor to book (see [`Note`]). A lock-free
+    /// Splits made by threads, for the actor to book (see [`Note`]). A lock-free
     /// queue: a splitting thread and the booking actor never wait on one lock (a channel's
     /// lock, taken by both for every note, was a tenth of the mixed sizes loop).
     notes: SegQueue<Note>,
@@ -196,7 +196,7 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
     }
 }
 
-/// How many notes of splits and merges a thread sends before it asks the actor to book them.
+/// How many notes of splits a thread sends before it asks the actor to book them.
 const NOTE_BATCH: usize = 64;
 
 thread_local! {
@@ -383,7 +383,7 @@ impl<R: Runtime, B> Home<R, B> {
         })
     }
 
-    /// Tells the actor that a thread split or merged ready blocks (before any part can come
+    /// Tells the actor that a thread split a ready block (before any part can come
     /// back).
     pub(crate) fn note(&self, note: Note) {
         self.notes.push(note);
@@ -397,7 +397,7 @@ impl<R: Runtime, B> Home<R, B> {
         }
     }
 
-    /// The splits and merges made since the last look (for the actor's books).
+    /// The splits made since the last look (for the actor's books).
     pub(crate) fn notes(&self) -> impl Iterator<Item = Note> + '_ {
         // Those queued now: a thread that keeps splitting does not keep the actor booking.
         let queued = self.notes.len();

@@ -139,7 +139,7 @@ pub struct Carving {
 }
 
 impl Carving {
-    /// The largest ready block a thread splits, or merges up to, without the pool actor:
+    /// The largest ready block a thread splits without the pool actor:
     /// `thread_limit`, and never past `max_split`.
     pub(crate) fn thread_split_limit(&self) -> usize {
         self.thread_limit.min(self.max_split)
@@ -183,9 +183,9 @@ impl Carving {
     }
 }
 
-/// How large a ready block [`BestFit`]'s threads split and merge on their own (in the
-/// expandable range): a request up to this size whose class is empty is served from the
-/// thread's cached blocks, merged where they lie side by side, without the pool actor.
+/// How large a ready block [`BestFit`]'s threads split on their own: a request up to this
+/// size whose class is empty may be served from a larger block of the thread's cache,
+/// without the pool actor.
 const BEST_FIT_THREAD_LIMIT: usize = 4 << 20;
 
 /// Blocks larger than this take [`BestFit`] separate segments, even with an expandable
@@ -243,17 +243,15 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// even when the free bytes add up to more than it asks for.
 ///
 /// Either way, freed small blocks stay on the cached path, and so do large ones that fill
-/// their segment and, in the expandable range, those up to 4 MiB; other pieces go back into
-/// their segment or range at once, so that they coalesce. A request whose class is empty is
-/// served on its thread where it can be: a larger ready block of the thread's is split for
-/// it (a rest under an eighth of the block stays with the request), or (in the expandable
-/// range) the thread's ready blocks that lie side by side are merged, up to 4 MiB, and the
-/// smallest that holds it is split; only then does it ask the pool actor. Blocks larger
-/// than 512 MiB take separate segments even in the expandable range (fresh, one allocation
-/// instead of many granules). A miss whose class last gave back a range that is still wholly free (and
-/// mapped) takes that range again without draining the ready queues, and that block then
-/// stays on the cached path: a thread looping over one size stops asking the pool actor
-/// after its second request.
+/// their segment; other pieces go back into their segment or range at once, so that they
+/// coalesce (in the expandable range, a piece the pool actor placed into free memory it
+/// filled exactly is held by the freeing thread until its next request of that size or its
+/// next miss). A request whose class is empty is served on its thread where it can be: a
+/// larger ready block of the thread's is split for it (a rest under an eighth of the block
+/// stays with the request); only then does it ask the pool actor, which places it best-fit.
+/// Blocks larger than 512 MiB take separate segments even in the expandable range (fresh,
+/// one allocation instead of many granules). The reserve cap is kept inside bursts of
+/// requests too: idle granules move, or go back, before fresh memory is mapped over it.
 ///
 /// ```
 /// use pinpool::tuning::{BestFit, SizePolicy};

@@ -8,8 +8,9 @@
 use std::future::Future;
 
 /// Runs `fut` as a task named `name` on a single-threaded runtime of its own, on a thread of
-/// its own, until it ends; where no thread or runtime can be made, on `handle` instead.
-/// The task's timers and blocking work use that runtime.
+/// its own, until it ends or `handle`'s runtime shuts down (then the task is dropped, as a
+/// task of that runtime would be, and the thread ends); where no thread or runtime can be
+/// made, on `handle` instead. The task's timers and blocking work use its own runtime.
 pub(crate) fn spawn_on_own_thread<F>(name: &str, handle: &tokio::runtime::Handle, fut: F)
 where
     F: Future<Output = ()> + Send + 'static,
@@ -26,6 +27,10 @@ where
             return;
         }
     };
+    // A task of `handle`'s runtime holds `alive` until the actor is done: dropped with that
+    // runtime, it tells the actor's thread to drop the actor too.
+    let (alive, gone) = tokio::sync::oneshot::channel::<()>();
+    let (done, finished) = tokio::sync::oneshot::channel::<()>();
     // The future moves to the thread through a one-shot hand-over, so that it is still
     // here to spawn on `handle` should the thread not start.
     let (tx, rx) = std::sync::mpsc::sync_channel::<F>(1);
@@ -39,12 +44,22 @@ where
             runtime.block_on(async move {
                 let h = tokio::runtime::Handle::current();
                 if let Some(join) = spawn_named(&task, &h, fut) {
-                    let _ = join.await;
+                    tokio::select! {
+                        _ = join => {}
+                        _ = gone => {}
+                    }
                 }
             });
+            // Drops the actor's task, if it still runs, with its runtime.
+            drop(runtime);
+            let _ = done.send(());
         });
     match started {
         Ok(_) => {
+            handle.spawn(async move {
+                let _alive = alive;
+                let _ = finished.await;
+            });
             let _ = tx.send(fut);
         }
         Err(e) => {
