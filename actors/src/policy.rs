@@ -107,8 +107,8 @@ pub struct Carving {
     /// the memory limit, cached memory nobody uses goes back first (PyTorch's
     /// `garbage_collection_threshold`; only under a limit).
     pub(crate) gc_threshold_permille: Option<u32>,
-    /// In the arena, place a block where it strands the least of the granules it touches
-    /// (see `Arena::place`): fewer granules mapped for the same blocks.
+    /// In the arena, place a small block where it strands the least of the granules it
+    /// touches (see `Arena::place`): fewer granules mapped for the same blocks.
     pub(crate) pack_granules: bool,
     /// Where the memory source unmaps only whole map calls, runs of at least this many
     /// bytes are mapped by one call (fast: one piece of memory) and shorter runs in units of
