@@ -204,9 +204,8 @@ async fn misses_of_a_repeated_round(
     unreachable!()
 }
 
-/// With a thread cache, a thread keeps the large blocks it frees (up to the cache's size),
-/// one of a size class: a repeated round of requests of as many classes as blocks is
-/// served from the thread's slots.
+/// With a thread cache, a thread keeps the large blocks it frees (up to the cache's size):
+/// a repeated round of requests is served from the thread's slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_thread_cache_a_repeated_round_of_large_requests_is_served_without_the_pool_actor() {
     // Five sizes of five size classes.
@@ -225,14 +224,20 @@ async fn with_a_thread_cache_a_repeated_round_of_large_requests_is_served_withou
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
 
-/// With a thread cache, a thread keeps one freed block of a size class; a second one of the
-/// class goes home to the pool actor, which answers the request for it again.
+/// With a thread cache, a thread keeps every block it frees up to the cache's size, as it
+/// keeps small ones: the first of a size class in its slot, the next ones in its queue. A
+/// larger block goes home to the pool actor, which answers the request for it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_a_thread_cache_a_thread_keeps_one_block_of_a_class_and_the_next_goes_home() {
-    let sizes = [8 * MIB, 8 * MIB, 3 * MIB];
+async fn with_a_thread_cache_a_thread_keeps_every_block_it_frees_up_to_the_caches_size_two_of_a_class_too(
+) {
+    let sizes = [8 * MIB, 8 * MIB, 3 * MIB, 40 * MIB];
     let (pool, sim) = thread_cached_pool(32);
     let s = sim.stream();
-    assert_eq!(misses_of_a_repeated_round(&pool, &s, &sizes).await, 1);
+    assert_eq!(
+        misses_of_a_repeated_round(&pool, &s, &sizes).await,
+        1,
+        "only the block above the cache's size asked the pool actor"
+    );
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
 

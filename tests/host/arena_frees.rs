@@ -1,9 +1,9 @@
 //! Where freed blocks of an expandable range go (`BestFit`'s default layout), and what a
-//! miss may take. Threads neither split nor merge such blocks: the pool actor places every
-//! block best-fit in memory it keeps coalesced. Pinned down here:
-//! - a freed small block (up to 1 MiB) stays in its thread's slot for its class when that
-//!   slot is empty, and goes home to the pool actor otherwise, where it coalesces with its
-//!   free neighbours;
+//! miss may take. Threads may split a ready block for a request but never merge blocks:
+//! merging is the pool actor's, which places every block it cuts best-fit in memory it
+//! keeps coalesced. Pinned down here:
+//! - every small block (up to 1 MiB) a thread frees stays with that thread (its slot for the
+//!   class, then its queue), and its requests take them back without the pool actor;
 //! - a freed large block goes home, unless the actor placed it into free mapped memory that
 //!   it filled exactly: its thread then holds it until a request of its size takes it back
 //!   (no actor involved), or until the thread's next miss sends it home;
@@ -73,7 +73,8 @@ fn small_granule(
 }
 
 #[test]
-fn a_second_freed_small_block_of_a_class_goes_home_and_coalesces_with_its_free_neighbour() {
+fn every_small_block_a_thread_frees_stays_with_it_a_second_of_a_class_too_until_the_pool_would_grow(
+) {
     let (pool, sim, _rt) = arena_pool();
     // p (512 KiB) at the top; b, c (256 KiB) and d, e (512 KiB) side by side below it.
     let mut g = small_granule(
@@ -87,29 +88,45 @@ fn a_second_freed_small_block_of_a_class_goes_home_and_coalesces_with_its_free_n
         g.pop().unwrap(),
         g.pop().unwrap(),
     );
-    let (at_b, at_c, at_p) = (addr(&b), addr(&c), addr(&p));
+    let (at_b, at_c, at_d, at_p) = (addr(&b), addr(&c), addr(&d), addr(&p));
     let allocs = sim.total_host_allocs();
-    // The first of each class fills this thread's empty slot; the second goes home, and
-    // `c` and `d`, side by side, coalesce there.
-    drop((p, b));
-    drop((c, d));
+    // The first of each class fills this thread's slot, the second its queue: none goes home.
+    drop((p, b, c, d));
     let misses = pool.stats().num_misses;
-    let both = pool.alloc_blocking(768 * KIB).unwrap();
-    assert_eq!(addr(&both), at_c, "the two blocks that went home, as one");
-    assert_eq!(
-        pool.stats().num_misses,
-        misses + 1,
-        "placed by the pool actor"
-    );
-    assert_eq!(sim.total_host_allocs(), allocs, "no fresh memory");
-    // The first of each class is still in this thread's slots: served without the actor.
-    let again = (
+    let again = [
+        pool.alloc_blocking(256 * KIB).unwrap(),
         pool.alloc_blocking(256 * KIB).unwrap(),
         pool.alloc_blocking(512 * KIB).unwrap(),
+        pool.alloc_blocking(512 * KIB).unwrap(),
+    ]
+    .map(|b| (addr(&b), b));
+    assert_eq!(
+        pool.stats().num_misses,
+        misses,
+        "all four served without the pool actor"
     );
-    assert_eq!((addr(&again.0), addr(&again.1)), (at_b, at_p));
-    assert_eq!(pool.stats().num_misses, misses + 1);
-    drop((both, again, e));
+    let mut at: Vec<usize> = again.iter().map(|(a, _)| *a).collect();
+    at.sort_unstable();
+    let mut want = vec![at_b, at_c, at_d, at_p];
+    want.sort_unstable();
+    assert_eq!(at, want, "this thread's own blocks");
+    // Freed again, they stay with this thread until a request only fresh memory would
+    // serve: 768 KiB. Then they all come home, and b, c and d, side by side, coalesce.
+    drop(again);
+    let both = pool.alloc_blocking(768 * KIB).unwrap();
+    assert_eq!(addr(&both), at_b, "the thread's own blocks, coalesced");
+    assert_eq!(sim.total_host_allocs(), allocs, "no fresh memory");
+    // The queued blocks came home too: the next 512 KiB asks the pool actor, which places
+    // it at the top of the range, where p was.
+    let misses = pool.stats().num_misses;
+    let top = pool.alloc_blocking(512 * KIB).unwrap();
+    assert!(
+        pool.stats().num_misses > misses,
+        "nothing left with the thread"
+    );
+    assert_eq!(addr(&top), at_p);
+    assert_eq!(sim.total_host_allocs(), allocs, "no fresh memory");
+    drop((both, top, e));
 }
 
 /// Three large blocks side by side from the start of the range: 2, 3 and 3 MiB, filling

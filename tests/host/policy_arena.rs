@@ -160,21 +160,24 @@ async fn under_a_memory_limit_idle_granules_are_room_for_a_request_larger_than_a
     assert_books_balance(&pool, &sim, 0).await;
 }
 
-/// Sixteen 1 MiB blocks (small ones: side by side downwards from the top of the range), of
-/// which those in granules 0, 2, 5 and 7 counted from the top are kept, each filled at its
-/// start with its own byte; granules 1, 3, 4 and 6 are touched by no block. Peak live is
-/// 16 MiB, so `BestFit`'s cap allows at most 18.4 MiB reserved.
+/// Eight 2 MiB blocks (large ones: side by side from the start of the range, one to a
+/// granule), of which those in granules 0, 2, 5 and 7 are kept, each filled at its start
+/// with its own byte. The others go home to the pool actor as they are freed (a thread
+/// keeps only small blocks), so granules 1, 3, 4 and 6 are touched by no block. Peak live
+/// is 16 MiB, so `BestFit`'s cap allows at most 18.4 MiB reserved.
 async fn four_blocks_around_idle_granules(
     pool: &PinnedAllocator<SimRuntime>,
     sim: &SimRuntime,
 ) -> Vec<(PinnedBuffer<SimRuntime>, u8)> {
     let mut blocks = Vec::new();
-    for _ in 0..16 {
-        blocks.push(pool.alloc(MIB).await.unwrap());
+    for _ in 0..8 {
+        blocks.push(pool.alloc(GRANULE).await.unwrap());
     }
+    let base = blocks[0].as_ptr() as usize;
     let mut kept = Vec::new();
     for (i, b) in blocks.into_iter().enumerate() {
-        if [0, 5, 10, 15].contains(&i) {
+        assert_eq!(b.as_ptr() as usize, base + i * GRANULE, "one to a granule");
+        if [0, 2, 5, 7].contains(&i) {
             sim.host_write(b.as_ptr() as *mut u8, &[i as u8; 64])
                 .unwrap();
             kept.push((b, i as u8));
@@ -208,8 +211,8 @@ async fn over_the_reserve_cap_idle_granules_move_where_a_request_needs_them_inst
     let kept = four_blocks_around_idle_granules(&pool, &sim).await;
     let (maps, before) = (sim.total_host_allocs(), pool.stats());
     assert_eq!(before.allocated_bytes.current, 8 * GRANULE as i64);
-    // No mapped free range holds 6 MiB: three granules of the lower zone are needed, which
-    // would take 22 MiB. Idle granules move there (at least two, to stay under the cap); any
+    // No mapped free range holds 6 MiB (the largest, granules 3 and 4, holds 4): three
+    // granules past the last block are needed, which would take 22 MiB. Idle granules move there (at least two, to stay under the cap); any
     // other is mapped fresh.
     let big = pool.alloc(6 * MIB).await.unwrap();
     let moved = sim.total_host_remaps();

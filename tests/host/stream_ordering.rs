@@ -2,11 +2,14 @@
 //! The simulated streams run copies when they reach them and report a copy whose source
 //! bytes changed before it ran (early reuse) as a violation.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use pinpool::sim::SimDeviceBuffer;
-use pinpool::Error;
-use pinpool_testkit::{assert_books_balance, eventually, sim_pool};
+use pinpool::sim::{SimDeviceBuffer, SimRuntime, SimStream};
+use pinpool::tuning::{SizeClass, SizePolicy, TieredPowerOfTwo};
+use pinpool::{Builder, Error, PinnedAllocator};
+use pinpool_testkit::{assert_books_balance, eventually, eventually_blocking, sim_pool};
 
 #[tokio::test]
 async fn a_buffer_whose_copy_is_still_queued_is_not_handed_out_again() {
@@ -245,4 +248,122 @@ async fn random_stream_delays_never_lead_to_early_reuse() {
         s.synchronize().unwrap();
     }
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
+/// Set once a [`SlowToDrop`] begins to drop.
+static DROPPING: AtomicBool = AtomicBool::new(false);
+
+/// `TieredPowerOfTwo`'s classes, in a policy that takes half a second to drop: the thread
+/// that drops its last reference stands still there, as a thread the system deschedules.
+struct SlowToDrop(TieredPowerOfTwo);
+
+impl SizePolicy for SlowToDrop {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn num_classes(&self) -> usize {
+        self.0.num_classes()
+    }
+    fn class_of(&self, size: usize) -> Option<SizeClass> {
+        self.0.class_of(size)
+    }
+    fn max_request(&self) -> usize {
+        self.0.max_request()
+    }
+}
+
+impl Drop for SlowToDrop {
+    fn drop(&mut self) {
+        DROPPING.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// A pinned allocator over `sim` whose actors (its event poller among them) run on `rt`.
+fn pool_on(
+    rt: &tokio::runtime::Runtime,
+    sim: &SimRuntime,
+    policy: Arc<dyn SizePolicy>,
+) -> PinnedAllocator<SimRuntime> {
+    Builder::new(Arc::new(sim.clone()))
+        .policy(policy)
+        .handle(rt.handle().clone())
+        .shards(1024)
+        .build()
+        .unwrap()
+}
+
+/// Allocates 1 MiB, records `stream` on it and frees it while the stream is busy: the
+/// block is parked in this thread's shard with an event that has completed on return.
+fn free_parked(pool: &PinnedAllocator<SimRuntime>, stream: &SimStream) {
+    let mut b = pool.alloc_blocking(1 << 20).unwrap();
+    b.record_stream(stream).unwrap();
+    let hold = stream.hold();
+    drop(b);
+    drop(hold);
+    stream.synchronize().unwrap();
+}
+
+/// Invariant 3 while the event poller brings a block home: it finds the block's events
+/// completed, stops counting it as waiting, and only then puts it back into the ready
+/// queues. A miss that comes in between must not take fresh memory: the block is of its
+/// class and reusable. Here the poller stands still in between (it lets go of pools it no
+/// longer needs there, one of which is slow to drop), as a descheduled thread would; the
+/// request misses the block in its parked slot and asks the pool actor.
+#[test]
+fn a_miss_while_the_poller_brings_a_completed_block_home_takes_that_block_not_fresh_memory() {
+    // The poller runs on a runtime driven by a thread of its own, beside the requests.
+    let rt = Arc::new(
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap(),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let driver = {
+        let rt = rt.clone();
+        std::thread::spawn(move || rt.block_on(stopped).ok())
+    };
+    // Eight other allocators on that runtime, each of whose poller brought a block home
+    // before it went: the poller's thread still holds their pools (`keepalive`), and lets
+    // them go when it next brings home a block of a pool it does not hold yet. The first
+    // one's policy is slow to drop.
+    let slow = Arc::new(SlowToDrop(TieredPowerOfTwo::default()));
+    let last = Arc::downgrade(&slow);
+    let mut slow = Some(slow);
+    for _ in 0..8 {
+        let policy: Arc<dyn SizePolicy> = match slow.take() {
+            Some(s) => s,
+            None => Arc::new(TieredPowerOfTwo::default()),
+        };
+        let rt = rt.clone();
+        // On a thread that then exits: it lets go of the pools it held across its frees.
+        std::thread::spawn(move || {
+            let sim = SimRuntime::new();
+            let other = pool_on(&rt, &sim, policy);
+            free_parked(&other, &sim.stream());
+            eventually_blocking("the poller brought the block home", || {
+                other.stats().waiting_blocks == 0
+            });
+        })
+        .join()
+        .unwrap();
+    }
+    eventually_blocking("only the poller's thread holds the slow pool", || {
+        last.strong_count() == 1
+    });
+    // A block of this pool freed on a stream that then ran its work: the poller brings it
+    // home, standing still on the way, while this thread asks for the same size again.
+    let sim = SimRuntime::new();
+    let pool = pool_on(&rt, &sim, Arc::new(TieredPowerOfTwo::default()));
+    let stream = sim.stream();
+    free_parked(&pool, &stream);
+    std::thread::sleep(Duration::from_millis(100));
+    let again = pool.alloc_blocking(1 << 20).unwrap();
+    let (allocs, stood_still) = (sim.total_host_allocs(), DROPPING.load(Ordering::SeqCst));
+    drop(again);
+    let _ = stop.send(());
+    driver.join().unwrap();
+    assert!(stood_still, "the poller stood still on its way home");
+    assert_eq!(allocs, 1, "fresh memory while a completed block came home");
 }

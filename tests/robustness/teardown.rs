@@ -360,3 +360,35 @@ fn buffers_dropped_on_other_threads_while_the_runtime_shuts_down_all_come_back()
         assert_all_memory_back(&sim);
     }
 }
+
+/// The tokio runtime shut down while the pool actor waits for the memory source to unmap
+/// idle memory (here an empty-cache's unmap, which waits for the device's queued work):
+/// the actor goes at that wait, the unmap still runs, and what it unmapped must not be
+/// unmapped again when the range goes back with its last block.
+#[test]
+fn shutting_the_runtime_down_while_the_pool_actor_waits_for_an_unmap_unmaps_nothing_twice() {
+    let rt = multi_thread(2);
+    let sim = SimRuntime::new();
+    let pool = pinpool::DeviceBuilder::new(Arc::new(sim.clone()))
+        .handle(rt.handle().clone())
+        .build()
+        .unwrap();
+    let s = sim.stream();
+    // A live block, and an idle one beside it: its granules are idle once it is freed.
+    let live = pool.alloc_blocking(4 * MIB, &s).unwrap();
+    drop(pool.alloc_blocking(8 * MIB, &s).unwrap());
+    // Work queued on the device: an unmap waits for it.
+    let busy = sim.stream();
+    busy.delay(Duration::from_millis(500));
+    let p = pool.clone();
+    let emptying = std::thread::spawn(move || p.empty_cache_blocking());
+    // The pool actor is waiting for the unmap of the idle granules.
+    std::thread::sleep(Duration::from_millis(100));
+    drop(rt);
+    let _ = emptying.join().unwrap();
+    drop(pool);
+    drop(live);
+    busy.synchronize().unwrap();
+    eventually_blocking("all device memory back", || sim.device_used(0) == Some(0));
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
