@@ -41,6 +41,17 @@ impl ArenaMap {
         set_bit(&self.mapped, granule, mapped);
     }
 
+    /// Marks the granules of `[offset, offset + len)` unmapped, where the unmap runs: whoever
+    /// drops the segment last must not unmap them again, even if the pool actor is gone
+    /// before it books the unmap itself.
+    pub(crate) fn clear(&self, offset: usize, len: usize) {
+        let g = self.granule.max(1);
+        for i in offset / g..(offset + len) / g {
+            self.set(i, false);
+            self.set_start(i, false);
+        }
+    }
+
     /// Marks `granule` as the first of a map call's run (or not).
     pub(crate) fn set_start(&self, granule: usize, start: bool) {
         set_bit(&self.starts, granule, start);

@@ -843,7 +843,7 @@ impl<R: Runtime> PoolActor<R> {
         let t0 = Instant::now();
         let job = self.start_off_executor(move || {
             let mut done = Vec::new();
-            for (o, l, unit) in runs {
+            for &(o, l, unit) in &runs {
                 if let Err(e) = shared.map_now(&segment.memory, o, l, unit) {
                     // All or nothing: what this call mapped goes back (and its bytes to
                     // the budget, as `unmap_now` does).
@@ -852,6 +852,11 @@ impl<R: Runtime> PoolActor<R> {
                         if shared.unmap_unused_now(&segment.memory, o, l).is_ok() {
                             released += l;
                         }
+                    }
+                    // Out of the segment's map here, not after the await: the actor may be
+                    // gone by then, and the segment's drop must not unmap these.
+                    if let Some(m) = segment.arena_map() {
+                        runs.iter().for_each(|&(o, l, _)| m.clear(o, l));
                     }
                     return Err((e, released));
                 }
@@ -1115,6 +1120,9 @@ impl<R: Runtime> PoolActor<R> {
             let mut gone = Vec::new();
             for (o, l) in runs {
                 if shared.unmap_now(&segment.memory, o, l).is_ok() {
+                    if let Some(m) = segment.arena_map() {
+                        m.clear(o, l);
+                    }
                     gone.extend((o / granule)..(o + l) / granule);
                 }
             }
