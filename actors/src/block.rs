@@ -419,10 +419,18 @@ impl<R: Runtime> Block<R> {
         self.pool.stats.deactivate(self.shard, self.size);
     }
 
-    /// A block whose events have all completed becomes reusable.
+    /// A block whose events have all completed becomes reusable. It counts as waiting until
+    /// it is back where requests find it: a miss in between flushes the events (and so waits
+    /// for whoever brings it back) rather than taking fresh memory (invariant 3).
     pub(crate) fn returned_from_waiting(mut self: Box<Self>) {
-        self.leave_waiting();
+        debug_assert!(self.events.get_mut().is_empty() && self.streams.is_empty());
+        let (pool, size) = (self.pool.clone(), self.size as i64);
+        self.free_completed();
+        self.state = BlockState::InUse;
         give_back(self);
+        pool.stats.waiting_bytes.fetch_sub(size, Ordering::Relaxed);
+        // Release: a miss that reads the count after this finds the block where it went.
+        pool.stats.waiting_blocks.fetch_sub(1, Ordering::Release);
     }
 
     /// A block that no actor can take any more (its tokio runtime is gone): free it here when

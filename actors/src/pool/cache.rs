@@ -55,7 +55,7 @@ impl<R: Runtime> PoolActor<R> {
             return self.miss_carved(class).await;
         }
         // Invariant 3: notice completed events before taking fresh memory.
-        if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
+        if self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
             self.flush_events().await;
             if let Some(b) = self.shared.ready.take(class) {
                 return Ok(b);
@@ -145,7 +145,7 @@ impl<R: Runtime> PoolActor<R> {
         forget: bool,
         upto: usize,
     ) -> EmptyReport {
-        if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
+        if self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
             self.flush_events().await;
         }
         let blocks = self.shared.ready.drain();

@@ -494,7 +494,7 @@ impl<R: Runtime> PoolActor<R> {
         if let Some(b) = self.carve_block(class, false) {
             return Ok(b);
         }
-        if self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
+        if self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
             self.flush_events().await;
             self.absorb_ready();
             if let Some(b) = self.carve_block(class, false) {
@@ -590,7 +590,7 @@ impl<R: Runtime> PoolActor<R> {
             .arena
             .as_mut()?
             .place(class.size, pack)?;
-        if !placed.1.is_empty() && self.shared.stats.waiting_blocks.load(Ordering::Relaxed) > 0 {
+        if !placed.1.is_empty() && self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
             let arena = self.carved.as_mut()?.arena.as_mut()?;
             if let Err(e) = arena.release(placed.0) {
                 tracing::error!(?e, "arena piece could not be taken back; range leaked");
