@@ -225,6 +225,8 @@ async fn a_snapshot_lists_each_segment_with_its_carved_blocks_and_free_ranges() 
     hold.release();
     stream.synchronize().unwrap();
     drop(a);
+    // Quiescent once the event poller has brought `b` home.
+    pinpool_testkit::eventually("b came home", || pool.stats().waiting_blocks == 0).await;
     assert_books_balance(&pool, &sim, 0).await;
 }
 
