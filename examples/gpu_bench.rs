@@ -209,16 +209,20 @@ fn mixed_sizes<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
     let mut held: Vec<_> = (0..64)
         .map(|i| pool.alloc_blocking(size(n + i)).expect("alloc"))
         .collect();
-    let fresh_before = pool.stats().num_host_alloc;
+    let before = pool.stats();
     let t0 = Instant::now();
     for i in 0..n {
         held[i % 64] = pool.alloc_blocking(size(i)).expect("alloc");
     }
     let ns = ns_per(t0, n as u64);
     println!("pinpool mixed_sizes_ns_per_request held=64 {ns:.1}");
+    let after = pool.stats();
     eprintln!(
-        "  (fresh allocations during the mixed sizes loop: {})",
-        pool.stats().num_host_alloc - fresh_before
+        "  (during the mixed sizes loop: {} fresh allocations, {:.2} misses a request, {:.1} us waited and {:.1} us served a miss)",
+        after.num_host_alloc - before.num_host_alloc,
+        (after.num_misses - before.num_misses) as f64 / n as f64,
+        (after.miss_wait_ns - before.miss_wait_ns) as f64 / 1e3 / (after.num_misses - before.num_misses).max(1) as f64,
+        (after.miss_serve_ns - before.miss_serve_ns) as f64 / 1e3 / (after.num_misses - before.num_misses).max(1) as f64
     );
 }
 

@@ -42,6 +42,9 @@ pub(crate) struct Ask {
     /// is `Refused::NeedRoom` even once the caches were emptied, never a final
     /// out-of-memory, and is not counted (the request waits, or fails, as a whole).
     pub(crate) quiet: bool,
+    /// When the requester sent it: the pool actor measures the gaps between requests from
+    /// here, not from when it noticed them (which, after it parked, adds its wake-up).
+    pub(crate) sent: std::time::Instant,
 }
 
 /// Why a pool did not hand out a block.

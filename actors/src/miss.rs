@@ -455,6 +455,7 @@ async fn miss_with<R: Runtime, W: Waiter>(
         holds: true,
         lends: waiter.lends(),
         quiet: plan.quiet,
+        sent: std::time::Instant::now(),
     };
     // A miss that returns, fails or is cancelled counts alike.
     let _timed = pool.stats.miss_wait.time();
@@ -464,6 +465,7 @@ async fn miss_with<R: Runtime, W: Waiter>(
     // taken again), then, if that was not enough, every cache.
     let mut partly = false;
     loop {
+        ask.sent = std::time::Instant::now();
         let rx = send_miss(pool, class, ask).map_err(Missed::Failed)?;
         let mut pending = Pending { pool, armed: true };
         let answer = if ask.emptied && plan.queue {

@@ -121,6 +121,12 @@ async fn reuse_waits_for_every_recorded_stream() {
 
     h2.release();
     s2.synchronize().unwrap();
+    // Wherever it is now (its parked slot, or on its way home with the event poller), the
+    // block is found once the poller is done with it.
+    eventually("the block is no longer waiting", || {
+        pool.stats().waiting_blocks == 0
+    })
+    .await;
     let c = pool.alloc(256).await.unwrap();
     assert_eq!(c.as_ptr(), first);
     drop((b, c));

@@ -413,10 +413,18 @@ impl<R: Runtime> PoolActor<R> {
     /// since the last answer and when this one was answered. Whether it was a request.
     async fn take_request(&mut self, msg: PoolMsg<Block<R>>) -> bool {
         let asked = answers_a_request(&msg);
-        if asked {
-            if let Some(at) = self.answered {
-                self.spin.gap(at.elapsed());
-            }
+        // From when a miss was sent: a wake-up of a parked actor is not a gap between
+        // requests (counted, it would keep the window shut once it had shut). A miss asked
+        // again (its thread's blocks sent home, or room made) is the same request.
+        let gap = match &msg {
+            PoolMsg::Miss { ask, .. } if ask.holds && !ask.emptied => self
+                .answered
+                .map(|at| ask.sent.saturating_duration_since(at)),
+            PoolMsg::Miss { .. } => None,
+            _ => self.answered.map(|at| at.elapsed()),
+        };
+        if let (true, Some(gap)) = (asked, gap) {
+            self.spin.gap(gap);
         }
         self.handle(msg).await;
         if asked {
