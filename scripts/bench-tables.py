@@ -69,7 +69,11 @@ def parse(path):
         impl, metric, keys, value = m.group(1), m.group(2), m.group(3).strip(), m.group(4)
         if "=" in impl or impl[0].isdigit():
             continue
-        rows.setdefault((metric, keys), OrderedDict())[impl] = float(value)
+        try:
+            number = float(value)
+        except ValueError:  # a version, say: "NVIDIA H200, 580.159.04"
+            continue
+        rows.setdefault((metric, keys), OrderedDict())[impl] = number
     return rows
 
 
