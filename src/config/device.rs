@@ -71,9 +71,9 @@ pub struct DeviceConfig {
     pub reserve_cap: Option<f64>,
     /// The longest a pool actor keeps polling for the next request after answering one
     /// (key `linger_us`, whole microseconds, at most 100 000; default 200). It polls for
-    /// twice the recent gap between requests when that is shorter, not at all when requests
-    /// come further apart; a request that finds the actor parked waits for its thread to
-    /// wake, tens of microseconds more (`device_bench`'s `dev_miss_us`).
+    /// twice the recent gap between requests, up to this, and not at all when requests come
+    /// on average further apart; a request that finds the actor parked waits for its thread
+    /// to wake, tens of microseconds more (`device_bench`'s `dev_miss_us`).
     pub linger: Duration,
     /// Caps each device's reserved bytes at this share of its memory (key
     /// `per_process_memory_fraction`, in (0, 1]; none by default), as
