@@ -208,17 +208,20 @@ fn a_held_large_block_goes_home_at_its_threads_next_miss_where_that_miss_can_use
     drop((a, c, other));
 }
 
+type Buffer = PinnedBuffer<SimRuntime>;
+
+/// One granule of small blocks: p (512 KiB) at the top; b (256 KiB), d (512 KiB) and
+/// f (768 KiB) side by side below it.
+fn four_side_by_side(pool: &PinnedAllocator<SimRuntime>) -> (Buffer, Buffer, Buffer, Buffer) {
+    let mut g = small_granule(pool, &[512 * KIB, 256 * KIB, 512 * KIB, 768 * KIB]);
+    let mut next = || g.remove(0);
+    (next(), next(), next(), next())
+}
+
 #[test]
 fn before_the_pool_grows_for_a_small_request_the_requesting_threads_cached_blocks_come_home() {
     let (pool, sim, _rt) = arena_pool();
-    // p (512 KiB) at the top; b (256 KiB), d (512 KiB) and f (768 KiB) side by side below it.
-    let mut g = small_granule(&pool, &[512 * KIB, 256 * KIB, 512 * KIB, 768 * KIB]);
-    let (f, d, b, p) = (
-        g.pop().unwrap(),
-        g.pop().unwrap(),
-        g.pop().unwrap(),
-        g.pop().unwrap(),
-    );
+    let (p, b, d, f) = four_side_by_side(&pool);
     let at_b = addr(&b);
     // Each fills this thread's slot of its class: no free mapped memory is left with the
     // pool actor.
@@ -240,13 +243,7 @@ fn before_the_pool_grows_for_a_small_request_the_requesting_threads_cached_block
 fn a_miss_never_takes_another_threads_cached_blocks() {
     let (pool, sim, _rt) = arena_pool();
     // The same granule as above: this thread's `b` and `d`, side by side, fill its slots.
-    let mut g = small_granule(&pool, &[512 * KIB, 256 * KIB, 512 * KIB, 768 * KIB]);
-    let (f, d, b, p) = (
-        g.pop().unwrap(),
-        g.pop().unwrap(),
-        g.pop().unwrap(),
-        g.pop().unwrap(),
-    );
+    let (p, b, d, f) = four_side_by_side(&pool);
     let (at_b, at_d) = (addr(&b), addr(&d));
     drop((b, d));
     let allocs = sim.total_host_allocs();
