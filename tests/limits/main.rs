@@ -12,3 +12,4 @@ mod limits_waiting;
 mod liveness;
 mod liveness_sets;
 mod long_waits;
+mod tight_caps;
