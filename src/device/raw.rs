@@ -17,14 +17,14 @@
 //! does a `raw_delete` of an address never lent) or works on it in place and puts it back
 //! ([`RawTable::with`]): the buffer never leaves the table while it is worked on, so a
 //! concurrent `raw_record_stream` or `raw_delete` of it always finds it. When a probe
-//! sequence is full, the buffer goes to an overflow list under a lock (rare: a full
-//! sequence of 64 slots), where the same operations happen under that lock; so no request
-//! is ever refused for want of slots.
+//! sequence is full (rare: 64 slots), the buffer goes to a slot past the table: chunks of
+//! slots in a list that only grows, each pushed at its head with a compare-and-swap, whose
+//! slots are claimed, taken and put back as the table's are; so no request is ever refused
+//! for want of slots, and nothing takes a lock.
 
 use std::marker::PhantomData;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use crate::actors::{RawLease, Runtime};
 
@@ -77,11 +77,42 @@ struct Slot {
     value: AtomicPtr<()>,
 }
 
+impl Slot {
+    fn empty() -> Self {
+        Self {
+            addr: AtomicUsize::new(EMPTY),
+            value: AtomicPtr::new(ptr::null_mut()),
+        }
+    }
+
+    /// Claims the slot for `addr` if it is free (its value is null then: it is emptied
+    /// before its address is freed, and nobody takes a null value).
+    fn claim(&self, addr: usize) -> bool {
+        let cur = self.addr.load(Ordering::Acquire);
+        (cur == EMPTY || cur == FREED)
+            && self
+                .addr
+                .compare_exchange(cur, addr, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+    }
+}
+
+/// Slots of an overflow chunk.
+const CHUNK: usize = 64;
+
+/// Slots past the table's, for buffers whose probe sequence was full; `next` is set before
+/// the chunk is published and never changes after.
+struct Chunk {
+    slots: [Slot; CHUNK],
+    next: *mut Chunk,
+}
+
 /// Buffers by device address.
 pub(crate) struct RawTable<T: Filed> {
     slots: Box<[Slot]>,
-    /// Buffers whose probe sequence was full, with their addresses.
-    overflow: Mutex<Vec<(usize, T)>>,
+    /// The newest overflow chunk (null: none yet); chunks are freed with the table.
+    overflow: AtomicPtr<Chunk>,
+    /// Buffers filed in overflow chunks now.
     overflowed: AtomicUsize,
     _owns: PhantomData<T>,
 }
@@ -123,22 +154,11 @@ impl<T: Filed> Drop for Taken<'_, T> {
     }
 }
 
-/// The lock of the overflow list, also after a panic while it was held (the list itself
-/// is always whole: it is only pushed to and swap-removed from).
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 impl<T: Filed> RawTable<T> {
     pub(crate) fn new() -> Self {
         Self {
-            slots: (0..SLOTS)
-                .map(|_| Slot {
-                    addr: AtomicUsize::new(EMPTY),
-                    value: AtomicPtr::new(ptr::null_mut()),
-                })
-                .collect(),
-            overflow: Mutex::new(Vec::new()),
+            slots: (0..SLOTS).map(|_| Slot::empty()).collect(),
+            overflow: AtomicPtr::new(ptr::null_mut()),
             overflowed: AtomicUsize::new(0),
             _owns: PhantomData,
         }
@@ -149,27 +169,67 @@ impl<T: Filed> RawTable<T> {
         (0..PROBES).map(move |i| (h + i) & (SLOTS - 1))
     }
 
+    /// The overflow chunks, newest first.
+    fn chunks(&self) -> impl Iterator<Item = &Chunk> {
+        let mut next = self.overflow.load(Ordering::Acquire);
+        std::iter::from_fn(move || {
+            // SAFETY: a published chunk is whole, its `next` never changes, and chunks are
+            // freed only when the table drops (which `&self` rules out).
+            let chunk = unsafe { next.as_ref()? };
+            next = chunk.next;
+            Some(chunk)
+        })
+    }
+
     /// Files `value` under `addr` (an address not filed now: the allocator never lends
     /// one address twice at once).
     pub(crate) fn insert(&self, addr: usize, value: T) {
-        for i in Self::probe(addr) {
-            let slot = &self.slots[i];
-            let cur = slot.addr.load(Ordering::Acquire);
-            if (cur == EMPTY || cur == FREED)
-                && slot
-                    .addr
-                    .compare_exchange(cur, addr, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-            {
-                // The slot's value is null: it is emptied before its address is freed, and
-                // nobody takes a null value.
-                slot.value.store(value.into_ptr(), Ordering::Release);
-                return;
+        match Self::probe(addr)
+            .map(|i| &self.slots[i])
+            .find(|s| s.claim(addr))
+        {
+            Some(slot) => slot.value.store(value.into_ptr(), Ordering::Release),
+            None => self.insert_overflow(addr, value),
+        }
+    }
+
+    /// Files `value` in a free slot of an overflow chunk, or in a new chunk.
+    #[cold]
+    fn insert_overflow(&self, addr: usize, value: T) {
+        // Counted first: whoever looks for `addr` once it is filed sees the count.
+        self.overflowed.fetch_add(1, Ordering::SeqCst);
+        let free = self
+            .chunks()
+            .find_map(|c| c.slots.iter().find(|s| s.claim(addr)));
+        if let Some(slot) = free {
+            slot.value.store(value.into_ptr(), Ordering::Release);
+            return;
+        }
+        let chunk = Box::into_raw(Box::new(Chunk {
+            slots: std::array::from_fn(|_| Slot::empty()),
+            next: ptr::null_mut(),
+        }));
+        // SAFETY: the chunk is this call's alone until the exchange below publishes it.
+        unsafe {
+            (*chunk).slots[0].addr.store(addr, Ordering::Relaxed);
+            (*chunk).slots[0]
+                .value
+                .store(value.into_ptr(), Ordering::Relaxed);
+        }
+        let mut head = self.overflow.load(Ordering::Acquire);
+        loop {
+            // SAFETY: as above, not yet published.
+            unsafe { (*chunk).next = head };
+            match self.overflow.compare_exchange_weak(
+                head,
+                chunk,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return,
+                Err(now) => head = now,
             }
         }
-        let mut overflow = lock(&self.overflow);
-        overflow.push((addr, value));
-        self.overflowed.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Takes slot `slot` if it holds the buffer filed under `addr`: `None` when it holds
@@ -234,57 +294,50 @@ impl<T: Filed> RawTable<T> {
         None
     }
 
-    /// Takes out what is filed under `addr`, if anything.
-    pub(crate) fn remove(&self, addr: usize) -> Option<T> {
-        match self.find(addr) {
-            Some(taken) => taken.remove(),
-            None => self.remove_overflow(addr),
-        }
-    }
-
+    /// Finds the overflow slot filed under `addr` and takes it.
     #[cold]
-    fn remove_overflow(&self, addr: usize) -> Option<T> {
+    fn find_overflow(&self, addr: usize) -> Option<Taken<'_, T>> {
         if self.overflowed.load(Ordering::SeqCst) == 0 {
             return None;
         }
-        let mut overflow = lock(&self.overflow);
-        let i = overflow.iter().position(|(a, _)| *a == addr)?;
+        self.chunks().find_map(|c| {
+            c.slots
+                .iter()
+                .filter(|s| s.addr.load(Ordering::Acquire) == addr)
+                .find_map(|s| self.take_slot(s, addr))
+        })
+    }
+
+    /// Takes out what is filed under `addr`, if anything.
+    pub(crate) fn remove(&self, addr: usize) -> Option<T> {
+        if let Some(taken) = self.find(addr) {
+            return taken.remove();
+        }
+        let value = self.find_overflow(addr)?.remove();
         self.overflowed.fetch_sub(1, Ordering::SeqCst);
-        Some(overflow.swap_remove(i).1)
+        value
     }
 
     /// Runs `f` on what is filed under `addr` where it lies (`None`, and `f` not run, when
     /// nothing is): a removal or another `with` of the same address waits until `f` is done,
     /// and never misses the buffer meanwhile.
     pub(crate) fn with<U>(&self, addr: usize, f: impl FnOnce(&mut T) -> U) -> Option<U> {
-        if let Some(mut taken) = self.find(addr) {
-            return taken.value.as_mut().map(f);
-        }
-        self.with_overflow(addr, f)
-    }
-
-    #[cold]
-    fn with_overflow<U>(&self, addr: usize, f: impl FnOnce(&mut T) -> U) -> Option<U> {
-        if self.overflowed.load(Ordering::SeqCst) == 0 {
-            return None;
-        }
-        let mut overflow = lock(&self.overflow);
-        let (_, v) = overflow.iter_mut().find(|(a, _)| *a == addr)?;
-        Some(f(v))
+        let mut taken = self.find(addr).or_else(|| self.find_overflow(addr))?;
+        taken.value.as_mut().map(f)
     }
 
     /// Takes out everything filed (for the allocator's teardown, when nothing else can
     /// reach the table).
     pub(crate) fn drain(&self) -> Vec<T> {
+        let overflow = self.chunks().flat_map(|c| c.slots.iter());
         let mut out = Vec::new();
-        for slot in self.slots.iter() {
+        for slot in self.slots.iter().chain(overflow) {
             let p = slot.value.swap(ptr::null_mut(), Ordering::AcqRel);
             if !p.is_null() && p != busy() {
                 // SAFETY: as in `take_slot`; the swap made this call its only owner.
                 out.push(unsafe { T::from_ptr(p) });
             }
         }
-        out.extend(lock(&self.overflow).drain(..).map(|(_, v)| v));
         out
     }
 }
@@ -293,6 +346,13 @@ impl<T: Filed> Drop for RawTable<T> {
     fn drop(&mut self) {
         // Nobody else can reach the table any more.
         drop(self.drain());
+        let mut next = *self.overflow.get_mut();
+        while !next.is_null() {
+            // SAFETY: each chunk came from `Box::into_raw` in `insert_overflow` and is freed
+            // once, here, when nothing else can reach it.
+            let chunk = unsafe { Box::from_raw(next) };
+            next = chunk.next;
+        }
     }
 }
 
@@ -353,6 +413,35 @@ mod tests {
         }
         for &a in addrs.iter().rev() {
             assert_eq!(t.remove(a).as_deref(), Some(&a));
+        }
+        assert!(t.drain().is_empty());
+    }
+
+    #[test]
+    fn overflow_past_one_chunk_is_found_and_freed_overflow_slots_are_reused() {
+        let t = RawTable::new();
+        let addrs = colliding(PROBES + 2 * CHUNK + 3);
+        for &a in &addrs {
+            t.insert(a, Box::new(a));
+        }
+        assert_eq!(t.chunks().count(), 3);
+        // Every other overflowed address out, then in again: into the slots they left.
+        for &a in addrs[PROBES..].iter().step_by(2) {
+            assert_eq!(t.remove(a).as_deref(), Some(&a));
+        }
+        for &a in addrs[PROBES..].iter().step_by(2) {
+            t.insert(a, Box::new(a + 1));
+        }
+        assert_eq!(
+            t.chunks().count(),
+            3,
+            "no new chunk while freed slots remain"
+        );
+        for (i, &a) in addrs.iter().enumerate() {
+            let moved = i >= PROBES && (i - PROBES) % 2 == 0;
+            let want = if moved { a + 1 } else { a };
+            assert_eq!(t.with(a, |v| **v), Some(want));
+            assert_eq!(t.remove(a).as_deref(), Some(&want));
         }
         assert!(t.drain().is_empty());
     }
