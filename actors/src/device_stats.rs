@@ -20,7 +20,8 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
-use std::sync::Mutex;
+
+use arc_swap::ArcSwap;
 
 use crate::actors::counters::{AtomicStat, Stat};
 use crate::actors::peaks::{
@@ -351,8 +352,10 @@ fn apportion(total: Stat, small: i64, seen: &mut Seen) -> StatArray {
 #[derive(Debug)]
 pub(crate) struct Detail {
     oversize_segments: AtomicStat,
-    /// What reads saw of the apportioned statistics: reserved bytes, then segments.
-    seen: Mutex<[Seen; 2]>,
+    /// What reads saw of the apportioned statistics: reserved bytes, then segments. Each read
+    /// and reset publishes what it saw with a compare-and-swap, redoing its work when another
+    /// published first (reads are rare; nothing on the allocation path touches this).
+    seen: ArcSwap<[Seen; 2]>,
     /// Free ranges inside segments that lend blocks, as the pool actor last counted them.
     pub(crate) free_ranges: AtomicI64,
     /// Blocks above this are oversize.
@@ -363,7 +366,7 @@ impl Detail {
     pub(crate) fn new(max_split: usize) -> Self {
         Self {
             oversize_segments: AtomicStat::default(),
-            seen: Mutex::default(),
+            seen: ArcSwap::from_pointee(Default::default()),
             free_ranges: AtomicI64::new(0),
             max_split,
         }
@@ -497,14 +500,17 @@ impl Detail {
         let active = [parts[4][0].current, parts[4][1].current];
         let small = small_share(reserved.current, active);
         let large = reserved.current - small;
-        let (reserved, segment) = {
-            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-            let small_segs = small_segments(segments.current, small, large);
-            (
+        let small_segs = small_segments(segments.current, small, large);
+        let mut parted = None;
+        self.seen.rcu(|seen| {
+            let mut seen = **seen;
+            parted = Some((
                 apportion(reserved, small, &mut seen[0]),
                 apportion(segments, small_segs, &mut seen[1]),
-            )
-        };
+            ));
+            seen
+        });
+        let (reserved, segment) = parted.expect("rcu runs its closure at least once");
         // Reserved bytes that no active block uses, now (peaks are not tracked).
         let mut inactive = [Stat::default(); 2];
         inactive[0].current = (reserved.small_pool.current - active[0]).max(0);
@@ -538,18 +544,18 @@ impl Detail {
     /// Starts the peaks over. The apportioned parts' peaks start from their values at the
     /// last read (the next read raises them to the values then).
     pub(crate) fn reset_peak(&self) {
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        for s in seen.iter_mut() {
-            s.peaks = [0; 2];
-        }
+        self.seen
+            .rcu(|seen| seen.map(|s| Seen { peaks: [0; 2], ..s }));
         self.oversize_segments.reset_peak();
     }
 
     pub(crate) fn reset_accumulated(&self) {
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        for s in seen.iter_mut() {
-            s.small_freed = 0;
-        }
+        self.seen.rcu(|seen| {
+            seen.map(|s| Seen {
+                small_freed: 0,
+                ..s
+            })
+        });
         self.oversize_segments.reset_accumulated();
     }
 }
