@@ -237,6 +237,11 @@ impl Budget {
         }
     }
 
+    /// Requests queued for room, in all pools together.
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiters.load(Ordering::SeqCst)
+    }
+
     /// Whether some request waits for room in some pool.
     pub(crate) fn under_pressure(&self) -> bool {
         self.waiters.load(Ordering::SeqCst) > 0

@@ -436,7 +436,13 @@ impl<R: Runtime, B> Home<R, B> {
 impl<R: Runtime, B: Send + 'static> Member for Home<R, B> {
     fn set_pressure(&self, on: bool) {
         if on {
-            self.divert.fetch_or(DIVERT_PRESSURE, Ordering::SeqCst);
+            let before = self.divert.fetch_or(DIVERT_PRESSURE, Ordering::SeqCst);
+            // An actor parked without requests of its own would not look at the memory it
+            // caches (large pieces that went home quietly before the flag was set among it)
+            // until its next message: it is woken once, to watch the pressure.
+            if before & DIVERT_PRESSURE == 0 && !self.woken.swap(true, Ordering::SeqCst) {
+                let _ = self.mailbox.send(PoolMsg::Wake);
+            }
         } else {
             self.divert.fetch_and(!DIVERT_PRESSURE, Ordering::SeqCst);
         }

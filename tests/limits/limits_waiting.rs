@@ -21,6 +21,12 @@ fn limited(bytes: usize) -> (PinnedAllocator<SimRuntime>, SimRuntime) {
     (pool, sim)
 }
 
+/// Waits until `n` requests are queued for room: the order in which they arrived.
+async fn queued(pool: &PinnedAllocator<SimRuntime>, n: usize) {
+    let engine = pinpool::tuning::engine(pool);
+    eventually("the request is queued", || engine.waiting_requests() == n).await;
+}
+
 #[tokio::test]
 async fn alloc_waits_at_the_limit_until_a_buffer_comes_back() {
     let (pool, sim) = limited(MIB);
@@ -204,15 +210,14 @@ async fn waiters_are_served_first_come_first_served() {
     // must not overtake the first.
     let mut tasks = Vec::new();
     for (n, size) in [(1, MIB), (2, 512 * KIB)] {
-        let pool = pool.clone();
-        let order = order_tx.clone();
+        let (mine, order) = (pool.clone(), order_tx.clone());
         tasks.push(tokio::spawn(async move {
-            let buf = pool.alloc(size).await.unwrap();
+            let buf = mine.alloc(size).await.unwrap();
             order.send(n).unwrap();
             tokio::time::sleep(Duration::from_millis(10)).await;
             drop(buf);
         }));
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        queued(&pool, n as usize).await;
     }
     drop(a);
     tokio::time::sleep(Duration::from_millis(30)).await;
@@ -239,15 +244,14 @@ async fn same_size_waiters_are_served_in_arrival_order() {
     let (order_tx, order_rx) = flume::unbounded();
     let mut tasks = Vec::new();
     for n in 0..5 {
-        let pool = pool.clone();
-        let order = order_tx.clone();
+        let (mine, order) = (pool.clone(), order_tx.clone());
         tasks.push(tokio::spawn(async move {
-            let buf = pool.alloc(MIB).await.unwrap();
+            let buf = mine.alloc(MIB).await.unwrap();
             order.send(n).unwrap();
             tokio::time::sleep(Duration::from_millis(2)).await;
             drop(buf);
         }));
-        tokio::time::sleep(Duration::from_millis(15)).await;
+        queued(&pool, n as usize + 1).await;
     }
     drop(held);
     for t in tasks {

@@ -455,6 +455,12 @@ impl<R: Runtime> Engine<R> {
         self.inner.default.budget.reserved()
     }
 
+    /// Requests for one buffer queued for room under the cap, in all pools together (they
+    /// are served first come first served as memory comes back).
+    pub fn waiting_requests(&self) -> usize {
+        self.inner.default.budget.waiting()
+    }
+
     /// The default pool's shared part (its budget reaches every pool).
     pub(crate) fn default_pool(&self) -> &Arc<Pool<R>> {
         &self.inner.default

@@ -295,15 +295,17 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// The periodic look while requests wait: serve this pool's waiters, or, when requests
-    /// wait elsewhere, free this pool's cached blocks to make room for them.
+    /// wait elsewhere, give back what this pool caches to make room for them: its ready
+    /// blocks, and the free memory of its segments, where the large pieces freed before the
+    /// requests began to wait went home quietly (taken back first). Nothing is given back
+    /// while a capture is underway (see `miss`).
     pub(super) async fn relieve(&mut self) {
+        self.book_notes();
         if !self.waiters.is_empty() {
             self.serve_waiters().await;
-        } else if self.shared.budget.under_pressure() {
+        } else if self.shared.budget.under_pressure() && !self.shared.budget.capturing() {
             let blocks = self.shared.ready.drain();
-            if !blocks.is_empty() {
-                self.free_blocks(blocks).await;
-            }
+            self.free_blocks(blocks).await;
         }
     }
 }
