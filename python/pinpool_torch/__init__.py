@@ -228,6 +228,23 @@ def _address(lib, name):
 
 _GRAPH_HOOKS = ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool")
 
+# What the shim calls, in the order pinpool_shim_install takes them (shim.cpp).
+_ENTRY_POINTS = (
+    "pinpool_alloc",
+    "pinpool_free",
+    "pinpool_last_error",
+    "pinpool_begin_allocate_to_pool",
+    "pinpool_end_allocate_to_pool",
+    "pinpool_release_pool",
+    "pinpool_record_stream",
+    "pinpool_empty_cache",
+    "pinpool_memory_fraction",
+    "pinpool_stats_values",
+    "pinpool_largest_block",
+    "pinpool_reset_peak_stats",
+    "pinpool_reset_accumulated_stats",
+)
+
 
 def pluggable_allocator(path=None):
     """A `torch.cuda.memory.CUDAPluggableAllocator` on pinpool, with every hook wired
@@ -254,26 +271,23 @@ def pluggable_allocator(path=None):
             "$CXX into $PINPOOL_TORCH_CACHE or ~/.cache/pinpool_torch), without which PyTorch "
             f"would get NULL on out of memory and graph capture would not reach pinpool: {e}"
         ) from e
-    if flavour != "c10":
+    if flavour == "plain":
         warnings.warn(
             "pinpool_torch's shim was built without PyTorch's headers: out of memory raises "
             f"RuntimeError instead of torch.OutOfMemoryError ({_shim_info.get('fallback_reason')})",
             RuntimeWarning,
             stacklevel=2,
         )
-    entry = (ctypes.c_void_p * 6)(
-        *[
-            _address(lib, name)
-            for name in (
-                "pinpool_alloc",
-                "pinpool_free",
-                "pinpool_last_error",
-                "pinpool_begin_allocate_to_pool",
-                "pinpool_end_allocate_to_pool",
-                "pinpool_release_pool",
-            )
-        ]
-    )
+    if flavour != "front":
+        warnings.warn(
+            "pinpool_torch's shim was built without its allocator front (PyTorch's and CUDA's "
+            "headers, libtorch_cuda): after enable(), torch.cuda.memory_stats(), "
+            "max_memory_allocated() and cudnn.benchmark raise as under any pluggable allocator; "
+            f"pinpool_torch.memory_stats() has the figures ({_shim_info.get('fallback_reason')})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    entry = (ctypes.c_void_p * len(_ENTRY_POINTS))(*[_address(lib, name) for name in _ENTRY_POINTS])
     hooks_out = (ctypes.c_uint64 * 3)()
     shim.pinpool_shim_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     shim.pinpool_shim_install.restype = ctypes.c_int
@@ -311,23 +325,34 @@ def shim():
     return dict(_shim_info)
 
 
-def _torch_build_flags():
-    """Include and library folders and the C++ ABI flag of the installed PyTorch."""
+def _torch_build_flags(front):
+    """Compiler flags for the installed PyTorch: its include and library folders and C++ ABI
+    flag; with `front`, also CUDA's headers and the libraries the allocator front links."""
     import torch
     from torch.utils import cpp_extension
 
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
-    includes = cpp_extension.include_paths()
+    includes = list(cpp_extension.include_paths())
     libs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
     flags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DPINPOOL_WITH_C10"]
+    link = ["-lc10"]
+    if front:
+        cuda = getattr(cpp_extension, "CUDA_HOME", None)
+        if not cuda or not os.path.isdir(os.path.join(cuda, "include")):
+            raise RuntimeError("no CUDA headers (CUDA_HOME) for the allocator front")
+        includes.append(os.path.join(cuda, "include"))
+        flags.append("-DPINPOOL_WITH_FRONT")
+        link = ["-ltorch_cuda", "-lc10_cuda", "-ltorch_cpu", "-lc10"]
     flags += [f"-I{d}" for d in includes]
-    flags += [f"-L{d}" for d in libs] + [f"-Wl,-rpath,{d}" for d in libs] + ["-lc10"]
+    flags += [f"-L{d}" for d in libs] + [f"-Wl,-rpath,{d}" for d in libs] + link
     return flags
 
 
 def _build_shim():
-    """Compiles shim.cpp (against PyTorch's headers when it can, else plain), once per source,
-    compiler and PyTorch (cached), and loads it: (ctypes lib, path, flavour)."""
+    """Compiles shim.cpp, once per source, compiler and PyTorch (cached), and loads it:
+    (ctypes lib, path, flavour). Flavours, best first: 'front' (PyTorch's and CUDA's headers,
+    linked with libtorch_cuda: PyTorch's own memory statistics calls and cuDNN's benchmark
+    mode work), 'c10' (PyTorch's headers: its out-of-memory exception), 'plain'."""
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim.cpp")
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
@@ -340,10 +365,11 @@ def _build_shim():
         source = f.read()
     errors = []
     attempts = []
-    try:
-        attempts.append(("c10", _torch_build_flags()))
-    except Exception as e:
-        errors.append(f"c10: {type(e).__name__}: {e}")
+    for flavour, front in (("front", True), ("c10", False)):
+        try:
+            attempts.append((flavour, _torch_build_flags(front)))
+        except Exception as e:
+            errors.append(f"{flavour}: {type(e).__name__}: {e}")
     attempts.append(("plain", []))
     for flavour, flags in attempts:
         key = hashlib.sha256(source + cxx.encode() + " ".join(flags).encode()).hexdigest()[:16]
@@ -414,7 +440,16 @@ def enable(path=None, peer_access=False, **settings_):
     if peer_access:
         os.environ["PINPOOL_TORCH_PEER_ACCESS"] = "1"
     alloc = pluggable_allocator(path)
-    torch.cuda.memory.change_current_allocator(alloc)
+    if _shim_info.get("flavour") == "front":
+        # The shim's allocator front: the pluggable allocator with PyTorch's statistics calls
+        # and cacheInfo answered by pinpool.
+        why = ctypes.create_string_buffer(1024)
+        _shim.pinpool_shim_enable.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        _shim.pinpool_shim_enable.restype = ctypes.c_int
+        if _shim.pinpool_shim_enable(why, len(why)) != 0:
+            raise RuntimeError(f"PyTorch refused pinpool's allocator: {why.value.decode(errors='replace')}")
+    else:
+        torch.cuda.memory.change_current_allocator(alloc)
     globals()["_enabled"] = True
     return {
         "library": library_path(path),

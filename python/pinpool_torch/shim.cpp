@@ -14,6 +14,13 @@
 //   go on with its allocations in the stream's ordinary pool); a refused release does not
 //   (PyTorch releases pools from destructors).
 //
+// - the allocator front (PINPOOL_WITH_FRONT: built against PyTorch's and CUDA's headers and
+//   linked with libtorch_cuda): PyTorch's pluggable allocator with the calls it leaves
+//   unimplemented answered by pinpool — getDeviceStats (torch.cuda.memory_stats,
+//   max_memory_allocated, memory_summary, ...), resetPeakStats, resetAccumulatedStats and
+//   cacheInfo (cuDNN's algorithm search with torch.backends.cudnn.benchmark) — installed as
+//   PyTorch's CUDA allocator by pinpool_shim_enable.
+//
 // Without PINPOOL_WITH_C10 it needs no header of CUDA or PyTorch: the two types below are
 // declared as CUDA and c10 declare them.
 
@@ -28,8 +35,16 @@
 #include <c10/util/Exception.h>
 #endif
 
+#ifdef PINPOOL_WITH_FRONT
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <memory>
+#include <vector>
+typedef c10::cuda::MempoolId_t MempoolId_t;
+#else
 typedef struct CUstream_st* cudaStream_t;                               // CUDA's driver_types.h
 typedef std::pair<unsigned long long, unsigned long long> MempoolId_t;  // c10's MempoolId_t
+#endif
 typedef std::function<bool(cudaStream_t)> Filter;
 
 typedef void* (*alloc_fn)(size_t, int, void*);
@@ -39,6 +54,12 @@ typedef int (*filter_fn)(void* ctx, void* stream);
 typedef void (*drop_fn)(void* ctx);
 typedef int (*begin_fn)(int, uint64_t, uint64_t, filter_fn, void*, drop_fn);
 typedef int (*pool_fn)(int, uint64_t, uint64_t);
+typedef void (*record_fn)(void*, void*);
+typedef void (*reset_fn)();
+typedef void (*fraction_fn)(double, int);
+typedef int (*stats_fn)(int, const char* const*, size_t, int64_t*);
+typedef int64_t (*device_fn)(int);
+typedef int (*device_status_fn)(int);
 
 static alloc_fn alloc_impl = nullptr;
 static free_fn free_impl = nullptr;
@@ -46,6 +67,13 @@ static last_error_fn last_error_impl = nullptr;
 static begin_fn begin_impl = nullptr;
 static pool_fn end_impl = nullptr;
 static pool_fn release_impl = nullptr;
+static record_fn record_impl = nullptr;
+static reset_fn empty_impl = nullptr;
+static fraction_fn fraction_impl = nullptr;
+static stats_fn stats_impl = nullptr;
+static device_fn largest_impl = nullptr;
+static device_status_fn reset_peak_impl = nullptr;
+static device_status_fn reset_accumulated_impl = nullptr;
 
 static std::string last_error() {
   char buf[1024];
@@ -124,10 +152,116 @@ static void release_hook(int device, MempoolId_t id) {
   (void)release_impl(device, id.first, id.second);
 }
 
+#ifdef PINPOOL_WITH_FRONT
+namespace {
+
+using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+
+// The statistics PyTorch's DeviceStats holds, by their names in torch.cuda.memory_stats()
+// (what pinpool_stats_values answers), in the order `Front::getDeviceStats` reads them.
+const char* const kArrays[] = {"allocation",      "segment",        "active",
+                               "inactive_split",  "allocated_bytes", "reserved_bytes",
+                               "active_bytes",    "inactive_split_bytes", "requested_bytes"};
+// c10's StatType order: AGGREGATE, SMALL_POOL, LARGE_POOL.
+const char* const kPools[] = {"all", "small_pool", "large_pool"};
+const char* const kFields[] = {"current", "peak", "allocated", "freed"};
+const char* const kOversize[] = {"oversize_allocations", "oversize_segments"};
+const char* const kCounts[] = {"num_alloc_retries", "num_ooms",        "num_sync_all_streams",
+                               "num_device_alloc",  "num_device_free", "max_split_size"};
+
+const std::vector<std::string>& stat_keys() {
+  static const std::vector<std::string> keys = [] {
+    std::vector<std::string> k;
+    for (const char* a : kArrays)
+      for (const char* p : kPools)
+        for (const char* f : kFields) k.push_back(std::string(a) + "." + p + "." + f);
+    for (const char* o : kOversize)
+      for (const char* f : kFields) k.push_back(std::string(o) + "." + f);
+    for (const char* c : kCounts) k.push_back(c);
+    return k;
+  }();
+  return keys;
+}
+
+[[noreturn]] void failed(const char* what, int device) {
+  std::string msg =
+      std::string("pinpool: ") + what + " (device " + std::to_string(device) + "): " + last_error();
+  throw c10::Error(c10::SourceLocation{what, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
+}
+
+// PyTorch's pluggable allocator (alloc, free, record_stream, empty_cache, the memory
+// fraction and graph pools through pinpool's hooks), with the calls it leaves unimplemented
+// answered by pinpool.
+struct Front : Base {
+  using Base::Base;
+  using Stats = decltype(std::declval<Base&>().getDeviceStats(c10::DeviceIndex{0}));
+  using Array = decltype(Stats::allocation);
+  using Stat = decltype(Stats::oversize_allocations);
+
+  Stats getDeviceStats(c10::DeviceIndex device) override {
+    const auto& keys = stat_keys();
+    std::vector<const char*> names;
+    for (const auto& k : keys) names.push_back(k.c_str());
+    std::vector<int64_t> v(keys.size());
+    if (stats_impl(device, names.data(), names.size(), v.data()) != 0) {
+      failed("getDeviceStats", device);
+    }
+    Stats stats;
+    size_t i = 0;
+    auto read = [&](Stat& s) {
+      s.current = v[i++];
+      s.peak = v[i++];
+      s.allocated = v[i++];
+      s.freed = v[i++];
+    };
+    Array Stats::*arrays[] = {&Stats::allocation,      &Stats::segment,
+                              &Stats::active,          &Stats::inactive_split,
+                              &Stats::allocated_bytes, &Stats::reserved_bytes,
+                              &Stats::active_bytes,    &Stats::inactive_split_bytes,
+                              &Stats::requested_bytes};
+    for (auto a : arrays)
+      for (size_t p = 0; p < 3; p++) read((stats.*a)[p]);
+    read(stats.oversize_allocations);
+    read(stats.oversize_segments);
+    stats.num_alloc_retries = v[i++];
+    stats.num_ooms = v[i++];
+    stats.num_sync_all_streams = v[i++];
+    stats.num_device_alloc = v[i++];
+    stats.num_device_free = v[i++];
+    // pinpool has no key without a split limit; PyTorch's allocator then reports SIZE_MAX
+    // as int64, -1.
+    stats.max_split_size = v[i] != 0 ? v[i] : -1;
+    return stats;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    if (reset_accumulated_impl(device) != 0) failed("resetAccumulatedStats", device);
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    if (reset_peak_impl(device) != 0) failed("resetPeakStats", device);
+  }
+
+  // The largest block a request could get now (cuDNN tries workspaces up to it). PyTorch's
+  // own allocator answers at least what `*largest` held; so does this.
+  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+    int64_t n = largest_impl(device);
+    if (n < 0) failed("cacheInfo", device);
+    if (static_cast<size_t>(n) > *largest) *largest = static_cast<size_t>(n);
+  }
+};
+
+std::shared_ptr<Front> front;
+
+}  // namespace
+#endif
+
 extern "C" {
-// Takes pinpool's entry points (in[0..6]: alloc, free, last_error, begin, end, release);
-// writes the addresses of the graph-pool hooks to hand PyTorch (out[0..3]); returns 1 when
-// built against PyTorch's headers.
+// Takes pinpool's entry points (in[0..13]: alloc, free, last_error, begin, end, release,
+// record_stream, empty_cache, memory_fraction, stats_values, largest_block,
+// reset_peak_stats, reset_accumulated_stats); writes the addresses of the graph-pool hooks
+// to hand PyTorch (out[0..3]); returns 2 when built with the allocator front, 1 when built
+// against PyTorch's headers, else 0.
 int pinpool_shim_install(void* const* in, uint64_t* out) {
   alloc_impl = reinterpret_cast<alloc_fn>(in[0]);
   free_impl = reinterpret_cast<free_fn>(in[1]);
@@ -135,13 +269,57 @@ int pinpool_shim_install(void* const* in, uint64_t* out) {
   begin_impl = reinterpret_cast<begin_fn>(in[3]);
   end_impl = reinterpret_cast<pool_fn>(in[4]);
   release_impl = reinterpret_cast<pool_fn>(in[5]);
+  record_impl = reinterpret_cast<record_fn>(in[6]);
+  empty_impl = reinterpret_cast<reset_fn>(in[7]);
+  fraction_impl = reinterpret_cast<fraction_fn>(in[8]);
+  stats_impl = reinterpret_cast<stats_fn>(in[9]);
+  largest_impl = reinterpret_cast<device_fn>(in[10]);
+  reset_peak_impl = reinterpret_cast<device_status_fn>(in[11]);
+  reset_accumulated_impl = reinterpret_cast<device_status_fn>(in[12]);
   out[0] = reinterpret_cast<uint64_t>(&begin_hook);
   out[1] = reinterpret_cast<uint64_t>(&end_hook);
   out[2] = reinterpret_cast<uint64_t>(&release_hook);
-#ifdef PINPOOL_WITH_C10
+#if defined(PINPOOL_WITH_FRONT)
+  return 2;
+#elif defined(PINPOOL_WITH_C10)
   return 1;
 #else
   return 0;
 #endif
 }
+
+#ifdef PINPOOL_WITH_FRONT
+// Makes the allocator front PyTorch's CUDA allocator (what
+// torch.cuda.memory.change_current_allocator does with a pluggable allocator): 0, or -1
+// with the reason in `what` (`cap` bytes, NUL-terminated) when PyTorch refuses (its CUDA
+// allocator already initialised).
+int pinpool_shim_enable(char* what, size_t cap) {
+  try {
+    auto f = std::make_shared<Front>(
+        [](size_t size, int device, cudaStream_t stream) {
+          return pinpool_shim_alloc(size, device, stream);
+        },
+        [](void* ptr, size_t size, int device, cudaStream_t stream) {
+          pinpool_shim_free(ptr, size, device, stream);
+        });
+    f->set_record_stream_fn([](void* ptr, cudaStream_t stream) { record_impl(ptr, stream); });
+    f->set_reset_fn([] { empty_impl(); });
+    f->set_memory_fraction_fn([](double fraction, int device) { fraction_impl(fraction, device); });
+    f->set_begin_allocate_to_pool(begin_hook);
+    f->set_end_allocate_to_pool_fn(end_hook);
+    f->set_release_pool(release_hook);
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(f);
+    front = f;
+    return 0;
+  } catch (const std::exception& e) {
+    if (cap > 0) {
+      std::string msg = e.what();
+      size_t n = msg.size() < cap - 1 ? msg.size() : cap - 1;
+      msg.copy(what, n);
+      what[n] = 0;
+    }
+    return -1;
+  }
+}
+#endif
 }

@@ -196,6 +196,52 @@ pub unsafe extern "C" fn pinpool_memory_stats(device: c_int, buf: *mut c_char, c
     })
 }
 
+/// Fills `out[i]` with the statistic of `device` named `keys[i]` (the keys of
+/// [`pinpool_memory_stats`]; 0 for one it does not have), for `i < n`: 0, or -1.
+///
+/// # Safety
+///
+/// `keys` holds `n` NUL-terminated strings and `out` is valid for writes of `n` values.
+#[no_mangle]
+pub unsafe extern "C" fn pinpool_stats_values(
+    device: c_int,
+    keys: *const *const c_char,
+    n: usize,
+    out: *mut i64,
+) -> c_int {
+    status("stats_values", || {
+        if n == 0 {
+            return Ok(());
+        }
+        if keys.is_null() || out.is_null() {
+            return Err("null keys or values".to_string());
+        }
+        // SAFETY: this function's contract.
+        let names = unsafe { std::slice::from_raw_parts(keys, n) };
+        let names: Vec<&str> = names
+            .iter()
+            // SAFETY: this function's contract (a null entry is no key).
+            .map(|&k| (!k.is_null()).then(|| unsafe { CStr::from_ptr(k) }))
+            .map(|k| k.and_then(|k| k.to_str().ok()).unwrap_or(""))
+            .collect();
+        let values = plugin()
+            .and_then(|p| p.stats_values(device, &names))
+            .map_err(|e| e.to_string())?;
+        // SAFETY: this function's contract.
+        unsafe { std::slice::from_raw_parts_mut(out, n) }.copy_from_slice(&values);
+        Ok(())
+    })
+}
+
+/// The largest request `device` could serve now (PyTorch's `cacheInfo`, asked by cuDNN's
+/// algorithm search), or -1 on failure.
+#[no_mangle]
+pub extern "C" fn pinpool_largest_block(device: c_int) -> i64 {
+    entry("largest_block", -1, || {
+        Ok::<_, Error>(plugin()?.largest_block(device)? as i64)
+    })
+}
+
 /// Bytes the allocator holds of `device` (-1 on failure).
 #[no_mangle]
 pub extern "C" fn pinpool_reserved_bytes(device: c_int) -> i64 {

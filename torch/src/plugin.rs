@@ -152,15 +152,7 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// spent on it), `miss_serve_ns` (the pool actors' share of it), and the entry points'
     /// call times where they are counted (see `call_times`).
     pub(crate) fn memory_stats_json(&self, device: i32) -> Result<String, Error> {
-        let stats = self.alloc.stats(self.device(device)?)?;
-        let mut map = stats.to_map();
-        map.insert("num_device_remaps".into(), stats.num_device_remaps);
-        map.insert("num_misses".into(), stats.num_misses);
-        map.insert("miss_wait_ns".into(), stats.miss_wait_ns);
-        map.insert("miss_serve_ns".into(), stats.miss_serve_ns);
-        for (k, v) in crate::call_times::report() {
-            map.insert(k.into(), v);
-        }
+        let map = self.stats_map(device)?;
         let mut out = String::from("{");
         for (i, (k, v)) in map.iter().enumerate() {
             if i > 0 {
@@ -171,6 +163,47 @@ impl<R: DeviceRuntime> Plugin<R> {
         }
         out.push('}');
         Ok(out)
+    }
+
+    /// The values of [`Plugin::memory_stats_json`]'s keys named in `keys`, in their order (0
+    /// for a key it does not have): what PyTorch's own `torch.cuda.memory_stats` gets through
+    /// the shim's allocator front.
+    pub(crate) fn stats_values(&self, device: i32, keys: &[&str]) -> Result<Vec<i64>, Error> {
+        let map = self.stats_map(device)?;
+        Ok(keys
+            .iter()
+            .map(|k| map.get(*k).copied().unwrap_or(0))
+            .collect())
+    }
+
+    fn stats_map(&self, device: i32) -> Result<std::collections::BTreeMap<String, i64>, Error> {
+        let stats = self.alloc.stats(self.device(device)?)?;
+        let mut map = stats.to_map();
+        map.insert("num_device_remaps".into(), stats.num_device_remaps);
+        map.insert("num_misses".into(), stats.num_misses);
+        map.insert("miss_wait_ns".into(), stats.miss_wait_ns);
+        map.insert("miss_serve_ns".into(), stats.miss_serve_ns);
+        for (k, v) in crate::call_times::report() {
+            map.insert(k.into(), v);
+        }
+        Ok(map)
+    }
+
+    /// The largest request `device` could serve now, for PyTorch's `cacheInfo` (cuDNN's
+    /// algorithm search tries workspaces up to it): the device's free memory and the bytes
+    /// its pools hold unused, within the cap. An estimate from above: a larger workspace
+    /// than fits fails as an out-of-memory, which the search catches.
+    pub(crate) fn largest_block(&self, device: i32) -> Result<usize, Error> {
+        let d = self.device(device)?;
+        let stats = self.alloc.stats(d)?;
+        let (free, _) = self.alloc.memory_info(d)?;
+        let allocated = stats.allocated_bytes.all.current.max(0) as usize;
+        let reserved = stats.reserved_bytes.all.current.max(0) as usize;
+        let largest = free.saturating_add(reserved.saturating_sub(allocated));
+        Ok(match stats.limit_bytes {
+            Some(limit) => largest.min((limit.max(0) as usize).saturating_sub(allocated)),
+            None => largest,
+        })
     }
 
     /// Bytes device `device`'s pools hold of it (`torch.cuda.memory_reserved`).

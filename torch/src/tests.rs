@@ -324,6 +324,42 @@ fn memory_stats_come_as_json_with_pytorchs_keys() {
 }
 
 #[test]
+fn statistics_named_by_pytorchs_keys_come_in_the_order_asked_and_unknown_keys_are_zero() {
+    let s = setup();
+    let p = s.plugin.alloc(3 * MIB, 0, 3).unwrap();
+    let keys = [
+        "allocation.all.current",
+        "no.such.key",
+        "allocated_bytes.large_pool.current",
+        "reserved_bytes.all.current",
+    ];
+    let v = s.plugin.stats_values(0, &keys).unwrap();
+    assert_eq!(v[0], 1);
+    assert_eq!(v[1], 0);
+    assert_eq!(v[2], 3 * MIB as i64);
+    assert!(v[3] >= 3 * MIB as i64);
+    assert!(matches!(
+        s.plugin.stats_values(7, &keys),
+        Err(Error::NoSuchDevice { .. })
+    ));
+    s.plugin.free(p, 0, 3).unwrap();
+}
+
+#[test]
+fn the_largest_block_is_what_the_device_has_free_and_the_pools_hold_unused_within_the_cap() {
+    let s = setup_with(SimRuntime::builder().device_capacity(256 * MIB).build());
+    let held = s.plugin.alloc(32 * MIB, 0, 3).unwrap();
+    let cached = s.plugin.alloc(16 * MIB, 0, 3).unwrap();
+    s.plugin.free(cached, 0, 3).unwrap();
+    let reserved = s.plugin.reserved_bytes(0).unwrap();
+    let largest = s.plugin.largest_block(0).unwrap();
+    assert_eq!(largest, 256 * MIB - reserved + (reserved - 32 * MIB));
+    s.plugin.set_memory_fraction(0.25, 0).unwrap();
+    assert_eq!(s.plugin.largest_block(0).unwrap(), 64 * MIB - 32 * MIB);
+    s.plugin.free(held, 0, 3).unwrap();
+}
+
+#[test]
 fn the_c_copy_of_a_string_reports_its_length_and_never_overruns() {
     let mut buf = [0x55u8; 8];
     // SAFETY: `buf` has 8 bytes.
