@@ -243,6 +243,7 @@ _ENTRY_POINTS = (
     "pinpool_largest_block",
     "pinpool_reset_peak_stats",
     "pinpool_reset_accumulated_stats",
+    "pinpool_last_error_is_oom",
 )
 
 

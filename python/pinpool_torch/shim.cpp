@@ -5,8 +5,10 @@
 // - alloc: pinpool answers NULL when it cannot allocate (out of memory, no such device);
 //   PyTorch's own allocator throws instead, and PyTorch's callers (cuDNN's autotuner among
 //   them) catch that exception. So a NULL for a non-empty request becomes the exception
-//   here: c10::OutOfMemoryError when built against PyTorch's headers (-DPINPOOL_WITH_C10),
-//   else std::runtime_error, which PyTorch's Python bindings raise as RuntimeError.
+//   here: for want of memory, c10::OutOfMemoryError when built against PyTorch's headers
+//   (-DPINPOOL_WITH_C10); for any other reason (no such device, a forked child), c10::Error;
+//   without the headers, std::runtime_error, which PyTorch's Python bindings raise as
+//   RuntimeError.
 // - the graph-pool hooks: PyTorch calls `beginAllocateToPool` with a `std::function` (the
 //   capture's stream filter) and all three with a `MempoolId_t` (a pair of integers) by
 //   value; pinpool takes C types and answers 0 or -1. A refused begin or end throws, as
@@ -60,6 +62,7 @@ typedef void (*fraction_fn)(double, int);
 typedef int (*stats_fn)(int, const char* const*, size_t, int64_t*);
 typedef int64_t (*device_fn)(int);
 typedef int (*device_status_fn)(int);
+typedef int (*flag_fn)();
 
 static alloc_fn alloc_impl = nullptr;
 static free_fn free_impl = nullptr;
@@ -74,6 +77,7 @@ static stats_fn stats_impl = nullptr;
 static device_fn largest_impl = nullptr;
 static device_status_fn reset_peak_impl = nullptr;
 static device_status_fn reset_accumulated_impl = nullptr;
+static flag_fn oom_impl = nullptr;
 
 static std::string last_error() {
   char buf[1024];
@@ -86,8 +90,20 @@ extern "C" void* pinpool_shim_alloc(size_t size, int device, cudaStream_t stream
   if (p == nullptr && size != 0) {
     // The message is put together without iostreams: c10's message builder (an
     // std::ostringstream compiled into this library) crashed in PyTorch's process.
-    std::string msg = "CUDA out of memory: tried to allocate " + std::to_string(size) +
-                      " bytes on device " + std::to_string(device) + " (" + last_error() + ")";
+    std::string what = "tried to allocate " + std::to_string(size) + " bytes on device " +
+                       std::to_string(device) + " (" + last_error() + ")";
+    if (!oom_impl()) {
+      // Not for want of memory (no such device, a failed start, a forked child): an error
+      // that code catching torch.OutOfMemoryError to retry smaller does not take for one.
+      std::string msg = "pinpool could not allocate: " + what;
+#ifdef PINPOOL_WITH_C10
+      throw c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                       msg);
+#else
+      throw std::runtime_error(msg);
+#endif
+    }
+    std::string msg = "CUDA out of memory: " + what;
 #ifdef PINPOOL_WITH_C10
     throw c10::OutOfMemoryError(
         c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
@@ -257,9 +273,9 @@ std::shared_ptr<Front> front;
 #endif
 
 extern "C" {
-// Takes pinpool's entry points (in[0..13]: alloc, free, last_error, begin, end, release,
+// Takes pinpool's entry points (in[0..14]: alloc, free, last_error, begin, end, release,
 // record_stream, empty_cache, memory_fraction, stats_values, largest_block,
-// reset_peak_stats, reset_accumulated_stats); writes the addresses of the graph-pool hooks
+// reset_peak_stats, reset_accumulated_stats, last_error_is_oom); writes the addresses of the graph-pool hooks
 // to hand PyTorch (out[0..3]); returns 2 when built with the allocator front, 1 when built
 // against PyTorch's headers, else 0.
 int pinpool_shim_install(void* const* in, uint64_t* out) {
@@ -276,6 +292,7 @@ int pinpool_shim_install(void* const* in, uint64_t* out) {
   largest_impl = reinterpret_cast<device_fn>(in[10]);
   reset_peak_impl = reinterpret_cast<device_status_fn>(in[11]);
   reset_accumulated_impl = reinterpret_cast<device_status_fn>(in[12]);
+  oom_impl = reinterpret_cast<flag_fn>(in[13]);
   out[0] = reinterpret_cast<uint64_t>(&begin_hook);
   out[1] = reinterpret_cast<uint64_t>(&end_hook);
   out[2] = reinterpret_cast<uint64_t>(&release_hook);

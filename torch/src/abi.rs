@@ -11,7 +11,7 @@
 //! skipped when the thread is exiting and its storage is gone. In a child forked from the
 //! process that started the allocator, every call fails at once (see [`crate::fork`]).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,6 +25,20 @@ static FAILURES: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// Whether the thread's last call failed for want of memory (see [`note_out_of_memory`]).
+    static OUT_OF_MEMORY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks the calling thread's current call as failed for want of memory (an allocation
+/// PyTorch should raise `torch.OutOfMemoryError` for, rather than another error); cleared
+/// when the thread's next call begins.
+pub(crate) fn note_out_of_memory() {
+    let _ = OUT_OF_MEMORY.try_with(|o| o.set(true));
+}
+
+/// Whether the calling thread's last call failed for want of memory.
+pub(crate) fn last_was_out_of_memory() -> bool {
+    OUT_OF_MEMORY.try_with(Cell::get).unwrap_or(false)
 }
 
 /// Writes `text` to the process's stderr (file descriptor 2) as it is, bypassing Rust's
@@ -100,6 +114,7 @@ pub(crate) fn guarded<T: Copy, E: std::fmt::Display>(
     fail: T,
     f: impl FnOnce() -> Result<T, E>,
 ) -> T {
+    let _ = OUT_OF_MEMORY.try_with(|o| o.set(false));
     if fork::in_child() {
         store_error(op, fork::REFUSAL, true);
         return fail;

@@ -88,14 +88,29 @@ fn status<E: std::fmt::Display>(op: &str, f: impl FnOnce() -> Result<(), E>) -> 
 }
 
 /// `void* alloc(size_t size, int device, cudaStream_t stream)`: null for size 0 and on
-/// failure (out of memory, no such device; the reason in `pinpool_last_error`).
+/// failure (out of memory, no such device; the reason in `pinpool_last_error`, and whether
+/// it was out of memory in `pinpool_last_error_is_oom`).
 #[no_mangle]
 pub extern "C" fn pinpool_alloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     let stream = stream as usize;
     let p = entry("alloc", 0, || {
-        call_times::ALLOC.time(|| plugin()?.alloc(size, device, stream))
+        call_times::ALLOC
+            .time(|| plugin()?.alloc(size, device, stream))
+            .inspect_err(|e| {
+                if matches!(e, Error::OutOfMemory { .. }) {
+                    abi::note_out_of_memory();
+                }
+            })
     });
     p as *mut c_void
+}
+
+/// 1 when the calling thread's last call failed for want of memory (a null from
+/// `pinpool_alloc` that is an out-of-memory, not a missing device, a failed start or a
+/// forked child), else 0.
+#[no_mangle]
+pub extern "C" fn pinpool_last_error_is_oom() -> c_int {
+    c_int::from(abi::last_was_out_of_memory())
 }
 
 /// `void free(void* ptr, size_t size, int device, cudaStream_t stream)`: `stream` is the

@@ -541,6 +541,11 @@ fn without_cuda_the_exported_symbols_fail_softly() {
     let n = unsafe { pinpool_last_error(buf.as_mut_ptr().cast(), buf.len()) };
     let text = std::str::from_utf8(&buf[..n]).unwrap();
     assert!(text.contains("without its `cuda` feature"), "{text}");
+    assert_eq!(
+        pinpool_last_error_is_oom(),
+        0,
+        "a missing device is no out-of-memory"
+    );
     // SAFETY: a null buffer only asks for the length.
     let written = unsafe { pinpool_memory_stats(0, std::ptr::null_mut(), 0) };
     assert_eq!(written, -1);
@@ -676,4 +681,18 @@ fn record_stream_of_null_does_nothing_and_is_no_failure() {
     abi::set_last_error("earlier", "kept");
     crate::exports::pinpool_record_stream(std::ptr::null_mut(), std::ptr::null_mut());
     assert!(abi::last_error().contains("kept"), "{}", abi::last_error());
+}
+
+#[test]
+fn only_a_call_that_failed_for_want_of_memory_is_an_out_of_memory_until_the_next_call() {
+    let failed = abi::guarded("alloc", 0usize, || {
+        abi::note_out_of_memory();
+        Err::<usize, _>("out of memory")
+    });
+    assert_eq!(failed, 0);
+    assert!(abi::last_was_out_of_memory());
+    assert_eq!(abi::guarded("alloc", 0usize, || Ok::<_, String>(7)), 7);
+    assert!(!abi::last_was_out_of_memory(), "the next call clears it");
+    abi::guarded("alloc", 0usize, || Err::<usize, _>("no such device"));
+    assert!(!abi::last_was_out_of_memory());
 }
