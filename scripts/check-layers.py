@@ -3,7 +3,7 @@
 
 `actors/src/lib.rs` declares its modules from the bottom layer up; a module may use only
 modules declared before it, so that the engine reads top-down with no import circle. Every
-`crate::actors::<module>` path in code counts (`use` lines and inline paths alike); comments do not.
+`crate::<module>` path in code counts (`use` lines and inline paths alike); comments do not.
 A module's files are `<module>.rs` or everything under `<module>/`.
 
     python3 scripts/check-layers.py            # exit 1 and one line per upward edge
@@ -16,8 +16,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "actors" / "src"
 MOD_DECL = re.compile(r"^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;", re.M)
-CRATE_PATH = re.compile(r"\bcrate::actors::(\w+)")
-USE_GROUP = re.compile(r"\bcrate::actors::\{([^}]*)\}", re.S)
+CRATE_PATH = re.compile(r"\bcrate::(\w+)")
+USE_GROUP = re.compile(r"\bcrate::\{([^}]*)\}", re.S)
 
 
 def strip_comments(text: str) -> str:

@@ -9,5 +9,5 @@ export RUSTFLAGS="--cfg pinpool_loom"
 export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-3}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/loom}"
 start=$(date +%s)
-cargo test -p pinpool --release --lib loom_models -- --test-threads=1
+cargo test -p pinpool-actors --release --lib loom_models -- --test-threads=1
 echo "== loom models, LOOM_MAX_PREEMPTIONS=$LOOM_MAX_PREEMPTIONS: $(( $(date +%s) - start )) s"

@@ -34,6 +34,7 @@ if $quick; then
   exit 0
 fi
 # The rest: the raw-pointer table (lock-free slots raced by four threads), the simulated
-# runtime's streams, events, graphs and faults, configuration, and the engine's unit tests
-# (carving offsets, size classes, shards, the miss path).
+# runtime's streams, events, graphs and faults, and configuration; then the engine's unit
+# tests (carving offsets, size classes, shards, the miss path).
 miri -p pinpool --lib -- --skip sim::memory:: --skip sim::tests::
+miri -p pinpool-actors --lib

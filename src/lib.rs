@@ -80,8 +80,6 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[path = "../actors/src/lib.rs"]
-mod actors;
 mod allocator;
 mod buffer;
 mod buffer_set;
@@ -96,6 +94,9 @@ pub mod plan;
 pub mod report;
 pub mod sim;
 pub mod tuning;
+
+// The engine, a crate of its own (`actors/`); `crate::actors::...` names its items here.
+use pinpool_actors as actors;
 
 pub use crate::actors::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, DeviceStats, DurationStat,

@@ -11,16 +11,16 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::actors::home::Home;
-use crate::actors::idle_probe;
-use crate::actors::keepalive;
-use crate::actors::mailbox::{Note, PollerMsg, PoolMsg, Split};
-use crate::actors::memory::Region;
-use crate::actors::meta::MetaRef;
-use crate::actors::parked::Parkable;
-use crate::actors::ready::Slotted;
-use crate::actors::runtime::{Runtime, RuntimeError, StreamId};
-use crate::actors::segment::Segment;
+use crate::home::Home;
+use crate::idle_probe;
+use crate::keepalive;
+use crate::mailbox::{Note, PollerMsg, PoolMsg, Split};
+use crate::memory::Region;
+use crate::meta::MetaRef;
+use crate::parked::Parkable;
+use crate::ready::Slotted;
+use crate::runtime::{Runtime, RuntimeError, StreamId};
+use crate::segment::Segment;
 
 /// A pool's home, with the engine's blocks in its queues.
 pub(crate) type Pool<R> = Home<R, Block<R>>;
@@ -114,8 +114,8 @@ pub(crate) struct Block<R: Runtime> {
     /// by the freeing thread for its next request of the same size (see
     /// `ReadyQueues::put_held`), which the actor's best fit would most likely place there.
     pub(crate) holdable: bool,
-    /// While a [`crate::actors::lease::RawLease`] holds the block: the bytes requested and the
-    /// lending engine's id (a [`crate::actors::lease::Lease`] keeps them itself).
+    /// While a [`crate::lease::RawLease`] holds the block: the bytes requested and the
+    /// lending engine's id (a [`crate::lease::Lease`] keeps them itself).
     pub(crate) raw_len: usize,
     pub(crate) raw_engine: u64,
 }

@@ -33,7 +33,7 @@ use std::cell::Cell;
 
 use tokio::runtime::{Handle, RuntimeFlavor};
 
-use crate::actors::error::Error;
+use crate::error::Error;
 
 thread_local! {
     /// Set while this thread runs code that is known not to be a runtime's executor thread.
@@ -113,7 +113,7 @@ pub(crate) fn may_block(call: &'static str, use_instead: &'static str) -> Result
 /// runtime's thread, so that the worker's other tasks move on, plainly anywhere else (on a
 /// current-thread runtime it stalls that runtime's tasks for the call's duration, as any
 /// slow synchronous call does).
-pub(crate) fn stall<T>(wait: impl FnOnce() -> T) -> T {
+pub fn stall<T>(wait: impl FnOnce() -> T) -> T {
     let blocking = match Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(RuntimeFlavor::CurrentThread) | Err(_) => Blocking::Plain,
         Ok(_) => Blocking::InPlace,
@@ -160,7 +160,7 @@ pub(crate) fn run_here<F: std::future::Future>(work: F) -> F::Output {
 /// over its async form `work`: decided by `may_block`, then driven to its end on this
 /// thread by `run_here`. For async calls that wait only on actors' replies (no tokio
 /// timer or task of their own).
-pub(crate) fn call<F: std::future::Future>(
+pub fn call<F: std::future::Future>(
     call: (&'static str, &'static str),
     work: F,
 ) -> Result<F::Output, Error> {

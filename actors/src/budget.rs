@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use crate::actors::free_memory::FreeMemoryCallbacks;
-use crate::actors::loom::{fence, AtomicUsize};
+use crate::free_memory::FreeMemoryCallbacks;
+use crate::loom::{fence, AtomicUsize};
 
 /// What `empty_cache` did to one pool.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

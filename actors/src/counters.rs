@@ -2,7 +2,7 @@
 //! atomic cells that keep them — written by one actor ([`AtomicStat`], [`AtomicDuration`]),
 //! summed from any thread ([`AtomicNanos`]), or
 //! on the cached path by one thread shard each ([`ShardStat`], whose peaks the ledger in
-//! [`crate::actors::peaks`] keeps).
+//! [`crate::peaks`] keeps).
 
 use std::sync::atomic::{
     AtomicI64,
@@ -109,8 +109,8 @@ impl AtomicStat {
 }
 
 /// A statistic of the cached path, kept in one thread shard (a leaf of
-/// [`crate::actors::peaks::Ledger`]). The thread that owns the shard (see
-/// [`crate::actors::shard::ThreadSlot`]) changes `allocated` and `freed` with plain loads and stores;
+/// [`crate::peaks::Ledger`]). The thread that owns the shard (see
+/// [`crate::shard::ThreadSlot`]) changes `allocated` and `freed` with plain loads and stores;
 /// other threads add to `remote_allocated`/`remote_freed` atomically. `current` is derived,
 /// and `reset_accumulated` records baselines instead of writing the owner's counters. Its
 /// peak is kept by the ledger's books, from its allowances: one for the owner's side of the
@@ -172,7 +172,7 @@ impl ShardStat {
         } else {
             // Sequentially consistent: the adds of the other threads are in one order, and
             // each comes before the looks at the ledger's marks that follow (see
-            // `crate::actors::peaks`).
+            // `crate::peaks`).
             self.remote_allocated.fetch_add(n, SeqCst);
         }
     }

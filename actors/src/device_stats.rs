@@ -14,7 +14,7 @@
 //! The counters a request changes (allocations and active blocks, their bytes, the bytes
 //! requested) live in per-thread shards like the host statistics, so that a device pool's
 //! cached path writes only its own thread's cache lines (invariant 5); their peaks are the
-//! engine ledger's (see [`crate::actors::peaks`]). Segment counters are written by the pool actor
+//! engine ledger's (see [`crate::peaks`]). Segment counters are written by the pool actor
 //! (and by blocking threads it waits for). Only pools built with device statistics pay for
 //! them.
 
@@ -23,12 +23,12 @@ use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
 use arc_swap::ArcSwap;
 
-use crate::actors::counters::{AtomicStat, Stat};
-use crate::actors::peaks::{
+use crate::counters::{AtomicStat, Stat};
+use crate::peaks::{
     Group, ShardLeaves, ACTIVE, ACTIVE_BYTES, ALL, ALLOCATED_BYTES, ALLOCATION, OVERSIZE,
     REQUESTED_BYTES,
 };
-use crate::actors::shard::CachePadded;
+use crate::shard::CachePadded;
 
 /// Blocks up to this size are in PyTorch's small pool.
 pub(crate) const SMALL_BLOCK: usize = 1 << 20;
@@ -86,8 +86,8 @@ impl StatArray {
 /// part lost between reads.
 ///
 /// `allocated` counts (`allocation.all.allocated`, …) are the buffers requesters received:
-/// buffers a [`BufferSet`](crate::BufferSet) took and gave back, because another of its
-/// buffers found no room, are not counted.
+/// buffers a `BufferSet` took and gave back, because another of its buffers found no room,
+/// are not counted.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DeviceStats {
@@ -348,7 +348,7 @@ fn apportion(total: Stat, small: i64, seen: &mut Seen) -> StatArray {
 }
 
 /// The device counters of one engine pool that its actor writes (the counts of the cached
-/// path are leaves of the engine's ledger: see [`crate::actors::peaks`]).
+/// path are leaves of the engine's ledger: see [`crate::peaks`]).
 #[derive(Debug)]
 pub(crate) struct Detail {
     oversize_segments: AtomicStat,

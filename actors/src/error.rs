@@ -2,8 +2,8 @@
 //!
 //! Keeps invariant 7: bad input gets a typed error and changes nothing.
 
-use crate::actors::pool_id::PoolId;
-use crate::actors::runtime::RuntimeError;
+use crate::pool_id::PoolId;
+use crate::runtime::RuntimeError;
 
 /// Everything that can go wrong when using the allocator.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -258,9 +258,9 @@ pub enum OomCause {
     /// It waited for room under the cap, and it fits only once buffers that its own task (or
     /// thread) took come back: all the others together could not make room for it, so the
     /// wait would never end. Drop those buffers first, or take all of a request's buffers
-    /// together with [`BufferSet`](crate::BufferSet). (Refused only where no buffer under the
-    /// cap has ever been dropped by another task than the one that took it; see
-    /// [limits and waiting](crate#waiting-under-a-cap).)
+    /// together with `BufferSet`. (Refused only where no buffer under the cap has ever been
+    /// dropped by another task than the one that took it; see "Waiting under a cap" on the
+    /// `pinpool` crate's front page.)
     HeldByRequester,
 }
 

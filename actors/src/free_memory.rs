@@ -25,7 +25,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 /// A free-memory callback: frees what it can, and says whether it freed anything.
-pub(crate) type FreeMemoryCallback = Arc<dyn Fn() -> bool + Send + Sync>;
+pub type FreeMemoryCallback = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// The registry of an allocator's free-memory callbacks.
 pub(crate) struct FreeMemoryCallbacks {

@@ -9,7 +9,7 @@
 //! channel and never waits: an entry that finds the channel full is counted as lost.
 //!
 //! User callbacks (trace trackers, OOM observers) never run here: entries and OOM reports are
-//! forwarded to the observer task ([`crate::actors::observe`]).
+//! forwarded to the observer task ([`crate::observe`]).
 
 use std::backtrace::Backtrace;
 use std::collections::VecDeque;
@@ -19,14 +19,14 @@ use std::time::Instant;
 
 use flume::{Receiver, Sender};
 
-use crate::actors::error::Error;
-use crate::actors::memory::{MemoryKind, Region};
-use crate::actors::observe::{start_observer, ObserverEvent, ObserverMsg};
-use crate::actors::pool_id::PoolId;
-use crate::actors::runtime::StreamId;
-use crate::actors::shard::CachePadded;
-use crate::actors::spawn::spawn_named;
-use crate::actors::trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
+use crate::error::Error;
+use crate::memory::{MemoryKind, Region};
+use crate::observe::{start_observer, ObserverEvent, ObserverMsg};
+use crate::pool_id::PoolId;
+use crate::runtime::StreamId;
+use crate::shard::CachePadded;
+use crate::spawn::spawn_named;
+use crate::trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
 
 /// Entries the channel to the history actor holds before new ones are counted as lost.
 const CHANNEL_BOUND: usize = 1 << 16;
@@ -63,7 +63,7 @@ pub(crate) fn start(handle: &tokio::runtime::Handle) -> Arc<Recorder> {
     let (entries_tx, entries_rx) = flume::bounded(CHANNEL_BOUND);
     let (control_tx, control_rx) = flume::unbounded();
     let (observers_tx, observers_rx) = flume::unbounded();
-    let (events_tx, events_rx) = flume::bounded(crate::actors::observe::EVENT_BOUND);
+    let (events_tx, events_rx) = flume::bounded(crate::observe::EVENT_BOUND);
     let trackers = Arc::new(AtomicUsize::new(0));
     let lost = Arc::new(AtomicU64::new(0));
     start_observer(observers_rx, events_rx, handle);

@@ -1,7 +1,7 @@
 //! Who took a buffer: the tokio task that asked for it or, outside any task, the thread.
 //!
 //! Owns the numbering. Each block lent carries its taker's number in its record
-//! ([`crate::actors::meta::BlockMeta::held_by`]) until its buffer is dropped, so that a
+//! ([`crate::meta::BlockMeta::held_by`]) until its buffer is dropped, so that a
 //! request that waits long under a cap can tell the memory its own task (or thread) took
 //! from what others took (see `long_wait`). The number of a task is its tokio task id; a
 //! thread gets one from a counter the first time it asks. Finding it costs a read of

@@ -19,17 +19,17 @@ use std::time::Instant;
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use flume::{Receiver, Sender};
 
-use crate::actors::budget::{Budget, EmptyReport, Member};
-use crate::actors::error::Error;
-use crate::actors::history::Recorder;
-use crate::actors::mailbox::{Mailbox, Note, PollerMsg, PoolMsg};
-use crate::actors::memory::{units, MemorySource, Region};
-use crate::actors::parked::Parked;
-use crate::actors::policy::{BlockLayout, SizePolicy};
-use crate::actors::pool_id::PoolId;
-use crate::actors::ready::ReadyQueues;
-use crate::actors::runtime::{Runtime, RuntimeError, StreamId};
-use crate::actors::stats::PoolStats;
+use crate::budget::{Budget, EmptyReport, Member};
+use crate::error::Error;
+use crate::history::Recorder;
+use crate::mailbox::{Mailbox, Note, PollerMsg, PoolMsg};
+use crate::memory::{units, MemorySource, Region};
+use crate::parked::Parked;
+use crate::policy::{BlockLayout, SizePolicy};
+use crate::pool_id::PoolId;
+use crate::ready::ReadyQueues;
+use crate::runtime::{Runtime, RuntimeError, StreamId};
+use crate::stats::PoolStats;
 
 /// `divert` bit: the pool is closing.
 pub(crate) const DIVERT_CLOSING: u8 = 1;
@@ -126,17 +126,14 @@ pub(crate) struct HomeParts<R: Runtime, B> {
     /// Keep device statistics, blocks above this many bytes counting as oversize.
     pub(crate) device_stats: Option<usize>,
     /// The engine's ledger of peaks, and the group of books the pool is counted in.
-    pub(crate) peaks: (
-        Arc<crate::actors::peaks::Ledger>,
-        Arc<crate::actors::peaks::Group>,
-    ),
+    pub(crate) peaks: (Arc<crate::peaks::Ledger>, Arc<crate::peaks::Group>),
 }
 
 impl<R: Runtime, B: Send + 'static> Home<R, B> {
     /// A home, registered with its budget, and the receiving end of its actor's mailbox.
     pub(crate) fn new(parts: HomeParts<R, B>) -> (Arc<Self>, Receiver<PoolMsg<B>>)
     where
-        B: crate::actors::parked::Parkable,
+        B: crate::parked::Parkable,
     {
         let (tx, rx) = flume::unbounded();
         let split_up_to = match parts.layout {

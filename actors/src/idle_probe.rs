@@ -22,7 +22,7 @@
 
 use std::cell::Cell;
 
-use crate::actors::runtime::Runtime;
+use crate::runtime::Runtime;
 
 /// The longest run of frees that do not ask (a power of two).
 const MAX_SKIP: u8 = 64;
@@ -110,7 +110,7 @@ pub(crate) fn caught_up() {
 #[cfg(all(test, not(pinpool_loom)))]
 mod tests {
     use super::*;
-    use crate::actors::runtime::{RuntimeError, StreamId};
+    use crate::runtime::{RuntimeError, StreamId};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     /// A runtime whose one stream is idle or busy as the test says, counting the asks.

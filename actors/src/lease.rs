@@ -1,21 +1,21 @@
 //! A lease: a block lent to a user, returned when the lease is dropped.
 //!
 //! This is the engine's side of a buffer (pinned or device): it knows the bytes and which
-//! streams used them, and its drop is the free (see [`crate::actors::block`] for where the block goes).
+//! streams used them, and its drop is the free (see [`crate::block`] for where the block goes).
 
 use std::ptr::NonNull;
 
-use crate::actors::block::{Block, BlockState};
-use crate::actors::error::Error;
-use crate::actors::holder::{self, NOBODY};
-use crate::actors::memory::Origin;
-use crate::actors::pool_id::PoolId;
-use crate::actors::runtime::{Runtime, StreamId};
+use crate::block::{Block, BlockState};
+use crate::error::Error;
+use crate::holder::{self, NOBODY};
+use crate::memory::Origin;
+use crate::pool_id::PoolId;
+use crate::runtime::{Runtime, StreamId};
 
 /// Bytes lent by the allocator. Dropping it frees them: they are reused only after
 /// every stream recorded with [`Lease::record_stream`] has finished the work enqueued on it
 /// before the drop.
-pub(crate) struct Lease<R: Runtime> {
+pub struct Lease<R: Runtime> {
     block: Option<Box<Block<R>>>,
     len: usize,
     engine: u64,
@@ -77,7 +77,7 @@ impl<R: Runtime> Lease<R> {
     }
 
     /// Start of the bytes (dangling but aligned when the lease is empty).
-    pub(crate) fn as_ptr(&self) -> *mut u8 {
+    pub fn as_ptr(&self) -> *mut u8 {
         match &self.block {
             Some(b) => b.memory.ptr.as_ptr(),
             None => NonNull::<u64>::dangling().as_ptr() as *mut u8,
@@ -85,39 +85,39 @@ impl<R: Runtime> Lease<R> {
     }
 
     /// Bytes requested.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.len
     }
 
     /// Whether no bytes were requested (no block is held).
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Bytes of the block behind the lease (at least `len`).
-    pub(crate) fn capacity(&self) -> usize {
+    pub fn capacity(&self) -> usize {
         self.block.as_ref().map_or(0, |b| b.size)
     }
 
     /// The pool the block belongs to (`None` for an empty lease).
-    pub(crate) fn pool(&self) -> Option<PoolId> {
+    pub fn pool(&self) -> Option<PoolId> {
         self.block.as_ref().map(|b| b.pool.id)
     }
 
     /// How the memory under the block was obtained (its segment's [`Origin`]; `None` for
     /// an empty lease): e.g. whole device segments versus runs mapped into an expandable
     /// range, which differ in how they can be shared with other processes.
-    pub(crate) fn origin(&self) -> Option<Origin> {
+    pub fn origin(&self) -> Option<Origin> {
         self.block.as_ref().map(|b| b.memory.method)
     }
 
     /// Which allocator lent this lease.
-    pub(crate) fn allocator_id(&self) -> u64 {
+    pub fn allocator_id(&self) -> u64 {
         self.engine
     }
 
     /// Whether the block was taken while its stream was being captured into a graph.
-    pub(crate) fn allocated_during_capture(&self) -> bool {
+    pub fn allocated_during_capture(&self) -> bool {
         self.block.as_ref().is_some_and(|b| b.during_capture)
     }
 
@@ -130,7 +130,7 @@ impl<R: Runtime> Lease<R> {
     /// # Errors
     /// [`Error::ForeignStream`] for a stream of another runtime than the allocator's
     /// ([`Runtime::owns_stream`]); nothing is recorded.
-    pub(crate) fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
+    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
         match &mut self.block {
             Some(b) => record(b, stream),
             None => Ok(()),
@@ -139,7 +139,7 @@ impl<R: Runtime> Lease<R> {
 
     /// The lease as one pointer, for tables that hold many (`Err(self)` for an empty
     /// lease, which holds no block): see [`RawLease`].
-    pub(crate) fn into_raw(mut self) -> Result<RawLease<R>, Self> {
+    pub fn into_raw(mut self) -> Result<RawLease<R>, Self> {
         match self.block.take() {
             Some(mut b) => {
                 b.raw_len = self.len;
@@ -165,7 +165,7 @@ impl<R: Runtime> Lease<R> {
     }
 
     /// The streams recorded so far.
-    pub(crate) fn recorded_streams(&self) -> Vec<StreamId> {
+    pub fn recorded_streams(&self) -> Vec<StreamId> {
         self.block
             .as_ref()
             .map(|b| b.streams.iter().map(|(s, _)| *s).collect())
@@ -206,7 +206,7 @@ pub(crate) fn record<R: Runtime>(b: &mut Block<R>, stream: &R::Stream) -> Result
 /// lender's id meanwhile: what the device allocator's table of raw addresses keeps, so that
 /// `raw_alloc_with_stream` allocates nothing beside the block. Dropping it frees the block
 /// as dropping the lease would.
-pub(crate) struct RawLease<R: Runtime>(NonNull<Block<R>>);
+pub struct RawLease<R: Runtime>(NonNull<Block<R>>);
 
 // SAFETY: as for `Lease`: the raw lease owns its block exclusively.
 unsafe impl<R: Runtime> Send for RawLease<R> {}
@@ -215,7 +215,7 @@ unsafe impl<R: Runtime> Sync for RawLease<R> {}
 
 impl<R: Runtime> RawLease<R> {
     /// Start of the bytes.
-    pub(crate) fn as_ptr(&self) -> *mut u8 {
+    pub fn as_ptr(&self) -> *mut u8 {
         // SAFETY: the raw lease owns the block (see `into_ptr`).
         unsafe { self.0.as_ref() }.memory.ptr.as_ptr()
     }
@@ -224,13 +224,13 @@ impl<R: Runtime> RawLease<R> {
     ///
     /// # Errors
     /// As for [`Lease::record_stream`].
-    pub(crate) fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
+    pub fn record_stream(&mut self, stream: &R::Stream) -> Result<(), Error> {
         // SAFETY: as in `as_ptr`, and `&mut self` makes this the only access.
         record(unsafe { self.0.as_mut() }, stream)
     }
 
     /// The lease again, as it was.
-    pub(crate) fn into_lease(self) -> Lease<R> {
+    pub fn into_lease(self) -> Lease<R> {
         let block = self.0;
         std::mem::forget(self);
         // SAFETY: this raw lease owned the block and is gone without its drop.
@@ -239,7 +239,7 @@ impl<R: Runtime> RawLease<R> {
 
     /// The pointer, owning the block: give it back to [`RawLease::from_ptr`] exactly once,
     /// or the block is never freed.
-    pub(crate) fn into_ptr(self) -> *mut () {
+    pub fn into_ptr(self) -> *mut () {
         let p = self.0.as_ptr().cast();
         std::mem::forget(self);
         p
@@ -250,7 +250,7 @@ impl<R: Runtime> RawLease<R> {
     /// # Safety
     ///
     /// `p` came from [`RawLease::into_ptr`] and is given back once.
-    pub(crate) unsafe fn from_ptr(p: *mut ()) -> Self {
+    pub unsafe fn from_ptr(p: *mut ()) -> Self {
         // SAFETY: by the contract, `p` is a leaked block's non-null address.
         RawLease(unsafe { NonNull::new_unchecked(p.cast()) })
     }

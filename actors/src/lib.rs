@@ -1,17 +1,22 @@
-//! The engine of pinpool, a private module of the `pinpool` crate (`crate::actors`).
+//! The engine of pinpool: the crate that the `pinpool` crate is built on.
+//!
+//! Its public items are the engine's vocabulary for the `pinpool` crate, not a second public
+//! face: users depend on `pinpool`, which re-exports what they need (at its root, and in
+//! `pinpool::tuning` for tools). Items public here only because `pinpool` uses them are
+//! hidden from these docs.
 //!
 //! Pool actors own memory blocks and their free lists, an event-poller actor owns every block
 //! that waits on GPU work, and a router actor owns the capture registry and publishes the
 //! routing table. The engine is generic over a [`Runtime`] (events recorded on streams, and
 //! stream-capture state) and takes its memory from a [`MemorySource`] (pinned host memory, or
 //! one device's memory); it contains no CUDA. `actors/ARCHITECTURE.md` walks through it.
-//! The rest of the crate gives it its public face (`PinnedAllocator`, `DeviceAllocator`), and
+//! The `pinpool` crate gives it its public face (`PinnedAllocator`, `DeviceAllocator`), and
 //! `pinpool::tuning` shows the part tools need.
 //!
 //! # Layers
 //!
 //! Modules are listed below from the bottom up. A module uses only modules listed above it
-//! (`scripts/check-layers.py` fails on any other `crate::actors::` path, and CI runs it). Where a
+//! (`scripts/check-layers.py` fails on any other `crate::` path, and CI runs it). Where a
 //! lower layer must reach a higher one at run time — a block going home when it is freed —
 //! it does so through a value it was given: a channel whose messages are defined low
 //! (`mailbox`), a trait it defines and the higher layer implements (`ready::Slotted`,
@@ -45,7 +50,8 @@ mod runtime;
 mod memory;
 mod pool_id;
 mod error;
-pub(crate) mod blocking;
+#[doc(hidden)]
+pub mod blocking;
 mod holder;
 mod loom;
 mod shard;
@@ -92,19 +98,26 @@ pub use budget::EmptyReport;
 pub use counters::{DurationStat, Stat};
 pub use device_stats::{DeviceStats, StatArray};
 pub use engine::Engine;
-pub(crate) use engine::{alloc_many, alloc_many_blocking, EngineBuilder, Want};
+#[doc(hidden)]
+pub use engine::{alloc_many, alloc_many_blocking, EngineBuilder, Want};
 pub use error::{Error, OomCause};
-pub(crate) use free_memory::FreeMemoryCallback;
-pub(crate) use lease::{Lease, RawLease};
+#[doc(hidden)]
+pub use free_memory::FreeMemoryCallback;
+#[doc(hidden)]
+pub use lease::{Lease, RawLease};
 pub use mailbox::Inventory;
-pub(crate) use memory::Region;
+#[doc(hidden)]
+pub use memory::Region;
 pub use memory::{MemoryKind, MemorySource, Origin};
-pub(crate) use miss::Wait;
-pub(crate) use policy::DIVISION_INTERVALS;
+#[doc(hidden)]
+pub use miss::Wait;
+#[doc(hidden)]
+pub use policy::DIVISION_INTERVALS;
 pub use policy::{
     BestFit, BlockLayout, Carving, DeviceFit, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
 };
-pub(crate) use pool::DEFAULT_LINGER;
+#[doc(hidden)]
+pub use pool::DEFAULT_LINGER;
 pub use pool_id::PoolId;
 pub use runtime::{Runtime, RuntimeError, StreamId};
 pub use snapshot::{

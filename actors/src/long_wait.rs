@@ -18,11 +18,11 @@
 
 use std::time::Duration;
 
-use crate::actors::block::Pool;
-use crate::actors::error::{Error, OomCause};
-use crate::actors::holder;
-use crate::actors::mailbox::PoolMsg;
-use crate::actors::runtime::Runtime;
+use crate::block::Pool;
+use crate::error::{Error, OomCause};
+use crate::holder;
+use crate::mailbox::PoolMsg;
+use crate::runtime::Runtime;
 
 /// How long a request waits for room under a cap before it is looked at. Misses take
 /// microseconds, and a driver call for a gigabyte of fresh memory a few hundred

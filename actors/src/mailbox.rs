@@ -8,16 +8,16 @@ use std::sync::Arc;
 
 use flume::{Receiver, SendError, Sender};
 
-use crate::actors::budget::EmptyReport;
-use crate::actors::carve::SegId;
-use crate::actors::errand::Errand;
-use crate::actors::error::Error;
-use crate::actors::memory::{MemoryKind, Region};
-use crate::actors::meta::MetaRef;
-use crate::actors::parked::Parked;
-use crate::actors::policy::SizeClass;
-use crate::actors::pool_id::PoolId;
-use crate::actors::runtime::StreamId;
+use crate::budget::EmptyReport;
+use crate::carve::SegId;
+use crate::errand::Errand;
+use crate::error::Error;
+use crate::memory::{MemoryKind, Region};
+use crate::meta::MetaRef;
+use crate::parked::Parked;
+use crate::policy::SizeClass;
+use crate::pool_id::PoolId;
+use crate::runtime::StreamId;
 
 /// A one-shot reply: `recv_async` from tasks, `recv` from plain threads.
 pub(crate) type Reply<T> = Sender<T>;
@@ -36,7 +36,7 @@ pub(crate) struct Ask {
     /// the thread to send them home ([`Refused::Coalesce`]).
     pub(crate) holds: bool,
     /// Whether the requesting thread waits on a plain thread that may block, and runs the
-    /// errands it is sent while it waits (see [`crate::actors::errand`]).
+    /// errands it is sent while it waits (see [`crate::errand`]).
     pub(crate) lends: bool,
     /// A try for one buffer of a request for several (`engine::many`): no room under the cap
     /// is `Refused::NeedRoom` even once the caches were emptied, never a final

@@ -14,7 +14,7 @@
 use std::fmt;
 use std::ptr::NonNull;
 
-use crate::actors::runtime::RuntimeError;
+use crate::runtime::RuntimeError;
 
 /// How a region of memory was obtained, so that it is given back the matching way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

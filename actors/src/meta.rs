@@ -13,8 +13,8 @@ use std::sync::OnceLock;
 
 use flume::{Receiver, Sender};
 
-use crate::actors::holder::NOBODY;
-use crate::actors::runtime::StreamId;
+use crate::holder::NOBODY;
+use crate::runtime::StreamId;
 
 /// How many recorded streams a block's record remembers.
 const STREAMS_KEPT: usize = 4;

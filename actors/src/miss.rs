@@ -22,17 +22,17 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::actors::block::{Block, Pool};
-use crate::actors::budget::{Budget, EmptyReport};
-use crate::actors::error::{Error, OomCause};
-use crate::actors::long_wait;
-use crate::actors::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
-use crate::actors::policy::SizeClass;
-use crate::actors::runtime::Runtime;
+use crate::block::{Block, Pool};
+use crate::budget::{Budget, EmptyReport};
+use crate::error::{Error, OomCause};
+use crate::long_wait;
+use crate::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
+use crate::policy::SizeClass;
+use crate::runtime::Runtime;
 
 /// How a request that does not fit under the cap is treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Wait {
+pub enum Wait {
     /// Fail at once with `OutOfMemory`.
     Never,
     /// Wait as long as the allocator's default says.
@@ -137,7 +137,7 @@ fn shortfall<R: Runtime>(pool: &Pool<R>, class: SizeClass) -> Option<usize> {
 /// Who waits for a miss: a task, which awaits, or a thread, which blocks (and may lend itself
 /// to run the memory source's calls). The miss loop ([`miss_with`]) is written once over it:
 /// a thread's waits are done by the time their futures are first polled, so
-/// [`crate::actors::blocking::run_here`] drives the request on the thread without an executor.
+/// [`crate::blocking::run_here`] drives the request on the thread without an executor.
 trait Waiter: Sync {
     /// Whether the requesting thread runs the memory source's calls for the pool actor
     /// ([`Ask::lends`]): a task must not block its executor.
@@ -369,7 +369,7 @@ fn hand_over<R: Runtime>(pool: &Pool<R>, mut block: Box<Block<R>>) -> Option<Box
     };
     // The borrower's own stream is of the block's runtime: recording it cannot be refused.
     match pool.owner_stream.as_ref().filter(|_| ordered) {
-        Some(to) if crate::actors::lease::record(&mut block, to).is_ok() => {
+        Some(to) if crate::lease::record(&mut block, to).is_ok() => {
             tracing::debug!(
                 from = ?block.pool.owner,
                 to = ?pool.owner,
@@ -549,8 +549,8 @@ fn settle<R: Runtime>(
 }
 
 /// Who waits for a request: a task, or a thread outside the runtime's executors that may
-/// block (see [`crate::actors::blocking::may_block`]), whose waits are done in place. A thread drives
-/// the request's future with [`crate::actors::blocking::run_here`].
+/// block (see [`crate::blocking::may_block`]), whose waits are done in place. A thread drives
+/// the request's future with [`crate::blocking::run_here`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Who {
     Task,
@@ -651,7 +651,7 @@ const REPLY_SPIN: Duration = Duration::from_micros(200);
 /// Waits for a pool actor's answer, polling for it for [`REPLY_SPIN`] before parking the
 /// thread: a miss that the actor serves from memory it holds is answered within
 /// microseconds, and parking would add a wake-up about as long as the wait itself. Errands
-/// the actor sends meanwhile run here (see [`crate::actors::errand`]), and the spin starts again
+/// the actor sends meanwhile run here (see [`crate::errand`]), and the spin starts again
 /// after each: the answer follows soon after the errand's result.
 fn recv_spinning<B>(rx: &flume::Receiver<Answer<B>>) -> Result<MissReply<B>, flume::RecvError> {
     // Without a deadline, the answer or the end of the channel.
@@ -784,10 +784,7 @@ mod tests {
         let (ran_tx, ran_rx) = flume::unbounded();
         let errand = |ran: flume::Sender<std::thread::ThreadId>| {
             let work = Box::new(move || ran.send(std::thread::current().id()).unwrap());
-            Answer::Errand(crate::actors::errand::Errand::new(
-                work,
-                rt.handle().clone(),
-            ))
+            Answer::Errand(crate::errand::Errand::new(work, rt.handle().clone()))
         };
         // One errand waiting before the wait starts, one after the spin: both run here.
         let (tx, rx) = flume::bounded(3);

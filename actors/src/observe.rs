@@ -11,10 +11,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use flume::Receiver;
 
-use crate::actors::blocking::off_runtime;
+use crate::blocking::off_runtime;
 
-use crate::actors::spawn::spawn_named;
-use crate::actors::trace::{OomObserver, OomReport, TraceEntry, TraceTracker};
+use crate::spawn::spawn_named;
+use crate::trace::{OomObserver, OomReport, TraceEntry, TraceTracker};
 
 /// Events the observer queue holds before new ones are dropped.
 pub(crate) const EVENT_BOUND: usize = 1 << 14;

@@ -19,10 +19,10 @@ use std::ptr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::actors::loom::{fence, AtomicBool, AtomicPtr};
-use crate::actors::policy::SizeClass;
-use crate::actors::ready::{take_slot, Slotted};
-use crate::actors::shard::{CachePadded, ThreadSlot};
+use crate::loom::{fence, AtomicBool, AtomicPtr};
+use crate::policy::SizeClass;
+use crate::ready::{take_slot, Slotted};
+use crate::shard::{CachePadded, ThreadSlot};
 
 /// Parked (event-pending) blocks a shard holds before it sends the oldest to the poller.
 pub(crate) const PARKED: usize = 4;
@@ -219,7 +219,7 @@ impl<B: Parkable> Parked<B> {
             let Some(mut b) = take_slot(s) else { continue };
             if b.class() == class.index && b.size() >= class.size && b.events_completed() {
                 b.leave_waiting();
-                crate::actors::idle_probe::caught_up();
+                crate::idle_probe::caught_up();
                 return Some(b);
             }
             // Not ours to take, or not done yet: back in its slot, or to the poller.
@@ -254,7 +254,7 @@ impl<B> Drop for Parked<B> {
 #[cfg(all(test, pinpool_loom))]
 mod loom_models {
     use super::*;
-    use crate::actors::loom::AtomicUsize;
+    use crate::loom::AtomicUsize;
     use loom::thread;
 
     const CLASS: SizeClass = SizeClass {

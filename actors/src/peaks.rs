@@ -47,8 +47,8 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use crate::actors::counters::ShardStat;
-use crate::actors::shard::{CachePadded, ThreadSlot};
+use crate::counters::ShardStat;
+use crate::shard::{CachePadded, ThreadSlot};
 
 /// Active requests (host statistics).
 pub(crate) const REQUESTS: usize = 0;

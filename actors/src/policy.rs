@@ -413,7 +413,7 @@ pub struct DeviceFit {
 
 /// The intervals of request sizes [`DeviceFit`] rounds with divisions of their own: powers of
 /// two from 1 MiB to 32 GiB and above (PyTorch's `roundup_power2_divisions` list form).
-pub(crate) const DIVISION_INTERVALS: usize = 16;
+pub const DIVISION_INTERVALS: usize = 16;
 
 /// `divisions` as the policy keeps it: 0 or 1 (no rounding) as 0, others a power of two up
 /// to 64.

@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use flume::Receiver;
 
-use crate::actors::block::Block;
-use crate::actors::mailbox::PollerMsg;
-use crate::actors::parked::Parked;
-use crate::actors::runtime::Runtime;
-use crate::actors::spawn::spawn_named;
+use crate::block::Block;
+use crate::mailbox::PollerMsg;
+use crate::parked::Parked;
+use crate::runtime::Runtime;
+use crate::spawn::spawn_named;
 
 /// Shortest and longest wait between polls while blocks are pending.
 const MIN_INTERVAL: Duration = Duration::from_micros(50);

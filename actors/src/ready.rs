@@ -21,9 +21,9 @@ use std::sync::atomic::Ordering;
 
 use flume::{Receiver, Sender};
 
-use crate::actors::loom::{AtomicPtr, AtomicU64, AtomicUsize};
-use crate::actors::policy::SizeClass;
-use crate::actors::shard::{CachePadded, ThreadSlot};
+use crate::loom::{AtomicPtr, AtomicU64, AtomicUsize};
+use crate::policy::SizeClass;
+use crate::shard::{CachePadded, ThreadSlot};
 
 /// What the ready queues need to know of what they hold.
 pub(crate) trait Slotted: Send + 'static {

@@ -20,14 +20,14 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use flume::Receiver;
 
-use crate::actors::block::Pool;
-use crate::actors::budget::{Budget, EmptyReport};
-use crate::actors::error::Error;
-use crate::actors::mailbox::{Inventory, PoolMsg, Reply};
-use crate::actors::pool::{start_pool, PoolSpec};
-use crate::actors::pool_id::PoolId;
-use crate::actors::runtime::{Runtime, StreamId};
-use crate::actors::spawn::spawn_named;
+use crate::block::Pool;
+use crate::budget::{Budget, EmptyReport};
+use crate::error::Error;
+use crate::mailbox::{Inventory, PoolMsg, Reply};
+use crate::pool::{start_pool, PoolSpec};
+use crate::pool_id::PoolId;
+use crate::runtime::{Runtime, StreamId};
+use crate::spawn::spawn_named;
 
 /// Decides whether an allocation made for a stream goes to a capture's private pool.
 pub(crate) type StreamFilter<R> = Arc<dyn Fn(&<R as Runtime>::Stream) -> bool + Send + Sync>;

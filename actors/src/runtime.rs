@@ -2,7 +2,7 @@
 //!
 //! The engine knows nothing of CUDA. It asks a `Runtime` for events recorded on streams,
 //! whether an event has completed, and whether a stream is being captured into a graph. The
-//! memory it manages comes from a [`crate::actors::memory::MemorySource`], apart from this trait, so
+//! memory it manages comes from a [`crate::memory::MemorySource`], apart from this trait, so
 //! that one engine serves pinned host memory and device memory alike. `pinpool` implements
 //! both twice: the real CUDA runtime and the simulated one.
 //!

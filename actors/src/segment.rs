@@ -9,10 +9,10 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::actors::carve::SegId;
-use crate::actors::home::Home;
-use crate::actors::memory::Region;
-use crate::actors::runtime::Runtime;
+use crate::carve::SegId;
+use crate::home::Home;
+use crate::memory::Region;
+use crate::runtime::Runtime;
 
 /// Which granules of an arena are mapped, readable by whoever drops the arena's segment
 /// last (written only by the pool actor and the blocking threads it waits for).

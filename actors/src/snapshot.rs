@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::actors::pool_id::PoolId;
+use crate::pool_id::PoolId;
 
 /// Where a block is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

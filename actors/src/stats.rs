@@ -5,7 +5,7 @@
 //! per-thread shards: a block's counters are charged to the shard of the thread that took it,
 //! and credited back to the same shard when it becomes reusable. `current` is exact at
 //! quiescent points; `peak` is the most the shards held at once, kept by the engine's
-//! [`crate::actors::peaks::Ledger`] for each group of pools (a capture pool, the default pool with
+//! [`crate::peaks::Ledger`] for each group of pools (a capture pool, the default pool with
 //! the stream pools, the whole engine).
 
 use std::collections::BTreeMap;
@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
 use std::sync::Arc;
 
-use crate::actors::counters::{AtomicDuration, AtomicNanos, AtomicStat, DurationStat, Stat};
-use crate::actors::device_stats::{Detail, DeviceStats};
-use crate::actors::peaks::{Group, Leaves, Ledger, ACTIVE, ACTIVE_BYTES, ALL, BYTES, REQUESTS};
-use crate::actors::shard::ThreadSlot;
+use crate::counters::{AtomicDuration, AtomicNanos, AtomicStat, DurationStat, Stat};
+use crate::device_stats::{Detail, DeviceStats};
+use crate::peaks::{Group, Leaves, Ledger, ACTIVE, ACTIVE_BYTES, ALL, BYTES, REQUESTS};
+use crate::shard::ThreadSlot;
 
 /// A statistics report for one pool or for the whole allocator.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -26,9 +26,8 @@ pub struct HostStats {
     /// Bytes of pinned memory held.
     pub allocated_bytes: Stat,
     /// Blocks handed out and not yet reusable (in use, or waiting on events). Its
-    /// `allocated` count is the buffers requesters received: buffers a
-    /// [`BufferSet`](crate::BufferSet) took and gave back, because another of its buffers
-    /// found no room, are not counted.
+    /// `allocated` count is the buffers requesters received: buffers a `BufferSet` took and
+    /// gave back, because another of its buffers found no room, are not counted.
     pub active_requests: Stat,
     /// Bytes of the blocks counted by `active_requests`.
     pub active_bytes: Stat,
@@ -426,7 +425,7 @@ mod tests {
     use std::sync::Barrier;
 
     use super::*;
-    use crate::actors::peaks::Group;
+    use crate::peaks::Group;
 
     /// What the threads saw held: counted just after each lend and just before each return
     /// (a lower bound of the most held at once), and just before each lend and just after each

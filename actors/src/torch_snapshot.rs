@@ -3,7 +3,7 @@
 //! visualizer (`pytorch.org/memory_viz`) and `torch.cuda._memory_viz` read it.
 //!
 //! Owns the mapping from pinpool's snapshot and trace entries to PyTorch's keys; the bytes
-//! are written by [`crate::actors::pickle`].
+//! are written by [`crate::pickle`].
 //!
 //! The layout (PyTorch 2.x, `torch/csrc/cuda/memory_snapshot.cpp`; the keys of every dict
 //! match those of `torch.cuda.memory._snapshot()` in torch 2.11): a dict of
@@ -25,10 +25,10 @@
 
 use std::collections::HashMap;
 
-use crate::actors::device_stats::SMALL_SEGMENT;
-use crate::actors::pickle::{self, Value};
-use crate::actors::snapshot::{BlockInfo, BlockStatus, MemorySnapshot, SegmentInfo};
-use crate::actors::trace::{History, TraceAction, TraceEntry};
+use crate::device_stats::SMALL_SEGMENT;
+use crate::pickle::{self, Value};
+use crate::snapshot::{BlockInfo, BlockStatus, MemorySnapshot, SegmentInfo};
+use crate::trace::{History, TraceAction, TraceEntry};
 
 impl MemorySnapshot {
     /// The snapshot, and `histories[d]` as device `d`'s trace, in the pickle layout of

@@ -6,9 +6,9 @@ use std::backtrace::Backtrace;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::actors::memory::MemoryKind;
-use crate::actors::pool_id::PoolId;
-use crate::actors::runtime::StreamId;
+use crate::memory::MemoryKind;
+use crate::pool_id::PoolId;
+use crate::runtime::StreamId;
 
 /// What a trace entry records (PyTorch's `TraceEntry::Action`, plus capture markers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -6,22 +6,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Engine, EngineInner};
-use crate::actors::budget::Budget;
-use crate::actors::error::Error;
-use crate::actors::memory::MemorySource;
-use crate::actors::peaks::Ledger;
-use crate::actors::policy::{BestFit, SizePolicy};
-use crate::actors::poller::start_poller;
-use crate::actors::pool::{start_pool, PoolSpec, DEFAULT_LINGER};
-use crate::actors::pool_id::PoolId;
-use crate::actors::router::{start_router, Routes};
-use crate::actors::runtime::{Runtime, StreamId};
-use crate::actors::shard::default_shard_count;
+use crate::budget::Budget;
+use crate::error::Error;
+use crate::memory::MemorySource;
+use crate::peaks::Ledger;
+use crate::policy::{BestFit, SizePolicy};
+use crate::poller::start_poller;
+use crate::pool::{start_pool, PoolSpec, DEFAULT_LINGER};
+use crate::pool_id::PoolId;
+use crate::router::{start_router, Routes};
+use crate::runtime::{Runtime, StreamId};
+use crate::shard::default_shard_count;
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
 /// Configures and starts an [`Engine`].
-pub(crate) struct EngineBuilder<R: Runtime> {
+pub struct EngineBuilder<R: Runtime> {
     runtime: Arc<R>,
     memory: Arc<dyn MemorySource>,
     policy: Arc<dyn SizePolicy>,
@@ -38,7 +38,7 @@ pub(crate) struct EngineBuilder<R: Runtime> {
 impl<R: Runtime> EngineBuilder<R> {
     /// An engine that orders reuse with `runtime`'s events and takes its memory from
     /// `memory`, with the best-fit size policy ([`BestFit`]).
-    pub(crate) fn new(runtime: Arc<R>, memory: Arc<dyn MemorySource>) -> Self {
+    pub fn new(runtime: Arc<R>, memory: Arc<dyn MemorySource>) -> Self {
         Self {
             runtime,
             memory,
@@ -57,20 +57,20 @@ impl<R: Runtime> EngineBuilder<R> {
     /// Caps the bytes reserved by all pools together (default: no cap). A request
     /// that would pass the cap first has every cache emptied; if it still does not fit,
     /// `alloc` waits for buffers to come back and `try_alloc` fails. `build` refuses 0.
-    pub(crate) fn max_bytes(mut self, bytes: usize) -> Self {
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
         self.max_bytes = Some(bytes);
         self
     }
 
     /// How long `alloc` waits for room under the cap before failing with
     /// [`Error::Timeout`] (default: as long as it takes).
-    pub(crate) fn alloc_timeout(mut self, timeout: Duration) -> Self {
+    pub fn alloc_timeout(mut self, timeout: Duration) -> Self {
         self.alloc_timeout = Some(timeout);
         self
     }
 
     /// The size policy (default: [`BestFit`]).
-    pub(crate) fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
+    pub fn policy(mut self, policy: Arc<dyn SizePolicy>) -> Self {
         self.policy = policy;
         self
     }
@@ -81,7 +81,7 @@ impl<R: Runtime> EngineBuilder<R> {
     /// comes after every earlier one. Recording another stream on a block orders its reuse
     /// by an event, as always. This is how device memory is cached; host memory is not
     /// stream-ordered (the CPU may write a block the moment it is handed out).
-    pub(crate) fn stream_ordered(mut self, on: bool) -> Self {
+    pub fn stream_ordered(mut self, on: bool) -> Self {
         self.stream_ordered = on;
         self
     }
@@ -91,46 +91,46 @@ impl<R: Runtime> EngineBuilder<R> {
     /// (cached, or free in its mapped memory) before every cache is emptied (default: off).
     /// The block is handed over without the driver and without waiting: the requesting
     /// stream is made to wait for an event recorded on the lender's stream
-    /// ([`crate::actors::Runtime::stream_wait_event`]), and the block goes back to its own pool once
+    /// ([`crate::Runtime::stream_wait_event`]), and the block goes back to its own pool once
     /// the borrower's work on it has run. Needs a runtime that can order one stream after
     /// another's event; elsewhere nothing is borrowed.
-    pub(crate) fn lend_between_streams(mut self, on: bool) -> Self {
+    pub fn lend_between_streams(mut self, on: bool) -> Self {
         self.lend_between_streams = on;
         self
     }
 
     /// How long each pool actor stays awake after a request it answered for the next one (see
     /// `PoolActor::linger`; default [`DEFAULT_LINGER`]).
-    pub(crate) fn linger(mut self, linger: Duration) -> Self {
+    pub fn linger(mut self, linger: Duration) -> Self {
         self.linger = linger;
         self
     }
 
-    /// Keeps device statistics ([`crate::actors::DeviceStats`], read with
+    /// Keeps device statistics ([`crate::DeviceStats`], read with
     /// [`Engine::device_stats`]) beside the host ones, blocks above `max_split_size` bytes
     /// counting as oversize (`usize::MAX`: none). The cached path then also counts
     /// allocations and requested bytes by pool (small and large), a few more stores to the
     /// calling thread's own cache lines.
-    pub(crate) fn device_stats(mut self, max_split_size: usize) -> Self {
+    pub fn device_stats(mut self, max_split_size: usize) -> Self {
         self.device_stats = Some(max_split_size);
         self
     }
 
     /// The tokio runtime the actors run on (default: the one this is called in).
-    pub(crate) fn handle(mut self, handle: tokio::runtime::Handle) -> Self {
+    pub fn handle(mut self, handle: tokio::runtime::Handle) -> Self {
         self.handle = Some(handle);
         self
     }
 
     /// Number of thread shards for ready queues and stats (rounded up to a power of two;
     /// default: twice the machine's parallelism, at most 64).
-    pub(crate) fn shards(mut self, shards: usize) -> Self {
+    pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards.clamp(1, 1024).next_power_of_two());
         self
     }
 
     /// Spawns the actors.
-    pub(crate) fn build(self) -> Result<Engine<R>, Error> {
+    pub fn build(self) -> Result<Engine<R>, Error> {
         let handle = match self.handle {
             Some(h) => h,
             None => tokio::runtime::Handle::try_current().map_err(|_| Error::NoTokioRuntime)?,
@@ -150,7 +150,7 @@ impl<R: Runtime> EngineBuilder<R> {
         ));
         let classes = self.policy.num_classes();
         let layout = self.policy.layout();
-        let history = crate::actors::history::start(&handle);
+        let history = crate::history::start(&handle);
         let ledger = Arc::new(Ledger::new());
         let memory = self.memory.clone();
         let (poller_tx, poller_rx) = flume::unbounded();

@@ -1,16 +1,17 @@
 //! Capture pools: the handle's calls to the router, which owns the capture registry (see
-//! [`crate::actors::router`]).
+//! [`crate::router`]).
 
 use super::Engine;
-use crate::actors::error::Error;
-use crate::actors::pool_id::PoolId;
-use crate::actors::router::{RouterMsg, StreamFilter};
-use crate::actors::runtime::Runtime;
+use crate::error::Error;
+use crate::pool_id::PoolId;
+use crate::router::{RouterMsg, StreamFilter};
+use crate::runtime::Runtime;
 
 impl<R: Runtime> Engine<R> {
     /// Routes allocations for streams that `filter` accepts into the private pool `id`
     /// (creating it, or adding a use to it) until [`Engine::end_allocate_to_pool`].
-    pub(crate) async fn begin_allocate_to_pool(
+    #[doc(hidden)]
+    pub async fn begin_allocate_to_pool(
         &self,
         id: PoolId,
         filter: StreamFilter<R>,
@@ -22,7 +23,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Stops routing allocations into pool `id`.
-    pub(crate) async fn end_allocate_to_pool(&self, id: PoolId) -> Result<(), Error> {
+    #[doc(hidden)]
+    pub async fn end_allocate_to_pool(&self, id: PoolId) -> Result<(), Error> {
         self.call_router(|reply| RouterMsg::End { id, reply })?
             .recv_async()
             .await
@@ -30,7 +32,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Drops one use of pool `id`; once none is left, the next `empty_cache` frees it.
-    pub(crate) async fn release_pool(&self, id: PoolId) -> Result<(), Error> {
+    #[doc(hidden)]
+    pub async fn release_pool(&self, id: PoolId) -> Result<(), Error> {
         self.call_router(|reply| RouterMsg::Release { id, reply })?
             .recv_async()
             .await

@@ -12,16 +12,16 @@
 use std::collections::BTreeSet;
 
 use super::Engine;
-use crate::actors::error::Error;
-use crate::actors::lease::Lease;
-use crate::actors::mailbox::{PollerMsg, PoolMsg};
-use crate::actors::memory::MemoryKind;
-use crate::actors::pool_id::PoolId;
-use crate::actors::runtime::Runtime;
-use crate::actors::snapshot::PoolCheckpoint;
+use crate::error::Error;
+use crate::lease::Lease;
+use crate::mailbox::{PollerMsg, PoolMsg};
+use crate::memory::MemoryKind;
+use crate::pool_id::PoolId;
+use crate::runtime::Runtime;
+use crate::snapshot::PoolCheckpoint;
 
 /// What a restore did: the addresses freed, and leases over the blocks lent again.
-pub(crate) struct Restored<R: Runtime> {
+pub struct Restored<R: Runtime> {
     /// Addresses of the blocks freed (their leases were taken from the caller).
     pub freed: Vec<usize>,
     /// The checkpoint's blocks lent again, at their old addresses, in address order.
@@ -36,7 +36,8 @@ impl<R: Runtime> Engine<R> {
     /// Errors: [`Error::DefaultPoolId`], [`Error::UnknownPool`]. Blocks freed and waiting on
     /// events are free; exact at a quiescent point (a block between two owners shows as
     /// allocated).
-    pub(crate) async fn checkpoint_state(&self, pool: PoolId) -> Result<PoolCheckpoint, Error> {
+    #[doc(hidden)]
+    pub async fn checkpoint_state(&self, pool: PoolId) -> Result<PoolCheckpoint, Error> {
         if pool.is_default() {
             return Err(Error::DefaultPoolId);
         }
@@ -84,7 +85,8 @@ impl<R: Runtime> Engine<R> {
     /// device or with overlapping or unaligned blocks, [`Error::CheckpointConflict`],
     /// [`Error::CheckpointUnavailable`], and [`Error::Timeout`] when the freed blocks' work
     /// or blocks waiting on events do not finish within 10 seconds.
-    pub(crate) async fn set_checkpoint_pool_state(
+    #[doc(hidden)]
+    pub async fn set_checkpoint_pool_state(
         &self,
         state: &PoolCheckpoint,
         stream: &R::Stream,
@@ -193,10 +195,7 @@ impl<R: Runtime> Engine<R> {
         }
         let mut end = 0;
         for (addr, size) in state.allocated() {
-            if size == 0
-                || addr % crate::actors::carve::ALIGN != 0
-                || size % crate::actors::carve::ALIGN != 0
-            {
+            if size == 0 || addr % crate::carve::ALIGN != 0 || size % crate::carve::ALIGN != 0 {
                 return invalid(format!("block at {addr:#x} of {size} bytes is not aligned"));
             }
             if addr < end {

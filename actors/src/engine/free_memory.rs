@@ -1,9 +1,9 @@
 //! Free-memory callbacks: the handle's calls on the registry that the miss path runs (see
-//! [`crate::actors::free_memory`]).
+//! [`crate::free_memory`]).
 
 use super::Engine;
-use crate::actors::free_memory::FreeMemoryCallback;
-use crate::actors::runtime::Runtime;
+use crate::free_memory::FreeMemoryCallback;
+use crate::runtime::Runtime;
 
 impl<R: Runtime> Engine<R> {
     /// Attaches `f`, which frees what memory it can and says whether it freed anything
@@ -13,7 +13,8 @@ impl<R: Runtime> Engine<R> {
     /// freed something, the request is tried again first. It runs on a blocking thread, at
     /// most once per request; a panic in it is caught and counted
     /// ([`Engine::free_memory_callback_panics`]), and counts as freeing nothing.
-    pub(crate) fn attach_free_memory_callback(&self, f: FreeMemoryCallback) {
+    #[doc(hidden)]
+    pub fn attach_free_memory_callback(&self, f: FreeMemoryCallback) {
         self.default_pool().budget.free_memory.attach(f);
     }
 
@@ -23,7 +24,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// How many free-memory callback calls panicked.
-    pub(crate) fn free_memory_callback_panics(&self) -> u64 {
+    #[doc(hidden)]
+    pub fn free_memory_callback_panics(&self) -> u64 {
         self.default_pool().budget.free_memory.panics()
     }
 }

@@ -1,20 +1,21 @@
 //! History and observers: the handle's calls to the history recorder (see
-//! [`crate::actors::history`]).
+//! [`crate::history`]).
 
 use std::sync::Arc;
 
 use super::Engine;
-use crate::actors::error::Error;
-use crate::actors::observe::ObserverMsg;
-use crate::actors::runtime::Runtime;
-use crate::actors::trace::{History, HistoryContext, OomReport, TraceEntry};
+use crate::error::Error;
+use crate::observe::ObserverMsg;
+use crate::runtime::Runtime;
+use crate::trace::{History, HistoryContext, OomReport, TraceEntry};
 
 impl<R: Runtime> Engine<R> {
     /// Turns history recording on or off. While on, the last `max_entries` trace entries are
     /// kept (older ones are pushed out), with call sites as `context` asks. Turning it off
     /// keeps the entries recorded so far. Fails with [`Error::EmptyHistoryRing`] when asked to
     /// record into a ring of 0 entries.
-    pub(crate) fn record_history(
+    #[doc(hidden)]
+    pub fn record_history(
         &self,
         enabled: bool,
         max_entries: usize,
@@ -24,22 +25,26 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Whether history recording is on.
-    pub(crate) fn is_history_enabled(&self) -> bool {
+    #[doc(hidden)]
+    pub fn is_history_enabled(&self) -> bool {
         self.recorder().is_on()
     }
 
     /// Adds a `UserDefined` entry named `name` to the history (nothing while it is off).
-    pub(crate) fn record_annotation(&self, name: &str) {
+    #[doc(hidden)]
+    pub fn record_annotation(&self, name: &str) {
         self.recorder().annotate(name);
     }
 
     /// Records a `Snapshot` entry (for code that takes snapshots of the allocator).
-    pub(crate) fn record_snapshot_taken(&self) {
+    #[doc(hidden)]
+    pub fn record_snapshot_taken(&self) {
         self.recorder().snapshot_taken();
     }
 
     /// The recorded history (a round trip to the history actor).
-    pub(crate) async fn history(&self) -> Result<History, Error> {
+    #[doc(hidden)]
+    pub async fn history(&self) -> Result<History, Error> {
         let rx = self.recorder().read()?;
         let mut h = rx.recv_async().await.map_err(|_| Error::Shutdown)?;
         h.enabled = self.recorder().is_on();
@@ -48,13 +53,15 @@ impl<R: Runtime> Engine<R> {
 
     /// Calls `f` for every trace entry recorded while history is on, from the observer task
     /// (on a blocking thread), never from an actor or an allocation.
-    pub(crate) fn attach_trace_tracker(&self, f: impl Fn(&TraceEntry) + Send + Sync + 'static) {
+    #[doc(hidden)]
+    pub fn attach_trace_tracker(&self, f: impl Fn(&TraceEntry) + Send + Sync + 'static) {
         self.recorder().attach(ObserverMsg::Tracker(Arc::new(f)));
     }
 
     /// Calls `f` for every request that fails for want of pinned memory, from the observer
     /// task (on a blocking thread).
-    pub(crate) fn attach_oom_observer(&self, f: impl Fn(&OomReport) + Send + Sync + 'static) {
+    #[doc(hidden)]
+    pub fn attach_oom_observer(&self, f: impl Fn(&OomReport) + Send + Sync + 'static) {
         self.recorder().attach(ObserverMsg::Oom(Arc::new(f)));
     }
 }

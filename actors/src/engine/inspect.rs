@@ -14,19 +14,19 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use super::Engine;
-use crate::actors::block::Pool;
-use crate::actors::device_stats::DeviceStats;
-use crate::actors::error::Error;
-use crate::actors::mailbox::{Inventory, PollerMsg, PoolMsg, PoolView};
-use crate::actors::memory::MemoryKind;
-use crate::actors::meta::BlockMeta;
-use crate::actors::pool_id::PoolId;
-use crate::actors::router::RouterMsg;
-use crate::actors::runtime::Runtime;
-use crate::actors::snapshot::{
+use crate::block::Pool;
+use crate::device_stats::DeviceStats;
+use crate::error::Error;
+use crate::mailbox::{Inventory, PollerMsg, PoolMsg, PoolView};
+use crate::memory::MemoryKind;
+use crate::meta::BlockMeta;
+use crate::pool_id::PoolId;
+use crate::router::RouterMsg;
+use crate::runtime::Runtime;
+use crate::snapshot::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, SegmentInfo,
 };
-use crate::actors::stats::HostStats;
+use crate::stats::HostStats;
 
 impl<R: Runtime> Engine<R> {
     /// Statistics over every pool.
@@ -63,7 +63,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Statistics of one pool (`None` for a pool that does not exist or is gone).
-    pub(crate) fn pool_stats(&self, id: PoolId) -> Option<HostStats> {
+    #[doc(hidden)]
+    pub fn pool_stats(&self, id: PoolId) -> Option<HostStats> {
         let limit = self.max_bytes().map(|l| l as i64);
         if id.is_default() {
             let mut s = HostStats::default();
@@ -87,7 +88,8 @@ impl<R: Runtime> Engine<R> {
 
     /// Device statistics of capture pool `id` (`None` for a pool that does not exist or is
     /// gone, and for an engine built without device statistics).
-    pub(crate) fn pool_device_stats(&self, id: PoolId) -> Option<DeviceStats> {
+    #[doc(hidden)]
+    pub fn pool_device_stats(&self, id: PoolId) -> Option<DeviceStats> {
         let table = self.inner.table.load();
         let (_, pool) = table.pools.iter().find(|(p, _)| *p == id)?;
         let mut s = pool.stats.read_device()?;
@@ -115,14 +117,16 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Sets every peak to the current value.
-    pub(crate) fn reset_peak_stats(&self) {
+    #[doc(hidden)]
+    pub fn reset_peak_stats(&self) {
         self.all_pools().iter().for_each(|p| p.stats.reset_peak());
         self.inner.ledger.reset_peaks();
         self.default_pool().budget.reset_peak();
     }
 
     /// Zeroes the accumulated counts (`allocated`, `freed`, timings, retries, OOMs).
-    pub(crate) fn reset_accumulated_stats(&self) {
+    #[doc(hidden)]
+    pub fn reset_accumulated_stats(&self) {
         self.all_pools()
             .iter()
             .for_each(|p| p.stats.reset_accumulated());
@@ -256,7 +260,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// The largest cached block and the bytes cached, over every pool.
-    pub(crate) async fn cache_info(&self) -> Result<CacheInfo, Error> {
+    #[doc(hidden)]
+    pub async fn cache_info(&self) -> Result<CacheInfo, Error> {
         let mut info = CacheInfo::default();
         for v in self.pool_views().await? {
             let mut sizes: BTreeMap<usize, usize> = BTreeMap::new();
@@ -285,7 +290,8 @@ impl<R: Runtime> Engine<R> {
 
     /// The segment holding `ptr` (its base address, size and pool), or `None` when no
     /// segment of this allocator holds it.
-    pub(crate) fn base_allocation(
+    #[doc(hidden)]
+    pub fn base_allocation(
         &self,
         ptr: *const u8,
     ) -> impl std::future::Future<Output = Result<Option<BaseAllocation>, Error>> + Send + '_ {
@@ -310,7 +316,8 @@ impl<R: Runtime> Engine<R> {
     /// Whether the blocks in use in `pool` are exactly those starting at `expected`
     /// (PyTorch's `_cuda_checkPoolLiveAllocations`). `Err(UnknownPool)` for a pool that does
     /// not exist.
-    pub(crate) fn check_pool_live_allocations(
+    #[doc(hidden)]
+    pub fn check_pool_live_allocations(
         &self,
         pool: PoolId,
         expected: &[*const u8],

@@ -31,19 +31,19 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 
-use crate::actors::blocking::may_block;
-use crate::actors::budget::Budget;
-use crate::actors::error::{Error, OomCause};
-use crate::actors::lease::Lease;
-use crate::actors::long_wait;
-use crate::actors::miss::{Tried, Wait};
-use crate::actors::runtime::Runtime;
+use crate::blocking::may_block;
+use crate::budget::Budget;
+use crate::error::{Error, OomCause};
+use crate::lease::Lease;
+use crate::long_wait;
+use crate::miss::{Tried, Wait};
+use crate::runtime::Runtime;
 
 use super::Engine;
 
 /// One buffer of a request for several: `size` bytes from `engine`, for work on `stream`
 /// (`None`: the engine's default pool; a stream-ordered engine takes the stream's pool).
-pub(crate) struct Want<'a, R: Runtime> {
+pub struct Want<'a, R: Runtime> {
     engine: &'a Engine<R>,
     size: usize,
     stream: Option<&'a R::Stream>,
@@ -51,7 +51,7 @@ pub(crate) struct Want<'a, R: Runtime> {
 
 impl<'a, R: Runtime> Want<'a, R> {
     /// `size` bytes from `engine` for work on `stream`.
-    pub(crate) fn new(engine: &'a Engine<R>, size: usize, stream: Option<&'a R::Stream>) -> Self {
+    pub fn new(engine: &'a Engine<R>, size: usize, stream: Option<&'a R::Stream>) -> Self {
         Self {
             engine,
             size,
@@ -86,7 +86,7 @@ impl<'a, R: Runtime> Want<'a, R> {
 ///   caches were emptied) fails the request, as for one buffer.
 ///
 /// Cancel-safe: dropping the future gives back everything it took and leaves no waiter.
-pub(crate) async fn alloc_many<R: Runtime>(
+pub async fn alloc_many<R: Runtime>(
     wants: &[Want<'_, R>],
     wait: Wait,
 ) -> Result<Vec<Lease<R>>, Error> {
@@ -148,8 +148,8 @@ pub(crate) async fn alloc_many<R: Runtime>(
 /// calling thread on the async call. Where that would deadlock (a thread that runs a
 /// current-thread runtime's tasks) it fails at once with [`Error::WouldDeadlock`] naming
 /// `call` (the blocking call, and the async one to use instead); on a multi-thread
-/// runtime's threads it blocks inside `block_in_place` (see [`crate::actors::blocking`]).
-pub(crate) fn alloc_many_blocking<R: Runtime>(
+/// runtime's threads it blocks inside `block_in_place` (see [`crate::blocking`]).
+pub fn alloc_many_blocking<R: Runtime>(
     wants: &[Want<'_, R>],
     wait: Wait,
     call: (&'static str, &'static str),

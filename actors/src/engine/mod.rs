@@ -2,10 +2,10 @@
 //! actors. The last clone to go closes the pools, which give every block back to its memory
 //! source as it comes home.
 //!
-//! The cached path is here and in [`crate::actors::ready`]: size class, route (no table load unless a
+//! The cached path is here and in [`crate::ready`]: size class, route (no table load unless a
 //! stream is given, and none for a stream this thread routed since the router last published:
 //! `route_cache`), take a ready block, charge this thread's stats shard. A miss is one round
-//! trip to the pool actor (see [`crate::actors::miss`]).
+//! trip to the pool actor (see [`crate::miss`]).
 //!
 //! The rest of the handle's calls live beside it: `build` (the builder, which starts the
 //! actors), `capture` (capture pools, through the router), `checkpoint` (checkpoints of
@@ -21,28 +21,28 @@ mod inspect;
 mod many;
 mod route_cache;
 
-pub(crate) use build::EngineBuilder;
-pub(crate) use many::{alloc_many, alloc_many_blocking, Want};
+pub use build::EngineBuilder;
+pub use many::{alloc_many, alloc_many_blocking, Want};
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use flume::Sender;
 
-use crate::actors::block::{Block, Pool};
-use crate::actors::blocking::{may_block, run_here};
-use crate::actors::budget::Budget;
-use crate::actors::budget::EmptyReport;
-use crate::actors::error::Error;
-use crate::actors::history::Recorder;
-use crate::actors::lease::Lease;
-use crate::actors::mailbox::{PollerMsg, PoolMsg, Reply};
-use crate::actors::memory::MemorySource;
-use crate::actors::miss::{miss, miss_once, Tried, Wait, Who};
-use crate::actors::peaks::Ledger;
-use crate::actors::policy::{SizeClass, SizePolicy};
-use crate::actors::router::{RouterMsg, Routes};
-use crate::actors::runtime::{Runtime, StreamId};
+use crate::block::{Block, Pool};
+use crate::blocking::{may_block, run_here};
+use crate::budget::Budget;
+use crate::budget::EmptyReport;
+use crate::error::Error;
+use crate::history::Recorder;
+use crate::lease::Lease;
+use crate::mailbox::{PollerMsg, PoolMsg, Reply};
+use crate::memory::MemorySource;
+use crate::miss::{miss, miss_once, Tried, Wait, Who};
+use crate::peaks::Ledger;
+use crate::policy::{SizeClass, SizePolicy};
+use crate::router::{RouterMsg, Routes};
+use crate::runtime::{Runtime, StreamId};
 
 struct EngineInner<R: Runtime> {
     id: u64,
@@ -124,7 +124,7 @@ impl<R: Runtime> Engine<R> {
         &self.inner.memory
     }
 
-    /// The history recorder (see [`crate::actors::history`]).
+    /// The history recorder (see [`crate::history`]).
     pub(crate) fn recorder(&self) -> &Arc<Recorder> {
         &self.inner.history
     }
@@ -303,7 +303,8 @@ impl<R: Runtime> Engine<R> {
 
     /// Allocates `size` bytes for work on `stream` (`None`: the default pool), waiting for
     /// room under the cap as `wait` says. What every `alloc*` call comes down to.
-    pub(crate) async fn alloc_with(
+    #[doc(hidden)]
+    pub async fn alloc_with(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
@@ -406,10 +407,11 @@ impl<R: Runtime> Engine<R> {
     /// runs a current-thread runtime's tasks would block, it fails with
     /// [`Error::WouldDeadlock`] naming `call` (the public blocking call, and the async call
     /// to use instead); on a multi-thread runtime's threads it blocks inside
-    /// `block_in_place` (see [`crate::actors::blocking`]). The thread is looked at first, so a
+    /// `block_in_place` (see [`crate::blocking`]). The thread is looked at first, so a
     /// request the cached path would serve is refused where a miss would be: a call behaves
     /// the same whether or not the cache is warm.
-    pub(crate) fn alloc_blocking_with(
+    #[doc(hidden)]
+    pub fn alloc_blocking_with(
         &self,
         size: usize,
         stream: Option<&R::Stream>,
@@ -425,13 +427,15 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// The cap on reserved bytes, if any.
-    pub(crate) fn max_bytes(&self) -> Option<usize> {
+    #[doc(hidden)]
+    pub fn max_bytes(&self) -> Option<usize> {
         self.inner.default.budget.limit()
     }
 
     /// Sets or lifts the cap. Lowering it frees nothing by itself (the next request that
     /// does not fit empties the caches); raising it lets waiting requests in.
-    pub(crate) fn set_max_bytes(&self, bytes: Option<usize>) -> Result<(), Error> {
+    #[doc(hidden)]
+    pub fn set_max_bytes(&self, bytes: Option<usize>) -> Result<(), Error> {
         if bytes == Some(0) {
             return Err(Error::InvalidLimit {
                 reason: "a cap of 0 bytes leaves no room for any request".into(),
@@ -444,7 +448,8 @@ impl<R: Runtime> Engine<R> {
     /// Books `err`, a request refused for want of memory before it reached the engine (a
     /// size larger than the device, say): counted in `num_ooms` and reported to the OOM
     /// observers like the engine's own failures. Returns `err`.
-    pub(crate) fn refused(&self, err: Error) -> Error {
+    #[doc(hidden)]
+    pub fn refused(&self, err: Error) -> Error {
         let pool = self.default_pool();
         pool.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
         pool.oom(err)
@@ -467,11 +472,8 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// Records `stream` on a lease, after checking that this allocator lent it.
-    pub(crate) fn record_stream(
-        &self,
-        lease: &mut Lease<R>,
-        stream: &R::Stream,
-    ) -> Result<(), Error> {
+    #[doc(hidden)]
+    pub fn record_stream(&self, lease: &mut Lease<R>, stream: &R::Stream) -> Result<(), Error> {
         if lease.allocator_id() != self.inner.id {
             return Err(Error::ForeignBuffer);
         }

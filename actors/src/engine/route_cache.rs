@@ -15,8 +15,8 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
-use crate::actors::block::Pool;
-use crate::actors::runtime::{Runtime, StreamId};
+use crate::block::Pool;
+use crate::runtime::{Runtime, StreamId};
 
 /// Routes remembered per thread (direct-mapped by stream; a power of two).
 const WAYS: usize = 4;

@@ -26,13 +26,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::PoolActor;
-use crate::actors::block::Seg;
-use crate::actors::carve::fits::Fits;
-use crate::actors::carve::{Carver, Piece, SegId};
-use crate::actors::error::{Error, OomCause};
-use crate::actors::memory::units;
-use crate::actors::runtime::{Runtime, RuntimeError};
-use crate::actors::segment::{ArenaMap, Segment};
+use crate::block::Seg;
+use crate::carve::fits::Fits;
+use crate::carve::{Carver, Piece, SegId};
+use crate::error::{Error, OomCause};
+use crate::memory::units;
+use crate::runtime::{Runtime, RuntimeError};
+use crate::segment::{ArenaMap, Segment};
 
 /// Under a memory limit of fewer granules than this, a pool keeps separate segments.
 const MIN_GRANULES_UNDER_LIMIT: usize = 8;
@@ -260,7 +260,7 @@ impl<R: Runtime> Arena<R> {
     /// shortest stretch of mapped free memory that holds it (see [`Fits::best`]), if that
     /// stretch is no longer than `max_len`: one lookup, no scan.
     pub(super) fn place_mapped(&mut self, size: usize, max_len: usize) -> Option<(Piece, bool)> {
-        let want = crate::actors::carve::align_up(size.max(1))?;
+        let want = crate::carve::align_up(size.max(1))?;
         let (offset, len) = self.fits.best(want, self.zone_for(want))?;
         if len > max_len {
             return None;
@@ -279,7 +279,7 @@ impl<R: Runtime> Arena<R> {
     /// may also start or end at granule boundaries. Returns the piece and the granules it
     /// still needs mapped (the mapped ones it touches are held from now on).
     pub(super) fn place(&mut self, size: usize, pack: bool) -> Option<(Piece, Vec<usize>)> {
-        let want = crate::actors::carve::align_up(size)?;
+        let want = crate::carve::align_up(size)?;
         let zone = self.zone_for(want);
         let piece = self
             .place_in(want, pack, Some(zone))
@@ -392,7 +392,7 @@ impl<R: Runtime> Arena<R> {
 
     /// Takes a lent piece back (or one whose granules could not be mapped): its granules
     /// are let go and its range coalesces with free neighbours.
-    pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::actors::carve::CarveError> {
+    pub(super) fn release(&mut self, piece: Piece) -> Result<(), crate::carve::CarveError> {
         self.carver.release(piece)?;
         self.refit(piece.offset, piece.offset + piece.len);
         self.clock += 1;

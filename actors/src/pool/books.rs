@@ -2,8 +2,8 @@
 //! segments (for snapshots).
 
 use super::PoolActor;
-use crate::actors::mailbox::{Inventory, PieceView, PoolView, SegmentView};
-use crate::actors::runtime::Runtime;
+use crate::mailbox::{Inventory, PieceView, PoolView, SegmentView};
+use crate::runtime::Runtime;
 
 impl<R: Runtime> PoolActor<R> {
     pub(super) fn inventory(&self) -> Inventory {

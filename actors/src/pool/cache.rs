@@ -5,12 +5,12 @@
 use std::sync::atomic::Ordering;
 
 use super::PoolActor;
-use crate::actors::block::{Block, BlockState};
-use crate::actors::budget::EmptyReport;
-use crate::actors::error::Error;
-use crate::actors::mailbox::PollerMsg;
-use crate::actors::policy::SizeClass;
-use crate::actors::runtime::Runtime;
+use crate::block::{Block, BlockState};
+use crate::budget::EmptyReport;
+use crate::error::Error;
+use crate::mailbox::PollerMsg;
+use crate::policy::SizeClass;
+use crate::runtime::Runtime;
 
 impl<R: Runtime> PoolActor<R> {
     /// A block back outside the ready queues: kept blocks stay kept, others are reusable.

@@ -4,19 +4,19 @@
 //!
 //! Running out — at the cap, or in the source itself — is reported as `Error::OutOfMemory`
 //! (with the cap in `limit`, or `None` for the source); the caller empties the caches and
-//! retries (see `crate::actors::miss`).
+//! retries (see `crate::miss`).
 
 use std::time::Instant;
 
 use tracing::Instrument;
 
 use super::PoolActor;
-use crate::actors::block::Block;
-use crate::actors::error::{Error, OomCause};
-use crate::actors::mailbox::SegmentView;
-use crate::actors::memory::Region;
-use crate::actors::policy::SizeClass;
-use crate::actors::runtime::{Runtime, RuntimeError};
+use crate::block::Block;
+use crate::error::{Error, OomCause};
+use crate::mailbox::SegmentView;
+use crate::memory::Region;
+use crate::policy::SizeClass;
+use crate::runtime::{Runtime, RuntimeError};
 
 impl<R: Runtime> PoolActor<R> {
     pub(super) async fn fresh(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {

@@ -7,7 +7,7 @@
 //! every block back to the runtime as it comes home (invariant 2).
 //!
 //! Under a memory limit it also queues the requests that wait for room, first come first
-//! served (see [`crate::actors::budget`] and `crate::actors::miss`), and serves them as blocks come back or
+//! served (see [`crate::budget`] and `crate::miss`), and serves them as blocks come back or
 //! room is made.
 //!
 //! Under a policy whose layout carves blocks out of shared segments ([`BlockLayout::Carved`])
@@ -32,19 +32,19 @@ use std::time::Duration;
 
 use flume::{Receiver, Sender};
 
-use crate::actors::block::{Block, BlockState, Pool, Seg};
-use crate::actors::budget::Budget;
-use crate::actors::errand::{spawn_or_run, Errand};
-use crate::actors::error::Error;
-use crate::actors::history::Recorder;
-use crate::actors::home::{Home, HomeParts, DIVERT_CLOSING};
-use crate::actors::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
-use crate::actors::memory::{MemoryKind, MemorySource};
-use crate::actors::peaks::{Group, Ledger};
-use crate::actors::policy::{BlockLayout, SizePolicy};
-use crate::actors::pool_id::PoolId;
-use crate::actors::runtime::{Runtime, StreamId};
-use crate::actors::spawn::spawn_on_own_thread;
+use crate::block::{Block, BlockState, Pool, Seg};
+use crate::budget::Budget;
+use crate::errand::{spawn_or_run, Errand};
+use crate::error::Error;
+use crate::history::Recorder;
+use crate::home::{Home, HomeParts, DIVERT_CLOSING};
+use crate::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
+use crate::memory::{MemoryKind, MemorySource};
+use crate::peaks::{Group, Ledger};
+use crate::policy::{BlockLayout, SizePolicy};
+use crate::pool_id::PoolId;
+use crate::runtime::{Runtime, StreamId};
+use crate::spawn::spawn_on_own_thread;
 
 /// Everything needed to start a pool.
 pub(crate) struct PoolSpec<R: Runtime> {
@@ -258,7 +258,7 @@ const HOT_WAIT: Duration = Duration::from_millis(1);
 /// The longest a pool keeps polling after an answer for the next request unless its engine
 /// says otherwise (see `PoolActor::linger`): requests 100 µs apart (a model's host thread
 /// between two of its large tensors) find it awake; requests further apart wake it.
-pub(crate) const DEFAULT_LINGER: Duration = Duration::from_micros(200);
+pub const DEFAULT_LINGER: Duration = Duration::from_micros(200);
 /// How long a pool waits with no message before it gives back memory above its reserve cap:
 /// a burst of requests (a model's step, a batch of a server) maps what it needs and nothing
 /// goes back while it runs, so that a repeated burst finds its memory mapped; a pause this
@@ -308,7 +308,7 @@ impl<T> OffExecutor<T> {
 impl<R: Runtime> PoolActor<R> {
     /// Runs `work` (calls into the memory source) off the executor (invariant 6): on the
     /// thread of the miss being served when that thread lends itself (see
-    /// [`crate::actors::errand`]), on a blocking thread of the runtime otherwise — or here, should the
+    /// [`crate::errand`]), on a blocking thread of the runtime otherwise — or here, should the
     /// runtime be shutting down and refuse it (a free dropped unrun would send its blocks
     /// back to this actor, which would try again for ever). Whether it went to the requester.
     pub(super) fn hand_off(&self, work: impl FnOnce() + Send + 'static) -> bool {

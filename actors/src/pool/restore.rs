@@ -34,13 +34,13 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::PoolActor;
-use crate::actors::block::Block;
-use crate::actors::carve::Piece;
-use crate::actors::error::Error;
-use crate::actors::lease::Lease;
-use crate::actors::mailbox::PoolMsg;
-use crate::actors::policy::SizeClass;
-use crate::actors::runtime::{Runtime, RuntimeError, StreamId};
+use crate::block::Block;
+use crate::carve::Piece;
+use crate::error::Error;
+use crate::lease::Lease;
+use crate::mailbox::PoolMsg;
+use crate::policy::SizeClass;
+use crate::runtime::{Runtime, RuntimeError, StreamId};
 
 /// How long a restore waits for events and blocks coming home before it gives up.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);

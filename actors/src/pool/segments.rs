@@ -31,16 +31,16 @@ use std::sync::Arc;
 
 use super::arena::Arena;
 use super::PoolActor;
-use crate::actors::block::{Block, Seg};
-use crate::actors::carve::{Carver, Piece, SegId};
-use crate::actors::error::Error;
-use crate::actors::mailbox::{Note, PieceView, SegmentView, Split};
-use crate::actors::memory::Region;
-use crate::actors::meta::MetaRef;
-use crate::actors::policy::{BlockLayout, Carving, SizeClass};
-use crate::actors::ready::ReadyQueues;
-use crate::actors::runtime::{Runtime, RuntimeError};
-use crate::actors::segment::Segment;
+use crate::block::{Block, Seg};
+use crate::carve::{Carver, Piece, SegId};
+use crate::error::Error;
+use crate::mailbox::{Note, PieceView, SegmentView, Split};
+use crate::memory::Region;
+use crate::meta::MetaRef;
+use crate::policy::{BlockLayout, Carving, SizeClass};
+use crate::ready::ReadyQueues;
+use crate::runtime::{Runtime, RuntimeError};
+use crate::segment::Segment;
 
 /// The free ranges of a pool's segments.
 pub(super) struct Segments<R: Runtime> {
@@ -260,7 +260,7 @@ impl<R: Runtime> Segments<R> {
 
     /// Cuts a piece for `size` bytes; a wholly free segment much larger than it only when
     /// `split_any`.
-    fn place(&mut self, size: usize, split_any: bool) -> Option<crate::actors::carve::Piece> {
+    fn place(&mut self, size: usize, split_any: bool) -> Option<crate::carve::Piece> {
         let c = self.carving;
         self.carver
             .place(size, |seg| c.may_split(seg, size, split_any))
@@ -366,7 +366,7 @@ impl<R: Runtime> PoolActor<R> {
             if self.absorb(&mut b) {
                 self.shared.recycle(b);
             } else {
-                b.state = crate::actors::block::BlockState::Cached;
+                b.state = crate::block::BlockState::Cached;
                 self.shared.ready.put(b);
             }
         }

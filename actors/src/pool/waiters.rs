@@ -6,11 +6,11 @@
 use std::sync::atomic::Ordering;
 
 use super::PoolActor;
-use crate::actors::block::{Block, BlockState};
-use crate::actors::error::{Error, OomCause};
-use crate::actors::mailbox::{Ask, MissTx, Refused};
-use crate::actors::policy::SizeClass;
-use crate::actors::runtime::Runtime;
+use crate::block::{Block, BlockState};
+use crate::error::{Error, OomCause};
+use crate::mailbox::{Ask, MissTx, Refused};
+use crate::policy::SizeClass;
+use crate::runtime::Runtime;
 
 /// A request queued for room.
 pub(crate) struct Waiter<R: Runtime> {
@@ -102,7 +102,7 @@ impl<R: Runtime> PoolActor<R> {
     pub(super) async fn on_lend(
         &mut self,
         class: SizeClass,
-        reply: crate::actors::mailbox::Reply<Option<Box<Block<R>>>>,
+        reply: crate::mailbox::Reply<Option<Box<Block<R>>>>,
     ) {
         let lent = if self.closing { None } else { self.lend(class) };
         if let Err(flume::SendError(Some(block))) = reply.send(lent) {
