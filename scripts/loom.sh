@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Model-checks the lock-free holders with loom: the ready slots (actors/src/ready.rs) and the
-# budget (actors/src/budget.rs), built with `--cfg pinpool_loom` in a target directory of
-# their own. LOOM_MAX_PREEMPTIONS bounds the interleavings explored (default 3). See
-# docs/reliability.md.
+# Model-checks the lock-free holders with loom: the ready slots (actors/src/holders/ready.rs)
+# and the budget (actors/src/books/budget.rs), built with `--cfg pinpool_loom` in a target
+# directory of their own. LOOM_MAX_PREEMPTIONS bounds the interleavings explored (default 3).
+# See docs/reliability.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUSTFLAGS="--cfg pinpool_loom"

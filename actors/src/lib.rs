@@ -15,114 +15,79 @@
 //!
 //! # Layers
 //!
-//! Modules are listed below from the bottom up. A module uses only modules listed above it
-//! (`scripts/check-layers.py` fails on any other `crate::` path, and CI runs it). Where a
+//! Each layer is a folder, and `lib.rs` declares them from the bottom up; each folder's
+//! `mod.rs` says what the layer owns and declares its modules in order. A module uses only
+//! modules declared before it: those of lower layers, and those listed above it in its own
+//! layer (`scripts/check-layers.py` fails on any other `crate::` path, and CI runs it). Where a
 //! lower layer must reach a higher one at run time — a block going home when it is freed —
 //! it does so through a value it was given: a channel whose messages are defined low
 //! (`mailbox`), a trait it defines and the higher layer implements (`ready::Slotted`,
 //! `parked::Parkable`, `budget::Member`), or a type it is generic over (`home::Home<R, B>`).
 //!
-//! 1. Vocabulary: `runtime`, `memory`, `pool_id`, `error`, `blocking` (whether a blocking
-//!    call may block this thread), `holder` (who took a buffer), `shard`, `spawn`, `keepalive`, `policy`, `carve`,
-//!    `counters`, `peaks` (exact peaks of counts kept in thread shards), `device_stats`,
-//!    `stats`, `meta`, `trace`, `snapshot`, `pickle` (a pickle writer), `torch_snapshot`
-//!    (snapshots in PyTorch's pickle layout).
-//! 2. Observation: `observe` (the observer task), `history` (the history actor and the
+//! 1. `vocab/`, vocabulary: `runtime`, `memory`, `pool_id`, `error`, `blocking` (whether a
+//!    blocking call may block this thread), `holder` (who took a buffer), `loom`, `shard`,
+//!    `idle_probe`, `spawn`, `keepalive`, `policy`, `carve`.
+//! 2. `statistics/`: `counters`, `peaks` (exact peaks of counts kept in thread shards),
+//!    `device_stats`, `stats`, `meta`, `trace`, `snapshot`, `pickle` (a pickle writer),
+//!    `torch_snapshot` (snapshots in PyTorch's pickle layout).
+//! 3. `observation/`: `observe` (the observer task), `history` (the history actor and the
 //!    recorder the hot paths call), `free_memory` (the user's free-memory callbacks).
-//! 3. Lock-free holders of blocks: `ready` (the cached path), `parked` (freed blocks waiting
-//!    on events in the freeing thread's shard).
-//! 4. Shared books: `budget` (the memory limit), `errand` (a memory-source call handed to the
-//!    thread waiting for a reply), `mailbox` (every actor message), `home` (the
+//! 4. `holders/`, lock-free holders of blocks: `ready` (the cached path), `parked` (freed
+//!    blocks waiting on events in the freeing thread's shard).
+//! 5. `books/`, shared books: `budget` (the memory limit), `errand` (a memory-source call
+//!    handed to the thread waiting for a reply), `mailbox` (every actor message), `home` (the
 //!    part of a pool that handles and blocks reach), `segment` (an allocation that blocks
 //!    are cut out of).
-//! 5. Blocks: `block` (a lent piece of memory and where it goes when freed), `lease` (a
+//! 6. `blocks/`: `block` (a lent piece of memory and where it goes when freed), `lease` (a
 //!    block lent to a user).
-//! 6. Actors: `poller`, `pool`, `router`.
-//! 7. Requests and the handle: `long_wait` (a request that waits long under a cap), `miss`
-//!    (the miss path), `engine`.
+//! 7. `actors/`: `poller`, `pool`, `router`.
+//! 8. `requests/`, requests and the handle: `long_wait` (a request that waits long under a
+//!    cap), `miss` (the miss path), `engine`.
 
 // Blocks travel between threads and actors as `Box<Block>` so that moving one is a pointer
 // copy and the allocation is made once per block, not once per trip.
 #![allow(clippy::vec_box, clippy::boxed_local)]
 
-// 1. Vocabulary.
-mod runtime;
-mod memory;
-mod pool_id;
-mod error;
-#[doc(hidden)]
-pub mod blocking;
-mod holder;
-mod loom;
-mod shard;
-mod idle_probe;
-mod spawn;
-mod keepalive;
-mod policy;
-mod carve;
-mod counters;
-mod peaks;
-mod device_stats;
-mod stats;
-mod meta;
-mod trace;
-mod snapshot;
-mod pickle;
-mod torch_snapshot;
-// 2. Observation.
-mod observe;
-mod history;
-mod free_memory;
-// 3. Lock-free holders of blocks.
-mod ready;
-mod parked;
-// 4. Shared books.
-mod budget;
-mod errand;
-mod mailbox;
-mod home;
-mod segment;
-// 5. Blocks.
-mod block;
-mod lease;
-// 6. Actors.
-mod poller;
-mod pool;
-mod router;
-// 7. Requests and the handle.
-mod long_wait;
-mod miss;
-mod engine;
+mod vocab;
+mod statistics;
+mod observation;
+mod holders;
+mod books;
+mod blocks;
+mod actors;
+mod requests;
 
-pub use budget::EmptyReport;
-pub use counters::{DurationStat, Stat};
-pub use device_stats::{DeviceStats, StatArray};
-pub use engine::Engine;
 #[doc(hidden)]
-pub use engine::{alloc_many, alloc_many_blocking, EngineBuilder, Want};
-pub use error::{Error, OomCause};
+pub use actors::pool::DEFAULT_LINGER;
 #[doc(hidden)]
-pub use free_memory::FreeMemoryCallback;
+pub use blocks::lease::{Lease, RawLease};
+pub use books::budget::EmptyReport;
+pub use books::mailbox::Inventory;
 #[doc(hidden)]
-pub use lease::{Lease, RawLease};
-pub use mailbox::Inventory;
+pub use observation::free_memory::FreeMemoryCallback;
+pub use requests::engine::Engine;
 #[doc(hidden)]
-pub use memory::Region;
-pub use memory::{MemoryKind, MemorySource, Origin};
+pub use requests::engine::{alloc_many, alloc_many_blocking, EngineBuilder, Want};
 #[doc(hidden)]
-pub use miss::Wait;
-#[doc(hidden)]
-pub use policy::DIVISION_INTERVALS;
-pub use policy::{
-    BestFit, BlockLayout, Carving, DeviceFit, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
-};
-#[doc(hidden)]
-pub use pool::DEFAULT_LINGER;
-pub use pool_id::PoolId;
-pub use runtime::{Runtime, RuntimeError, StreamId};
-pub use snapshot::{
+pub use requests::miss::Wait;
+pub use statistics::counters::{DurationStat, Stat};
+pub use statistics::device_stats::{DeviceStats, StatArray};
+pub use statistics::snapshot::{
     BaseAllocation, BlockInfo, BlockStatus, CacheInfo, ConfigInfo, MemorySnapshot, PoolCheckpoint,
     SegmentInfo,
 };
-pub use stats::HostStats;
-pub use trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
+pub use statistics::stats::HostStats;
+pub use statistics::trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
+#[doc(hidden)]
+pub use vocab::blocking;
+pub use vocab::error::{Error, OomCause};
+#[doc(hidden)]
+pub use vocab::memory::Region;
+pub use vocab::memory::{MemoryKind, MemorySource, Origin};
+#[doc(hidden)]
+pub use vocab::policy::DIVISION_INTERVALS;
+pub use vocab::policy::{
+    BestFit, BlockLayout, Carving, DeviceFit, PowerOfTwo, SizeClass, SizePolicy, TieredPowerOfTwo,
+};
+pub use vocab::pool_id::PoolId;
+pub use vocab::runtime::{Runtime, RuntimeError, StreamId};

@@ -1,0 +1,798 @@
+//! Carved segments: for a policy whose layout is [`BlockLayout::Carved`], the pool's host
+//! allocations (segments) and the free ranges in them, and how the pool actor answers a miss
+//! from them. Where the runtime has expandable host memory, the pool's arena (see `arena`)
+//! serves misses first; separate segments serve what it cannot.
+//!
+//! Owns the [`Carver`] of the pool's segments; every block of such a pool is a range of one
+//! segment and holds an `Arc` of it. A block's range is free in the carver only while no one
+//! else holds the block: blocks in ready queues are drained into the carver at a miss that
+//! neither a tight free range nor its class's last range serves (and only then coalesce;
+//! large pieces that do not fill their segment come back at once, unless recalled), while
+//! blocks waiting on events (with the poller) or kept for graph replays (in the pool's
+//! `kept`) are never in it, so they are never cut into a new block early (invariants 1
+//! and 4). Fresh memory is taken only after completed events have been noticed (invariant
+//! 3), on a blocking thread (invariant 6). A segment goes back to the runtime only when no
+//! piece of it is lent (invariant 2); if the actor is gone, the last block of a segment
+//! gives it back, unless device work may still use a piece.
+//!
+//! Where a miss is cut from, when fresh memory is taken and how large, and which wholly free
+//! segments go back first, are the layout's [`Carving`] rules (see `BestFit`): the pool
+//! tracks the peak of live bytes it has seen at misses, for the reserve cap.
+//!
+//! Every fresh segment reserves its bytes from the allocator's budget before the runtime is
+//! asked (see `fresh`) and releases them when it goes back; cutting a block out of a segment
+//! the pool holds reserves nothing. Segments are entered in the pool's registry like whole
+//! blocks, and the pieces lent out of them are remembered here, so that a snapshot lists
+//! each segment with its blocks and free ranges.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::arena::Arena;
+use super::PoolActor;
+use crate::blocks::block::{Block, Seg};
+use crate::books::mailbox::{Note, PieceView, SegmentView, Split};
+use crate::books::segment::Segment;
+use crate::holders::ready::ReadyQueues;
+use crate::statistics::meta::MetaRef;
+use crate::vocab::carve::{Carver, Piece, SegId};
+use crate::vocab::error::Error;
+use crate::vocab::memory::Region;
+use crate::vocab::policy::{BlockLayout, Carving, SizeClass};
+use crate::vocab::runtime::{Runtime, RuntimeError};
+
+/// The free ranges of a pool's segments.
+pub(super) struct Segments<R: Runtime> {
+    carver: Carver<Arc<Seg<R>>>,
+    /// The peak of live bytes seen at misses (the requested block included).
+    pub(super) peak_live: usize,
+    /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
+    /// address: their bytes and their blocks' records, for snapshots.
+    lent: BTreeMap<usize, (usize, MetaRef)>,
+    /// The range each class last gave back, by class index, and whether it is in the
+    /// arena: a miss of the class takes it again while it is wholly free.
+    last_range: HashMap<usize, (Piece, bool)>,
+    /// The ready queues' slot lines of every class a block was cut for (see
+    /// `ReadyQueues::drain_lines`): only those slots can hold blocks of this pool, so a
+    /// miss drains them and skips the rest.
+    slot_lines: Vec<u64>,
+    /// The pool's expandable range, once reserved (see `arena`).
+    pub(super) arena: Option<Arena<R>>,
+    /// Whether reserving the arena was tried (it is tried once, at the first miss).
+    pub(super) arena_tried: bool,
+    /// The arena's clock at the last trim (see `PoolActor::trim`).
+    pub(super) trimmed_at: u64,
+    pub(super) carving: Carving,
+}
+
+impl<R: Runtime> Segments<R> {
+    /// Segments for a carving layout; `None` for whole blocks.
+    pub(super) fn for_layout(layout: BlockLayout) -> Option<Self> {
+        match layout {
+            BlockLayout::Whole => None,
+            BlockLayout::Carved(carving) => Some(Self {
+                carver: Carver::new(),
+                carving,
+                peak_live: 0,
+                lent: BTreeMap::new(),
+                last_range: HashMap::new(),
+                slot_lines: Vec::new(),
+                arena: None,
+                arena_tried: false,
+                trimmed_at: 0,
+            }),
+        }
+    }
+
+    /// Forgets what the layout learned from requests, as the cache is emptied at the user's
+    /// word: the peak of live bytes (which sizes fresh segments and caps reserved memory)
+    /// starts again from the bytes live now, and no class goes back to the range it last
+    /// gave back. A stream of requests replayed after that reserves what it did in a fresh
+    /// pool (the decoder serving trace's device replay: 1.091 the first time, 1.119 the
+    /// second without this).
+    pub(super) fn forget(&mut self, live: usize) {
+        self.peak_live = live;
+        self.last_range.clear();
+    }
+
+    /// Marks the slot line of `class` as one that may hold this pool's blocks.
+    fn mark_line(&mut self, class: usize) {
+        let line = ReadyQueues::<Block<R>>::line_of(class);
+        if self.slot_lines.len() <= line / 64 {
+            self.slot_lines.resize(line / 64 + 1, 0);
+        }
+        self.slot_lines[line / 64] |= 1 << (line % 64);
+    }
+
+    /// Books a thread's split of a lent piece (see `Block::split_off`): one piece more, the
+    /// rest's record for snapshots.
+    fn book_split(&mut self, s: Split) {
+        for class in [s.first_class, s.rest_class] {
+            self.mark_line(class);
+        }
+        if let Some(entry) = self.lent.get_mut(&s.addr) {
+            entry.0 = s.first;
+        }
+        self.lent.insert(s.addr + s.first, (s.rest, s.rest_meta));
+        let noted = match (s.in_arena, self.arena.as_mut()) {
+            (true, Some(a)) => {
+                let base = a.segment.memory.addr();
+                a.split(s.addr + s.first - base)
+            }
+            (true, None) => false,
+            (false, _) => self.carver.split_lent(s.seg),
+        };
+        if !noted {
+            tracing::error!(addr = s.addr, "split of a block the pool does not lend");
+        }
+    }
+
+    /// Free ranges, counted cheaply: the carver's, and the arena's but its unmapped tail
+    /// (free ranges that reach into unmapped space count as one each).
+    pub(super) fn free_ranges(&self) -> usize {
+        let arena = self.arena.as_ref().map_or(0, |a| a.free_ranges());
+        self.carver.free_ranges() + arena
+    }
+
+    /// (free ranges, free bytes, lent pieces), for the books.
+    pub(super) fn census(&self) -> (usize, usize, usize) {
+        let c = &self.carver;
+        let (r, b, l) = self.arena.as_ref().map_or((0, 0, 0), |a| a.census());
+        (c.free_ranges() + r, c.free_bytes() + b, c.lent_pieces() + l)
+    }
+
+    /// The arena's mapped runs, each listed as a segment.
+    pub(super) fn arena_views(&self) -> Vec<SegmentView> {
+        let Some(a) = &self.arena else {
+            return Vec::new();
+        };
+        a.mapped_runs()
+            .into_iter()
+            .map(|((o, l), _)| SegmentView {
+                memory: a.segment.part(o, l),
+                meta: MetaRef::none(),
+                pieces: Vec::new(),
+            })
+            .collect()
+    }
+
+    /// The pieces of every segment in address order, free ranges included, by segment
+    /// address.
+    pub(super) fn pieces(&self) -> BTreeMap<usize, Vec<PieceView>> {
+        let mut out: BTreeMap<usize, Vec<PieceView>> = BTreeMap::new();
+        for (seg, ranges) in self.carver.free_ranges_by_segment() {
+            let base = seg.memory.ptr.as_ptr() as usize;
+            let v = out.entry(base).or_default();
+            v.extend(ranges.into_iter().map(|(offset, len)| PieceView {
+                addr: base + offset,
+                size: len,
+                meta: None,
+            }));
+        }
+        if let Some(a) = &self.arena {
+            let base = a.segment.memory.ptr.as_ptr() as usize;
+            for ((o, _), free) in a.mapped_runs() {
+                let v = out.entry(base + o).or_default();
+                v.extend(free.into_iter().map(|(offset, len)| PieceView {
+                    addr: base + offset,
+                    size: len,
+                    meta: None,
+                }));
+            }
+        }
+        for (&addr, (size, meta)) in &self.lent {
+            if let Some((_, v)) = out.range_mut(..=addr).next_back() {
+                v.push(PieceView {
+                    addr,
+                    size: *size,
+                    meta: Some(*meta),
+                });
+            }
+        }
+        for v in out.values_mut() {
+            v.sort_by_key(|p| p.addr);
+        }
+        out
+    }
+
+    /// Addresses of the lent pieces (in blocks, ready queues, waiting or kept) that overlap
+    /// `[addr, addr + len)`.
+    pub(super) fn lent_overlapping(&self, addr: usize, len: usize) -> Vec<usize> {
+        let end = addr.saturating_add(len);
+        self.lent
+            .range(..end)
+            .rev()
+            .take_while(|(&a, &(size, _))| a + size > addr)
+            .map(|(&a, _)| a)
+            .collect()
+    }
+
+    /// Where `[addr, addr + len)` lies: `Some(true)` in the arena's reserved range,
+    /// `Some(false)` in one separate segment, `None` outside the pool's memory.
+    pub(super) fn locate(&self, addr: usize, len: usize) -> Option<bool> {
+        if self.arena.as_ref().is_some_and(|a| a.holds(addr, len)) {
+            return Some(true);
+        }
+        self.segment_holding(addr, len).map(|_| false)
+    }
+
+    /// The separate segment holding `[addr, addr + len)`.
+    fn segment_holding(&self, addr: usize, len: usize) -> Option<(SegId, Arc<Seg<R>>)> {
+        self.carver.segments_with().find_map(|(id, seg)| {
+            let base = seg.memory.addr();
+            let size = seg.memory.size;
+            (addr >= base && len <= size && addr - base <= size - len).then(|| (id, seg.clone()))
+        })
+    }
+
+    /// Cuts exactly `[addr, addr + len)` out of the free ranges (the arena's mapped memory or
+    /// a separate segment), if it is wholly free there.
+    pub(super) fn take_at(&mut self, addr: usize, len: usize) -> Option<(Piece, Arc<Seg<R>>)> {
+        if let Some(a) = self.arena.as_mut().filter(|a| a.holds(addr, len)) {
+            let offset = addr - a.segment.memory.addr();
+            let piece = a.take_exact(Piece {
+                seg: a.seg(),
+                offset,
+                len,
+            })?;
+            return Some((piece, a.segment.clone()));
+        }
+        let (id, seg) = self.segment_holding(addr, len)?;
+        let piece = self.carver.take_exact(id, addr - seg.memory.addr(), len)?;
+        Some((piece, seg))
+    }
+
+    /// Bytes of a fresh segment for a block of `size` bytes, with `room` bytes left under
+    /// the reserve cap.
+    fn segment_size(&self, size: usize, room: usize) -> usize {
+        let c = &self.carving;
+        let base = if size <= c.small_limit {
+            c.small_segment.max(size)
+        } else {
+            size
+        };
+        let fill = (room as u128 * c.fill_permille as u128 / 1000) as usize;
+        base.max(fill)
+            .checked_next_multiple_of(c.large_round.max(1))
+            .unwrap_or(base)
+    }
+
+    /// Cuts a piece for `size` bytes; a wholly free segment much larger than it only when
+    /// `split_any`.
+    fn place(&mut self, size: usize, split_any: bool) -> Option<crate::vocab::carve::Piece> {
+        let c = self.carving;
+        self.carver
+            .place(size, |seg| c.may_split(seg, size, split_any))
+    }
+}
+
+impl<R: Runtime> PoolActor<R> {
+    /// Cuts a block of `class` out of a free range, if one fits (see [`Carver::place`]).
+    fn carve_block(&mut self, class: SizeClass, split_any: bool) -> Option<Box<Block<R>>> {
+        let segs = self.carved.as_mut()?;
+        let piece = segs.place(class.size, split_any)?;
+        let seg = segs.carver.payload(piece.seg)?.clone();
+        self.block_for(class, piece, seg)
+    }
+
+    /// Cuts a block of `class` out of a free range of a separate segment that it fills to
+    /// within 1/8, if there is one: such a miss is served without draining the ready
+    /// queues. A block cut at the very range its class last gave back is recalled (see
+    /// `recall`).
+    fn carve_tight(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let max_len = class.size.saturating_add(class.size / 8);
+        let segs = self.carved.as_mut()?;
+        let (piece, seg) = Self::tight_in_carver(segs, class.size, max_len)?;
+        let recalled = segs.last_range.get(&class.index) == Some(&(piece, seg.is_arena()));
+        let mut b = self.block_for(class, piece, seg)?;
+        b.recalled = recalled;
+        Some(b)
+    }
+
+    fn tight_in_carver(
+        segs: &mut Segments<R>,
+        size: usize,
+        max_len: usize,
+    ) -> Option<(Piece, Arc<Seg<R>>)> {
+        let p = segs.carver.place_tight(size, max_len)?;
+        Some((p, segs.carver.payload(p.seg)?.clone()))
+    }
+
+    /// Cuts a block of `class` at the range its class last gave back, if that is still
+    /// wholly free (and mapped): such a miss is served without draining the ready queues
+    /// (the layout is the one an earlier placement chose), and the block, its class asked
+    /// for again and again, stays on the cached path when freed.
+    fn recall(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let segs = self.carved.as_mut()?;
+        let (last, in_arena) = segs.last_range.remove(&class.index)?;
+        if last.len != class.size {
+            // A class of several sizes: the range its last block left is another size.
+            return None;
+        }
+        let (piece, seg) = match (in_arena, segs.arena.as_mut()) {
+            (true, Some(a)) => (a.take_exact(last)?, a.segment.clone()),
+            (true, None) => return None,
+            (false, _) => {
+                let p = segs.carver.take_exact(last.seg, last.offset, last.len)?;
+                (p, segs.carver.payload(p.seg)?.clone())
+            }
+        };
+        let mut block = self.block_for(class, piece, seg)?;
+        block.recalled = true;
+        Some(block)
+    }
+
+    /// The block for a piece cut out of `seg` (a separate segment or the arena).
+    pub(super) fn block_for(
+        &mut self,
+        class: SizeClass,
+        piece: Piece,
+        seg: Arc<Seg<R>>,
+    ) -> Option<Box<Block<R>>> {
+        let segs = self.carved.as_mut()?;
+        // The piece lies inside the segment (the carver never hands out a range beyond it),
+        // so the pointer stays inside one allocation and is not null.
+        let ptr = std::ptr::NonNull::new(seg.memory.ptr.as_ptr().wrapping_add(piece.offset))?;
+        let memory = Region {
+            ptr,
+            size: piece.len,
+            method: seg.memory.method,
+        };
+        segs.mark_line(class.index);
+        let block = self.shared.new_block(memory, class.index, seg);
+        segs.lent
+            .insert(ptr.as_ptr() as usize, (piece.len, block.meta));
+        Some(block)
+    }
+
+    /// Books the ready blocks threads split or merged since the last look (see
+    /// `Block::split_off`, `Block::absorb_next`): one piece more or fewer lent from the
+    /// segment, the records for snapshots, and the slot lines of the parts' classes to
+    /// drain. Done before any block is taken back: a part can only come back after its note
+    /// was sent. Then takes back the large pieces freed since (`Home::home_quietly`): their splits
+    /// were noted before they were freed.
+    pub(super) fn book_notes(&mut self) {
+        let Some(segs) = self.carved.as_mut() else {
+            return;
+        };
+        for note in self.shared.notes() {
+            match note {
+                Note::Split(s) => segs.book_split(s),
+            }
+        }
+        let homed: Vec<_> = self.shared.homed().collect();
+        for mut b in homed {
+            if self.absorb(&mut b) {
+                self.shared.recycle(b);
+            } else {
+                b.state = crate::blocks::block::BlockState::Cached;
+                self.shared.ready.put(b);
+            }
+        }
+    }
+
+    /// Takes a carved block's range back into the free ranges, merging it with free
+    /// neighbours. Returns false for a block that was not carved (left untouched).
+    /// Call `book_notes` first, after the block was received: the splits it is part of
+    /// were sent before it could come back.
+    fn absorb(&mut self, block: &mut Box<Block<R>>) -> bool {
+        let (Some(segs), Some(seg)) = (self.carved.as_mut(), block.segment.as_ref()) else {
+            return false;
+        };
+        let addr = block.memory.ptr.as_ptr() as usize;
+        let in_arena = seg.is_arena();
+        let piece = Piece {
+            seg: match (&segs.arena, in_arena) {
+                (Some(a), true) => a.seg(),
+                _ => seg.id,
+            },
+            offset: addr - seg.memory.ptr.as_ptr() as usize,
+            len: block.size,
+        };
+        segs.lent.remove(&addr);
+        segs.last_range.insert(block.class, (piece, in_arena));
+        let released = match segs.arena.as_mut() {
+            Some(a) if in_arena => a.release(piece),
+            _ => segs.carver.release(piece).map(drop),
+        };
+        if let Err(e) = released {
+            // Bookkeeping gone wrong: keep the range out of circulation rather than risk
+            // handing it out twice.
+            tracing::error!(
+                ?e,
+                ?piece,
+                "carved block could not be taken back; range leaked"
+            );
+        }
+        block.freed = true;
+        block.segment = None;
+        true
+    }
+
+    /// Moves every block of the ready queues into the free ranges (looking only at the slots
+    /// of classes the pool has cut blocks for).
+    pub(super) fn absorb_ready(&mut self) {
+        self.book_notes();
+        let lines = self
+            .carved
+            .as_ref()
+            .map(|s| s.slot_lines.clone())
+            .unwrap_or_default();
+        let blocks = self.shared.ready.drain_lines(&lines);
+        // Splits of the blocks just drained were sent before they were put back.
+        self.book_notes();
+        for mut b in blocks {
+            if self.absorb(&mut b) {
+                self.shared.recycle(b);
+            } else {
+                self.shared.ready.put(b);
+            }
+        }
+    }
+
+    /// Takes carved blocks back; returns those that were not carved.
+    pub(super) fn absorb_all(&mut self, blocks: Vec<Box<Block<R>>>) -> Vec<Box<Block<R>>> {
+        self.book_notes();
+        let mut rest = Vec::new();
+        for mut b in blocks {
+            if self.absorb(&mut b) {
+                self.shared.recycle(b);
+            } else {
+                rest.push(b);
+            }
+        }
+        rest
+    }
+
+    /// Whether the pool carves, and the block is too large to cache.
+    pub(super) fn uncacheable(&self, block: &Block<R>) -> bool {
+        block.segment.is_some()
+            && self
+                .carved
+                .as_ref()
+                .is_some_and(|s| block.size > s.carving.max_cached_size)
+    }
+
+    /// A miss under a carving layout. In the arena: the best fit among mapped free memory
+    /// (one lookup), else the place that needs the fewest granules mapped (see
+    /// `miss_arena`); the ready queues are never drained for it: memory freed above the
+    /// threads' limit came home when it was freed and coalesced then. Separate segments: a
+    /// free range, then the ready queues drained and coalesced, then (after noticing
+    /// completed events) the same again; then, if fresh memory would cross the reserve cap,
+    /// any wholly free segment split; then a fresh segment, after giving back wholly free
+    /// segments to stay under the cap.
+    pub(super) async fn miss_carved(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
+        let live = self.shared.stats.active_bytes_now().max(0) as usize;
+        if let Some(s) = self.carved.as_mut() {
+            s.peak_live = s.peak_live.max(live.saturating_add(class.size));
+        }
+        let arena_fits = self
+            .carved
+            .as_ref()
+            .is_some_and(|s| class.size <= s.carving.arena_max_block);
+        if arena_fits && self.has_arena().await {
+            if let Some(b) = self.carve_mapped(class) {
+                return Ok(b);
+            }
+            match self.miss_arena(class).await {
+                // The driver has no granule left for a block smaller than one: a segment
+                // of the block's own size may still fit (near the pinned-memory limit).
+                Some(Err(Error::OutOfMemory { limit: None, .. }))
+                    if class.size < self.granule_size() => {}
+                Some(res) => return res,
+                None => {}
+            }
+        }
+        // A free range that the block fills (a large piece that came back, say) serves it as
+        // is, and so does the range its class last gave back. Otherwise coalesce every ready
+        // block first, so that placement sees all free memory.
+        if let Some(b) = self.carve_tight(class).or_else(|| self.recall(class)) {
+            return Ok(b);
+        }
+        self.absorb_ready();
+        if let Some(b) = self.carve_block(class, false) {
+            return Ok(b);
+        }
+        if self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
+            self.flush_events().await;
+            self.absorb_ready();
+            if let Some(b) = self.carve_block(class, false) {
+                return Ok(b);
+            }
+        }
+        let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+        let (cap, size) = match &self.carved {
+            Some(s) => {
+                let cap = s.carving.fresh_cap(s.peak_live, self.shared.budget.limit());
+                let room = cap.map_or(0, |c| c.saturating_sub(reserved));
+                (cap, s.segment_size(class.size, room))
+            }
+            None => (None, class.size),
+        };
+        if let Some(cap) = cap.filter(|&c| reserved.saturating_add(size) > c) {
+            // Fresh memory would cross the cap: split a large free segment after all, or
+            // give back wholly free ones (none could serve this miss) to make room.
+            if let Some(b) = self.carve_block(class, true) {
+                return Ok(b);
+            }
+            self.give_back_room(reserved.saturating_add(size) - cap)
+                .await;
+        }
+        let memory = match self.fresh_memory(size).await {
+            // The padded segment does not fit (the memory limit, or the runtime): the block's
+            // own size may.
+            Err(Error::OutOfMemory { .. }) if size > class.size => {
+                self.fresh_memory(class.size).await?
+            }
+            res => res?,
+        };
+        self.add_segment(memory);
+        self.remember_segment(SegmentView {
+            memory,
+            meta: MetaRef::none(),
+            pieces: Vec::new(),
+        });
+        self.carve_block(class, true).ok_or_else(|| {
+            Error::Runtime(RuntimeError::new(
+                "carve",
+                format!(
+                    "a fresh segment of {size} bytes did not hold {} bytes",
+                    class.size
+                ),
+            ))
+        })
+    }
+
+    /// Whether threads keep freed blocks of `class` in their own shards (the ready queues),
+    /// rather than sending them home as they are freed: sizes up to the pool's limit for
+    /// large pieces, in a pool with an arena.
+    pub(super) fn thread_cached(&self, class: SizeClass) -> bool {
+        self.carved
+            .as_ref()
+            .is_some_and(|s| s.carving.expandable && class.size <= self.shared.absorb_above)
+    }
+
+    /// A block of `class` from memory the pool holds, mapped and free: a ready block, or the
+    /// best fit in the arena. `None` when only fresh memory would serve it.
+    pub(super) fn without_growing(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let live = self.shared.stats.active_bytes_now().max(0) as usize;
+        if let Some(s) = self.carved.as_mut() {
+            s.peak_live = s.peak_live.max(live.saturating_add(class.size));
+        }
+        self.shared
+            .ready
+            .take(class)
+            .or_else(|| self.carve_mapped(class))
+    }
+
+    /// A block of `class` cut at the start of the shortest stretch of the arena's mapped free
+    /// memory that holds it (see `Arena::place_mapped`).
+    fn carve_mapped(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        let a = self.carved.as_mut()?.arena.as_mut()?;
+        let (piece, exact) = a.place_mapped(class.size, usize::MAX)?;
+        let seg = a.segment.clone();
+        let mut b = self.block_for(class, piece, seg)?;
+        b.holdable = exact;
+        Some(b)
+    }
+
+    /// A miss in the arena that mapped free memory cannot serve: the place that needs the
+    /// fewest granules mapped (best fit among those), mapping them after noticing completed
+    /// events (invariant 3). `None` when the arena's range cannot hold the block (separate
+    /// segments then).
+    async fn miss_arena(&mut self, class: SizeClass) -> Option<Result<Box<Block<R>>, Error>> {
+        self.retire_moves(false).await;
+        let pack = self.carved.as_ref()?.carving.pack_granules;
+        let mut placed = self
+            .carved
+            .as_mut()?
+            .arena
+            .as_mut()?
+            .place(class.size, pack)?;
+        if !placed.1.is_empty() && self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
+            let arena = self.carved.as_mut()?.arena.as_mut()?;
+            if let Err(e) = arena.release(placed.0) {
+                tracing::error!(?e, "arena piece could not be taken back; range leaked");
+            }
+            self.flush_events().await;
+            // Blocks whose events completed came home to the ready queues or the homing
+            // queue: look again, with them.
+            self.book_notes();
+            if let Some(b) = self.carve_mapped(class) {
+                return Some(Ok(b));
+            }
+            placed = self
+                .carved
+                .as_mut()?
+                .arena
+                .as_mut()?
+                .place(class.size, pack)?;
+        }
+        let (piece, need) = placed;
+        if !need.is_empty() {
+            let segs = self.carved.as_ref()?;
+            // The cap a miss keeps: the garbage-collection threshold, and the reserve cap
+            // only where the layout keeps it inside bursts too.
+            let limit = self.shared.budget.limit();
+            let gc = if segs.carving.cap_in_bursts {
+                segs.carving.fresh_cap(segs.peak_live, limit)
+            } else {
+                segs.carving.gc_cap(limit)
+            };
+            let cap = segs.carving.reserve_cap(segs.peak_live);
+            if let Err(e) = self.map_for(piece, need, gc).await {
+                return Some(Err(e));
+            }
+            let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
+            if cap.is_some_and(|c| reserved > c) {
+                self.trim_due = true;
+            }
+        }
+        let seg = self.carved.as_ref()?.arena.as_ref()?.segment.clone();
+        Some(self.block_for(class, piece, seg).ok_or_else(|| {
+            Error::Runtime(RuntimeError::new("carve", "arena piece outside its range"))
+        }))
+    }
+
+    /// A block of `class` out of memory the pool holds, taking no fresh memory and giving
+    /// none back: a ready block of the class, else (under a carving layout, after the ready
+    /// blocks are taken back) the best-fitting free range of mapped memory.
+    pub(super) fn lend(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+        if let Some(b) = self.shared.ready.take(class) {
+            return Some(b);
+        }
+        self.carved.as_ref()?;
+        self.absorb_ready();
+        let segs = self.carved.as_mut()?;
+        let in_arena = segs.arena.as_mut().and_then(|a| {
+            let (p, _) = a.place_mapped(class.size, usize::MAX)?;
+            Some((p, a.segment.clone()))
+        });
+        let (piece, seg) = match in_arena {
+            Some(found) => found,
+            None => {
+                let p = segs.carver.place(class.size, |_| true)?;
+                (p, segs.carver.payload(p.seg)?.clone())
+            }
+        };
+        self.block_for(class, piece, seg)
+    }
+
+    /// Bytes of a granule of the pool's expandable range (0 without one).
+    fn granule_size(&self) -> usize {
+        self.carved
+            .as_ref()
+            .and_then(|s| s.arena.as_ref())
+            .map_or(0, |a| a.granule())
+    }
+
+    fn add_segment(&mut self, memory: Region) {
+        let pool = self.shared.clone();
+        if let Some(segs) = self.carved.as_mut() {
+            segs.carver
+                .add_segment_with(memory.size, |id| Segment::new(id, memory, pool, None));
+        }
+    }
+
+    /// Gives back wholly free segments, least recently used first, until `bytes` have gone
+    /// back.
+    async fn give_back_room(&mut self, bytes: usize) {
+        let Some(segs) = self.carved.as_mut() else {
+            return;
+        };
+        let mut freed = 0;
+        let mut gone = Vec::new();
+        for (id, n) in segs.carver.free_segments_lru() {
+            if freed >= bytes {
+                break;
+            }
+            if let Some((g, _)) = segs.carver.remove_segment(id) {
+                gone.push(g);
+                freed += n;
+            }
+        }
+        self.host_free_segments(gone).await;
+    }
+
+    /// Gives back every wholly free segment (only those larger than `max_cached_size`
+    /// unless `all`), on a blocking thread. Returns (segments, bytes).
+    pub(super) async fn give_back_free_segments(&mut self, all: bool) -> (usize, usize) {
+        let Some(segs) = self.carved.as_mut() else {
+            return (0, 0);
+        };
+        let max = segs.carving.max_cached_size;
+        let gone = segs.carver.remove_free_segments(|size| !all && size <= max);
+        let gone = gone.into_iter().map(|(g, _)| g).collect();
+        let (n, bytes) = self.host_free_segments(gone).await;
+        // Idle granules of the arena go too (after a block too large to cache came back,
+        // only when there is such a size).
+        let (an, abytes) = if all || max < usize::MAX {
+            self.unmap_idle(usize::MAX).await
+        } else {
+            (0, 0)
+        };
+        (n + an, bytes + abytes)
+    }
+
+    /// Gives back wholly free separate segments until `upto` bytes went (see
+    /// `give_back_some`). Returns (segments, bytes) given back.
+    pub(super) async fn give_back_free_segments_upto(&mut self, upto: usize) -> (usize, usize) {
+        let Some(segs) = self.carved.as_mut() else {
+            return (0, 0);
+        };
+        let mut left = upto;
+        let gone = segs.carver.remove_free_segments(|size| {
+            if left == 0 {
+                return true;
+            }
+            left = left.saturating_sub(size);
+            false
+        });
+        let gone = gone.into_iter().map(|(g, _)| g).collect();
+        self.host_free_segments(gone).await
+    }
+
+    /// Gives segments taken out of the carvers back to the runtime on a blocking thread. A
+    /// segment the runtime refuses to free is held back (never reused, counted as kept) and
+    /// tried again with the kept blocks. Returns (segments, bytes) given back.
+    async fn host_free_segments(&mut self, gone: Vec<Arc<Seg<R>>>) -> (usize, usize) {
+        if gone.is_empty() {
+            return (0, 0);
+        }
+        let shared = self.shared.clone();
+        let job = self.off_executor(move || {
+            let mut freed = (0, 0);
+            let mut refused = Vec::new();
+            for seg in gone {
+                // Every piece came back, so no block holds the segment.
+                match shared.free_memory_now(seg.memory) {
+                    Ok(()) => {
+                        seg.mark_given_back();
+                        freed = (freed.0 + 1, freed.1 + seg.memory.size);
+                    }
+                    Err(_) => refused.push(seg),
+                }
+            }
+            (freed, refused)
+        });
+        match job.await {
+            Ok((freed, refused)) => {
+                let stats = &self.shared.stats;
+                for seg in refused {
+                    stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
+                    stats
+                        .kept_bytes
+                        .fetch_add(seg.memory.size as i64, Ordering::Relaxed);
+                    self.refused.push(seg);
+                }
+                freed
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "freeing memory failed");
+                (0, 0)
+            }
+        }
+    }
+
+    /// Tries again to give back the segments whose free the runtime refused.
+    pub(super) async fn retry_refused_segments(&mut self) -> (usize, usize) {
+        let refused = std::mem::take(&mut self.refused);
+        let stats = &self.shared.stats;
+        for seg in &refused {
+            stats.kept_blocks.fetch_sub(1, Ordering::Relaxed);
+            stats
+                .kept_bytes
+                .fetch_sub(seg.memory.size as i64, Ordering::Relaxed);
+        }
+        self.host_free_segments(refused).await
+    }
+
+    /// Addresses and sizes of the segments held back after a refused free.
+    pub(super) fn refused_segments(&self) -> Vec<(usize, usize)> {
+        self.refused
+            .iter()
+            .map(|s| (s.memory.ptr.as_ptr() as usize, s.memory.size))
+            .collect()
+    }
+}

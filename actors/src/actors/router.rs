@@ -1,0 +1,371 @@
+//! The router actor: owns the capture registry and the stream pools, and publishes the
+//! routing table.
+//!
+//! In a stream-ordered engine (device memory), every stream that allocates gets a pool of its
+//! own, made here at its first miss: its blocks are reusable by that stream without events.
+//!
+//! `begin_allocate_to_pool` registers a capture (a private pool and a stream filter),
+//! `end_allocate_to_pool` removes it (the budget's count of captures underway follows), `release_pool` drops a use of the pool; a pool whose
+//! uses are all released is freed by the next `empty_cache`, kept blocks included (its graphs
+//! are gone, so invariant 4 no longer binds). After each change the router publishes an
+//! immutable [`RoutingTable`] through `ArcSwap`: a handle routes with one atomic load, and
+//! when no capture is underway that load is all routing costs. Each publication also counts
+//! one more [`Routes::epoch`], so a thread that remembers a route (see the engine's
+//! `route_cache`) checks it with one plain load instead of loading the table.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use flume::Receiver;
+
+use crate::actors::pool::{start_pool, PoolSpec};
+use crate::blocks::block::Pool;
+use crate::books::budget::{Budget, EmptyReport};
+use crate::books::mailbox::{Inventory, PoolMsg, Reply};
+use crate::vocab::error::Error;
+use crate::vocab::pool_id::PoolId;
+use crate::vocab::runtime::{Runtime, StreamId};
+use crate::vocab::spawn::spawn_named;
+
+/// Decides whether an allocation made for a stream goes to a capture's private pool.
+pub(crate) type StreamFilter<R> = Arc<dyn Fn(&<R as Runtime>::Stream) -> bool + Send + Sync>;
+
+/// A capture underway: allocations for streams the filter accepts go to `pool`.
+pub(crate) struct Capture<R: Runtime> {
+    pub(crate) filter: StreamFilter<R>,
+    pub(crate) pool: Arc<Pool<R>>,
+}
+
+/// The published routing state: captures underway, in the order they began, every private
+/// pool alive, and the stream pools of a stream-ordered engine (sorted by stream).
+pub(crate) struct RoutingTable<R: Runtime> {
+    pub(crate) captures: Vec<Capture<R>>,
+    pub(crate) pools: Vec<(PoolId, Arc<Pool<R>>)>,
+    pub(crate) streams: Vec<(StreamId, Arc<Pool<R>>)>,
+}
+
+impl<R: Runtime> RoutingTable<R> {
+    pub(crate) fn empty() -> Self {
+        Self {
+            captures: Vec::new(),
+            pools: Vec::new(),
+            streams: Vec::new(),
+        }
+    }
+
+    /// The pool of `stream`, if it has one.
+    #[inline]
+    pub(crate) fn stream_pool(&self, stream: StreamId) -> Option<&Arc<Pool<R>>> {
+        self.streams
+            .binary_search_by_key(&stream, |(s, _)| *s)
+            .ok()
+            .map(|i| &self.streams[i].1)
+    }
+}
+
+/// The published routing table, and how many tables have been published.
+pub(crate) struct Routes<R: Runtime> {
+    table: ArcSwap<RoutingTable<R>>,
+    epoch: AtomicU64,
+}
+
+impl<R: Runtime> Routes<R> {
+    pub(crate) fn new() -> Self {
+        Self {
+            table: ArcSwap::from_pointee(RoutingTable::empty()),
+            epoch: AtomicU64::new(0),
+        }
+    }
+
+    /// The table in force.
+    #[inline]
+    pub(crate) fn load(&self) -> arc_swap::Guard<Arc<RoutingTable<R>>> {
+        self.table.load()
+    }
+
+    /// Tables published so far. Read before [`Self::load`], an unchanged epoch later means
+    /// no table published since was seen by a handle that received a router reply after it
+    /// (the router counts a publication before it replies).
+    #[inline]
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Publishes `table`, then counts it.
+    fn publish(&self, table: RoutingTable<R>) {
+        self.table.store(Arc::new(table));
+        self.epoch.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// Messages the router answers.
+pub(crate) enum RouterMsg<R: Runtime> {
+    Begin {
+        id: PoolId,
+        filter: StreamFilter<R>,
+        reply: Reply<Result<(), Error>>,
+    },
+    End {
+        id: PoolId,
+        reply: Reply<Result<(), Error>>,
+    },
+    Release {
+        id: PoolId,
+        reply: Reply<Result<(), Error>>,
+    },
+    /// Empty the released pools, and stop those left with nothing.
+    EmptyReleased { reply: Reply<EmptyReport> },
+    /// Inventories of every private pool and every stream pool.
+    Inventory { reply: Reply<Vec<Inventory>> },
+    /// The pool of a stream (made now if it has none yet). `keep` is the stream itself,
+    /// held while the router lives: a stream's id may be its handle, which the driver hands
+    /// to a new stream once the old one is destroyed, and the new stream must not inherit
+    /// the old one's pool (whose blocks may still be used by the old stream's queued work).
+    StreamPool {
+        stream: StreamId,
+        keep: R::Stream,
+        reply: Reply<Arc<Pool<R>>>,
+    },
+    /// The allocator is gone: close every private pool and stop.
+    Close,
+}
+
+struct PrivatePool<R: Runtime> {
+    shared: Arc<Pool<R>>,
+    uses: usize,
+}
+
+/// Makes a new pool: a private pool (owned by no stream), or a stream's pool (the engine
+/// knows how).
+pub(crate) type PoolFactory<R> = Box<dyn Fn(PoolId, Option<StreamId>) -> PoolSpec<R> + Send>;
+
+/// Starts the router; it counts the captures underway in `budget`.
+pub(crate) fn start_router<R: Runtime>(
+    table: Arc<Routes<R>>,
+    budget: Arc<Budget>,
+    rx: Receiver<RouterMsg<R>>,
+    factory: PoolFactory<R>,
+    handle: &tokio::runtime::Handle,
+) {
+    let actor = Router {
+        table,
+        budget,
+        rx,
+        factory,
+        captures: Vec::new(),
+        pools: BTreeMap::new(),
+        streams: BTreeMap::new(),
+    };
+    spawn_named("pinpool::router", handle, actor.run());
+}
+
+struct Router<R: Runtime> {
+    table: Arc<Routes<R>>,
+    /// Where the count of captures underway is published (see [`Budget::capturing`]).
+    budget: Arc<Budget>,
+    rx: Receiver<RouterMsg<R>>,
+    factory: PoolFactory<R>,
+    captures: Vec<(PoolId, StreamFilter<R>)>,
+    pools: BTreeMap<PoolId, PrivatePool<R>>,
+    /// Each stream's pool, and the stream itself, kept alive (see `RouterMsg::StreamPool`).
+    streams: BTreeMap<StreamId, (Arc<Pool<R>>, R::Stream)>,
+}
+
+impl<R: Runtime> Router<R> {
+    async fn run(mut self) {
+        while let Ok(msg) = self.rx.recv_async().await {
+            match msg {
+                RouterMsg::Begin { id, filter, reply } => {
+                    let r = self.begin(id, filter);
+                    let _ = reply.send(r);
+                }
+                RouterMsg::End { id, reply } => {
+                    let r = self.end(id);
+                    let _ = reply.send(r);
+                }
+                RouterMsg::Release { id, reply } => {
+                    let r = self.release(id);
+                    let _ = reply.send(r);
+                }
+                RouterMsg::EmptyReleased { reply } => {
+                    let r = self.empty_released().await;
+                    let _ = reply.send(r);
+                }
+                RouterMsg::Inventory { reply } => {
+                    let mut all = Vec::new();
+                    let pools = self.pools.values().map(|p| &p.shared);
+                    for p in pools.chain(self.streams.values().map(|(p, _)| p)) {
+                        let (tx, rx) = flume::bounded(1);
+                        if p.mailbox.send(PoolMsg::Inventory { reply: tx }).is_ok() {
+                            if let Ok(inv) = rx.recv_async().await {
+                                all.push(inv);
+                            }
+                        }
+                    }
+                    let _ = reply.send(all);
+                }
+                RouterMsg::StreamPool {
+                    stream,
+                    keep,
+                    reply,
+                } => {
+                    let pool = self.stream_pool(stream, keep);
+                    let _ = reply.send(pool);
+                }
+                RouterMsg::Close => break,
+            }
+        }
+        for (_, p) in std::mem::take(&mut self.pools) {
+            let _ = p.shared.mailbox.send(PoolMsg::Close);
+        }
+        for (_, (p, _)) in std::mem::take(&mut self.streams) {
+            let _ = p.mailbox.send(PoolMsg::Close);
+        }
+        self.captures.clear();
+        self.publish();
+        tracing::debug!("router stopped");
+    }
+
+    fn begin(&mut self, id: PoolId, filter: StreamFilter<R>) -> Result<(), Error> {
+        if id.is_default() {
+            return Err(Error::DefaultPoolId);
+        }
+        if self.captures.iter().any(|(c, _)| *c == id) {
+            return Err(Error::PoolAlreadyCapturing(id));
+        }
+        match self.pools.get_mut(&id) {
+            Some(p) => p.uses += 1,
+            None => {
+                let shared = start_pool((self.factory)(id, None));
+                self.pools.insert(id, PrivatePool { shared, uses: 1 });
+            }
+        }
+        self.captures.push((id, filter));
+        tracing::info!(pool = %id, "capture begins allocating to pool");
+        if let Some(p) = self.pools.get(&id) {
+            p.shared.history.on_capture(id, true)
+        }
+        self.publish();
+        Ok(())
+    }
+
+    fn stream_pool(&mut self, stream: StreamId, keep: R::Stream) -> Arc<Pool<R>> {
+        if let Some((p, _)) = self.streams.get(&stream) {
+            return p.clone();
+        }
+        let mut spec = (self.factory)(PoolId::DEFAULT, Some(stream));
+        spec.owner_stream = Some(keep.clone());
+        let pool = start_pool(spec);
+        self.streams.insert(stream, (pool.clone(), keep));
+        tracing::debug!(stream = stream.0, "stream pool made");
+        self.publish();
+        pool
+    }
+
+    fn end(&mut self, id: PoolId) -> Result<(), Error> {
+        let Some(i) = self.captures.iter().position(|(c, _)| *c == id) else {
+            return Err(Error::PoolNotCapturing(id));
+        };
+        self.captures.remove(i);
+        tracing::info!(pool = %id, "capture ends allocating to pool");
+        if let Some(p) = self.pools.get(&id) {
+            p.shared.history.on_capture(id, false)
+        }
+        self.publish();
+        Ok(())
+    }
+
+    fn release(&mut self, id: PoolId) -> Result<(), Error> {
+        if id.is_default() {
+            return Err(Error::DefaultPoolId);
+        }
+        let capturing = self.captures.iter().any(|(c, _)| *c == id);
+        let Some(p) = self.pools.get_mut(&id) else {
+            return Err(Error::UnknownPool(id));
+        };
+        if p.uses == 0 {
+            return Err(Error::PoolAlreadyReleased(id));
+        }
+        if capturing && p.uses == 1 {
+            return Err(Error::PoolCapturing(id));
+        }
+        p.uses -= 1;
+        tracing::info!(pool = %id, uses = p.uses, "capture pool released");
+        Ok(())
+    }
+
+    async fn empty_released(&mut self) -> EmptyReport {
+        let mut total = EmptyReport::default();
+        let released: Vec<PoolId> = self
+            .pools
+            .iter()
+            .filter(|(_, p)| p.uses == 0)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut changed = false;
+        for id in released {
+            let shared = self.pools[&id].shared.clone();
+            let (tx, rx) = flume::bounded(1);
+            if shared
+                .mailbox
+                .send(PoolMsg::EmptyCache {
+                    include_kept: true,
+                    forget: true,
+                    upto: usize::MAX,
+                    reply: tx,
+                })
+                .is_err()
+            {
+                continue;
+            }
+            let Ok(report) = rx.recv_async().await else {
+                continue;
+            };
+            total.freed_blocks += report.freed_blocks;
+            total.freed_bytes += report.freed_bytes;
+            if report.reserved_after == 0 {
+                let _ = shared.mailbox.send(PoolMsg::Close);
+                self.pools.remove(&id);
+                changed = true;
+            } else {
+                total.reserved_after += report.reserved_after;
+            }
+        }
+        if changed {
+            self.publish();
+        }
+        total
+    }
+
+    fn publish(&self) {
+        self.budget.set_captures(self.captures.len());
+        let captures = self
+            .captures
+            .iter()
+            .filter_map(|(id, filter)| {
+                self.pools.get(id).map(|p| Capture {
+                    filter: filter.clone(),
+                    pool: p.shared.clone(),
+                })
+            })
+            .collect();
+        let pools = self
+            .pools
+            .iter()
+            .map(|(id, p)| (*id, p.shared.clone()))
+            .collect();
+        // A BTreeMap iterates in key order: the table's streams are sorted.
+        let streams = self
+            .streams
+            .iter()
+            .map(|(s, (p, _))| (*s, p.clone()))
+            .collect();
+        self.table.publish(RoutingTable {
+            captures,
+            pools,
+            streams,
+        });
+    }
+}

@@ -1,0 +1,469 @@
+//! A pool's home: the part of a pool that every handle, block and segment can reach.
+//!
+//! Owns the pool's identity, its runtime and memory source, its ready queues and parked
+//! slots (the cached path: invariant 5), the senders to its actor and to the event poller,
+//! its statistics, the flags that divert frees to the actor (closing, or requests waiting for
+//! room), the registry channel of segments given back, and the channel of ready blocks that
+//! threads split. It gives memory back to its source
+//! and keeps the books as it does (stats, history, the budget: invariant 2).
+//!
+//! Generic over the block type `B`, which it only holds in its queues: what a block is and
+//! where it goes when freed is `block`'s business, one layer up, so that neither names the
+//! other in a circle. The pool actor (`pool`) owns the rest of a pool's state.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_queue::{ArrayQueue, SegQueue};
+use flume::{Receiver, Sender};
+
+use crate::books::budget::{Budget, EmptyReport, Member};
+use crate::books::mailbox::{Mailbox, Note, PollerMsg, PoolMsg};
+use crate::holders::parked::Parked;
+use crate::holders::ready::ReadyQueues;
+use crate::observation::history::Recorder;
+use crate::statistics::stats::PoolStats;
+use crate::vocab::error::Error;
+use crate::vocab::memory::{units, MemorySource, Region};
+use crate::vocab::policy::{BlockLayout, SizePolicy};
+use crate::vocab::pool_id::PoolId;
+use crate::vocab::runtime::{Runtime, RuntimeError, StreamId};
+
+/// `divert` bit: the pool is closing.
+pub(crate) const DIVERT_CLOSING: u8 = 1;
+/// `divert` bit: requests wait for room somewhere in the allocator.
+pub(crate) const DIVERT_PRESSURE: u8 = 2;
+
+/// How many block records a pool keeps for reuse.
+const SHELLS: usize = 1024;
+
+/// The part of a pool every handle and block can reach.
+pub(crate) struct Home<R: Runtime, B> {
+    pub(crate) id: PoolId,
+    /// The stream that owns every block of a stream-ordered pool: a block freed with no
+    /// other stream recorded is reusable by it at once (its work runs in order), so recording
+    /// it needs no event. `None`: every recorded stream needs an event (host memory, which
+    /// the CPU may write the moment a block is handed out, and capture pools).
+    pub(crate) owner: Option<StreamId>,
+    /// The owner stream itself (kept alive by the router), for ordering another stream's
+    /// work after its own when memory of this pool serves that stream (see `miss::borrow`).
+    pub(crate) owner_stream: Option<R::Stream>,
+    /// Whether a request of this stream's pool that finds no room borrows memory other
+    /// streams' pools hold (`EngineBuilder::lend_between_streams`).
+    pub(crate) lends: bool,
+    pub(crate) runtime: Arc<R>,
+    /// Where the pool's fresh memory comes from.
+    pub(crate) memory: Arc<dyn MemorySource>,
+    pub(crate) ready: ReadyQueues<B>,
+    pub(crate) parked: Arc<Parked<B>>,
+    pub(crate) mailbox: Mailbox<B>,
+    pub(crate) poller: Sender<PollerMsg<B>>,
+    pub(crate) stats: PoolStats,
+    /// Non-zero when frees must go to the actor, not the ready queues: the pool is closing
+    /// ([`DIVERT_CLOSING`]), or requests wait for room ([`DIVERT_PRESSURE`]).
+    pub(crate) divert: AtomicU8,
+    /// The allocator's budget of reserved bytes, shared by all its pools.
+    pub(crate) budget: Arc<Budget>,
+    /// Requests queued in this pool.
+    pub(crate) queued: AtomicUsize,
+    /// A `Wake` is on its way to the actor.
+    woken: AtomicBool,
+    /// Addresses of segments freed, for the actor to strike from its registry.
+    forgotten: (Sender<usize>, Receiver<usize>),
+    pub(crate) history: Arc<Recorder>,
+    /// Freed blocks larger than this go to the actor, not the ready queues.
+    pub(crate) max_cached_size: usize,
+    /// Freed carved blocks larger than this that do not fill their segment go to the actor,
+    /// to be coalesced at once.
+    pub(crate) absorb_above: usize,
+    /// ... except pieces of the expandable range up to this size, which stay on the cached
+    /// path (see `Carving::arena_cached_up_to`).
+    pub(crate) arena_cached_up_to: usize,
+    /// The size policy: the classes of split blocks.
+    pub(crate) policy: Arc<dyn SizePolicy>,
+    /// A thread that finds no ready block of its class may split a ready block of a larger
+    /// class up to this many bytes (0: never; layouts that do not carve).
+    pub(crate) split_up_to: usize,
+    /// The largest class `split_up_to` bytes serve (`None`: none), the last class a split
+    /// takes a block from.
+    pub(crate) split_classes_upto: Option<usize>,
+    /// A thread's split leaves a rest under `1 / keep_rest_under` of the block with the
+    /// request (0: never; see `Carving::keep_rest_under`).
+    pub(crate) keep_rest_under: usize,
+    /// Splits made by threads, for the actor to book (see [`Note`]). A lock-free
+    /// queue: a splitting thread and the booking actor never wait on one lock (a channel's
+    /// lock, taken by both for every note, was a tenth of the mixed sizes loop).
+    notes: SegQueue<Note>,
+    /// Large pieces freed while nothing diverts frees to the actor (see
+    /// `Pool::large_piece`), for the actor to take back into their range at its next look
+    /// (`PoolActor::book_notes`): such a free sends no message, so it wakes no actor.
+    /// Lock-free, like `notes`; drained when the pool closes or its actor is gone.
+    homing: SegQueue<Box<B>>,
+    /// Block records the actor took back into its free ranges, for the next blocks cut or
+    /// split to reuse instead of allocating (see `Pool::recycle`). Emptied when the actor
+    /// stops (each holds its pool). Lock-free, like `notes`: threads splitting blocks and
+    /// the actor taking them back both use it.
+    pub(crate) shells: ArrayQueue<Box<B>>,
+}
+
+/// What a home is made of.
+pub(crate) struct HomeParts<R: Runtime, B> {
+    pub(crate) id: PoolId,
+    pub(crate) owner: Option<StreamId>,
+    pub(crate) owner_stream: Option<R::Stream>,
+    pub(crate) lends: bool,
+    pub(crate) runtime: Arc<R>,
+    pub(crate) memory: Arc<dyn MemorySource>,
+    pub(crate) classes: usize,
+    pub(crate) shards: usize,
+    pub(crate) poller: Sender<PollerMsg<B>>,
+    pub(crate) budget: Arc<Budget>,
+    pub(crate) history: Arc<Recorder>,
+    pub(crate) layout: BlockLayout,
+    pub(crate) policy: Arc<dyn SizePolicy>,
+    /// Keep device statistics, blocks above this many bytes counting as oversize.
+    pub(crate) device_stats: Option<usize>,
+    /// The engine's ledger of peaks, and the group of books the pool is counted in.
+    pub(crate) peaks: (
+        Arc<crate::statistics::peaks::Ledger>,
+        Arc<crate::statistics::peaks::Group>,
+    ),
+}
+
+impl<R: Runtime, B: Send + 'static> Home<R, B> {
+    /// A home, registered with its budget, and the receiving end of its actor's mailbox.
+    pub(crate) fn new(parts: HomeParts<R, B>) -> (Arc<Self>, Receiver<PoolMsg<B>>)
+    where
+        B: crate::holders::parked::Parkable,
+    {
+        let (tx, rx) = flume::unbounded();
+        let split_up_to = match parts.layout {
+            BlockLayout::Whole => 0,
+            BlockLayout::Carved(c) => c.thread_split_limit(),
+        };
+        let home = Arc::new(Home {
+            id: parts.id,
+            owner: parts.owner,
+            owner_stream: parts.owner_stream,
+            lends: parts.lends,
+            runtime: parts.runtime,
+            memory: parts.memory,
+            ready: ReadyQueues::new(parts.classes, parts.shards),
+            parked: Parked::new(parts.shards),
+            mailbox: Mailbox::new(tx),
+            poller: parts.poller,
+            stats: PoolStats::new(
+                parts.shards,
+                parts.device_stats,
+                parts.peaks.0,
+                parts.peaks.1,
+            ),
+            divert: AtomicU8::new(0),
+            budget: parts.budget,
+            queued: AtomicUsize::new(0),
+            woken: AtomicBool::new(false),
+            forgotten: flume::unbounded(),
+            history: parts.history,
+            max_cached_size: match parts.layout {
+                BlockLayout::Whole => usize::MAX,
+                BlockLayout::Carved(c) => c.max_cached_size,
+            },
+            absorb_above: match parts.layout {
+                BlockLayout::Whole => usize::MAX,
+                BlockLayout::Carved(c) => c.small_limit,
+            },
+            arena_cached_up_to: match parts.layout {
+                BlockLayout::Carved(c) if c.expandable => {
+                    c.arena_cached_up_to.min(c.thread_split_limit())
+                }
+                _ => 0,
+            },
+            split_up_to,
+            split_classes_upto: parts.policy.class_served_by(split_up_to),
+            keep_rest_under: match parts.layout {
+                BlockLayout::Whole => 0,
+                BlockLayout::Carved(c) => c.keep_rest_under,
+            },
+            notes: SegQueue::new(),
+            homing: SegQueue::new(),
+            shells: ArrayQueue::new(SHELLS),
+            policy: parts.policy,
+        });
+        home.budget.register(&home);
+        (home, rx)
+    }
+}
+
+/// How many notes of splits a thread sends before it asks the actor to book them.
+const NOTE_BATCH: usize = 64;
+
+thread_local! {
+    /// Notes this thread sent, to any pool (a count of its own: a shared one would be a
+    /// line every splitting thread writes).
+    static NOTES_SENT: Cell<usize> = const { Cell::new(0) };
+}
+
+impl<R: Runtime, B> Home<R, B> {
+    /// Gives a region from `alloc` back to the memory source on this thread and keeps the
+    /// books (stats, history, the budget, and the registry of segments).
+    pub(crate) fn free_memory_now(&self, memory: Region) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        let res = self.memory.free(memory);
+        self.stats.host_free_time.record(t0.elapsed());
+        match res {
+            Ok(()) => {
+                self.history.on_segment_free(self.id, self.owner, &memory);
+                self.stats.segment(memory.size, false);
+                self.stats.allocations.decrease(1);
+                self.stats.allocated_bytes.decrease(memory.size as i64);
+                // The actor awaits its frees before it takes fresh memory, so the address is
+                // struck before the source can hand it back to this pool.
+                let _ = self.forgotten.0.send(memory.addr());
+                self.budget.release(memory.size);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, bytes = memory.size, "freeing memory failed");
+                Err(e)
+            }
+        }
+    }
+
+    /// Maps `[offset, offset + len)` of a reserved `range` on this thread as units of `unit`
+    /// bytes, each unmapped on its own later (see `MemorySource::map_units`; `unit == len`:
+    /// one mapping), and keeps the books (stats, history: one segment per unit); the budget
+    /// was charged by the caller.
+    pub(crate) fn map_now(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+        unit: usize,
+    ) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        let res = self.memory.map_units(range, offset, len, unit);
+        self.stats.host_alloc_time.record(t0.elapsed());
+        if res.is_ok() {
+            for (at, part) in units(offset, len, unit) {
+                self.history
+                    .on_segment_map(self.id, self.owner, &range.part(at, part));
+                self.stats.segment(part, true);
+            }
+            self.stats.allocated_bytes.increase(len as i64);
+        }
+        res
+    }
+
+    /// Moves the memory of the `granule` bytes mapped at `from` in a reserved `range` to `to`
+    /// on this thread (see `MemorySource::remap_run`: one granule, or the run of one map
+    /// call), and keeps the books: reserved bytes and the budget stay as they are (no memory
+    /// is taken or given back); the history shows the run unmapped at `from` and mapped at
+    /// `to`.
+    pub(crate) fn move_now(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        granule: usize,
+    ) -> Result<(), RuntimeError> {
+        let res = self.memory.remap_run(range, from, to, granule);
+        match &res {
+            Ok(()) => {
+                self.history
+                    .on_segment_unmap(self.id, self.owner, &range.part(from, granule));
+                self.history
+                    .on_segment_map(self.id, self.owner, &range.part(to, granule));
+                self.stats.remaps.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(error = %e, "moving a granule failed"),
+        }
+        res
+    }
+
+    /// The first half of a move on this thread (see `MemorySource::alias_run`): the run
+    /// mapped at `from` is mapped at `to` too, and counted as moved; reserved bytes and the
+    /// budget stay as they are. The history shows it mapped at `to` now, and unmapped at
+    /// `from` when [`Self::unalias_now`] ends the move.
+    pub(crate) fn alias_now(
+        &self,
+        range: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        let res = self.memory.alias_run(range, from, to, len);
+        match &res {
+            Ok(()) => {
+                self.history
+                    .on_segment_map(self.id, self.owner, &range.part(to, len));
+                self.stats.remaps.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(error = %e, "mapping memory at a second place failed"),
+        }
+        res
+    }
+
+    /// The second half of a move (see [`Self::alias_now`]): the mapping at `offset` ends.
+    pub(crate) fn unalias_now(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+        wait: bool,
+    ) -> Result<(), RuntimeError> {
+        let res = self.memory.unalias_run(range, offset, len, wait);
+        match &res {
+            Ok(()) => self
+                .history
+                .on_segment_unmap(self.id, self.owner, &range.part(offset, len)),
+            Err(e) => tracing::error!(error = %e, bytes = len, "ending a moved mapping failed"),
+        }
+        res
+    }
+
+    /// Unmaps `[offset, offset + len)` of a reserved `range` on this thread and keeps the
+    /// books (stats, history, the budget). The caller strikes the granules and counts map
+    /// calls.
+    pub(crate) fn unmap_now(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        self.unmapped(range, offset, len, || self.memory.unmap(range, offset, len))
+    }
+
+    /// [`Home::unmap_now`] for memory no work has used since it was mapped (what a map call
+    /// that failed part way had mapped): the memory source need not wait for the device's
+    /// work, which a capture underway would not survive (`MemorySource::unmap_unused`).
+    pub(crate) fn unmap_unused_now(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        self.unmapped(range, offset, len, || {
+            self.memory.unmap_unused(range, offset, len)
+        })
+    }
+
+    /// Runs `unmap`, the source call that unmaps `[offset, offset + len)` of `range`, and
+    /// keeps the books of it.
+    fn unmapped(
+        &self,
+        range: &Region,
+        offset: usize,
+        len: usize,
+        unmap: impl FnOnce() -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        let t0 = Instant::now();
+        let res = unmap();
+        self.stats.host_free_time.record(t0.elapsed());
+        match &res {
+            Ok(()) => {
+                self.history
+                    .on_segment_unmap(self.id, self.owner, &range.part(offset, len));
+                self.stats.allocated_bytes.decrease(len as i64);
+                self.stats.segment(len, false);
+                self.budget.release(len);
+            }
+            Err(e) => tracing::error!(error = %e, bytes = len, "unmapping memory failed"),
+        }
+        res
+    }
+
+    /// Reports an out-of-memory failure of a request of this pool (see `Recorder::on_oom`);
+    /// returns `err`.
+    pub(crate) fn oom(&self, err: Error) -> Error {
+        self.history.on_oom(self.id, err, || {
+            let allocated = self.stats.active_bytes_now().max(0) as usize;
+            (self.memory.kind(), allocated, self.memory.free_bytes())
+        })
+    }
+
+    /// Tells the actor that a thread split a ready block (before any part can come
+    /// back).
+    pub(crate) fn note(&self, note: Note) {
+        self.notes.push(note);
+        let sent = NOTES_SENT.with(|n| {
+            let sent = n.get().wrapping_add(1);
+            n.set(sent);
+            sent
+        });
+        if sent % NOTE_BATCH == 0 {
+            let _ = self.mailbox.send(PoolMsg::Books);
+        }
+    }
+
+    /// The splits made since the last look (for the actor's books).
+    pub(crate) fn notes(&self) -> impl Iterator<Item = Note> + '_ {
+        // Those queued now: a thread that keeps splitting does not keep the actor booking.
+        let queued = self.notes.len();
+        std::iter::from_fn(|| self.notes.pop()).take(queued)
+    }
+
+    /// Sends a freed large piece home without a message (see `homing`).
+    pub(crate) fn home_quietly(&self, block: Box<B>) {
+        self.homing.push(block);
+    }
+
+    /// The large pieces sent home quietly since the last look.
+    pub(crate) fn homed(&self) -> impl Iterator<Item = Box<B>> + '_ {
+        let queued = self.homing.len();
+        std::iter::from_fn(|| self.homing.pop()).take(queued)
+    }
+
+    /// The addresses of segments given back since the last look (for the actor's registry).
+    pub(crate) fn forgotten(&self) -> flume::TryIter<'_, usize> {
+        self.forgotten.1.try_iter()
+    }
+
+    /// The actor took the `Wake` on its way.
+    pub(crate) fn woke(&self) {
+        self.woken.store(false, Ordering::SeqCst);
+    }
+
+    /// Asks the actor to look at its queued requests again (once per look).
+    pub(crate) fn nudge(&self) {
+        if self.queued.load(Ordering::SeqCst) > 0 && !self.woken.swap(true, Ordering::SeqCst) {
+            let _ = self.mailbox.send(PoolMsg::Wake);
+        }
+    }
+}
+
+impl<R: Runtime, B: Send + 'static> Member for Home<R, B> {
+    fn set_pressure(&self, on: bool) {
+        if on {
+            let before = self.divert.fetch_or(DIVERT_PRESSURE, Ordering::SeqCst);
+            // An actor parked without requests of its own would not look at the memory it
+            // caches (large pieces that went home quietly before the flag was set among it)
+            // until its next message: it is woken once, to watch the pressure.
+            if before & DIVERT_PRESSURE == 0 && !self.woken.swap(true, Ordering::SeqCst) {
+                let _ = self.mailbox.send(PoolMsg::Wake);
+            }
+        } else {
+            self.divert.fetch_and(!DIVERT_PRESSURE, Ordering::SeqCst);
+        }
+    }
+
+    fn nudge(&self) {
+        Home::nudge(self);
+    }
+
+    fn ask_to_empty(&self, upto: usize) -> Option<Receiver<EmptyReport>> {
+        let (tx, rx) = flume::bounded(1);
+        let msg = PoolMsg::EmptyCache {
+            include_kept: false,
+            forget: false,
+            upto,
+            reply: tx,
+        };
+        self.mailbox.send(msg).is_ok().then_some(rx)
+    }
+
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+}

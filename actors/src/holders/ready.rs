@@ -1,0 +1,880 @@
+//! Ready blocks of a pool: the cached path (invariant 5).
+//!
+//! Each thread shard has, per size class, one *slot*: an atomic pointer that holds at most
+//! one ready block. A free puts the block into the freeing thread's slot for its class when
+//! the slot is empty (a load and a store, on a cache line only the thread that owns the shard
+//! fills; other threads only empty it); a request takes it back with one swap. A slot already
+//! full, or a shard the thread does not own, overflows into the shard's flume queue for the
+//! class, and an empty slot and queue make the request look in the other shards' slots and
+//! queues before it asks the pool actor. Slots are shared memory, not thread-locals: the pool actor drains them
+//! when it empties the cache or shuts down, and a thread that exits leaves nothing behind.
+//! Each shard marks the classes whose queue may hold a block, so that a drain (at a best-fit
+//! miss, say) or a steal looks only at those queues, not at every class of every shard; and
+//! each class marks the shards that ever held a block of it, so that a steal looks only at
+//! those shards.
+//!
+//! The queues hold any [`Slotted`] item (the engine's blocks): this module knows their class
+//! and size, nothing else.
+
+use std::ptr;
+use std::sync::atomic::Ordering;
+
+use flume::{Receiver, Sender};
+
+use crate::vocab::loom::{AtomicPtr, AtomicU64, AtomicUsize};
+use crate::vocab::policy::SizeClass;
+use crate::vocab::shard::{CachePadded, ThreadSlot};
+
+/// What the ready queues need to know of what they hold.
+pub(crate) trait Slotted: Send + 'static {
+    /// Index of its size class.
+    fn class(&self) -> usize;
+    /// Bytes it holds.
+    fn size(&self) -> usize;
+}
+
+struct Queue<B> {
+    tx: Sender<Box<B>>,
+    rx: Receiver<Box<B>>,
+}
+
+/// Slots on cache lines of their own (16 pointers: 128 bytes).
+const SLOTS_PER_LINE: usize = 16;
+type SlotLine<B> = CachePadded<[AtomicPtr<B>; SLOTS_PER_LINE]>;
+
+/// One shard's overflow queues.
+struct Shard<B> {
+    queues: Box<[Queue<B>]>,
+    /// One bit per class whose queue may hold a block: set after every send, cleared by a
+    /// drain before it empties the queue, or by a look of the shard's own thread that finds
+    /// it empty, before it looks again (see `take_or_unmark`). A queue that holds a block
+    /// always has its bit set once the send returns (a bit may be set over an empty queue),
+    /// so a drain or a steal looks only at queues whose bit is set instead of at every class
+    /// of every shard.
+    queued: Box<[AtomicU64]>,
+}
+
+impl<B> Shard<B> {
+    /// Whether the queue of `class` may hold a block.
+    #[inline]
+    fn may_hold(&self, class: usize) -> bool {
+        self.queued[class / 64].load(Ordering::Acquire) & (1 << (class % 64)) != 0
+    }
+
+    /// The smallest class in `from..=to` whose queue may hold a block.
+    fn first_marked(&self, from: usize, to: usize) -> Option<usize> {
+        let mut c = from;
+        while c <= to {
+            let (w, bit) = (c / 64, c % 64);
+            let bits = self.queued.get(w)?.load(Ordering::Acquire) >> bit;
+            if bits != 0 {
+                let found = c + bits.trailing_zeros() as usize;
+                return (found <= to).then_some(found);
+            }
+            c = (w + 1) * 64;
+        }
+        None
+    }
+
+    /// A block from the queue of `class`. A queue found empty loses its bit, and is looked
+    /// at once more: a send that came between the two looks set the bit before it was
+    /// cleared, and its block is taken now; a send after them sets the bit again. So a
+    /// queue that holds a block keeps its bit set, and a bit left set over an emptied queue
+    /// (a take leaves it) costs the next look one lock, not every look until a drain.
+    fn take_or_unmark(&self, class: usize) -> Option<Box<B>> {
+        let q = &self.queues[class].rx;
+        if let Ok(b) = q.try_recv() {
+            return Some(b);
+        }
+        self.queued[class / 64].fetch_and(!(1 << (class % 64)), Ordering::AcqRel);
+        let b = q.try_recv().ok()?;
+        // It may hold more.
+        self.mark(class);
+        Some(b)
+    }
+
+    /// The queue of `class` (of this shard) holds a block.
+    fn mark(&self, class: usize) {
+        self.queued[class / 64].fetch_or(1 << (class % 64), Ordering::Release);
+    }
+
+    /// Takes every block out of the queues whose bit is set, clearing the bits first.
+    fn drain_into(&self, out: &mut Vec<Box<B>>) {
+        for (w, word) in self.queued.iter().enumerate() {
+            if word.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = word.swap(0, Ordering::Acquire);
+            while bits != 0 {
+                let class = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                // One block at a time: `drain` would hand over the queue's buffer, and the
+                // next frees into it would grow a new one (about 5 % of the mixed sizes
+                // loop on a 16-core host went to that growth).
+                out.extend(self.queues[class].rx.try_iter());
+            }
+        }
+    }
+}
+
+/// The ready blocks of one pool.
+pub(crate) struct ReadyQueues<B> {
+    /// `shards * lines_per_shard` lines; shard `s`, class `c` is
+    /// `slots[s * lines_per_shard + c / 16][c % 16]`.
+    slots: Box<[SlotLine<B>]>,
+    lines_per_shard: usize,
+    shards: Box<[Shard<B>]>,
+    mask: usize,
+    /// One bit per shard that has ever held a ready block (set before the block is
+    /// published, never cleared): steals and drains skip the shards of threads that never
+    /// freed into this pool, instead of reading two cache lines of each. On lines of their
+    /// own: every put reads them.
+    stocked: Box<[CachePadded<AtomicU64>]>,
+    /// Per class, one bit per shard (pools of up to 64 shards; none with more) that has ever
+    /// held a ready block of the class: set before the block is published (a read first),
+    /// never cleared, like `stocked`. Steals look only at the shards that held blocks of
+    /// their class, not at every shard that ever held any (threads that have exited or
+    /// moved on to other sizes leave their shards stocked). Never cleared: a version whose
+    /// steals cleared the bit of a shard they found empty made the word a line that
+    /// stealing and freeing threads all write (16 threads freeing and taking one class fell
+    /// from about 220 to 53–87 million pairs a second).
+    holders: Box<[AtomicU64]>,
+    /// Per shard, the large block its thread freed last since its last miss (see
+    /// [`ReadyQueues::put_held`]).
+    held: Box<[CachePadded<Held<B>>]>,
+}
+
+/// A shard's held large block and its size, on a line of its own: only the shard's thread
+/// stores into it; others (a drain) only empty it.
+struct Held<B> {
+    size: AtomicUsize,
+    block: AtomicPtr<B>,
+}
+
+fn empty_line<B>() -> SlotLine<B> {
+    CachePadded(std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut())))
+}
+
+impl<B: Slotted> ReadyQueues<B> {
+    /// Queues for `classes` size classes in `shards` shards (a power of two).
+    pub(crate) fn new(classes: usize, shards: usize) -> Self {
+        debug_assert!(shards.is_power_of_two());
+        let lines_per_shard = classes.div_ceil(SLOTS_PER_LINE).max(1);
+        let slots = (0..shards * lines_per_shard)
+            .map(|_| empty_line())
+            .collect();
+        let shards: Box<[_]> = (0..shards)
+            .map(|_| Shard {
+                queues: (0..classes)
+                    .map(|_| {
+                        let (tx, rx) = flume::unbounded();
+                        Queue { tx, rx }
+                    })
+                    .collect(),
+                queued: (0..classes.div_ceil(64))
+                    .map(|_| AtomicU64::new(0))
+                    .collect(),
+            })
+            .collect();
+        let mask = shards.len() - 1;
+        let stocked = (0..shards.len().div_ceil(64))
+            .map(|_| CachePadded(AtomicU64::new(0)))
+            .collect();
+        let holders = if mask < 64 {
+            (0..classes).map(|_| AtomicU64::new(0)).collect()
+        } else {
+            Box::default()
+        };
+        let held = (0..shards.len())
+            .map(|_| {
+                CachePadded(Held {
+                    size: AtomicUsize::new(0),
+                    block: AtomicPtr::new(ptr::null_mut()),
+                })
+            })
+            .collect();
+        Self {
+            held,
+            slots,
+            lines_per_shard,
+            shards,
+            mask,
+            stocked,
+            holders,
+        }
+    }
+
+    /// Shard `shard` holds (or is about to hold) a ready block. A load first: once set, the
+    /// word is only read.
+    #[inline]
+    fn stock(&self, shard: usize) {
+        let (word, bit) = (&self.stocked[shard / 64], 1u64 << (shard % 64));
+        if word.load(Ordering::Relaxed) & bit == 0 {
+            word.fetch_or(bit, Ordering::Release);
+        }
+    }
+
+    /// Whether shard `shard` ever held a ready block.
+    #[inline]
+    fn ever_stocked(&self, shard: usize) -> bool {
+        self.stocked[shard / 64].load(Ordering::Acquire) & (1u64 << (shard % 64)) != 0
+    }
+
+    /// The other shards than `me` that ever held a ready block, from `me + 1` round. Up to
+    /// 64 shards (one word of marks, the default's cap), read once and walked bit by bit:
+    /// a miss on a many-core host looks at the shards that held blocks, not at every
+    /// shard's mark (the loop over 31 marks was the largest single cost of a miss in the
+    /// mixed sizes loop on a 16-core host).
+    fn others(&self, me: usize) -> impl Iterator<Item = usize> + '_ {
+        self.others_where(me, u64::MAX)
+    }
+
+    /// [`Self::others`] that may hold a ready block of `class` (see `holders`).
+    fn holding(&self, me: usize, class: usize) -> impl Iterator<Item = usize> + '_ {
+        let hint = self
+            .holders
+            .get(class)
+            .map_or(u64::MAX, |w| w.load(Ordering::Acquire));
+        self.others_where(me, hint)
+    }
+
+    /// [`Self::others`] whose bit is set in `hint` (pools of up to 64 shards; every other
+    /// stocked shard beyond).
+    fn others_where(&self, me: usize, hint: u64) -> impl Iterator<Item = usize> + '_ {
+        let n = self.shards.len();
+        let (high, low, wide) = if n <= 64 {
+            // `me < n <= 64`.
+            let word = self.stocked[0].load(Ordering::Acquire) & hint;
+            let high = word.checked_shr(me as u32 + 1).unwrap_or(0);
+            (high, word & ((1u64 << me) - 1), 0..0)
+        } else {
+            (0, 0, 1..n)
+        };
+        Bits(high).map(move |b| b + me + 1).chain(Bits(low)).chain(
+            wide.map(move |i| (me + i) & self.mask)
+                .filter(|&s| self.ever_stocked(s)),
+        )
+    }
+
+    /// Shard `shard` is about to hold a ready block of `class`. A read first: once set,
+    /// the bit is only read.
+    #[inline]
+    fn hold(&self, shard: usize, class: usize) {
+        if let Some(word) = self.holders.get(class) {
+            let bit = 1u64 << shard;
+            if word.load(Ordering::Relaxed) & bit == 0 {
+                word.fetch_or(bit, Ordering::Release);
+            }
+        }
+    }
+
+    /// This thread's shard.
+    #[inline]
+    pub(crate) fn my_shard(&self) -> usize {
+        ThreadSlot::current(self.mask).shard
+    }
+
+    #[inline]
+    fn slot(&self, shard: usize, class: usize) -> &AtomicPtr<B> {
+        &self.slots[shard * self.lines_per_shard + class / SLOTS_PER_LINE][class % SLOTS_PER_LINE]
+    }
+
+    /// Takes a ready block of `class` that holds `class.size` bytes: this thread's slot, then
+    /// its queue, then the others'.
+    #[inline]
+    pub(crate) fn take(&self, class: SizeClass) -> Option<Box<B>> {
+        self.take_at(self.my_shard(), class)
+    }
+
+    /// [`Self::take`] for the thread of shard `me`.
+    #[inline]
+    fn take_at(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
+        if let Some(b) = take_slot(self.slot(me, class.index)) {
+            if let Some(b) = self.fitting(me, b, class) {
+                return Some(b);
+            }
+        }
+        self.take_slow(me, class)
+    }
+
+    #[cold]
+    fn take_slow(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
+        self.take_queued(me, class)
+            .or_else(|| self.steal(me, class))
+    }
+
+    /// This thread's slot and queue for `class`, without looking at other shards.
+    #[inline]
+    pub(crate) fn take_mine(&self, class: SizeClass) -> Option<Box<B>> {
+        let me = self.my_shard();
+        match take_slot(self.slot(me, class.index)) {
+            Some(b) => self
+                .fitting(me, b, class)
+                .or_else(|| self.take_queued(me, class)),
+            None => self.take_queued(me, class),
+        }
+    }
+
+    #[cold]
+    fn take_queued(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
+        let shard = &self.shards[me];
+        // A queue whose bit is clear held nothing when the bit was read: no lock taken.
+        if !shard.may_hold(class.index) {
+            return None;
+        }
+        let b = shard.take_or_unmark(class.index)?;
+        self.fitting(me, b, class)
+    }
+
+    /// A ready block of `class` (holding `class.size` bytes) from another thread's shard.
+    #[cold]
+    pub(crate) fn steal(&self, me: usize, class: SizeClass) -> Option<Box<B>> {
+        let c = class.index;
+        self.holding(me, c).find_map(|s| {
+            let from_slot = take_slot(self.slot(s, c)).and_then(|b| self.fitting(s, b, class));
+            from_slot.or_else(|| {
+                let shard = &self.shards[s];
+                if shard.may_hold(c) {
+                    let b = shard.queues[c].rx.try_recv().ok()?;
+                    self.fitting(s, b, class)
+                } else {
+                    None
+                }
+            })
+        })
+    }
+
+    /// The block in this thread's slot of the class above `class`, if nothing in this
+    /// thread's shard is filed under the class below: its slot is empty and its queue
+    /// unmarked. A block of the class below may hold `class.size` bytes (see
+    /// [`Self::take_from_below`]) and is then the closer fit, so a request looks at it
+    /// first whenever there may be one.
+    #[inline]
+    pub(crate) fn take_above_mine(&self, class: SizeClass) -> Option<Box<B>> {
+        let me = self.my_shard();
+        let above = class.index + 1;
+        if above >= self.shards[me].queues.len() {
+            return None;
+        }
+        if let Some(below) = class.index.checked_sub(1) {
+            if !self.slot(me, below).load(Ordering::Relaxed).is_null()
+                || self.shards[me].may_hold(below)
+            {
+                return None;
+            }
+        }
+        take_slot(self.slot(me, above))
+    }
+
+    /// A ready block of the class below `class` in this thread's shard that holds
+    /// `class.size` bytes: classes are buckets of sizes, and a block filed under the largest
+    /// class it serves in full (the rest of a split) may still hold a request of the next.
+    #[cold]
+    pub(crate) fn take_from_below(&self, class: SizeClass) -> Option<Box<B>> {
+        let below = SizeClass {
+            index: class.index.checked_sub(1)?,
+            size: class.size,
+        };
+        self.take_mine(below)
+    }
+
+    /// The ready block of the smallest class in `above + 1 ..= upto` (every block of those
+    /// classes is larger than a request of class `above`): this thread's slots and queues
+    /// first, then the other shards' queues, then their slots. For a request that will split
+    /// it (see `Block::split_off`) rather than ask the pool actor.
+    #[cold]
+    pub(crate) fn take_larger(&self, above: usize, upto: usize) -> Option<Box<B>> {
+        let me = self.my_shard();
+        let classes = self.shards[me].queues.len();
+        let upto = upto.min(classes.saturating_sub(1));
+        let mine = &self.shards[me];
+        for c in above + 1..=upto {
+            if let Some(b) = take_slot(self.slot(me, c)) {
+                return Some(b);
+            }
+            if mine.may_hold(c) {
+                if let Ok(b) = mine.queues[c].rx.try_recv() {
+                    return Some(b);
+                }
+            }
+        }
+        self.others(me)
+            .find_map(|s| {
+                let shard = &self.shards[s];
+                let mut from = above + 1;
+                while let Some(c) = shard.first_marked(from, upto) {
+                    if let Ok(b) = shard.queues[c].rx.try_recv() {
+                        return Some(b);
+                    }
+                    from = c + 1;
+                }
+                None
+            })
+            .or_else(|| {
+                (above + 1..=upto)
+                    .find_map(|c| self.holding(me, c).find_map(|s| take_slot(self.slot(s, c))))
+            })
+    }
+
+    /// `block` when it holds the `class.size` bytes a request needs. A class may hold blocks
+    /// of several sizes (policies whose classes are buckets of exact sizes); one too small
+    /// goes back into `shard`'s queue (only a shard's owner fills its slots) and the request
+    /// looks on.
+    #[inline]
+    fn fitting(&self, shard: usize, block: Box<B>, class: SizeClass) -> Option<Box<B>> {
+        if block.size() >= class.size {
+            Some(block)
+        } else {
+            self.put_queue(shard, block);
+            None
+        }
+    }
+
+    /// Puts a block that is ready for reuse into this thread's slot for its class, or its
+    /// queue when the slot is full. Only the thread that owns a shard fills its slots, so an
+    /// empty slot stays empty until that thread's own store (others only empty slots): a
+    /// plain release store suffices.
+    #[inline]
+    pub(crate) fn put(&self, block: Box<B>) {
+        self.put_as(ThreadSlot::current(self.mask), block)
+    }
+
+    /// [`Self::put`] for a thread standing at `me`.
+    #[inline]
+    fn put_as(&self, me: ThreadSlot, block: Box<B>) {
+        let class = block.class();
+        let slot = self.slot(me.shard, class);
+        if me.owns && slot.load(Ordering::Relaxed).is_null() {
+            self.stock(me.shard);
+            self.hold(me.shard, class);
+            slot.store(Box::into_raw(block), Ordering::Release);
+            return;
+        }
+        self.put_queue(me.shard, block);
+    }
+
+    /// Holds a freed large block in this thread's held place until a request of exactly its
+    /// size takes it back, or the thread's next miss sends it home (see
+    /// [`Self::take_held_mine`]). Hands back the block held before, which goes home (only the
+    /// last block freed is held), or this one when the thread does not own its shard.
+    #[inline]
+    pub(crate) fn put_held(&self, block: Box<B>) -> Option<Box<B>> {
+        let me = ThreadSlot::current(self.mask);
+        if !me.owns {
+            return Some(block);
+        }
+        let held = &self.held[me.shard];
+        let before = take_slot(&held.0.block);
+        self.stock(me.shard);
+        // The size first: a taker that reads it and then finds the block takes this one.
+        held.0.size.store(block.size(), Ordering::Relaxed);
+        held.0.block.store(Box::into_raw(block), Ordering::Release);
+        before
+    }
+
+    /// The block this thread holds (see [`Self::put_held`]) if it has exactly `size` bytes.
+    #[inline]
+    pub(crate) fn take_held(&self, size: usize) -> Option<Box<B>> {
+        let me = ThreadSlot::current(self.mask);
+        if !me.owns {
+            return None;
+        }
+        let held = &self.held[me.shard].0;
+        if held.size.load(Ordering::Relaxed) != size {
+            return None;
+        }
+        // Only this thread stores into its place; others only empty it, so a block found
+        // now is the one stored after that size.
+        take_slot(&held.block)
+    }
+
+    /// Takes the large block this thread holds (see [`Self::put_held`]).
+    #[cold]
+    pub(crate) fn take_held_mine(&self, out: &mut Vec<Box<B>>) {
+        let me = ThreadSlot::current(self.mask);
+        if me.owns {
+            out.extend(take_slot(&self.held[me.shard].0.block));
+        }
+    }
+
+    /// Puts a ready block into `shard`'s queue for its class.
+    #[cold]
+    pub(crate) fn put_queue(&self, shard: usize, block: Box<B>) {
+        let class = block.class();
+        self.stock(shard);
+        self.hold(shard, class);
+        // The receiver lives beside the sender, so the send cannot fail.
+        let shard = &self.shards[shard];
+        let _ = shard.queues[class].tx.send(block);
+        shard.mark(class);
+    }
+
+    /// Takes every ready block out of every slot, held place and queue.
+    pub(crate) fn drain(&self) -> Vec<Box<B>> {
+        let mut out = Vec::new();
+        for s in (0..self.shards.len()).filter(|&s| self.ever_stocked(s)) {
+            out.extend(take_slot(&self.held[s].0.block));
+            self.drain_shard(s, &mut out);
+        }
+        out
+    }
+
+    /// Takes every ready block out of this thread's shard: its slots and its queues.
+    pub(crate) fn drain_mine(&self, out: &mut Vec<Box<B>>) {
+        self.drain_shard(self.my_shard(), out);
+    }
+
+    /// Takes every ready block out of shard `s`: its slots and its queues.
+    fn drain_shard(&self, s: usize, out: &mut Vec<Box<B>>) {
+        let base = s * self.lines_per_shard;
+        for line in &self.slots[base..base + self.lines_per_shard] {
+            out.extend(line.iter().filter_map(take_slot));
+        }
+        self.shards[s].drain_into(out);
+    }
+
+    /// The slot line that holds the slots of `class` in each shard.
+    pub(crate) const fn line_of(class: usize) -> usize {
+        class / SLOTS_PER_LINE
+    }
+
+    /// Takes every queued block, and every block in a slot on one of the lines set in
+    /// `lines` (bit `l % 64` of word `l / 64` for line `l`; see [`Self::line_of`]), in every
+    /// shard. A caller that knows which classes can hold blocks looks at those lines only.
+    pub(crate) fn drain_lines(&self, lines: &[u64]) -> Vec<Box<B>> {
+        let mut out = Vec::new();
+        for (s, shard) in self.shards.iter().enumerate() {
+            if !self.ever_stocked(s) {
+                continue;
+            }
+            let base = s * self.lines_per_shard;
+            for (w, &word) in lines.iter().enumerate() {
+                let mut bits = word;
+                while bits != 0 {
+                    let line = w * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    if line < self.lines_per_shard {
+                        out.extend(self.slots[base + line].iter().filter_map(take_slot));
+                    }
+                }
+            }
+            shard.drain_into(&mut out);
+        }
+        out
+    }
+
+    /// Counts the ready blocks and their bytes without taking them.
+    pub(crate) fn census(&self) -> (usize, usize) {
+        let blocks = self.drain();
+        let n = blocks.len();
+        let bytes = blocks.iter().map(|b| b.size()).sum();
+        for b in blocks {
+            self.put(b);
+        }
+        (n, bytes)
+    }
+}
+
+/// The positions of the bits set in a word, lowest first.
+struct Bits(u64);
+
+impl Iterator for Bits {
+    type Item = usize;
+
+    #[inline]
+    fn next(&mut self) -> Option<usize> {
+        if self.0 == 0 {
+            return None;
+        }
+        let b = self.0.trailing_zeros() as usize;
+        self.0 &= self.0 - 1;
+        Some(b)
+    }
+}
+
+/// Takes the block out of a slot, if any.
+#[inline]
+pub(crate) fn take_slot<B>(slot: &AtomicPtr<B>) -> Option<Box<B>> {
+    if slot.load(Ordering::Relaxed).is_null() {
+        return None;
+    }
+    let p = slot.swap(ptr::null_mut(), Ordering::Acquire);
+    if p.is_null() {
+        None
+    } else {
+        // SAFETY: every non-null pointer stored in a slot comes from `Box::into_raw` and is
+        // published with a release store; the acquiring swap removed it, so this is its only
+        // owner.
+        Some(unsafe { Box::from_raw(p) })
+    }
+}
+
+impl<B> Drop for ReadyQueues<B> {
+    fn drop(&mut self) {
+        // Every block holds its pool alive, so the slots are empty by now; should one not
+        // be, dropping the block sends it home (or frees it when home is gone).
+        for line in self.slots.iter() {
+            for s in line.iter() {
+                drop(take_slot(s));
+            }
+        }
+        for h in self.held.iter() {
+            drop(take_slot(&h.0.block));
+        }
+    }
+}
+
+#[cfg(all(test, not(pinpool_loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    struct Item(usize, usize);
+
+    impl Slotted for Item {
+        fn class(&self) -> usize {
+            self.0
+        }
+        fn size(&self) -> usize {
+            self.1
+        }
+    }
+
+    fn class(index: usize) -> SizeClass {
+        SizeClass {
+            index,
+            size: 1024 << index,
+        }
+    }
+
+    fn put_on_a_thread_of_its_own(q: &Arc<ReadyQueues<Item>>, items: Vec<Item>) {
+        let q = q.clone();
+        std::thread::spawn(move || {
+            for it in items {
+                q.put(Box::new(it));
+            }
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_steal_looks_only_at_the_shards_that_held_its_class() {
+        let q = Arc::new(ReadyQueues::new(4, 8));
+        let me = q.my_shard();
+        put_on_a_thread_of_its_own(&q, vec![Item(1, 2048), Item(2, 4096)]);
+        let holders = |c: usize| q.holders[c].load(Ordering::Relaxed) & !(1 << me);
+        let theirs = holders(1);
+        assert_eq!(
+            theirs.count_ones(),
+            1,
+            "the putting thread's shard held class 1"
+        );
+        assert_eq!(holders(2), theirs);
+        assert_eq!(holders(3), 0, "nobody put class 3");
+        assert_eq!(q.steal(me, class(1)).map(|b| b.size()), Some(2048));
+        assert!(q.steal(me, class(1)).is_none());
+        assert_eq!(holders(1), theirs, "marks are never cleared");
+        assert_eq!(q.steal(me, class(2)).map(|b| b.size()), Some(4096));
+        // Without its mark a block is not stolen, but a drain still finds it.
+        put_on_a_thread_of_its_own(&q, vec![Item(3, 8192)]);
+        q.holders[3].store(0, Ordering::Relaxed);
+        assert!(q.steal(me, class(3)).is_none());
+        assert_eq!(q.drain().len(), 1);
+    }
+
+    #[test]
+    fn a_steal_visits_every_other_stocked_shard_once_from_the_next_one_round() {
+        for shards in [1, 8, 64, 128] {
+            let q: ReadyQueues<Item> = ReadyQueues::new(4, shards);
+            let stocked: Vec<usize> = [0, 1, 3, 6, 63, 64, 100, 127]
+                .into_iter()
+                .filter(|&s| s < shards)
+                .collect();
+            for &s in &stocked {
+                q.stock(s);
+            }
+            for me in 0..shards {
+                let want: Vec<usize> = (1..shards)
+                    .map(|i| (me + i) % shards)
+                    .filter(|s| stocked.contains(s))
+                    .collect();
+                assert_eq!(
+                    q.others(me).collect::<Vec<_>>(),
+                    want,
+                    "{shards} shards, me {me}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_queue_found_empty_loses_its_mark_and_the_next_block_queued_marks_it_again() {
+        let q = ReadyQueues::new(4, 8);
+        let me = q.my_shard();
+        q.put_queue(me, Box::new(Item(2, 4096)));
+        assert!(q.shards[me].may_hold(2));
+        assert_eq!(q.take_mine(class(2)).map(|b| b.size()), Some(4096));
+        assert!(q.shards[me].may_hold(2), "a take leaves the mark");
+        assert!(q.take_mine(class(2)).is_none());
+        assert!(!q.shards[me].may_hold(2), "an empty look clears it");
+        q.put_queue(me, Box::new(Item(2, 4096)));
+        assert!(q.shards[me].may_hold(2));
+        let mut drained = Vec::new();
+        q.drain_mine(&mut drained);
+        assert_eq!(drained.len(), 1, "a drain finds it by its mark");
+    }
+
+    #[test]
+    fn blocks_freed_by_threads_that_have_exited_are_found_by_steals_and_drains() {
+        let q = Arc::new(ReadyQueues::new(4, 8));
+        // Nothing held anywhere: nothing found, whichever shard is asked.
+        assert!(q.take(class(1)).is_none());
+        assert!(q.take_larger(0, 3).is_none());
+        assert!(q.drain().is_empty());
+        // One block of class 1 from another thread: this thread's request finds it.
+        put_on_a_thread_of_its_own(&q, vec![Item(1, 2048)]);
+        assert_eq!(q.take(class(1)).map(|b| b.size()), Some(2048));
+        // A larger block from another thread serves a split.
+        put_on_a_thread_of_its_own(&q, vec![Item(3, 8192)]);
+        assert_eq!(q.take_larger(1, 3).map(|b| b.class()), Some(3));
+        // Two of one class (a slot and a queue) and one of another: the drain takes all.
+        put_on_a_thread_of_its_own(&q, vec![Item(2, 4096), Item(2, 4096), Item(0, 1024)]);
+        let mut drained: Vec<usize> = q.drain().iter().map(|b| b.class()).collect();
+        drained.sort_unstable();
+        assert_eq!(drained, vec![0, 2, 2]);
+        assert!(q.drain().is_empty());
+    }
+}
+
+/// Models of the slot protocol under loom (`scripts/loom.sh`): threads stand at explicit
+/// shards, as `ThreadSlot::current` would place them.
+#[cfg(all(test, pinpool_loom))]
+mod loom_models {
+    use super::*;
+    use loom::thread;
+    use std::sync::Arc;
+
+    struct Item {
+        class: usize,
+        size: usize,
+        id: usize,
+    }
+
+    impl Slotted for Item {
+        fn class(&self) -> usize {
+            self.class
+        }
+        fn size(&self) -> usize {
+            self.size
+        }
+    }
+
+    const CLASS: SizeClass = SizeClass {
+        index: 1,
+        size: 1024,
+    };
+
+    fn item(id: usize) -> Box<Item> {
+        Box::new(Item {
+            class: CLASS.index,
+            size: CLASS.size,
+            id,
+        })
+    }
+
+    fn owner(shard: usize) -> ThreadSlot {
+        ThreadSlot { shard, owns: true }
+    }
+
+    /// Every item put is taken exactly once, by a thread or by the final drain.
+    fn assert_each_once(mut seen: Vec<usize>, left: Vec<Box<Item>>, n: usize) {
+        seen.extend(left.into_iter().map(|b| b.id));
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            (0..n).collect::<Vec<_>>(),
+            "an item lost or handed out twice"
+        );
+    }
+
+    #[test]
+    fn a_block_freed_into_a_slot_is_taken_once_by_its_owner_or_a_stealing_thread() {
+        loom::model(|| {
+            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+            q.put_as(owner(0), item(0));
+            let q1 = q.clone();
+            let stealer = thread::spawn(move || q1.steal(1, CLASS).map(|b| b.id));
+            let mine = q.take_at(0, CLASS).map(|b| b.id);
+            let stolen = stealer.join().unwrap();
+            let seen: Vec<usize> = mine.into_iter().chain(stolen).collect();
+            assert_each_once(seen, q.drain(), 1);
+        });
+    }
+
+    #[test]
+    fn frees_and_takes_racing_on_two_shards_lose_nothing_and_share_nothing() {
+        loom::model(|| {
+            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+            let handles: Vec<_> = (0..2)
+                .map(|t| {
+                    let q = q.clone();
+                    thread::spawn(move || {
+                        // Two frees on this thread's shard: one fills the slot, one overflows.
+                        q.put_as(owner(t), item(2 * t));
+                        q.put_as(owner(t), item(2 * t + 1));
+                        // A request: this shard, then the other's.
+                        q.take_at(t, CLASS)
+                            .or_else(|| q.steal(t, CLASS))
+                            .map(|b| b.id)
+                    })
+                })
+                .collect();
+            let seen: Vec<usize> = handles
+                .into_iter()
+                .filter_map(|h| h.join().unwrap())
+                .collect();
+            assert_each_once(seen, q.drain(), 4);
+        });
+    }
+
+    #[test]
+    fn a_block_queued_while_its_queue_is_found_empty_is_taken_or_left_marked() {
+        loom::model(|| {
+            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+            // A block queued and taken: its queue's mark stays over the empty queue.
+            q.put_queue(0, item(0));
+            let first = q.take_queued(0, CLASS).map(|b| b.id);
+            assert_eq!(first, Some(0));
+            // The next look finds the queue empty and clears the mark, while another thread
+            // queues a block: the look takes it, or the mark stays for the drain to find it.
+            let q1 = q.clone();
+            let putter = thread::spawn(move || q1.put_queue(0, item(1)));
+            let taken = q.take_queued(0, CLASS).map(|b| b.id);
+            putter.join().unwrap();
+            assert_each_once(first.into_iter().chain(taken).collect(), q.drain(), 2);
+        });
+    }
+
+    #[test]
+    fn a_thread_that_does_not_own_its_shard_never_overwrites_the_owners_slot() {
+        loom::model(|| {
+            let q = Arc::new(ReadyQueues::<Item>::new(4, 1));
+            let q1 = q.clone();
+            // Two threads on one shard (more threads than shards): only one owns it.
+            let other = thread::spawn(move || {
+                q1.put_as(
+                    ThreadSlot {
+                        shard: 0,
+                        owns: false,
+                    },
+                    item(1),
+                )
+            });
+            q.put_as(owner(0), item(0));
+            other.join().unwrap();
+            let taken = q.take_at(0, CLASS).map(|b| b.id);
+            assert_each_once(taken.into_iter().collect(), q.drain(), 2);
+        });
+    }
+}
