@@ -113,6 +113,7 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         spin: spin::Spin::new(spec.linger),
         answered: None,
         trim_due: false,
+        relieved: false,
     };
     let pool = if spec.id.is_default() {
         "default".to_string()
@@ -158,6 +159,9 @@ pub(crate) struct PoolActor<R: Runtime> {
     /// Reserved memory crossed the reserve cap during a burst: once no message came for
     /// [`TRIM_AFTER`], idle memory above the cap goes back (see [`Self::trim`]).
     trim_due: bool,
+    /// The free memory of its segments was given back in this spell of pressure (see
+    /// [`Self::relieve`]).
+    relieved: bool,
 }
 
 impl<R: Runtime> Drop for PoolActor<R> {
@@ -381,6 +385,7 @@ impl<R: Runtime> PoolActor<R> {
                     Err(_) => self.relieve().await,
                 }
             } else {
+                self.relieved = false;
                 let next = if self.trim_due {
                     match tokio::time::timeout(TRIM_AFTER, self.rx.recv_async()).await {
                         Ok(next) => next,

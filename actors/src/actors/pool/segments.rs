@@ -362,6 +362,10 @@ impl<R: Runtime> PoolActor<R> {
             }
         }
         let homed: Vec<_> = self.shared.homed().collect();
+        if !homed.is_empty() {
+            // Memory the next look under pressure gives back (see `relieve`).
+            self.relieved = false;
+        }
         for mut b in homed {
             if self.absorb(&mut b) {
                 self.shared.recycle(b);

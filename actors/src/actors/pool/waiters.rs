@@ -296,16 +296,21 @@ impl<R: Runtime> PoolActor<R> {
 
     /// The periodic look while requests wait: serve this pool's waiters, or, when requests
     /// wait elsewhere, give back what this pool caches to make room for them: its ready
-    /// blocks, and the free memory of its segments, where the large pieces freed before the
-    /// requests began to wait went home quietly (taken back first). Nothing is given back
-    /// while a capture is underway (see `miss`).
+    /// blocks, and the free memory of its segments once per spell of pressure (what was idle
+    /// when the requests began to wait) and again after large pieces went home quietly
+    /// (freed as the pressure began; see `book_notes`). Blocks that come home while requests
+    /// wait are freed as they come (`take_back`). Nothing is given back while a capture is
+    /// underway (see `miss`).
     pub(super) async fn relieve(&mut self) {
         self.book_notes();
         if !self.waiters.is_empty() {
             self.serve_waiters().await;
         } else if self.shared.budget.under_pressure() && !self.shared.budget.capturing() {
             let blocks = self.shared.ready.drain();
-            self.free_blocks(blocks).await;
+            if !blocks.is_empty() || !self.relieved {
+                self.relieved = true;
+                self.free_blocks(blocks).await;
+            }
         }
     }
 }
