@@ -85,6 +85,17 @@ static std::string last_error() {
   return std::string(buf, n < sizeof buf ? n : sizeof buf - 1);
 }
 
+// An error PyTorch reports as its own allocator does: c10::Error (RuntimeError in Python)
+// when built against PyTorch's headers, else std::runtime_error.
+[[noreturn]] static void raise_error(const char* where, const std::string& msg) {
+#ifdef PINPOOL_WITH_C10
+  throw c10::Error(c10::SourceLocation{where, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
+#else
+  (void)where;
+  throw std::runtime_error(msg);
+#endif
+}
+
 extern "C" void* pinpool_shim_alloc(size_t size, int device, cudaStream_t stream) {
   void* p = alloc_impl(size, device, stream);
   if (p == nullptr && size != 0) {
@@ -95,13 +106,7 @@ extern "C" void* pinpool_shim_alloc(size_t size, int device, cudaStream_t stream
     if (!oom_impl()) {
       // Not for want of memory (no such device, a failed start, a forked child): an error
       // that code catching torch.OutOfMemoryError to retry smaller does not take for one.
-      std::string msg = "pinpool could not allocate: " + what;
-#ifdef PINPOOL_WITH_C10
-      throw c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                       msg);
-#else
-      throw std::runtime_error(msg);
-#endif
+      raise_error(__func__, "pinpool could not allocate: " + what);
     }
     std::string msg = "CUDA out of memory: " + what;
 #ifdef PINPOOL_WITH_C10
@@ -130,17 +135,11 @@ static int call_filter(void* ctx, void* stream) {
 
 static void drop_filter(void* ctx) { delete static_cast<Filter*>(ctx); }
 
-// A graph-pool call pinpool refused, as PyTorch's own allocator reports one: c10::Error
-// (RuntimeError in Python) when built against PyTorch's headers, else std::runtime_error.
+// A graph-pool call pinpool refused, as PyTorch's own allocator reports one.
 [[noreturn]] static void refused(const char* what, int device, MempoolId_t id) {
-  std::string msg = std::string(what) + " (device " + std::to_string(device) + ", pool (" +
-                    std::to_string(id.first) + ", " + std::to_string(id.second) +
-                    ")): " + last_error();
-#ifdef PINPOOL_WITH_C10
-  throw c10::Error(c10::SourceLocation{what, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
-#else
-  throw std::runtime_error(msg);
-#endif
+  raise_error(what, std::string(what) + " (device " + std::to_string(device) + ", pool (" +
+                        std::to_string(id.first) + ", " + std::to_string(id.second) +
+                        ")): " + last_error());
 }
 
 // A capture into a pool already capturing, or into the default pool, is refused: PyTorch's
@@ -200,9 +199,8 @@ const std::vector<std::string>& stat_keys() {
 }
 
 [[noreturn]] void failed(const char* what, int device) {
-  std::string msg =
-      std::string("pinpool: ") + what + " (device " + std::to_string(device) + "): " + last_error();
-  throw c10::Error(c10::SourceLocation{what, __FILE__, static_cast<uint32_t>(__LINE__)}, msg);
+  raise_error(what, std::string("pinpool: ") + what + " (device " + std::to_string(device) +
+                        "): " + last_error());
 }
 
 // PyTorch's pluggable allocator (alloc, free, record_stream, empty_cache, the memory

@@ -427,7 +427,14 @@ impl<R: Runtime, B> Home<R, B> {
 
     /// Asks the actor to look at its queued requests again (once per look).
     pub(crate) fn nudge(&self) {
-        if self.queued.load(Ordering::SeqCst) > 0 && !self.woken.swap(true, Ordering::SeqCst) {
+        if self.queued.load(Ordering::SeqCst) > 0 {
+            self.wake();
+        }
+    }
+
+    /// Sends the actor a `Wake` unless one is on its way.
+    fn wake(&self) {
+        if !self.woken.swap(true, Ordering::SeqCst) {
             let _ = self.mailbox.send(PoolMsg::Wake);
         }
     }
@@ -440,8 +447,8 @@ impl<R: Runtime, B: Send + 'static> Member for Home<R, B> {
             // An actor parked without requests of its own would not look at the memory it
             // caches (large pieces that went home quietly before the flag was set among it)
             // until its next message: it is woken once, to watch the pressure.
-            if before & DIVERT_PRESSURE == 0 && !self.woken.swap(true, Ordering::SeqCst) {
-                let _ = self.mailbox.send(PoolMsg::Wake);
+            if before & DIVERT_PRESSURE == 0 {
+                self.wake();
             }
         } else {
             self.divert.fetch_and(!DIVERT_PRESSURE, Ordering::SeqCst);
