@@ -852,6 +852,42 @@ def pinpool_tests():
         assert "Allocated memory" in summary, summary[:200]
         return f"max_memory_allocated {peak}, then {torch.cuda.max_memory_allocated()} after the reset"
 
+    def t_torch_snapshot_and_history_give_pinpools_layout():
+        # torch.cuda.memory._snapshot, _record_memory_history and _dump_snapshot, answered by
+        # the allocator front (PyTorch 2.11 on).
+        torch.cuda.memory._record_memory_history(max_entries=10000)
+        x = torch.empty(3 * MIB, dtype=torch.uint8, device="cuda")
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        segments = snap["segments"]
+        reserved = sum(s["total_size"] for s in segments)
+        assert reserved == torch.cuda.memory_reserved(), (reserved, torch.cuda.memory_reserved())
+        blocks = []
+        for s in segments:
+            at = s["address"]
+            assert sum(b["size"] for b in s["blocks"]) == s["total_size"], s["address"]
+            for b in s["blocks"]:
+                blocks.append((at, b))
+                at += b["size"]
+        mine = [b for at, b in blocks if at == x.data_ptr() and b["state"] == "active_allocated"]
+        assert mine and mine[0]["requested_size"] == 3 * MIB, mine
+        allocated = sum(s["allocated_size"] for s in segments)
+        assert allocated == torch.cuda.memory_allocated(), (allocated, torch.cuda.memory_allocated())
+        trace = snap["device_traces"][0]
+        allocs = [e for e in trace if e["action"] == "alloc" and e["addr"] == x.data_ptr()]
+        assert allocs and allocs[-1]["size"] == 3 * MIB, trace[-5:]
+        times = [e["time_us"] for e in trace]
+        assert times == sorted(times), "trace times out of order"
+        # On the wall clock, as PyTorch's own trace (microseconds since the epoch).
+        assert abs(times[-1] - time.time() * 1e6) < 60e6, (times[-1], time.time())
+        path = os.path.join(tempfile.mkdtemp(), "snap.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        with open(path, "rb") as f:
+            dumped = pickle.load(f)
+        assert dumped["segments"], "no segments in the dump"
+        del x
+        return f"{len(segments)} segments, {len(trace)} trace entries"
+
     def t_record_stream():
         # test_cuda.py: test_record_stream
         t = torch.FloatTensor([1, 2, 3, 4]).pin_memory()

@@ -77,6 +77,8 @@ pub use statistics::snapshot::{
     SegmentInfo,
 };
 pub use statistics::stats::HostStats;
+#[doc(hidden)]
+pub use statistics::torch_snapshot::{TorchBlock, TorchSegment, TorchTraceEntry};
 pub use statistics::trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
 #[doc(hidden)]
 pub use vocab::blocking;

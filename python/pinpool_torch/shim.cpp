@@ -20,7 +20,9 @@
 //   linked with libtorch_cuda): PyTorch's pluggable allocator with the calls it leaves
 //   unimplemented answered by pinpool — getDeviceStats (torch.cuda.memory_stats,
 //   max_memory_allocated, memory_summary, ...), resetPeakStats, resetAccumulatedStats and
-//   cacheInfo (cuDNN's algorithm search with torch.backends.cudnn.benchmark) — installed as
+//   cacheInfo (cuDNN's algorithm search with torch.backends.cudnn.benchmark), and, from
+//   PyTorch 2.11, snapshot and recordHistory (torch.cuda.memory._snapshot,
+//   _record_memory_history, _dump_snapshot for pytorch.org/memory_viz) — installed as
 //   PyTorch's CUDA allocator by pinpool_shim_enable.
 //
 // Without PINPOOL_WITH_C10 it needs no header of CUDA or PyTorch: the two types below are
@@ -38,10 +40,19 @@
 #endif
 
 #ifdef PINPOOL_WITH_FRONT
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/ApproximateClock.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/version.h>
 
+#include <atomic>
 #include <memory>
 #include <vector>
+
+// The snapshot and history calls have the signatures the front overrides from this version.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11)
+#define PINPOOL_FRONT_SNAPSHOT 1
+#endif
 typedef c10::cuda::MempoolId_t MempoolId_t;
 #else
 typedef struct CUstream_st* cudaStream_t;                               // CUDA's driver_types.h
@@ -64,6 +75,31 @@ typedef int64_t (*device_fn)(int);
 typedef int (*device_status_fn)(int);
 typedef int (*flag_fn)();
 
+// pinpool_snapshot's records (torch/src/snapshot.rs).
+struct BlockRecord {
+  uint64_t size, requested_size;
+  int allocated, active;
+};
+struct SegmentRecord {
+  int64_t device;
+  uint64_t address, total_size, allocated_size, active_size, requested_size, stream;
+  uint64_t pool[2];
+  int is_large, is_expandable;
+  const BlockRecord* blocks;
+  size_t n_blocks;
+};
+struct TraceRecord {
+  int64_t device;
+  int action;
+  uint64_t addr, size, stream;
+  uint64_t pool[2];
+  uint64_t age_us;
+};
+typedef void (*segment_cb)(void*, const SegmentRecord*);
+typedef void (*trace_cb)(void*, const TraceRecord*);
+typedef int (*snapshot_fn)(uint64_t, uint64_t, int, void*, segment_cb, trace_cb);
+typedef int (*history_fn)(int, size_t, int);
+
 static alloc_fn alloc_impl = nullptr;
 static free_fn free_impl = nullptr;
 static last_error_fn last_error_impl = nullptr;
@@ -78,6 +114,8 @@ static device_fn largest_impl = nullptr;
 static device_status_fn reset_peak_impl = nullptr;
 static device_status_fn reset_accumulated_impl = nullptr;
 static flag_fn oom_impl = nullptr;
+static snapshot_fn snapshot_impl = nullptr;
+static history_fn history_impl = nullptr;
 
 static std::string last_error() {
   char buf[1024];
@@ -263,6 +301,97 @@ struct Front : Base {
     if (n < 0) failed("cacheInfo", device);
     if (static_cast<size_t>(n) > *largest) *largest = static_cast<size_t>(n);
   }
+
+#ifdef PINPOOL_FRONT_SNAPSHOT
+  using SnapshotInfo = c10::cuda::CUDACachingAllocator::SnapshotInfo;
+  using TraceEntry = c10::CachingDeviceAllocator::TraceEntry;
+
+  // The snapshot PyTorch's Python calls read (torch.cuda.memory._snapshot): segments with
+  // their blocks tiling them, and each device's trace with its times in microseconds since
+  // the epoch (what PyTorch's own snapshot converts its entries' clock readings to).
+  // Call sites are not recorded (frames come out empty).
+  SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
+    Collect c;
+    c.info.device_traces.resize(static_cast<size_t>(c10::cuda::device_count()));
+    c.now_us = c10::getTime() / 1000;
+    if (snapshot_impl(mempool_id.first, mempool_id.second, include_traces ? 1 : 0, &c,
+                      on_segment, on_trace) != 0 ||
+        c.failed) {
+      failed("snapshot", -1);
+    }
+    return std::move(c.info);
+  }
+
+  // PyTorch's _record_memory_history: pinpool keeps the trace (no call sites) in a ring of
+  // `alloc_trace_max_entries`; recording context and skipped actions are not supported.
+  void recordHistory(bool enabled, c10::CachingDeviceAllocator::CreateContextFn,
+                     size_t alloc_trace_max_entries, c10::CachingDeviceAllocator::RecordContext,
+                     bool, const std::vector<std::string>&) override {
+    if (history_impl(enabled ? 1 : 0, alloc_trace_max_entries, 0) != 0) {
+      failed("recordHistory", -1);
+    }
+    history_on_ = enabled;
+  }
+
+  bool isHistoryEnabled() override { return history_on_; }
+
+ private:
+  struct Collect {
+    SnapshotInfo info{};
+    c10::time_t now_us{};
+    bool failed = false;
+  };
+
+  static void on_segment(void* ctx, const SegmentRecord* r) {
+    auto* c = static_cast<Collect*>(ctx);
+    try {
+      c10::CachingDeviceAllocator::SegmentInfo s;
+      s.device = static_cast<c10::DeviceIndex>(r->device);
+      s.address = r->address;
+      s.total_size = r->total_size;
+      s.requested_size = r->requested_size;
+      s.allocated_size = r->allocated_size;
+      s.active_size = r->active_size;
+      s.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(r->stream));
+      s.is_large = r->is_large != 0;
+      s.is_expandable = r->is_expandable != 0;
+      s.owner_private_pool_id = {r->pool[0], r->pool[1]};
+      for (size_t i = 0; i < r->n_blocks; i++) {
+        c10::CachingDeviceAllocator::BlockInfo b;
+        b.size = r->blocks[i].size;
+        b.requested_size = r->blocks[i].requested_size;
+        b.allocated = r->blocks[i].allocated != 0;
+        b.active = r->blocks[i].active != 0;
+        s.blocks.push_back(std::move(b));
+      }
+      c->info.segments.push_back(std::move(s));
+    } catch (...) {
+      c->failed = true;  // nothing unwinds into pinpool
+    }
+  }
+
+  static void on_trace(void* ctx, const TraceRecord* r) {
+    static const TraceEntry::Action actions[] = {
+        TraceEntry::ALLOC,       TraceEntry::FREE_REQUESTED, TraceEntry::FREE_COMPLETED,
+        TraceEntry::SEGMENT_ALLOC, TraceEntry::SEGMENT_FREE, TraceEntry::SEGMENT_MAP,
+        TraceEntry::SEGMENT_UNMAP, TraceEntry::SNAPSHOT,     TraceEntry::OOM};
+    auto* c = static_cast<Collect*>(ctx);
+    if (r->action < 0 || r->action > 8 || r->device < 0) return;
+    try {
+      auto d = static_cast<size_t>(r->device);
+      if (c->info.device_traces.size() <= d) c->info.device_traces.resize(d + 1);
+      auto& e = c->info.device_traces[d].emplace_back(
+          actions[r->action], static_cast<c10::DeviceIndex>(r->device), r->addr, r->size,
+          reinterpret_cast<void*>(static_cast<uintptr_t>(r->stream)),
+          MempoolId_t{r->pool[0], r->pool[1]}, c10::approx_time_t{});
+      e.time_.t_ = c->now_us - static_cast<c10::time_t>(r->age_us);
+    } catch (...) {
+      c->failed = true;
+    }
+  }
+
+  std::atomic<bool> history_on_{false};
+#endif
 };
 
 std::shared_ptr<Front> front;
@@ -271,9 +400,10 @@ std::shared_ptr<Front> front;
 #endif
 
 extern "C" {
-// Takes pinpool's entry points (in[0..14]: alloc, free, last_error, begin, end, release,
+// Takes pinpool's entry points (in[0..16]: alloc, free, last_error, begin, end, release,
 // record_stream, empty_cache, memory_fraction, stats_values, largest_block,
-// reset_peak_stats, reset_accumulated_stats, last_error_is_oom); writes the addresses of the graph-pool hooks
+// reset_peak_stats, reset_accumulated_stats, last_error_is_oom, snapshot, record_history);
+// writes the addresses of the graph-pool hooks
 // to hand PyTorch (out[0..3]); returns 2 when built with the allocator front, 1 when built
 // against PyTorch's headers, else 0.
 int pinpool_shim_install(void* const* in, uint64_t* out) {
@@ -291,6 +421,8 @@ int pinpool_shim_install(void* const* in, uint64_t* out) {
   reset_peak_impl = reinterpret_cast<device_status_fn>(in[11]);
   reset_accumulated_impl = reinterpret_cast<device_status_fn>(in[12]);
   oom_impl = reinterpret_cast<flag_fn>(in[13]);
+  snapshot_impl = reinterpret_cast<snapshot_fn>(in[14]);
+  history_impl = reinterpret_cast<history_fn>(in[15]);
   out[0] = reinterpret_cast<uint64_t>(&begin_hook);
   out[1] = reinterpret_cast<uint64_t>(&end_hook);
   out[2] = reinterpret_cast<uint64_t>(&release_hook);

@@ -83,7 +83,9 @@ fn call_every_export() {
     assert_eq!(pinpool_reserved_bytes(99), -1);
     assert_eq!(pinpool_reset_peak_stats(99), -1);
     assert_eq!(pinpool_reset_accumulated_stats(99), -1);
-    let _ = pinpool_record_history(0, 0);
+    let _ = pinpool_record_history(0, 0, 0);
+    // SAFETY: no callbacks, so nothing is called with the null context.
+    let _ = unsafe { pinpool_snapshot(0, 0, 1, std::ptr::null_mut(), None, None) };
     // SAFETY: a null path is refused before it is read.
     assert_eq!(unsafe { pinpool_dump_snapshot(std::ptr::null()) }, -1);
     // SAFETY: a null filter is refused; there is no context to release.

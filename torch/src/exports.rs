@@ -8,7 +8,9 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use pinpool::Error;
+use pinpool::{Error, HistoryContext};
+
+use crate::snapshot::{SegmentFn, TraceFn};
 
 use crate::abi::{self, guarded};
 use crate::call_times;
@@ -279,12 +281,55 @@ pub extern "C" fn pinpool_reset_accumulated_stats(device: c_int) -> c_int {
     })
 }
 
-/// Turns the allocation history on (non-zero `enabled`, keeping `max_entries`) or off: 0, or
-/// -1.
+/// Turns the allocation history on (non-zero `enabled`, keeping `max_entries`) or off;
+/// `context` 1 records each allocation's call site (a Rust backtrace), 2 also each free's,
+/// 0 none: 0, or -1.
 #[no_mangle]
-pub extern "C" fn pinpool_record_history(enabled: c_int, max_entries: usize) -> c_int {
+pub extern "C" fn pinpool_record_history(
+    enabled: c_int,
+    max_entries: usize,
+    context: c_int,
+) -> c_int {
+    let context = match context {
+        1 => HistoryContext::Alloc,
+        2 => HistoryContext::All,
+        _ => HistoryContext::None,
+    };
     status("record_history", || {
-        plugin()?.record_history(enabled != 0, max_entries)
+        plugin()?.record_history(enabled != 0, max_entries, context)
+    })
+}
+
+/// The snapshot as PyTorch's allocator front answers `snapshot(mempool_id, include_traces)`:
+/// calls `on_segment(ctx, ..)` for each segment of PyTorch pool `(pool_a, pool_b)` (every
+/// segment for `(0, 0)`), then, where `traces` is non-zero, `on_trace(ctx, ..)` for each
+/// device's trace entries, oldest first: 0, or -1. The records are valid during the call.
+///
+/// # Safety
+///
+/// The callbacks are safe to call with `ctx` from this thread, and do not unwind.
+#[no_mangle]
+pub unsafe extern "C" fn pinpool_snapshot(
+    pool_a: u64,
+    pool_b: u64,
+    traces: c_int,
+    ctx: *mut c_void,
+    on_segment: Option<SegmentFn>,
+    on_trace: Option<TraceFn>,
+) -> c_int {
+    status("snapshot", || {
+        let plugin = plugin()?;
+        let (snap, histories) = block_on(plugin.torch_snapshot(traces != 0))??;
+        crate::snapshot::walk(
+            &snap,
+            &histories,
+            (pool_a, pool_b),
+            // SAFETY: this function's contract.
+            |s| on_segment.map_or((), |f| unsafe { f(ctx, s) }),
+            // SAFETY: as above.
+            |t| on_trace.map_or((), |f| unsafe { f(ctx, t) }),
+        );
+        Ok::<_, Error>(())
     })
 }
 

@@ -10,7 +10,8 @@
 //!
 //! Modules: `plugin` (the hooks' meaning, generic over the runtime), `abi` (the C boundary's
 //! rules: no panic crosses it, errors become null or -1 and a last-error string),
-//! `exports` (the C symbols), `call_times` (the alloc and free calls' time, where asked),
+//! `exports` (the C symbols), `snapshot` (snapshots as C records for PyTorch's
+//! allocator front), `call_times` (the alloc and free calls' time, where asked),
 //! `start` (the plugin made once a start succeeds, retried after a failed one), `fork`
 //! (a forked child refuses the parent's allocator at once), and `cuda` (the process's plugin
 //! on the CUDA runtime and PyTorch's stream handles as cudarc streams; feature `cuda`).
@@ -24,6 +25,7 @@ mod cuda;
 pub mod exports;
 mod fork;
 mod plugin;
+pub mod snapshot;
 #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
 mod start;
 #[cfg(test)]

@@ -222,13 +222,13 @@ impl<R: DeviceRuntime> Plugin<R> {
     }
 
     /// `torch.cuda.memory._record_memory_history`: turns the trace on (keeping the last
-    /// `max_entries` entries, with the call sites of allocations) or off.
-    pub(crate) fn record_history(&self, enabled: bool, max_entries: usize) -> Result<(), Error> {
-        let context = if enabled {
-            HistoryContext::Alloc
-        } else {
-            HistoryContext::None
-        };
+    /// `max_entries` entries, with the call sites `context` names) or off.
+    pub(crate) fn record_history(
+        &self,
+        enabled: bool,
+        max_entries: usize,
+        context: HistoryContext,
+    ) -> Result<(), Error> {
         self.alloc.record_history(enabled, max_entries, context)
     }
 
@@ -272,15 +272,29 @@ impl<R: DeviceRuntime> Plugin<R> {
 /// graphs make for themselves `(n, 0)` and those of `graph_pool_handle()` / `MemPool`
 /// `(0, n)`, each from a counter; both map above `2^62`, clear of [`PoolId::fresh`]'s ids.
 /// `(0, 0)` is the default pool (`tests::pool_ids_of_graphs_and_of_user_pools_never_collide`).
+/// Bits of the pool ids made from PyTorch's `MempoolId_t`s: every such id has `TOP`; a
+/// user pool's (`(0, n)`) also `USER`; a pair with both halves set also `MIXED`.
+const TOP: u64 = 1 << 63;
+const USER: u64 = 1 << 62;
+const MIXED: u64 = 1 << 61;
+
 pub(crate) fn pool_id((a, b): (u64, u64)) -> PoolId {
-    const TOP: u64 = 1 << 63;
-    const USER: u64 = 1 << 62;
     const MASK: u64 = USER - 1;
     match (a, b) {
         (0, 0) => PoolId::DEFAULT,
         (0, n) => PoolId(TOP | USER | (n & MASK)),
         (n, 0) => PoolId(TOP | (n & MASK)),
-        // Not made by PyTorch today: both halves mixed, kept clear of the ids above.
-        (a, b) => PoolId(TOP | USER | (1 << 61) | ((a << 30) ^ b) & ((1 << 61) - 1)),
+        (a, b) => PoolId(TOP | USER | MIXED | ((a << 30) ^ b) & (MIXED - 1)),
+    }
+}
+
+/// The `MempoolId_t` that [`pool_id`] made `id` from: exact for the pools PyTorch makes
+/// (`(n, 0)` for graphs, `(0, n)` for user pools, below 2^61); `(0, id)` for the rest.
+pub(crate) fn torch_pool_id(id: u64) -> (u64, u64) {
+    match id {
+        0 => (0, 0),
+        _ if id & (TOP | USER | MIXED) == TOP | USER => (0, id & (USER - 1)),
+        _ if id & (TOP | USER) == TOP => (id & (USER - 1), 0),
+        _ => (0, id),
     }
 }

@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Barrier};
 
 use crate::abi;
-use crate::plugin::pool_id;
+use crate::plugin::{pool_id, torch_pool_id};
 use crate::plugin::{Plugin, StreamMap, LEGACY_STREAM, PER_THREAD_STREAM};
+use crate::snapshot::{walk, BlockRecord, TraceRecord};
 use pinpool::sim::{SimRuntime, SimStream};
 use pinpool::{BlockStatus, DeviceAllocator, Error, PoolId};
 
@@ -695,4 +696,156 @@ fn only_a_call_that_failed_for_want_of_memory_is_an_out_of_memory_until_the_next
     assert!(!abi::last_was_out_of_memory(), "the next call clears it");
     abi::guarded("alloc", 0usize, || Err::<usize, _>("no such device"));
     assert!(!abi::last_was_out_of_memory());
+}
+
+/// A segment as `pinpool_snapshot` hands it out: address, bytes, PyTorch pool, blocks.
+type Segment = (u64, u64, [u64; 2], Vec<BlockRecord>);
+
+/// What `pinpool_snapshot` hands PyTorch's allocator front: the segments with their blocks,
+/// and the trace entries.
+fn torch_snapshot(s: &Setup, pool: (u64, u64)) -> (Vec<Segment>, Vec<TraceRecord>) {
+    let (snap, histories) = s._rt.block_on(s.plugin.torch_snapshot(true)).unwrap();
+    let (mut segments, mut traces) = (Vec::new(), Vec::new());
+    walk(
+        &snap,
+        &histories,
+        pool,
+        |seg| {
+            // SAFETY: `walk` hands out `n_blocks` blocks, valid during the call.
+            let blocks = unsafe { std::slice::from_raw_parts(seg.blocks, seg.n_blocks) };
+            assert_eq!(
+                seg.allocated_size,
+                blocks
+                    .iter()
+                    .filter(|b| b.allocated == 1)
+                    .map(|b| b.size)
+                    .sum::<u64>()
+            );
+            assert_eq!(
+                seg.active_size,
+                blocks
+                    .iter()
+                    .filter(|b| b.active == 1)
+                    .map(|b| b.size)
+                    .sum::<u64>()
+            );
+            segments.push((seg.address, seg.total_size, seg.pool, blocks.to_vec()));
+        },
+        |t| traces.push(*t),
+    );
+    (segments, traces)
+}
+
+#[test]
+fn pytorchs_snapshot_lists_every_segment_tiled_by_its_blocks_as_the_statistics_count_them() {
+    let s = setup();
+    let a = s.plugin.alloc(3 * MIB, 0, 3).unwrap();
+    let b = s.plugin.alloc(4096, 0, 3).unwrap();
+    let c = s.plugin.alloc(MIB, 1, 2).unwrap();
+    s.plugin.free(b, 0, 3).unwrap();
+    let (segments, _) = torch_snapshot(&s, (0, 0));
+    let reserved: usize = (0..2).map(|d| s.plugin.reserved_bytes(d).unwrap()).sum();
+    assert_eq!(segments.iter().map(|g| g.1).sum::<u64>(), reserved as u64);
+    let allocated: i64 = (0..2)
+        .map(|d| {
+            s.plugin
+                .stats_values(d, &["allocated_bytes.all.current"])
+                .unwrap()[0]
+        })
+        .sum();
+    let in_blocks: u64 = segments
+        .iter()
+        .flat_map(|g| &g.3)
+        .filter(|b| b.allocated == 1)
+        .map(|b| b.size)
+        .sum();
+    assert_eq!(in_blocks, allocated as u64);
+    for (address, total, pool, blocks) in &segments {
+        assert_eq!(*pool, [0, 0]);
+        assert_eq!(
+            blocks.iter().map(|b| b.size).sum::<u64>(),
+            *total,
+            "{address:#x}"
+        );
+    }
+    // Each live allocation is one allocated block, at its address, of at least its size.
+    let mut live = Vec::new();
+    for (address, _, _, blocks) in &segments {
+        let mut at = *address;
+        for blk in blocks {
+            if blk.allocated == 1 {
+                live.push((at as usize, blk.size as usize, blk.requested_size as usize));
+            }
+            at += blk.size;
+        }
+    }
+    live.sort();
+    let mut want = vec![(a, 3 * MIB), (c, MIB)];
+    want.sort();
+    assert_eq!(live.len(), 2, "{live:?}");
+    for ((at, size, requested), (p, bytes)) in live.iter().zip(&want) {
+        assert_eq!((*at, *requested), (*p, *bytes));
+        assert!(size >= bytes);
+    }
+    s.plugin.free(a, 0, 3).unwrap();
+    s.plugin.free(c, 1, 2).unwrap();
+}
+
+#[test]
+fn a_snapshot_of_a_graph_pool_lists_only_its_segments_under_pytorchs_pool_id() {
+    let s = setup();
+    let pool = (0, 9);
+    s.plugin
+        .begin_allocate_to_pool(0, pool, |handle| handle == 5)
+        .unwrap();
+    let inside = s.plugin.alloc(MIB, 0, 5).unwrap();
+    s.plugin.end_allocate_to_pool(0, pool).unwrap();
+    let outside = s.plugin.alloc(MIB, 0, 3).unwrap();
+    let contains =
+        |segs: &[Segment], p: usize| segs.iter().any(|g| (g.0..g.0 + g.1).contains(&(p as u64)));
+    let (mine, _) = torch_snapshot(&s, pool);
+    assert!(!mine.is_empty());
+    assert!(mine.iter().all(|g| g.2 == [0, 9]));
+    assert!(contains(&mine, inside) && !contains(&mine, outside));
+    let (all, _) = torch_snapshot(&s, (0, 0));
+    assert!(contains(&all, inside) && contains(&all, outside));
+    s.plugin.free(inside, 0, 5).unwrap();
+    s.plugin.free(outside, 0, 3).unwrap();
+}
+
+#[test]
+fn pytorchs_pool_ids_come_back_from_the_pools_made_of_them() {
+    for id in [(0, 0), (7, 0), (0, 7), (1 << 40, 0), (0, (1 << 61) - 1)] {
+        assert_eq!(torch_pool_id(pool_id(id).0), id);
+    }
+}
+
+#[test]
+fn the_trace_gives_pytorchs_actions_in_order_with_requested_sizes_and_ages() {
+    let s = setup();
+    s.plugin
+        .record_history(true, 1000, pinpool::HistoryContext::None)
+        .unwrap();
+    let p = s.plugin.alloc(MIB + 100, 0, 3).unwrap();
+    s.plugin.free(p, 0, 3).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let (_, traces) = torch_snapshot(&s, (0, 0));
+    // The block's own entries (its segment's mapping may start at the same address).
+    let of_p: Vec<&TraceRecord> = traces
+        .iter()
+        .filter(|t| t.addr == p as u64 && t.action <= 2)
+        .collect();
+    let actions: Vec<i32> = of_p.iter().map(|t| t.action).collect();
+    // alloc, then free requested (free completed follows once the stream's work is done).
+    assert_eq!(&actions[..2], &[0, 1], "{actions:?}");
+    assert!(
+        traces.iter().any(|t| t.action == 5 || t.action == 3),
+        "a segment entry"
+    );
+    assert!(of_p
+        .iter()
+        .all(|t| t.size == (MIB + 100) as u64 && t.device == 0));
+    assert!(traces.iter().all(|t| (0..=8).contains(&t.action)));
+    // Older entries are older: the ages fall along the trace.
+    assert!(of_p[0].age_us >= of_p[1].age_us && of_p[1].age_us >= 5_000);
 }

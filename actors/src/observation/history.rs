@@ -101,7 +101,7 @@ impl Recorder {
         self.flags.enabled.load(Relaxed)
     }
 
-    fn now_us(&self) -> u64 {
+    pub(crate) fn now_us(&self) -> u64 {
         self.start.elapsed().as_micros() as u64
     }
 
@@ -440,6 +440,7 @@ impl HistoryActor {
                     max_entries: self.max_entries,
                     overwritten: self.overwritten,
                     lost: self.lost.load(Relaxed),
+                    now_us: 0,
                 });
             }
         }

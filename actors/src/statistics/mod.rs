@@ -10,4 +10,4 @@ pub(crate) mod meta;
 pub(crate) mod trace;
 pub(crate) mod snapshot;
 mod pickle;
-mod torch_snapshot;
+pub(crate) mod torch_snapshot;

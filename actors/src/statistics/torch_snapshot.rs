@@ -89,6 +89,13 @@ impl MemorySnapshot {
         pickle::to_bytes(&self.torch_layout(histories))
     }
 
+    /// The segments as PyTorch's snapshot lists them (what the pickle and PyTorch's
+    /// allocator front both give).
+    #[doc(hidden)]
+    pub fn torch_segments(&self) -> Vec<TorchSegment> {
+        self.segments.iter().map(TorchSegment::of).collect()
+    }
+
     fn torch_layout(&self, histories: &[History]) -> Value {
         let devices = self
             .segments
@@ -100,7 +107,11 @@ impl MemorySnapshot {
         let mut annotations = Vec::new();
         let traces: Vec<Value> = (0..devices)
             .map(|d| match histories.get(d) {
-                Some(h) => trace(&h.entries, d, &mut annotations),
+                Some(h) => {
+                    let (entries, notes) = h.torch_trace();
+                    annotations.extend(notes.into_iter().map(|e| annotation(e, d)));
+                    Value::List(entries.iter().map(trace_entry).collect())
+                }
                 None => Value::List(Vec::new()),
             })
             .collect();
@@ -108,7 +119,7 @@ impl MemorySnapshot {
         Value::dict([
             (
                 "segments",
-                Value::List(self.segments.iter().map(segment).collect()),
+                Value::List(self.torch_segments().iter().map(segment).collect()),
             ),
             ("device_traces", Value::List(traces)),
             (
@@ -129,6 +140,122 @@ impl MemorySnapshot {
     }
 }
 
+/// One segment as PyTorch's snapshot lists it: its blocks tile it in address order, and the
+/// sizes are sums over them.
+#[doc(hidden)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TorchSegment {
+    pub device: usize,
+    pub address: usize,
+    pub total_size: usize,
+    /// Bytes of blocks in use.
+    pub allocated_size: usize,
+    /// Bytes of blocks in use or freed and not yet reusable.
+    pub active_size: usize,
+    /// Requested bytes of the active blocks.
+    pub requested_size: usize,
+    /// The id of the stream that owns the segment's pool, 0 outside stream pools.
+    pub stream: u64,
+    /// Over PyTorch's small-segment size.
+    pub is_large: bool,
+    /// A run of granules mapped into a reserved range.
+    pub is_expandable: bool,
+    /// pinpool's pool id: 0 for the default and stream pools.
+    pub pool: u64,
+    pub blocks: Vec<TorchBlock>,
+}
+
+/// One block of a [`TorchSegment`]'s tiling.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TorchBlock {
+    pub address: usize,
+    pub size: usize,
+    pub requested_size: usize,
+    /// `"active_allocated"`, `"active_pending_free"` or `"inactive"`.
+    pub state: &'static str,
+}
+
+impl TorchBlock {
+    /// In use by a caller (PyTorch's `allocated`).
+    pub fn allocated(&self) -> bool {
+        self.state == "active_allocated"
+    }
+
+    /// In use or not yet reusable (PyTorch's `active`).
+    pub fn active(&self) -> bool {
+        self.state != "inactive"
+    }
+}
+
+impl TorchSegment {
+    fn of(s: &SegmentInfo) -> Self {
+        let blocks = tiles(s);
+        let sum = |f: &dyn Fn(&TorchBlock) -> Option<usize>| blocks.iter().filter_map(f).sum();
+        TorchSegment {
+            device: device_of(s),
+            address: s.address,
+            total_size: s.total_size,
+            allocated_size: sum(&|b| b.allocated().then_some(b.size)),
+            active_size: sum(&|b| b.active().then_some(b.size)),
+            requested_size: sum(&|b| b.active().then_some(b.requested_size)),
+            stream: s.stream.unwrap_or(0),
+            is_large: s.total_size > SMALL_SEGMENT,
+            is_expandable: is_expandable(s),
+            pool: if s.stream.is_some() { 0 } else { s.pool },
+            blocks,
+        }
+    }
+}
+
+/// A trace entry as PyTorch's trace lists it.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct TorchTraceEntry<'a> {
+    pub entry: &'a TraceEntry,
+    /// The bytes PyTorch gives: the requested bytes for allocations and frees, the segment's
+    /// bytes for segment entries, the bytes requested for an out-of-memory.
+    pub size: usize,
+}
+
+impl History {
+    /// The entries PyTorch's trace has an action for, in order, each with the size PyTorch
+    /// gives it; and the entries it has none for (annotations and capture markers).
+    #[doc(hidden)]
+    pub fn torch_trace(&self) -> (Vec<TorchTraceEntry<'_>>, Vec<&TraceEntry>) {
+        // Requested bytes of the blocks allocated in the trace, by address.
+        let mut requested: HashMap<usize, usize> = HashMap::new();
+        let mut out = Vec::with_capacity(self.entries.len());
+        let mut notes = Vec::new();
+        for e in &self.entries {
+            let size = match e.action {
+                TraceAction::Alloc => {
+                    let r = if e.requested > 0 { e.requested } else { e.size };
+                    requested.insert(e.addr, r);
+                    r
+                }
+                TraceAction::FreeRequested => match e.requested {
+                    0 => requested.get(&e.addr).copied().unwrap_or(e.size),
+                    r => r,
+                },
+                TraceAction::FreeCompleted => requested.remove(&e.addr).unwrap_or(e.size),
+                TraceAction::SegmentAlloc
+                | TraceAction::SegmentFree
+                | TraceAction::SegmentMap
+                | TraceAction::SegmentUnmap
+                | TraceAction::Snapshot
+                | TraceAction::Oom => e.size,
+                TraceAction::UserDefined | TraceAction::CaptureBegin | TraceAction::CaptureEnd => {
+                    notes.push(e);
+                    continue;
+                }
+            };
+            out.push(TorchTraceEntry { entry: e, size });
+        }
+        (out, notes)
+    }
+}
+
 fn device_of(s: &SegmentInfo) -> usize {
     s.device.unwrap_or(0)
 }
@@ -146,130 +273,100 @@ fn state_of(b: &BlockInfo) -> &'static str {
 }
 
 /// A stream id as PyTorch writes a stream's handle: an int64 (the id's bits), 0 for none.
-fn stream(id: Option<u64>) -> Value {
-    Value::from(id.unwrap_or(0) as i64)
+fn stream(id: u64) -> Value {
+    Value::from(id as i64)
 }
 
 fn pool_id(pool: u64) -> Value {
     Value::Tuple(vec![0u64.into(), pool.into()])
 }
 
-/// One block of the tiling: address, size, requested bytes, state.
-type Tile = (usize, usize, usize, &'static str);
-
 /// The segment's blocks in address order, covering it exactly: stretches no block covers
 /// are inactive blocks, and a block reaching past the end is cut at it.
-fn tiles(s: &SegmentInfo) -> Vec<Tile> {
+fn tiles(s: &SegmentInfo) -> Vec<TorchBlock> {
     let mut blocks: Vec<&BlockInfo> = s.blocks.iter().collect();
     blocks.sort_by_key(|b| b.address);
     let end = s.address + s.total_size;
     let mut at = s.address;
     let mut out = Vec::with_capacity(blocks.len() + 1);
+    let free = |address, size| TorchBlock {
+        address,
+        size,
+        requested_size: 0,
+        state: "inactive",
+    };
     for b in blocks {
         if b.address < at || b.address >= end {
             continue; // overlaps the one before, or lies outside: not drawable
         }
         if b.address > at {
-            out.push((at, b.address - at, 0, "inactive"));
+            out.push(free(at, b.address - at));
         }
         let size = b.size.min(end - b.address);
-        out.push((b.address, size, b.requested_size.min(size), state_of(b)));
+        out.push(TorchBlock {
+            address: b.address,
+            size,
+            requested_size: b.requested_size.min(size),
+            state: state_of(b),
+        });
         at = b.address + size;
     }
     if at < end {
-        out.push((at, end - at, 0, "inactive"));
+        out.push(free(at, end - at));
     }
     out
 }
 
-fn segment(s: &SegmentInfo) -> Value {
-    let tiles = tiles(s);
-    let sum = |f: &dyn Fn(&Tile) -> Option<usize>| tiles.iter().filter_map(f).sum::<usize>();
-    let allocated = sum(&|t| (t.3 == "active_allocated").then_some(t.1));
-    let active = sum(&|t| (t.3 != "inactive").then_some(t.1));
-    let requested = sum(&|t| (t.3 != "inactive").then_some(t.2));
-    let pool = if s.stream.is_some() { 0 } else { s.pool };
-    let blocks = tiles
+fn segment(s: &TorchSegment) -> Value {
+    let blocks = s
+        .blocks
         .iter()
-        .map(|&(address, size, requested, state)| {
+        .map(|b| {
             Value::dict([
-                ("address", address.into()),
-                ("size", size.into()),
-                ("requested_size", requested.into()),
-                ("state", state.into()),
+                ("address", b.address.into()),
+                ("size", b.size.into()),
+                ("requested_size", b.requested_size.into()),
+                ("state", b.state.into()),
                 ("frames", Value::List(Vec::new())),
             ])
         })
         .collect();
     Value::dict([
-        ("device", device_of(s).into()),
+        ("device", s.device.into()),
         ("address", s.address.into()),
         ("total_size", s.total_size.into()),
-        ("allocated_size", allocated.into()),
-        ("active_size", active.into()),
-        ("requested_size", requested.into()),
+        ("allocated_size", s.allocated_size.into()),
+        ("active_size", s.active_size.into()),
+        ("requested_size", s.requested_size.into()),
         ("stream", stream(s.stream)),
         (
             "segment_type",
-            if s.total_size <= SMALL_SEGMENT {
-                "small"
-            } else {
-                "large"
-            }
-            .into(),
+            if s.is_large { "large" } else { "small" }.into(),
         ),
-        ("segment_pool_id", pool_id(pool)),
-        ("is_expandable", is_expandable(s).into()),
+        ("segment_pool_id", pool_id(s.pool)),
+        ("is_expandable", s.is_expandable.into()),
         ("frames", Value::List(Vec::new())),
         ("blocks", Value::List(blocks)),
     ])
 }
 
-/// One device's trace entries; the entries PyTorch has no action for go to `annotations`.
-fn trace(entries: &[TraceEntry], device: usize, annotations: &mut Vec<Value>) -> Value {
-    // Requested bytes of the blocks allocated in the trace, by address.
-    let mut requested: HashMap<usize, usize> = HashMap::new();
-    let mut out = Vec::with_capacity(entries.len());
-    for e in entries {
-        let size = match e.action {
-            TraceAction::Alloc => {
-                let r = if e.requested > 0 { e.requested } else { e.size };
-                requested.insert(e.addr, r);
-                r
-            }
-            TraceAction::FreeRequested => match e.requested {
-                0 => requested.get(&e.addr).copied().unwrap_or(e.size),
-                r => r,
-            },
-            TraceAction::FreeCompleted => requested.remove(&e.addr).unwrap_or(e.size),
-            TraceAction::SegmentAlloc
-            | TraceAction::SegmentFree
-            | TraceAction::SegmentMap
-            | TraceAction::SegmentUnmap
-            | TraceAction::Snapshot
-            | TraceAction::Oom => e.size,
-            TraceAction::UserDefined | TraceAction::CaptureBegin | TraceAction::CaptureEnd => {
-                annotations.push(annotation(e, device));
-                continue;
-            }
-        };
-        let addr_key = if e.action == TraceAction::Oom {
-            "device_free"
-        } else {
-            "addr"
-        };
-        out.push(Value::dict([
-            ("action", e.action.as_str().into()),
-            (addr_key, e.addr.into()),
-            ("size", size.into()),
-            ("stream", stream(e.owner.map(|s| s.0))),
-            ("compile_context", "N/A".into()),
-            ("user_metadata", "".into()),
-            ("frames", frames(e)),
-            ("time_us", e.time_us.into()),
-        ]));
-    }
-    Value::List(out)
+fn trace_entry(t: &TorchTraceEntry<'_>) -> Value {
+    let e = t.entry;
+    let addr_key = if e.action == TraceAction::Oom {
+        "device_free"
+    } else {
+        "addr"
+    };
+    Value::dict([
+        ("action", e.action.as_str().into()),
+        (addr_key, e.addr.into()),
+        ("size", t.size.into()),
+        ("stream", stream(e.owner.map_or(0, |s| s.0))),
+        ("compile_context", "N/A".into()),
+        ("user_metadata", "".into()),
+        ("frames", frames(e)),
+        ("time_us", e.time_us.into()),
+    ])
 }
 
 fn annotation(e: &TraceEntry, device: usize) -> Value {

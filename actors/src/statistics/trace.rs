@@ -148,6 +148,8 @@ pub struct History {
     pub overwritten: u64,
     /// Entries lost on the way because the history actor was behind.
     pub lost: u64,
+    /// The clock of the entries' `time_us` when the history was read.
+    pub now_us: u64,
 }
 
 /// What an OOM observer is told when a request fails for want of pinned memory.

@@ -48,6 +48,7 @@ impl<R: Runtime> Engine<R> {
         let rx = self.recorder().read()?;
         let mut h = rx.recv_async().await.map_err(|_| Error::Shutdown)?;
         h.enabled = self.recorder().is_on();
+        h.now_us = self.recorder().now_us();
         Ok(h)
     }
 
