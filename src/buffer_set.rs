@@ -6,7 +6,8 @@
 //! the rest, wait for ever. `BufferSet::alloc` never waits while it holds memory: it takes
 //! every buffer or gives back what it took, and waits first come first served under the
 //! caps of every allocator it spans until all of them fit. The protocol and its liveness
-//! rule are in `actors/ARCHITECTURE.md` (requests for several buffers).
+//! rule are in `docs/limits-and-waiting.md` ("A request's buffers, together") and in the
+//! engine's `requests/engine/many.rs`.
 
 use std::time::Duration;
 
