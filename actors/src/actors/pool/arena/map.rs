@@ -304,6 +304,9 @@ impl<R: Runtime> PoolActor<R> {
     }
 }
 
+/// Source calls that map runs of granules, as (offset, bytes, unit).
+type MapCalls = Vec<(usize, usize, usize)>;
+
 impl<R: Runtime> Arena<R> {
     /// The source calls that map `need`, one per run of consecutive granules, which maps
     /// the run's units (up to `max_unit` bytes, see `map_calls`) in one go, as (offset,
@@ -314,7 +317,7 @@ impl<R: Runtime> Arena<R> {
         need: Vec<usize>,
         whole_from: usize,
         max_unit: usize,
-    ) -> (Vec<(usize, usize, usize)>, Vec<Vec<usize>>) {
+    ) -> (MapCalls, Vec<Vec<usize>>) {
         let runs = self.map_calls(&need, whole_from, max_unit);
         let g = self.granule();
         let groups: Vec<Vec<usize>> = if self.whole_runs() {
