@@ -237,118 +237,31 @@ impl DeviceConfig {
     }
 
     fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
-        let invalid = |expected: &'static str| ConfigError::InvalidValue {
-            key: key.to_owned(),
-            value: value.to_owned(),
-            expected,
-        };
+        let invalid = |expected: &'static str| invalid_value(key, value, expected);
         match key {
-            "max_split_size_mb" => {
-                const EXPECTED: &str = "`unlimited` or a whole number of MiB, at least 20";
-                self.max_split_size = if value == "unlimited" {
-                    None
-                } else {
-                    let mb: usize = value.parse().map_err(|_| invalid(EXPECTED))?;
-                    let bytes = mb.checked_mul(1 << 20).ok_or_else(|| invalid(EXPECTED))?;
-                    if mb < MIN_SPLIT_MIB {
-                        return Err(invalid(EXPECTED));
-                    }
-                    Some(bytes)
-                };
-            }
-            "roundup_power2_divisions" => match grammar::list_items(key, value) {
-                Some(items) => {
-                    self.roundup_power2_divisions_by_size =
-                        Some(divisions_by_size(&items?).ok_or_else(|| {
-                            invalid(
-                                "a list of `MiB:divisions` items (sizes and divisions powers \
-                                 of two, divisions at most 64; `>` for all larger sizes)",
-                            )
-                        })?);
-                }
-                None => {
-                    const EXPECTED: &str =
-                        "0, a power of two from 1 to 64, or a list such as [256:1,>:4]";
-                    let d: u32 = value.parse().map_err(|_| invalid(EXPECTED))?;
-                    if d > 64 || (d > 0 && !d.is_power_of_two()) {
-                        return Err(invalid(EXPECTED));
-                    }
-                    self.roundup_power2_divisions = d;
-                    self.roundup_power2_divisions_by_size = None;
-                }
-            },
+            "max_split_size_mb" => self.max_split_size = max_split_size(value).map_err(invalid)?,
+            "roundup_power2_divisions" => self.set_roundup_power2_divisions(key, value)?,
             "garbage_collection_threshold" => {
-                const EXPECTED: &str = "a number strictly between 0 and 1";
-                let t: f64 = value.parse().map_err(|_| invalid(EXPECTED))?;
-                if !(t > 0.0 && t < 1.0) {
-                    return Err(invalid(EXPECTED));
-                }
-                self.garbage_collection_threshold = Some(t);
+                self.garbage_collection_threshold = Some(gc_threshold(value).map_err(invalid)?)
             }
             "expandable_segments" => {
                 self.expandable_segments =
                     grammar::parse_bool(value).ok_or_else(|| invalid("a boolean"))?
             }
-            "thread_cache_mb" => {
-                const EXPECTED: &str = "a whole number of MiB";
-                let mb: usize = value.parse().map_err(|_| invalid(EXPECTED))?;
-                self.thread_cache = mb.checked_mul(1 << 20).ok_or_else(|| invalid(EXPECTED))?;
-            }
-            "reserve_cap" => {
-                const EXPECTED: &str = "`none`, or a number at least 1";
-                self.reserve_cap = if value == "none" {
-                    None
-                } else {
-                    let x: f64 = value.parse().map_err(|_| invalid(EXPECTED))?;
-                    if !valid_reserve_cap(x) {
-                        return Err(invalid(EXPECTED));
-                    }
-                    Some(x)
-                };
-            }
-            "linger_us" => {
-                const EXPECTED: &str = "a whole number of microseconds, at most 100000";
-                let us: u64 = value.parse().map_err(|_| invalid(EXPECTED))?;
-                let linger = Duration::from_micros(us);
-                if linger > MAX_LINGER {
-                    return Err(invalid(EXPECTED));
-                }
-                self.linger = linger;
-            }
+            "thread_cache_mb" => self.thread_cache = thread_cache(value).map_err(invalid)?,
+            "reserve_cap" => self.reserve_cap = reserve_cap(value).map_err(invalid)?,
+            "linger_us" => self.linger = linger(value).map_err(invalid)?,
             "per_process_memory_fraction" => {
-                const EXPECTED: &str = "a number in (0, 1]";
-                let f: f64 = value.parse().map_err(|_| invalid(EXPECTED))?;
-                if !(f > 0.0 && f <= 1.0) {
-                    return Err(invalid(EXPECTED));
-                }
-                self.memory_fraction = Some(f);
+                self.memory_fraction = Some(memory_fraction(value).map_err(invalid)?)
             }
-            "backend" => {
-                if value != "native" {
-                    return Err(invalid(
-                        "`native` (pinpool is the allocator: `cudaMallocAsync` would replace it)",
-                    ));
-                }
-            }
-            "release_lock_on_cudamalloc"
+            "backend"
+            | "release_lock_on_cudamalloc"
             | "graph_capture_record_stream_reuse"
             | "pinned_use_cuda_host_register"
             | "pinned_use_host_register"
-            | "pinned_use_background_threads" => {
-                grammar::parse_bool(value).ok_or_else(|| invalid("a boolean"))?;
-            }
-            "pinned_num_register_threads" => {
-                const EXPECTED: &str = "a power of two from 1 to 128";
-                let n: u32 = value.parse().map_err(|_| invalid(EXPECTED))?;
-                if !(n.is_power_of_two() && n <= 128) {
-                    return Err(invalid(EXPECTED));
-                }
-            }
-            "pinned_reserve_segment_size_mb" => {
-                value
-                    .parse::<usize>()
-                    .map_err(|_| invalid("a whole number of MiB"))?;
-            }
+            | "pinned_use_background_threads"
+            | "pinned_num_register_threads"
+            | "pinned_reserve_segment_size_mb" => check_only(key, value).map_err(invalid)?,
             "max_non_split_rounding_mb" => {
                 return Err(ConfigError::Unsupported {
                     key: key.to_owned(),
@@ -364,6 +277,138 @@ impl DeviceConfig {
             }
         }
         Ok(())
+    }
+
+    /// Sets `roundup_power2_divisions` (one number for every size) or, in the list form,
+    /// `roundup_power2_divisions_by_size`; one form set clears the other's table.
+    fn set_roundup_power2_divisions(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        match grammar::list_items(key, value) {
+            Some(items) => {
+                self.roundup_power2_divisions_by_size =
+                    Some(divisions_by_size(&items?).ok_or_else(|| {
+                        invalid_value(
+                            key,
+                            value,
+                            "a list of `MiB:divisions` items (sizes and divisions powers \
+                             of two, divisions at most 64; `>` for all larger sizes)",
+                        )
+                    })?);
+            }
+            None => {
+                const EXPECTED: &str =
+                    "0, a power of two from 1 to 64, or a list such as [256:1,>:4]";
+                let d: u32 = value
+                    .parse()
+                    .map_err(|_| invalid_value(key, value, EXPECTED))?;
+                if d > 64 || (d > 0 && !d.is_power_of_two()) {
+                    return Err(invalid_value(key, value, EXPECTED));
+                }
+                self.roundup_power2_divisions = d;
+                self.roundup_power2_divisions_by_size = None;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The error of a key whose value is not of the `expected` form.
+fn invalid_value(key: &str, value: &str, expected: &'static str) -> ConfigError {
+    ConfigError::InvalidValue {
+        key: key.to_owned(),
+        value: value.to_owned(),
+        expected,
+    }
+}
+
+// The keys' values, each parsed into the setting it stores; an error is the form expected.
+
+/// `max_split_size_mb`: `unlimited`, or whole MiB, at least the minimum.
+fn max_split_size(value: &str) -> Result<Option<usize>, &'static str> {
+    const EXPECTED: &str = "`unlimited` or a whole number of MiB, at least 20";
+    if value == "unlimited" {
+        return Ok(None);
+    }
+    let mb: usize = value.parse().map_err(|_| EXPECTED)?;
+    let bytes = mb.checked_mul(1 << 20).ok_or(EXPECTED)?;
+    if mb < MIN_SPLIT_MIB {
+        return Err(EXPECTED);
+    }
+    Ok(Some(bytes))
+}
+
+/// `garbage_collection_threshold`: strictly between 0 and 1.
+fn gc_threshold(value: &str) -> Result<f64, &'static str> {
+    const EXPECTED: &str = "a number strictly between 0 and 1";
+    let t: f64 = value.parse().map_err(|_| EXPECTED)?;
+    if !(t > 0.0 && t < 1.0) {
+        return Err(EXPECTED);
+    }
+    Ok(t)
+}
+
+/// `thread_cache_mb`: whole MiB, in bytes.
+fn thread_cache(value: &str) -> Result<usize, &'static str> {
+    const EXPECTED: &str = "a whole number of MiB";
+    let mb: usize = value.parse().map_err(|_| EXPECTED)?;
+    mb.checked_mul(1 << 20).ok_or(EXPECTED)
+}
+
+/// `reserve_cap`: `none`, or a finite number at least 1.
+fn reserve_cap(value: &str) -> Result<Option<f64>, &'static str> {
+    const EXPECTED: &str = "`none`, or a number at least 1";
+    if value == "none" {
+        return Ok(None);
+    }
+    let x: f64 = value.parse().map_err(|_| EXPECTED)?;
+    if !valid_reserve_cap(x) {
+        return Err(EXPECTED);
+    }
+    Ok(Some(x))
+}
+
+/// `linger_us`: whole microseconds, at most the longest linger.
+fn linger(value: &str) -> Result<Duration, &'static str> {
+    const EXPECTED: &str = "a whole number of microseconds, at most 100000";
+    let us: u64 = value.parse().map_err(|_| EXPECTED)?;
+    let linger = Duration::from_micros(us);
+    if linger > MAX_LINGER {
+        return Err(EXPECTED);
+    }
+    Ok(linger)
+}
+
+/// `per_process_memory_fraction`: in (0, 1].
+fn memory_fraction(value: &str) -> Result<f64, &'static str> {
+    const EXPECTED: &str = "a number in (0, 1]";
+    let f: f64 = value.parse().map_err(|_| EXPECTED)?;
+    if !(f > 0.0 && f <= 1.0) {
+        return Err(EXPECTED);
+    }
+    Ok(f)
+}
+
+/// The keys that are checked and have no effect (see [`DeviceConfig::KEYS`]): whether
+/// `value` is of the key's form.
+fn check_only(key: &str, value: &str) -> Result<(), &'static str> {
+    match key {
+        "backend" if value != "native" => {
+            Err("`native` (pinpool is the allocator: `cudaMallocAsync` would replace it)")
+        }
+        "backend" => Ok(()),
+        "pinned_num_register_threads" => {
+            const EXPECTED: &str = "a power of two from 1 to 128";
+            let n: u32 = value.parse().map_err(|_| EXPECTED)?;
+            if !(n.is_power_of_two() && n <= 128) {
+                return Err(EXPECTED);
+            }
+            Ok(())
+        }
+        "pinned_reserve_segment_size_mb" => value
+            .parse::<usize>()
+            .map(drop)
+            .map_err(|_| "a whole number of MiB"),
+        // The boolean keys.
+        _ => grammar::parse_bool(value).map(drop).ok_or("a boolean"),
     }
 }
 
@@ -492,248 +537,4 @@ fn list_form(table: &[u32; ROUNDUP_INTERVALS]) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn defaults_parse_from_an_empty_string_and_round_trip() {
-        let c = DeviceConfig::parse("").unwrap();
-        assert_eq!(c, DeviceConfig::default());
-        assert_eq!(DeviceConfig::parse(&c.to_string()).unwrap(), c);
-        let full = DeviceConfig::parse(
-            "max_split_size_mb:64,roundup_power2_divisions:8,garbage_collection_threshold:0.6,expandable_segments:false,thread_cache_mb:32,reserve_cap:1.25,linger_us:2000",
-        )
-        .unwrap();
-        assert_eq!(full.reserve_cap, Some(1.25));
-        assert_eq!(full.linger, Duration::from_millis(2));
-        let none = DeviceConfig::parse("reserve_cap:none").unwrap();
-        assert_eq!(none.reserve_cap, None);
-        assert_eq!(DeviceConfig::parse(&none.to_string()).unwrap(), none);
-        assert_eq!(full.max_split_size, Some(64 << 20));
-        assert_eq!(full.thread_cache, 32 << 20);
-        assert_eq!(full.garbage_collection_threshold, Some(0.6));
-        assert!(!full.expandable_segments);
-        assert_eq!(DeviceConfig::parse(&full.to_string()).unwrap(), full);
-    }
-
-    #[test]
-    fn a_configuration_made_with_the_builder_methods_prints_what_parses_back_to_it() {
-        let made = DeviceConfig::default()
-            .with_max_split_size(Some((25 << 20) + 1))
-            .with_roundup_power2_divisions(3)
-            .with_garbage_collection_threshold(Some(1.5))
-            .with_expandable_segments(false)
-            .with_linger(Duration::from_nanos(2_500));
-        assert_eq!(made.max_split_size, Some(26 << 20));
-        assert_eq!(made.linger, Duration::from_micros(3));
-        assert_eq!(
-            DeviceConfig::default()
-                .with_linger(Duration::from_secs(5))
-                .linger,
-            MAX_LINGER
-        );
-        assert_eq!(made.roundup_power2_divisions, 4);
-        assert_eq!(made.garbage_collection_threshold, None);
-        let printed = made.to_string();
-        assert_eq!(DeviceConfig::parse(&printed).unwrap(), made, "{printed}");
-        let small = DeviceConfig::default().with_max_split_size(Some(1 << 20));
-        assert_eq!(small.max_split_size, Some(20 << 20));
-        assert_eq!(DeviceConfig::parse(&small.to_string()).unwrap(), small);
-    }
-
-    #[test]
-    fn every_bad_value_is_an_invalid_value_naming_its_key() {
-        for (text, key) in [
-            ("max_split_size_mb:19", "max_split_size_mb"),
-            ("max_split_size_mb:-1", "max_split_size_mb"),
-            (
-                "max_split_size_mb:99999999999999999999",
-                "max_split_size_mb",
-            ),
-            ("roundup_power2_divisions:3", "roundup_power2_divisions"),
-            ("roundup_power2_divisions:128", "roundup_power2_divisions"),
-            (
-                "garbage_collection_threshold:1",
-                "garbage_collection_threshold",
-            ),
-            (
-                "garbage_collection_threshold:0",
-                "garbage_collection_threshold",
-            ),
-            (
-                "garbage_collection_threshold:NaN",
-                "garbage_collection_threshold",
-            ),
-            ("expandable_segments:perhaps", "expandable_segments"),
-            ("thread_cache_mb:-4", "thread_cache_mb"),
-            ("thread_cache_mb:1.5", "thread_cache_mb"),
-            ("thread_cache_mb:99999999999999999999", "thread_cache_mb"),
-            ("reserve_cap:0.9", "reserve_cap"),
-            ("reserve_cap:inf", "reserve_cap"),
-            ("reserve_cap:NaN", "reserve_cap"),
-            ("reserve_cap:off", "reserve_cap"),
-            ("linger_us:100001", "linger_us"),
-            ("linger_us:-5", "linger_us"),
-            ("linger_us:0.5", "linger_us"),
-        ] {
-            let err = DeviceConfig::parse(text).unwrap_err();
-            assert!(
-                matches!(&err, ConfigError::InvalidValue { key: k, .. } if k == key),
-                "{text}: {err:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn pytorchs_list_form_of_roundup_power2_divisions_sets_divisions_per_size() {
-        let c = DeviceConfig::parse("roundup_power2_divisions:[256:1,>:4]").unwrap();
-        let mut want = [0; ROUNDUP_INTERVALS];
-        want[8..].fill(4); // 1 division (none) below 256 MiB, 4 from there
-        assert_eq!(c.roundup_power2_divisions_by_size, Some(want));
-        let c = DeviceConfig::parse(
-            "roundup_power2_divisions: [ 64:2, 512:8 , >:16 ], expandable_segments:True",
-        )
-        .unwrap();
-        let mut want = [2; ROUNDUP_INTERVALS];
-        want[6..9].fill(8);
-        want[9..].fill(16);
-        assert_eq!(c.roundup_power2_divisions_by_size, Some(want));
-        assert!(
-            c.expandable_segments,
-            "the entry after the list is read too"
-        );
-        // Without `>` the larger sizes are not rounded.
-        let c = DeviceConfig::parse("roundup_power2_divisions:[1024:4]").unwrap();
-        let mut want = [0; ROUNDUP_INTERVALS];
-        want[..10].fill(4);
-        assert_eq!(c.roundup_power2_divisions_by_size, Some(want));
-        // Printed in the list form, which reads back to the same table.
-        for text in ["[256:1,>:4]", "[64:2,512:8,>:16]", "[1024:4]", "[>:8]"] {
-            let c = DeviceConfig::parse(&format!("roundup_power2_divisions:{text}")).unwrap();
-            assert_eq!(
-                DeviceConfig::parse(&c.to_string()).unwrap(),
-                c,
-                "{text}: {c}"
-            );
-        }
-        // The number form replaces a list given before it in a merge.
-        let c = c.merged("roundup_power2_divisions:2").unwrap();
-        assert_eq!(c.roundup_power2_divisions_by_size, None);
-        assert_eq!(c.roundup_power2_divisions, 2);
-    }
-
-    #[test]
-    fn bad_lists_and_brackets_are_typed_errors() {
-        for text in [
-            "roundup_power2_divisions:[256:3]",
-            "roundup_power2_divisions:[300:2]",
-            "roundup_power2_divisions:[256:128]",
-            "roundup_power2_divisions:[256]",
-            "roundup_power2_divisions:[:4]",
-            "roundup_power2_divisions:[256:x,>:4]",
-        ] {
-            let err = DeviceConfig::parse(text).unwrap_err();
-            assert!(
-                matches!(&err, ConfigError::InvalidValue { key, .. } if key == "roundup_power2_divisions"),
-                "{text}: {err:?}"
-            );
-        }
-        for text in [
-            "roundup_power2_divisions:[256:1,>:4",
-            "roundup_power2_divisions:256:1]",
-        ] {
-            assert!(
-                matches!(
-                    DeviceConfig::parse(text),
-                    Err(ConfigError::UnbalancedBrackets { .. })
-                ),
-                "{text}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_full_pytorch_alloc_conf_string_is_accepted() {
-        let c = DeviceConfig::parse(
-            "expandable_segments:True,max_split_size_mb:128,garbage_collection_threshold:0.8,\
-             roundup_power2_divisions:[256:1,512:2,>:4],backend:native,\
-             release_lock_on_cudamalloc:True,pinned_use_cuda_host_register:True,\
-             pinned_num_register_threads:8,pinned_use_background_threads:False,\
-             graph_capture_record_stream_reuse:True,pinned_reserve_segment_size_mb:64,\
-             per_process_memory_fraction:0.5",
-        )
-        .unwrap();
-        assert!(c.expandable_segments);
-        assert_eq!(c.max_split_size, Some(128 << 20));
-        assert_eq!(c.garbage_collection_threshold, Some(0.8));
-        assert_eq!(c.memory_fraction, Some(0.5));
-        assert!(c.roundup_power2_divisions_by_size.is_some());
-        assert_eq!(DeviceConfig::parse(&c.to_string()).unwrap(), c);
-        // PyTorch's keys that pinpool cannot honour, or values that would mean another
-        // allocator, are refused by name.
-        assert!(matches!(
-            DeviceConfig::parse("backend:cudaMallocAsync"),
-            Err(ConfigError::InvalidValue { key, .. }) if key == "backend"
-        ));
-        assert!(matches!(
-            DeviceConfig::parse("max_non_split_rounding_mb:40"),
-            Err(ConfigError::Unsupported { key, .. }) if key == "max_non_split_rounding_mb"
-        ));
-        for text in [
-            "per_process_memory_fraction:0",
-            "per_process_memory_fraction:1.5",
-            "pinned_num_register_threads:3",
-            "release_lock_on_cudamalloc:maybe",
-        ] {
-            assert!(
-                matches!(
-                    DeviceConfig::parse(text),
-                    Err(ConfigError::InvalidValue { .. })
-                ),
-                "{text}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_string_merged_over_a_configuration_sets_only_the_keys_it_names() {
-        let base = DeviceConfig::default()
-            .with_thread_cache(256 << 20)
-            .with_reserve_cap(Some(1.1));
-        let c = base.clone().merged("expandable_segments:false").unwrap();
-        assert_eq!(c.thread_cache, 256 << 20);
-        assert_eq!(c.reserve_cap, Some(1.1));
-        assert!(!c.expandable_segments);
-        let c = base.clone().merged("reserve_cap:none").unwrap();
-        assert_eq!((c.thread_cache, c.reserve_cap), (256 << 20, None));
-        assert_eq!(base.clone().merged("").unwrap(), base);
-        // A bad string sets nothing: the error is all there is.
-        assert!(base.merged("thread_cache_mb:8,linger_us:-1").is_err());
-    }
-
-    #[test]
-    fn an_unknown_key_names_every_valid_key() {
-        let err = DeviceConfig::parse("expandable_segment:true").unwrap_err();
-        let text = err.to_string();
-        assert!(text.contains("`expandable_segment`"), "{text}");
-        for key in DeviceConfig::KEYS {
-            assert!(text.contains(key), "{key} missing from: {text}");
-        }
-    }
-
-    #[test]
-    fn unknown_duplicate_and_malformed_entries_are_typed_errors() {
-        assert!(matches!(
-            DeviceConfig::parse("max_split_size:10"),
-            Err(ConfigError::UnknownKey { .. })
-        ));
-        assert!(matches!(
-            DeviceConfig::parse("expandable_segments:true,expandable_segments:true"),
-            Err(ConfigError::DuplicateKey { .. })
-        ));
-        assert!(matches!(
-            DeviceConfig::parse("expandable_segments"),
-            Err(ConfigError::MissingSeparator { .. })
-        ));
-    }
-}
+mod tests;

@@ -263,14 +263,7 @@ mod mapped {
             ))
         };
         let mut current = retain(first_granule).ok_or_else(missing)?;
-        // Back to the first granule of the handle's mapping.
-        let mut start = first_granule;
-        while let Some(before) = start.checked_sub(granule) {
-            match retain(before) {
-                Some(h) if h.0 == current.0 => start = before,
-                _ => break,
-            }
-        }
+        let mut start = mapping_start(&current, first_granule, granule);
         let offset = ptr - start;
         let mut handles = Vec::new();
         let mut fds: Vec<OwnedFd> = Vec::new();
@@ -283,33 +276,8 @@ mod mapped {
                     other => break other,
                 }
             };
-            let mut raw: c_int = -1;
-            // SAFETY: `raw` is valid for the write of one `int` (what the driver writes for
-            // a POSIX file descriptor); `current` is a live, retained handle.
-            let r = unsafe {
-                sys::cuMemExportToShareableHandle(
-                    &mut raw as *mut c_int as *mut c_void,
-                    current.0,
-                    FD,
-                    0,
-                )
-            };
-            if let Err(e) = r.result() {
-                return Err(not_exportable(format!(
-                    "the driver cannot export this memory as a file descriptor \
-                     (cuMemExportToShareableHandle: {}; the device or driver does not \
-                     support the handle type)",
-                    describe(e)
-                )));
-            }
-            if raw < 0 {
-                return Err(not_exportable(
-                    "the driver exported no file descriptor".into(),
-                ));
-            }
-            // SAFETY: the driver just opened this descriptor for this call; nothing else
-            // owns it.
-            fds.push(unsafe { OwnedFd::from_raw_fd(raw) });
+            let (fd, raw) = export_fd(&current)?;
+            fds.push(fd);
             handles.push(MappedHandle {
                 fd: raw,
                 size: next - start,
@@ -331,6 +299,51 @@ mod mapped {
             offset,
             keep_open: Box::new(fds),
         })
+    }
+
+    /// The first granule of the mapping `current` (retained at `granule_at`) belongs to:
+    /// back from `granule_at` while the granule before has the same handle.
+    fn mapping_start(current: &Retained, granule_at: u64, granule: u64) -> u64 {
+        let mut start = granule_at;
+        while let Some(before) = start.checked_sub(granule) {
+            match retain(before) {
+                Some(h) if h.0 == current.0 => start = before,
+                _ => break,
+            }
+        }
+        start
+    }
+
+    /// Exports the memory handle `current` as a file descriptor: the descriptor, owned, and
+    /// its number.
+    fn export_fd(current: &Retained) -> Result<(OwnedFd, c_int), Error> {
+        let mut raw: c_int = -1;
+        // SAFETY: `raw` is valid for the write of one `int` (what the driver writes for a
+        // POSIX file descriptor); `current` is a live, retained handle.
+        let r = unsafe {
+            sys::cuMemExportToShareableHandle(
+                &mut raw as *mut c_int as *mut c_void,
+                current.0,
+                FD,
+                0,
+            )
+        };
+        if let Err(e) = r.result() {
+            return Err(not_exportable(format!(
+                "the driver cannot export this memory as a file descriptor \
+                 (cuMemExportToShareableHandle: {}; the device or driver does not \
+                 support the handle type)",
+                describe(e)
+            )));
+        }
+        if raw < 0 {
+            return Err(not_exportable(
+                "the driver exported no file descriptor".into(),
+            ));
+        }
+        // SAFETY: the driver just opened this descriptor for this call; nothing else owns
+        // it.
+        Ok((unsafe { OwnedFd::from_raw_fd(raw) }, raw))
     }
 
     /// `errno` of the last failed call.
@@ -407,6 +420,42 @@ mod mapped {
             .map_err(|e| syscall_error("pidfd_open", pid, e))?;
         enter(ctx)?;
         // Import every handle first: each duplicated descriptor is closed once imported.
+        let (imported, total) = import_handles(&pidfd, pid, pieces)?;
+        drop(pidfd);
+        let range = vmm::reserve(total, granule as usize, crate::Origin::DeviceMapped)
+            .map_err(Error::Runtime)?;
+        let base = range.ptr.as_ptr() as usize as u64;
+        let mut mapping = Mapping {
+            base,
+            total,
+            mapped: Vec::with_capacity(imported.len()),
+            done: false,
+        };
+        map_imported(&mut mapping, &imported, pieces)?;
+        let desc = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: ctx.ordinal() as c_int,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole range is mapped just above; `desc` is valid for the call.
+        unsafe { sys::cuMemSetAccess(base, total, &desc, 1) }
+            .result()
+            .map_err(|e| driver("cuMemSetAccess", e))?;
+        // The mappings hold the memory now: the imported handles are released as they drop.
+        mapping.done = true;
+        Ok((base, total))
+    }
+
+    /// Imports each of `pieces` (descriptors of process `pid`, reached through `pidfd`) as a
+    /// memory handle; returns the handles and their bytes in all. Each duplicated
+    /// descriptor is closed once imported.
+    fn import_handles(
+        pidfd: &OwnedFd,
+        pid: u32,
+        pieces: &[MappedHandle],
+    ) -> Result<(Vec<Retained>, usize), Error> {
         let mut imported = Vec::with_capacity(pieces.len());
         let mut total = 0usize;
         for piece in pieces {
@@ -446,42 +495,29 @@ mod mapped {
             // The sizes fit a usize together (checked when the handle was read).
             total += piece.size as usize;
         }
-        drop(pidfd);
-        let range = vmm::reserve(total, granule as usize, crate::Origin::DeviceMapped)
-            .map_err(Error::Runtime)?;
-        let base = range.ptr.as_ptr() as usize as u64;
-        let mut mapping = Mapping {
-            base,
-            total,
-            mapped: Vec::with_capacity(imported.len()),
-            done: false,
-        };
-        let mut at = base;
+        Ok((imported, total))
+    }
+
+    /// Maps the `imported` handles of `pieces` one after another from the start of the
+    /// range of `mapping`, entering each mapping there (undone if a later step fails).
+    fn map_imported(
+        mapping: &mut Mapping,
+        imported: &[Retained],
+        pieces: &[MappedHandle],
+    ) -> Result<(), Error> {
+        let mut at = mapping.base;
         for (h, piece) in imported.iter().zip(pieces) {
             let size = piece.size as usize;
-            // SAFETY: `[at, at + size)` is unmapped space of the range reserved above (the
-            // pieces follow each other); `h` is a live imported handle of at least `size`
-            // bytes (the driver checks the size against the allocation's).
+            // SAFETY: `[at, at + size)` is unmapped space of the range reserved by
+            // `open_mapped` (the pieces follow each other); `h` is a live imported handle of
+            // at least `size` bytes (the driver checks the size against the allocation's).
             unsafe { sys::cuMemMap(at, size, 0, h.0, 0) }
                 .result()
                 .map_err(|e| driver("cuMemMap", e))?;
             mapping.mapped.push((at, size));
             at += piece.size;
         }
-        let desc = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: ctx.ordinal() as c_int,
-            },
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the whole range is mapped just above; `desc` is valid for the call.
-        unsafe { sys::cuMemSetAccess(base, total, &desc, 1) }
-            .result()
-            .map_err(|e| driver("cuMemSetAccess", e))?;
-        // The mappings hold the memory now: the imported handles are released as they drop.
-        mapping.done = true;
-        Ok((base, total))
+        Ok(())
     }
 
     /// Unmaps and gives back what `open_mapped` opened for `handle` at `base`, after the

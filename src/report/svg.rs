@@ -50,6 +50,26 @@ fn time_step(span_us: f64) -> f64 {
     10.0 * mag
 }
 
+/// The plot area's scales: time from `t0` to `t1` (microseconds) across, bytes from 0 to
+/// `y_max` up.
+struct Frame {
+    t0: f64,
+    t1: f64,
+    y_max: i64,
+}
+
+impl Frame {
+    /// The x coordinate of time `t`.
+    fn x(&self, t: u64) -> f64 {
+        LEFT + (t as f64 - self.t0) / (self.t1 - self.t0) * (WIDTH - LEFT - RIGHT)
+    }
+
+    /// The y coordinate of `v` bytes.
+    fn y(&self, v: i64) -> f64 {
+        HEIGHT - BOTTOM - v as f64 / self.y_max as f64 * (HEIGHT - TOP - BOTTOM)
+    }
+}
+
 pub(super) fn chart(
     out: &mut String,
     index: usize,
@@ -66,11 +86,23 @@ pub(super) fn chart(
         .unwrap_or(0)
         .max(1);
     let step = byte_step(max, 5);
-    let y_max = (max + step - 1) / step * step;
-    let (t0, t1) = (t_start as f64, t_end as f64);
-    let x = |t: u64| LEFT + (t as f64 - t0) / (t1 - t0) * (WIDTH - LEFT - RIGHT);
-    let y = |v: i64| HEIGHT - BOTTOM - v as f64 / y_max as f64 * (HEIGHT - TOP - BOTTOM);
+    let frame = Frame {
+        t0: t_start as f64,
+        t1: t_end as f64,
+        y_max: (max + step - 1) / step * step,
+    };
+    open_chart(out, index, s, &frame);
+    byte_grid(out, &frame, step);
+    time_grid(out, &frame);
+    marker_lines(out, &frame, markers);
+    curves(out, &frame, s, t_start, t_end);
+    out.push_str("</svg></div>\n");
+}
 
+/// The chart's container (with the points for the page's tooltip), the SVG element and the
+/// plot area's frame.
+fn open_chart(out: &mut String, index: usize, s: &PoolSeries, frame: &Frame) {
+    let (t0, t1) = (frame.t0, frame.t1);
     let points: Vec<String> = s
         .points
         .iter()
@@ -94,10 +126,13 @@ pub(super) fn chart(
         WIDTH - LEFT - RIGHT,
         HEIGHT - TOP - BOTTOM
     );
-    // Horizontal grid and byte labels.
+}
+
+/// Horizontal grid lines every `step` bytes, with their labels.
+fn byte_grid(out: &mut String, frame: &Frame, step: i64) {
     let mut v = 0;
-    while v <= y_max {
-        let yy = y(v);
+    while v <= frame.y_max {
+        let yy = frame.y(v);
         let _ = writeln!(
             out,
             "<line x1=\"{LEFT}\" y1=\"{yy:.1}\" x2=\"{}\" y2=\"{yy:.1}\" stroke=\"#e3e3e3\"/>\
@@ -109,7 +144,11 @@ pub(super) fn chart(
         );
         v += step;
     }
-    // Vertical grid and time labels (milliseconds).
+}
+
+/// Vertical grid lines with time labels (milliseconds), and the time axis' title.
+fn time_grid(out: &mut String, frame: &Frame) {
+    let (t0, t1) = (frame.t0, frame.t1);
     let ts = time_step(t1 - t0);
     let mut t = (t0 / ts).ceil() * ts;
     while t <= t1 {
@@ -130,7 +169,11 @@ pub(super) fn chart(
         LEFT + (WIDTH - LEFT - RIGHT) / 2.0,
         HEIGHT - 4.0
     );
-    // Markers.
+}
+
+/// A dashed vertical line and a label for each marker (out-of-memory, capture, snapshot,
+/// annotation).
+fn marker_lines(out: &mut String, frame: &Frame, markers: &[&TraceEntry]) {
     for m in markers {
         let (color, label) = match m.action {
             TraceAction::Oom => ("#d62728", "OOM".to_string()),
@@ -142,7 +185,7 @@ pub(super) fn chart(
                 m.name.as_deref().unwrap_or("annotation").to_string(),
             ),
         };
-        let xx = x(m.time_us);
+        let xx = frame.x(m.time_us);
         let _ = writeln!(
             out,
             "<line x1=\"{xx:.1}\" y1=\"{TOP}\" x2=\"{xx:.1}\" y2=\"{}\" stroke=\"{color}\" \
@@ -153,7 +196,12 @@ pub(super) fn chart(
             escape(&label)
         );
     }
-    // The curves: steps, drawn waiting first so that reserved stays on top.
+}
+
+/// The curves: steps, drawn waiting first so that reserved stays on top; bytes in use also
+/// as a shaded area under their curve.
+fn curves(out: &mut String, frame: &Frame, s: &PoolSeries, t_start: u64, t_end: u64) {
+    let (x, y) = (|t| frame.x(t), |v| frame.y(v));
     for (color, pick) in [
         (WAITING_COLOR, 3usize),
         (IN_USE_COLOR, 2usize),
@@ -183,7 +231,6 @@ pub(super) fn chart(
             let _ = write!(d, "{:.1},{py:.1}", x(t_end));
         }
         if pick == 2 && prev.is_some() {
-            // Bytes in use as a shaded area under their curve.
             let _ = writeln!(
                 out,
                 "<polygon fill=\"{color}\" fill-opacity=\"0.15\" stroke=\"none\" \
@@ -200,7 +247,6 @@ pub(super) fn chart(
              shape-rendering=\"crispEdges\" points=\"{d}\"/>"
         );
     }
-    out.push_str("</svg></div>\n");
 }
 
 fn trim_ms(ms: f64) -> String {

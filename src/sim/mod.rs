@@ -23,8 +23,9 @@
 //! # Ok(()) }
 //! ```
 
-// This module owns the runtime handle, its options and its counters; the parts live in one
-// module per concept: `memory` (zeroed, page-aligned heap allocations and atomic byte
+// This module owns the runtime handle and its counters; the parts live in one module per
+// concept: `builder` (the machine's shape), `host` (host memory and the runtime as a memory
+// source), `device_books` (each device's use and streams), `memory` (zeroed, page-aligned heap allocations and atomic byte
 // access), `ledger` (the actor that owns the registry of live allocations and the
 // violation log), `stream` and `worker` (streams and the thread that runs each one's
 // operations in order), `event` (events as marker operations), `graph` (stream capture and
@@ -33,13 +34,16 @@
 // locks are used: shared state is atomics, and the allocation registry has a single owner
 // thread.
 
+mod builder;
 mod device;
+mod device_books;
 mod device_memory;
 mod error;
 mod event;
 mod expandable;
 mod fault;
 mod graph;
+mod host;
 mod ledger;
 mod memory;
 mod rng;
@@ -55,21 +59,21 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
+use crate::actors::{Runtime, RuntimeError, StreamId};
 
-use crate::actors::{MemoryKind, MemorySource, Origin, Region, Runtime, RuntimeError, StreamId};
-
+pub use builder::{SimRuntimeBuilder, DEFAULT_DEVICE_CAPACITY};
 pub use device::SimDeviceBuffer;
+pub(crate) use device_books::DeviceState;
 pub(crate) use device_memory::SimDeviceMemory;
 pub use error::SimError;
 pub use event::SimEvent;
 pub use fault::{FaultPoint, Faults};
 pub use graph::SimGraph;
+pub(crate) use host::count_memory_call;
 pub use memory::HOST_ALIGN;
 pub use stream::{HoldGuard, SimStream};
 pub use violation::{Violation, ViolationKind};
 
-use expandable::GRANULE;
 use ledger::Ledger;
 use memory::{atomic_bytes, HostAllocation};
 
@@ -122,95 +126,6 @@ impl Shared {
     }
 }
 
-/// The books of one simulated device.
-pub(crate) struct DeviceState {
-    capacity: usize,
-    /// Bytes allocated or mapped.
-    used: AtomicUsize,
-    /// Allocations and map calls made, and given back.
-    allocs: AtomicU64,
-    frees: AtomicU64,
-    /// Map calls' memory moved to another place of its range (`MemorySource::remap_run`).
-    remaps: AtomicU64,
-    /// The queues and capture states of the device's streams, so that giving memory back can
-    /// wait for every stream of the device first, as `cuMemFree` does, and catch a capture
-    /// that this would invalidate (weak: streams end on their own).
-    streams: ArcSwap<Vec<DeviceStream>>,
-}
-
-/// A stream of a device, as its device's books see it.
-#[derive(Clone)]
-struct DeviceStream {
-    id: StreamId,
-    queue: flume::WeakSender<worker::Op>,
-    capture: std::sync::Weak<graph::CaptureState>,
-}
-
-impl DeviceState {
-    /// Notes a new stream of the device.
-    pub(crate) fn add_stream(
-        &self,
-        id: StreamId,
-        queue: flume::WeakSender<worker::Op>,
-        capture: &Arc<graph::CaptureState>,
-    ) {
-        let stream = DeviceStream {
-            id,
-            queue,
-            capture: Arc::downgrade(capture),
-        };
-        self.streams.rcu(|streams| {
-            let mut all = Vec::clone(streams);
-            all.push(stream.clone());
-            all
-        });
-    }
-
-    /// Invalidates the capture underway on every stream of the device that captures, as a
-    /// device-wide synchronisation does in CUDA; returns those streams.
-    pub(crate) fn invalidate_captures(&self) -> Vec<StreamId> {
-        self.streams
-            .load()
-            .iter()
-            .filter(|s| s.capture.upgrade().is_some_and(|c| c.invalidate_underway()))
-            .map(|s| s.id)
-            .collect()
-    }
-
-    /// Waits, up to `timeout` each, until every stream of the device has run the work
-    /// queued on it so far; returns the streams that did not get there in time.
-    pub(crate) fn synchronize(&self, timeout: Duration) -> Vec<StreamId> {
-        // Ended streams drop out of the list here.
-        self.streams.rcu(|streams| {
-            let mut live = Vec::clone(streams);
-            live.retain(|s| s.queue.upgrade().is_some());
-            live
-        });
-        let queues: Vec<_> = self
-            .streams
-            .load()
-            .iter()
-            .filter_map(|s| Some((s.id, s.queue.upgrade()?)))
-            .collect();
-        let waits: Vec<_> = queues
-            .into_iter()
-            .map(|(id, q)| {
-                let (reply, wait) = flume::bounded(1);
-                let _ = q.send(worker::Op::Signal(reply));
-                (id, wait)
-            })
-            .collect();
-        waits
-            .into_iter()
-            .filter(|(_, wait)| wait.recv_timeout(timeout) == Err(flume::RecvTimeoutError::Timeout))
-            .map(|(id, _)| id)
-            .collect()
-    }
-}
-
-/// The default capacity of a simulated device: 16 GiB.
-pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
-
 /// The simulated CUDA runtime. Cheap to clone: clones share memory, counters and faults.
 ///
 /// ```
@@ -244,100 +159,6 @@ pub const DEFAULT_DEVICE_CAPACITY: usize = 16 << 30;
 pub struct SimRuntime {
     shared: Arc<Shared>,
     _lifeline: Arc<flume::Sender<()>>,
-}
-
-/// The simulated machine's shape, fixed when it is built: its devices and what the driver
-/// offers; start from [`SimRuntime::builder`]. Timing and limits can change at any time:
-/// [`SimRuntime::set_host_alloc_latency`], [`SimRuntime::set_random_delays`],
-/// [`SimRuntime::set_memory_limit`].
-///
-/// ```
-/// use std::time::Duration;
-/// use pinpool::sim::SimRuntime;
-///
-/// let sim = SimRuntime::builder().devices(2).device_capacity(1 << 30).build();
-/// sim.set_host_alloc_latency(Duration::from_micros(50));
-/// sim.set_memory_limit(Some(1 << 30));
-/// sim.set_random_delays(7, Duration::from_micros(20));
-/// assert_eq!((sim.device_count(), sim.live_bytes()), (2, 0));
-/// ```
-#[derive(Debug, Clone, Default)]
-pub struct SimRuntimeBuilder {
-    no_expandable: bool,
-    devices: Option<usize>,
-    device_capacity: Option<usize>,
-    no_peer_access: bool,
-}
-
-impl SimRuntimeBuilder {
-    /// A runtime without expandable host memory (`host_granularity` returns `None`), like
-    /// a driver without the virtual memory calls: carving pools use separate segments.
-    pub fn without_expandable_memory(mut self) -> Self {
-        self.no_expandable = true;
-        self
-    }
-
-    /// How many simulated devices there are (default 1, at most 64).
-    pub fn devices(mut self, count: usize) -> Self {
-        self.devices = Some(count.clamp(1, 64));
-        self
-    }
-
-    /// The memory of each simulated device (default 16 GiB): device allocations and
-    /// mappings past it fail as out of memory, as the driver's do.
-    pub fn device_capacity(mut self, bytes: usize) -> Self {
-        self.device_capacity = Some(bytes);
-        self
-    }
-
-    /// Devices that cannot access each other's memory, as GPUs without a peer-to-peer
-    /// path: enabling peer access between two of them fails (copies between them still
-    /// work, staged by the driver).
-    pub fn without_peer_access(mut self) -> Self {
-        self.no_peer_access = true;
-        self
-    }
-
-    /// Builds the runtime (starts its ledger thread).
-    pub fn build(self) -> SimRuntime {
-        let (lifeline_tx, lifeline_rx) = flume::bounded(1);
-        SimRuntime {
-            shared: Arc::new(Shared {
-                ledger: Ledger::spawn(),
-                faults: Faults::default(),
-                live_allocations: AtomicU64::new(0),
-                live_bytes: AtomicUsize::new(0),
-                total_host_allocs: AtomicU64::new(0),
-                total_host_frees: AtomicU64::new(0),
-                host_remaps: AtomicU64::new(0),
-                stream_waits: AtomicU64::new(0),
-                events_recorded: AtomicU64::new(0),
-                events_released: AtomicU64::new(0),
-                violations: AtomicU64::new(0),
-                host_alloc_latency_ns: AtomicU64::new(0),
-                random_delay_seed: AtomicU64::new(0),
-                random_delay_max_ns: AtomicU64::new(0),
-                memory_limit: AtomicUsize::new(usize::MAX),
-                // Under miri a reserved range is materialised and tracked byte by byte: the
-                // default policy's 64 GiB range could not be, so pools there use separate
-                // segments.
-                expandable: !self.no_expandable && cfg!(unix) && !cfg!(miri),
-                devices: (0..self.devices.unwrap_or(1))
-                    .map(|_| DeviceState {
-                        capacity: self.device_capacity.unwrap_or(DEFAULT_DEVICE_CAPACITY),
-                        used: AtomicUsize::new(0),
-                        allocs: AtomicU64::new(0),
-                        frees: AtomicU64::new(0),
-                        remaps: AtomicU64::new(0),
-                        streams: ArcSwap::from_pointee(Vec::new()),
-                    })
-                    .collect(),
-                peer_access: !self.no_peer_access,
-                lifeline: lifeline_rx,
-            }),
-            _lifeline: Arc::new(lifeline_tx),
-        }
-    }
 }
 
 fn nanos(d: Duration) -> u64 {
@@ -519,7 +340,7 @@ impl SimRuntime {
     /// How many times this thread took memory (an allocation or a map) from a simulated
     /// memory source, host or device: tells on which threads the pools call their sources.
     pub fn memory_calls_on_this_thread() -> u64 {
-        MEMORY_CALLS.with(|c| c.get())
+        host::MEMORY_CALLS.with(|c| c.get())
     }
 
     /// Events created by `record_event` so far (captured ones included).
@@ -597,188 +418,6 @@ impl SimRuntime {
             })
             .map(drop)
             .map_err(|_| SimError::OutOfMemory { size })
-    }
-}
-
-/// Host memory: what the simulated runtime's calls operate on.
-impl SimRuntime {
-    /// Gets `size` bytes of simulated pinned memory (zeroed, page-aligned), counted as live
-    /// until `host_free`. Fails as out of memory past the runtime's memory limit.
-    pub fn host_alloc(&self, size: usize) -> Result<Region, RuntimeError> {
-        const OP: &str = "host_alloc";
-        self.shared.faults.check(FaultPoint::HostAlloc)?;
-        if size == 0 {
-            return Err(SimError::ZeroSize { op: OP }.into_runtime(OP));
-        }
-        let latency = self.shared.host_alloc_latency_ns.load(Ordering::Relaxed);
-        if latency > 0 {
-            std::thread::sleep(Duration::from_nanos(latency));
-        }
-        let oom = |e: SimError| RuntimeError::out_of_memory(OP, e.to_string());
-        self.reserve_bytes(size).map_err(oom)?;
-        let alloc = match HostAllocation::new(size) {
-            Ok(a) => Arc::new(a),
-            Err(e) => {
-                self.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
-                return Err(oom(e));
-            }
-        };
-        let ptr = alloc.ptr();
-        if let Err(e) = self.shared.ledger.register(alloc) {
-            self.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
-            return Err(e.into_runtime(OP));
-        }
-        self.shared.live_allocations.fetch_add(1, Ordering::SeqCst);
-        self.shared.total_host_allocs.fetch_add(1, Ordering::SeqCst);
-        Ok(Region {
-            ptr,
-            size,
-            method: Origin::Simulated,
-        })
-    }
-
-    /// Gives back memory from `host_alloc`; a free of memory it never gave out, or still
-    /// used by queued work, is recorded as a violation.
-    pub fn host_free(&self, memory: Region) -> Result<(), RuntimeError> {
-        const OP: &str = "host_free";
-        self.shared.faults.check(FaultPoint::HostFree)?;
-        let (addr, size) = (memory.ptr.as_ptr() as usize, memory.size);
-        let found = if memory.method == Origin::Simulated {
-            self.shared
-                .ledger
-                .remove(addr, size)
-                .map_err(|e| e.into_runtime(OP))?
-        } else {
-            None
-        };
-        let Some(alloc) = found else {
-            let e = SimError::InvalidFree { addr, size };
-            self.shared.report(
-                ViolationKind::InvalidFree,
-                None,
-                format!("{e} (method {})", memory.method),
-            );
-            return Err(e.into_runtime(OP));
-        };
-        self.shared.live_allocations.fetch_sub(1, Ordering::SeqCst);
-        self.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
-        self.shared.total_host_frees.fetch_add(1, Ordering::SeqCst);
-        // Queued operations and live graphs hold the other references; the memory itself
-        // is released when the last of them is dropped.
-        let users = Arc::strong_count(&alloc) - 1;
-        if users > 0 {
-            self.shared.report(
-                ViolationKind::FreedWhileInUse,
-                None,
-                format!(
-                    "{size} bytes at {addr:#x} freed while {users} queued operation(s) or graph(s) still use them"
-                ),
-            );
-        }
-        Ok(())
-    }
-
-    /// The granule of expandable host memory (2 MiB), unless the runtime was built without it.
-    pub fn host_granularity(&self) -> Option<usize> {
-        self.shared.expandable.then_some(GRANULE)
-    }
-
-    /// Reserves an address range for expandable host memory.
-    pub(crate) fn host_reserve(&self, size: usize) -> Result<Region, RuntimeError> {
-        expandable::reserve(self, size)
-    }
-
-    /// Maps granules of a reserved range.
-    pub(crate) fn host_map(
-        &self,
-        range: &Region,
-        offset: usize,
-        size: usize,
-    ) -> Result<(), RuntimeError> {
-        expandable::map(self, range, offset, size, true)
-    }
-
-    /// Unmaps granules of a reserved range.
-    pub(crate) fn host_unmap(
-        &self,
-        range: &Region,
-        offset: usize,
-        size: usize,
-    ) -> Result<(), RuntimeError> {
-        expandable::map(self, range, offset, size, false)
-    }
-
-    /// Moves the memory of the granule mapped at `from` of a reserved range to the unmapped
-    /// granule at `to` (see `MemorySource::remap`).
-    pub(crate) fn host_remap(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-    ) -> Result<(), RuntimeError> {
-        expandable::remap(self, range, from, to)
-    }
-
-    /// Gives back a reserved range, none of it mapped.
-    pub(crate) fn host_unreserve(&self, range: Region) -> Result<(), RuntimeError> {
-        expandable::unreserve(self, range)
-    }
-}
-
-thread_local! {
-    /// Memory taken on this thread through a simulated memory source (allocations and maps).
-    static MEMORY_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// Counts a call that takes memory (an allocation or a map), on the calling thread.
-pub(crate) fn count_memory_call() {
-    MEMORY_CALLS.with(|c| c.set(c.get() + 1));
-}
-
-// The allocators\' side of the runtime: hidden from the runtime\'s page, whose users call the
-// runtime\'s own methods.
-#[doc(hidden)]
-impl MemorySource for SimRuntime {
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pinned
-    }
-
-    fn alloc(&self, size: usize) -> Result<Region, RuntimeError> {
-        count_memory_call();
-        self.host_alloc(size)
-    }
-
-    fn free(&self, region: Region) -> Result<(), RuntimeError> {
-        self.host_free(region)
-    }
-
-    fn granularity(&self) -> Option<usize> {
-        self.host_granularity()
-    }
-
-    fn reserve(&self, size: usize) -> Result<Region, RuntimeError> {
-        self.host_reserve(size)
-    }
-
-    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        count_memory_call();
-        self.host_map(range, offset, size)
-    }
-
-    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        self.host_unmap(range, offset, size)
-    }
-
-    fn remaps(&self) -> bool {
-        self.host_granularity().is_some()
-    }
-
-    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
-        self.host_remap(range, from, to)
-    }
-
-    fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {
-        self.host_unreserve(range)
     }
 }
 

@@ -1,6 +1,7 @@
 //! Tests of the runtime as the engine sees it: host memory, counters, faults, violations.
 
 use super::*;
+use crate::actors::{Origin, Region};
 use std::time::Instant;
 
 #[test]

@@ -19,11 +19,12 @@
 use std::ptr;
 use std::sync::atomic::Ordering;
 
-use flume::{Receiver, Sender};
-
 use crate::vocab::loom::{AtomicPtr, AtomicU64, AtomicUsize};
 use crate::vocab::policy::SizeClass;
 use crate::vocab::shard::{CachePadded, ThreadSlot};
+use shard::Shard;
+
+mod shard;
 
 /// What the ready queues need to know of what they hold.
 pub(crate) trait Slotted: Send + 'static {
@@ -33,89 +34,9 @@ pub(crate) trait Slotted: Send + 'static {
     fn size(&self) -> usize;
 }
 
-struct Queue<B> {
-    tx: Sender<Box<B>>,
-    rx: Receiver<Box<B>>,
-}
-
 /// Slots on cache lines of their own (16 pointers: 128 bytes).
 const SLOTS_PER_LINE: usize = 16;
 type SlotLine<B> = CachePadded<[AtomicPtr<B>; SLOTS_PER_LINE]>;
-
-/// One shard's overflow queues.
-struct Shard<B> {
-    queues: Box<[Queue<B>]>,
-    /// One bit per class whose queue may hold a block: set after every send, cleared by a
-    /// drain before it empties the queue, or by a look of the shard's own thread that finds
-    /// it empty, before it looks again (see `take_or_unmark`). A queue that holds a block
-    /// always has its bit set once the send returns (a bit may be set over an empty queue),
-    /// so a drain or a steal looks only at queues whose bit is set instead of at every class
-    /// of every shard.
-    queued: Box<[AtomicU64]>,
-}
-
-impl<B> Shard<B> {
-    /// Whether the queue of `class` may hold a block.
-    #[inline]
-    fn may_hold(&self, class: usize) -> bool {
-        self.queued[class / 64].load(Ordering::Acquire) & (1 << (class % 64)) != 0
-    }
-
-    /// The smallest class in `from..=to` whose queue may hold a block.
-    fn first_marked(&self, from: usize, to: usize) -> Option<usize> {
-        let mut c = from;
-        while c <= to {
-            let (w, bit) = (c / 64, c % 64);
-            let bits = self.queued.get(w)?.load(Ordering::Acquire) >> bit;
-            if bits != 0 {
-                let found = c + bits.trailing_zeros() as usize;
-                return (found <= to).then_some(found);
-            }
-            c = (w + 1) * 64;
-        }
-        None
-    }
-
-    /// A block from the queue of `class`. A queue found empty loses its bit, and is looked
-    /// at once more: a send that came between the two looks set the bit before it was
-    /// cleared, and its block is taken now; a send after them sets the bit again. So a
-    /// queue that holds a block keeps its bit set, and a bit left set over an emptied queue
-    /// (a take leaves it) costs the next look one lock, not every look until a drain.
-    fn take_or_unmark(&self, class: usize) -> Option<Box<B>> {
-        let q = &self.queues[class].rx;
-        if let Ok(b) = q.try_recv() {
-            return Some(b);
-        }
-        self.queued[class / 64].fetch_and(!(1 << (class % 64)), Ordering::AcqRel);
-        let b = q.try_recv().ok()?;
-        // It may hold more.
-        self.mark(class);
-        Some(b)
-    }
-
-    /// The queue of `class` (of this shard) holds a block.
-    fn mark(&self, class: usize) {
-        self.queued[class / 64].fetch_or(1 << (class % 64), Ordering::Release);
-    }
-
-    /// Takes every block out of the queues whose bit is set, clearing the bits first.
-    fn drain_into(&self, out: &mut Vec<Box<B>>) {
-        for (w, word) in self.queued.iter().enumerate() {
-            if word.load(Ordering::Relaxed) == 0 {
-                continue;
-            }
-            let mut bits = word.swap(0, Ordering::Acquire);
-            while bits != 0 {
-                let class = w * 64 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                // One block at a time: `drain` would hand over the queue's buffer, and the
-                // next frees into it would grow a new one (about 5 % of the mixed sizes
-                // loop on a 16-core host went to that growth).
-                out.extend(self.queues[class].rx.try_iter());
-            }
-        }
-    }
-}
 
 /// The ready blocks of one pool.
 pub(crate) struct ReadyQueues<B> {
@@ -163,19 +84,7 @@ impl<B: Slotted> ReadyQueues<B> {
         let slots = (0..shards * lines_per_shard)
             .map(|_| empty_line())
             .collect();
-        let shards: Box<[_]> = (0..shards)
-            .map(|_| Shard {
-                queues: (0..classes)
-                    .map(|_| {
-                        let (tx, rx) = flume::unbounded();
-                        Queue { tx, rx }
-                    })
-                    .collect(),
-                queued: (0..classes.div_ceil(64))
-                    .map(|_| AtomicU64::new(0))
-                    .collect(),
-            })
-            .collect();
+        let shards: Box<[_]> = (0..shards).map(|_| Shard::new(classes)).collect();
         let mask = shards.len() - 1;
         let stocked = (0..shards.len().div_ceil(64))
             .map(|_| CachePadded(AtomicU64::new(0)))
@@ -625,256 +534,7 @@ impl<B> Drop for ReadyQueues<B> {
 }
 
 #[cfg(all(test, not(pinpool_loom)))]
-mod tests {
-    use super::*;
-    use std::sync::Arc;
+mod tests;
 
-    struct Item(usize, usize);
-
-    impl Slotted for Item {
-        fn class(&self) -> usize {
-            self.0
-        }
-        fn size(&self) -> usize {
-            self.1
-        }
-    }
-
-    fn class(index: usize) -> SizeClass {
-        SizeClass {
-            index,
-            size: 1024 << index,
-        }
-    }
-
-    fn put_on_a_thread_of_its_own(q: &Arc<ReadyQueues<Item>>, items: Vec<Item>) {
-        let q = q.clone();
-        std::thread::spawn(move || {
-            for it in items {
-                q.put(Box::new(it));
-            }
-        })
-        .join()
-        .unwrap();
-    }
-
-    #[test]
-    fn a_steal_looks_only_at_the_shards_that_held_its_class() {
-        let q = Arc::new(ReadyQueues::new(4, 8));
-        let me = q.my_shard();
-        put_on_a_thread_of_its_own(&q, vec![Item(1, 2048), Item(2, 4096)]);
-        let holders = |c: usize| q.holders[c].load(Ordering::Relaxed) & !(1 << me);
-        let theirs = holders(1);
-        assert_eq!(
-            theirs.count_ones(),
-            1,
-            "the putting thread's shard held class 1"
-        );
-        assert_eq!(holders(2), theirs);
-        assert_eq!(holders(3), 0, "nobody put class 3");
-        assert_eq!(q.steal(me, class(1)).map(|b| b.size()), Some(2048));
-        assert!(q.steal(me, class(1)).is_none());
-        assert_eq!(holders(1), theirs, "marks are never cleared");
-        assert_eq!(q.steal(me, class(2)).map(|b| b.size()), Some(4096));
-        // Without its mark a block is not stolen, but a drain still finds it.
-        put_on_a_thread_of_its_own(&q, vec![Item(3, 8192)]);
-        q.holders[3].store(0, Ordering::Relaxed);
-        assert!(q.steal(me, class(3)).is_none());
-        assert_eq!(q.drain().len(), 1);
-    }
-
-    #[test]
-    fn a_steal_visits_every_other_stocked_shard_once_from_the_next_one_round() {
-        for shards in [1, 8, 64, 128] {
-            let q: ReadyQueues<Item> = ReadyQueues::new(4, shards);
-            let stocked: Vec<usize> = [0, 1, 3, 6, 63, 64, 100, 127]
-                .into_iter()
-                .filter(|&s| s < shards)
-                .collect();
-            for &s in &stocked {
-                q.stock(s);
-            }
-            for me in 0..shards {
-                let want: Vec<usize> = (1..shards)
-                    .map(|i| (me + i) % shards)
-                    .filter(|s| stocked.contains(s))
-                    .collect();
-                assert_eq!(
-                    q.others(me).collect::<Vec<_>>(),
-                    want,
-                    "{shards} shards, me {me}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn a_queue_found_empty_loses_its_mark_and_the_next_block_queued_marks_it_again() {
-        let q = ReadyQueues::new(4, 8);
-        let me = q.my_shard();
-        q.put_queue(me, Box::new(Item(2, 4096)));
-        assert!(q.shards[me].may_hold(2));
-        assert_eq!(q.take_mine(class(2)).map(|b| b.size()), Some(4096));
-        assert!(q.shards[me].may_hold(2), "a take leaves the mark");
-        assert!(q.take_mine(class(2)).is_none());
-        assert!(!q.shards[me].may_hold(2), "an empty look clears it");
-        q.put_queue(me, Box::new(Item(2, 4096)));
-        assert!(q.shards[me].may_hold(2));
-        let mut drained = Vec::new();
-        q.drain_mine(&mut drained);
-        assert_eq!(drained.len(), 1, "a drain finds it by its mark");
-    }
-
-    #[test]
-    fn blocks_freed_by_threads_that_have_exited_are_found_by_steals_and_drains() {
-        let q = Arc::new(ReadyQueues::new(4, 8));
-        // Nothing held anywhere: nothing found, whichever shard is asked.
-        assert!(q.take(class(1)).is_none());
-        assert!(q.take_larger(0, 3).is_none());
-        assert!(q.drain().is_empty());
-        // One block of class 1 from another thread: this thread's request finds it.
-        put_on_a_thread_of_its_own(&q, vec![Item(1, 2048)]);
-        assert_eq!(q.take(class(1)).map(|b| b.size()), Some(2048));
-        // A larger block from another thread serves a split.
-        put_on_a_thread_of_its_own(&q, vec![Item(3, 8192)]);
-        assert_eq!(q.take_larger(1, 3).map(|b| b.class()), Some(3));
-        // Two of one class (a slot and a queue) and one of another: the drain takes all.
-        put_on_a_thread_of_its_own(&q, vec![Item(2, 4096), Item(2, 4096), Item(0, 1024)]);
-        let mut drained: Vec<usize> = q.drain().iter().map(|b| b.class()).collect();
-        drained.sort_unstable();
-        assert_eq!(drained, vec![0, 2, 2]);
-        assert!(q.drain().is_empty());
-    }
-}
-
-/// Models of the slot protocol under loom (`scripts/loom.sh`): threads stand at explicit
-/// shards, as `ThreadSlot::current` would place them.
 #[cfg(all(test, pinpool_loom))]
-mod loom_models {
-    use super::*;
-    use loom::thread;
-    use std::sync::Arc;
-
-    struct Item {
-        class: usize,
-        size: usize,
-        id: usize,
-    }
-
-    impl Slotted for Item {
-        fn class(&self) -> usize {
-            self.class
-        }
-        fn size(&self) -> usize {
-            self.size
-        }
-    }
-
-    const CLASS: SizeClass = SizeClass {
-        index: 1,
-        size: 1024,
-    };
-
-    fn item(id: usize) -> Box<Item> {
-        Box::new(Item {
-            class: CLASS.index,
-            size: CLASS.size,
-            id,
-        })
-    }
-
-    fn owner(shard: usize) -> ThreadSlot {
-        ThreadSlot { shard, owns: true }
-    }
-
-    /// Every item put is taken exactly once, by a thread or by the final drain.
-    fn assert_each_once(mut seen: Vec<usize>, left: Vec<Box<Item>>, n: usize) {
-        seen.extend(left.into_iter().map(|b| b.id));
-        seen.sort_unstable();
-        assert_eq!(
-            seen,
-            (0..n).collect::<Vec<_>>(),
-            "an item lost or handed out twice"
-        );
-    }
-
-    #[test]
-    fn a_block_freed_into_a_slot_is_taken_once_by_its_owner_or_a_stealing_thread() {
-        loom::model(|| {
-            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
-            q.put_as(owner(0), item(0));
-            let q1 = q.clone();
-            let stealer = thread::spawn(move || q1.steal(1, CLASS).map(|b| b.id));
-            let mine = q.take_at(0, CLASS).map(|b| b.id);
-            let stolen = stealer.join().unwrap();
-            let seen: Vec<usize> = mine.into_iter().chain(stolen).collect();
-            assert_each_once(seen, q.drain(), 1);
-        });
-    }
-
-    #[test]
-    fn frees_and_takes_racing_on_two_shards_lose_nothing_and_share_nothing() {
-        loom::model(|| {
-            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
-            let handles: Vec<_> = (0..2)
-                .map(|t| {
-                    let q = q.clone();
-                    thread::spawn(move || {
-                        // Two frees on this thread's shard: one fills the slot, one overflows.
-                        q.put_as(owner(t), item(2 * t));
-                        q.put_as(owner(t), item(2 * t + 1));
-                        // A request: this shard, then the other's.
-                        q.take_at(t, CLASS)
-                            .or_else(|| q.steal(t, CLASS))
-                            .map(|b| b.id)
-                    })
-                })
-                .collect();
-            let seen: Vec<usize> = handles
-                .into_iter()
-                .filter_map(|h| h.join().unwrap())
-                .collect();
-            assert_each_once(seen, q.drain(), 4);
-        });
-    }
-
-    #[test]
-    fn a_block_queued_while_its_queue_is_found_empty_is_taken_or_left_marked() {
-        loom::model(|| {
-            let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
-            // A block queued and taken: its queue's mark stays over the empty queue.
-            q.put_queue(0, item(0));
-            let first = q.take_queued(0, CLASS).map(|b| b.id);
-            assert_eq!(first, Some(0));
-            // The next look finds the queue empty and clears the mark, while another thread
-            // queues a block: the look takes it, or the mark stays for the drain to find it.
-            let q1 = q.clone();
-            let putter = thread::spawn(move || q1.put_queue(0, item(1)));
-            let taken = q.take_queued(0, CLASS).map(|b| b.id);
-            putter.join().unwrap();
-            assert_each_once(first.into_iter().chain(taken).collect(), q.drain(), 2);
-        });
-    }
-
-    #[test]
-    fn a_thread_that_does_not_own_its_shard_never_overwrites_the_owners_slot() {
-        loom::model(|| {
-            let q = Arc::new(ReadyQueues::<Item>::new(4, 1));
-            let q1 = q.clone();
-            // Two threads on one shard (more threads than shards): only one owns it.
-            let other = thread::spawn(move || {
-                q1.put_as(
-                    ThreadSlot {
-                        shard: 0,
-                        owns: false,
-                    },
-                    item(1),
-                )
-            });
-            q.put_as(owner(0), item(0));
-            other.join().unwrap();
-            let taken = q.take_at(0, CLASS).map(|b| b.id);
-            assert_each_once(taken.into_iter().collect(), q.drain(), 2);
-        });
-    }
-}
+mod loom_models;

@@ -176,6 +176,26 @@ impl<R: Runtime> Drop for PoolActor<R> {
         self.shared
             .divert
             .fetch_or(DIVERT_CLOSING, Ordering::SeqCst);
+        for b in self.take_homeless() {
+            if let Err(mut b) = self.shared.free_block_now(b) {
+                b.freed = true;
+            }
+        }
+        for s in self.refused.drain(..) {
+            s.leak();
+        }
+        self.end_moves_now();
+        self.leak_kept();
+    }
+}
+
+/// The teardown of a pool actor dropped with its tokio runtime.
+impl<R: Runtime> PoolActor<R> {
+    /// Every block of the pool that can be freed now: the ready ones, those sent home or
+    /// still in the mailbox (which is closed), and parked ones whose events completed.
+    /// Blocks that work may still use (kept, waiting, or a restore's blocks used by
+    /// streams) go to `kept` instead.
+    fn take_homeless(&mut self) -> Vec<Box<Block<R>>> {
         // Blocks already in the mailbox would keep the pool (and the mailbox) alive forever.
         let mut homeless = self.shared.ready.drain();
         homeless.extend(self.shared.homed());
@@ -213,15 +233,11 @@ impl<R: Runtime> Drop for PoolActor<R> {
                 self.kept.push(b);
             }
         }
-        for b in homeless {
-            if let Err(mut b) = self.shared.free_block_now(b) {
-                b.freed = true;
-            }
-        }
-        for s in self.refused.drain(..) {
-            s.leak();
-        }
-        // Moves not ended: their old places are unmapped here, after the device's work.
+        homeless
+    }
+
+    /// Moves not ended: their old places are unmapped here, after the device's work.
+    fn end_moves_now(&mut self) {
         if let Some(a) = self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
             let rt = self.shared.runtime.clone();
             for (places, e) in a.take_left(|_| true) {
@@ -234,12 +250,16 @@ impl<R: Runtime> Drop for PoolActor<R> {
                 }
             }
         }
+    }
+
+    /// Leaks the kept blocks and their segments: kept for graph replays (or refused by the
+    /// runtime), they are never safe to reuse, and nobody is left to say when it is safe to
+    /// free them.
+    fn leak_kept(&mut self) {
         for mut b in self.kept.drain(..) {
             if let Some(s) = &b.segment {
                 s.leak();
             }
-            // Kept for graph replays (or refused by the runtime): never safe to reuse, and
-            // nobody is left to say when it is safe to free.
             tracing::warn!(
                 bytes = b.memory.size,
                 "pool torn down with its runtime; kept block leaked"

@@ -99,29 +99,8 @@ impl<R: Runtime> PoolActor<R> {
         target: StreamId,
     ) -> Result<Vec<Piece>, Error> {
         let rt = self.shared.runtime.clone();
-        let mut events = Vec::new();
         let _ = target; // its queued work is waited for like any other stream's
-        for (b, _) in free {
-            for (_, s) in &b.streams {
-                let recorded = rt.is_capturing(s).and_then(|capturing| {
-                    if capturing {
-                        Err(RuntimeError::new(
-                            "set_checkpoint_pool_state",
-                            "a stream that used a block to free is being captured",
-                        ))
-                    } else {
-                        rt.record_event(s)
-                    }
-                });
-                match recorded {
-                    Ok(e) => events.push(e),
-                    Err(e) => {
-                        events.drain(..).for_each(|e| rt.release_event(e));
-                        return Err(e.into());
-                    }
-                }
-            }
-        }
+        let mut events = record_free_events(&*rt, free)?;
         let freeing: HashSet<usize> = free.iter().map(|(b, _)| b.memory.addr()).collect();
         let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
         loop {
@@ -156,6 +135,12 @@ impl<R: Runtime> PoolActor<R> {
             self.flush_events().await;
             tokio::time::sleep(SETTLE_POLL).await;
         }
+        self.map_wanted(want).await
+    }
+
+    /// Maps the unmapped granules of the wanted ranges that lie in the arena; returns the
+    /// placeholder pieces that hold them. On a failure every piece goes back.
+    async fn map_wanted(&mut self, want: &[(usize, usize)]) -> Result<Vec<Piece>, Error> {
         let mut held = Vec::new();
         for &(addr, size) in want {
             let runs = match self.carved.as_mut().and_then(|s| s.arena.as_mut()) {
@@ -303,4 +288,33 @@ pub(super) fn drop_as_leases<R: Runtime>(lent: Vec<Box<Block<R>>>) {
         let size = b.size;
         drop(Lease::new(b, size, false, 0));
     }
+}
+
+/// Records an event on every stream that used a block to free, after the work queued there
+/// so far; none if a stream is being captured (the restore then fails, and every event
+/// recorded goes back).
+fn record_free_events<R: Runtime>(rt: &R, free: &Freed<R>) -> Result<Vec<R::Event>, Error> {
+    let mut events = Vec::new();
+    for (b, _) in free {
+        for (_, s) in &b.streams {
+            let recorded = rt.is_capturing(s).and_then(|capturing| {
+                if capturing {
+                    Err(RuntimeError::new(
+                        "set_checkpoint_pool_state",
+                        "a stream that used a block to free is being captured",
+                    ))
+                } else {
+                    rt.record_event(s)
+                }
+            });
+            match recorded {
+                Ok(e) => events.push(e),
+                Err(e) => {
+                    events.drain(..).for_each(|e| rt.release_event(e));
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+    Ok(events)
 }

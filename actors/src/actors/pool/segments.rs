@@ -24,9 +24,11 @@
 //! the pool holds reserves nothing. Segments are entered in the pool's registry like whole
 //! blocks, and the pieces lent out of them are remembered here, so that a snapshot lists
 //! each segment with its blocks and free ranges.
+//!
+//! This file holds the books of the segments and how blocks are cut and taken back; `miss`
+//! answers a miss from them, and `give_back` returns wholly free segments to the source.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::arena::Arena;
@@ -37,10 +39,9 @@ use crate::books::segment::Segment;
 use crate::holders::ready::ReadyQueues;
 use crate::statistics::meta::MetaRef;
 use crate::vocab::carve::{Carver, Piece, SegId};
-use crate::vocab::error::Error;
 use crate::vocab::memory::Region;
 use crate::vocab::policy::{BlockLayout, Carving, SizeClass};
-use crate::vocab::runtime::{Runtime, RuntimeError};
+use crate::vocab::runtime::Runtime;
 
 /// The free ranges of a pool's segments.
 pub(super) struct Segments<R: Runtime> {
@@ -458,219 +459,7 @@ impl<R: Runtime> PoolActor<R> {
                 .is_some_and(|s| block.size > s.carving.max_cached_size)
     }
 
-    /// A miss under a carving layout. In the arena: the best fit among mapped free memory
-    /// (one lookup), else the place that needs the fewest granules mapped (see
-    /// `miss_arena`); the ready queues are never drained for it: memory freed above the
-    /// threads' limit came home when it was freed and coalesced then. Separate segments: a
-    /// free range, then the ready queues drained and coalesced, then (after noticing
-    /// completed events) the same again; then, if fresh memory would cross the reserve cap,
-    /// any wholly free segment split; then a fresh segment, after giving back wholly free
-    /// segments to stay under the cap.
-    pub(super) async fn miss_carved(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        let live = self.shared.stats.active_bytes_now().max(0) as usize;
-        if let Some(s) = self.carved.as_mut() {
-            s.peak_live = s.peak_live.max(live.saturating_add(class.size));
-        }
-        let arena_fits = self
-            .carved
-            .as_ref()
-            .is_some_and(|s| class.size <= s.carving.arena_max_block);
-        if arena_fits && self.has_arena().await {
-            if let Some(b) = self.carve_mapped(class) {
-                return Ok(b);
-            }
-            match self.miss_arena(class).await {
-                // The driver has no granule left for a block smaller than one: a segment
-                // of the block's own size may still fit (near the pinned-memory limit).
-                Some(Err(Error::OutOfMemory { limit: None, .. }))
-                    if class.size < self.granule_size() => {}
-                Some(res) => return res,
-                None => {}
-            }
-        }
-        // A free range that the block fills (a large piece that came back, say) serves it as
-        // is, and so does the range its class last gave back. Otherwise coalesce every ready
-        // block first, so that placement sees all free memory.
-        if let Some(b) = self.carve_tight(class).or_else(|| self.recall(class)) {
-            return Ok(b);
-        }
-        self.absorb_ready();
-        if let Some(b) = self.carve_block(class, false) {
-            return Ok(b);
-        }
-        if self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
-            self.flush_events().await;
-            self.absorb_ready();
-            if let Some(b) = self.carve_block(class, false) {
-                return Ok(b);
-            }
-        }
-        let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
-        let (cap, size) = match &self.carved {
-            Some(s) => {
-                let cap = s.carving.fresh_cap(s.peak_live, self.shared.budget.limit());
-                let room = cap.map_or(0, |c| c.saturating_sub(reserved));
-                (cap, s.segment_size(class.size, room))
-            }
-            None => (None, class.size),
-        };
-        if let Some(cap) = cap.filter(|&c| reserved.saturating_add(size) > c) {
-            // Fresh memory would cross the cap: split a large free segment after all, or
-            // give back wholly free ones (none could serve this miss) to make room.
-            if let Some(b) = self.carve_block(class, true) {
-                return Ok(b);
-            }
-            self.give_back_room(reserved.saturating_add(size) - cap)
-                .await;
-        }
-        let memory = match self.fresh_memory(size).await {
-            // The padded segment does not fit (the memory limit, or the runtime): the block's
-            // own size may.
-            Err(Error::OutOfMemory { .. }) if size > class.size => {
-                self.fresh_memory(class.size).await?
-            }
-            res => res?,
-        };
-        self.add_segment(memory);
-        self.remember_segment(SegmentView {
-            memory,
-            meta: MetaRef::none(),
-            pieces: Vec::new(),
-        });
-        self.carve_block(class, true).ok_or_else(|| {
-            Error::Runtime(RuntimeError::new(
-                "carve",
-                format!(
-                    "a fresh segment of {size} bytes did not hold {} bytes",
-                    class.size
-                ),
-            ))
-        })
-    }
-
-    /// Whether threads keep freed blocks of `class` in their own shards (the ready queues),
-    /// rather than sending them home as they are freed: sizes up to the pool's limit for
-    /// large pieces, in a pool with an arena.
-    pub(super) fn thread_cached(&self, class: SizeClass) -> bool {
-        self.carved
-            .as_ref()
-            .is_some_and(|s| s.carving.expandable && class.size <= self.shared.absorb_above)
-    }
-
-    /// A block of `class` from memory the pool holds, mapped and free: a ready block, or the
-    /// best fit in the arena. `None` when only fresh memory would serve it.
-    pub(super) fn without_growing(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
-        let live = self.shared.stats.active_bytes_now().max(0) as usize;
-        if let Some(s) = self.carved.as_mut() {
-            s.peak_live = s.peak_live.max(live.saturating_add(class.size));
-        }
-        self.shared
-            .ready
-            .take(class)
-            .or_else(|| self.carve_mapped(class))
-    }
-
-    /// A block of `class` cut at the start of the shortest stretch of the arena's mapped free
-    /// memory that holds it (see `Arena::place_mapped`).
-    fn carve_mapped(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
-        let a = self.carved.as_mut()?.arena.as_mut()?;
-        let (piece, exact) = a.place_mapped(class.size, usize::MAX)?;
-        let seg = a.segment.clone();
-        let mut b = self.block_for(class, piece, seg)?;
-        b.holdable = exact;
-        Some(b)
-    }
-
-    /// A miss in the arena that mapped free memory cannot serve: the place that needs the
-    /// fewest granules mapped (best fit among those), mapping them after noticing completed
-    /// events (invariant 3). `None` when the arena's range cannot hold the block (separate
-    /// segments then).
-    async fn miss_arena(&mut self, class: SizeClass) -> Option<Result<Box<Block<R>>, Error>> {
-        self.retire_moves(false).await;
-        let pack = self.carved.as_ref()?.carving.pack_granules;
-        let mut placed = self
-            .carved
-            .as_mut()?
-            .arena
-            .as_mut()?
-            .place(class.size, pack)?;
-        if !placed.1.is_empty() && self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
-            let arena = self.carved.as_mut()?.arena.as_mut()?;
-            if let Err(e) = arena.release(placed.0) {
-                tracing::error!(?e, "arena piece could not be taken back; range leaked");
-            }
-            self.flush_events().await;
-            // Blocks whose events completed came home to the ready queues or the homing
-            // queue: look again, with them.
-            self.book_notes();
-            if let Some(b) = self.carve_mapped(class) {
-                return Some(Ok(b));
-            }
-            placed = self
-                .carved
-                .as_mut()?
-                .arena
-                .as_mut()?
-                .place(class.size, pack)?;
-        }
-        let (piece, need) = placed;
-        if !need.is_empty() {
-            let segs = self.carved.as_ref()?;
-            // The cap a miss keeps: the garbage-collection threshold, and the reserve cap
-            // only where the layout keeps it inside bursts too.
-            let limit = self.shared.budget.limit();
-            let gc = if segs.carving.cap_in_bursts {
-                segs.carving.fresh_cap(segs.peak_live, limit)
-            } else {
-                segs.carving.gc_cap(limit)
-            };
-            let cap = segs.carving.reserve_cap(segs.peak_live);
-            if let Err(e) = self.map_for(piece, need, gc).await {
-                return Some(Err(e));
-            }
-            let reserved = self.shared.stats.allocated_bytes.read().current.max(0) as usize;
-            if cap.is_some_and(|c| reserved > c) {
-                self.trim_due = true;
-            }
-        }
-        let seg = self.carved.as_ref()?.arena.as_ref()?.segment.clone();
-        Some(self.block_for(class, piece, seg).ok_or_else(|| {
-            Error::Runtime(RuntimeError::new("carve", "arena piece outside its range"))
-        }))
-    }
-
-    /// A block of `class` out of memory the pool holds, taking no fresh memory and giving
-    /// none back: a ready block of the class, else (under a carving layout, after the ready
-    /// blocks are taken back) the best-fitting free range of mapped memory.
-    pub(super) fn lend(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
-        if let Some(b) = self.shared.ready.take(class) {
-            return Some(b);
-        }
-        self.carved.as_ref()?;
-        self.absorb_ready();
-        let segs = self.carved.as_mut()?;
-        let in_arena = segs.arena.as_mut().and_then(|a| {
-            let (p, _) = a.place_mapped(class.size, usize::MAX)?;
-            Some((p, a.segment.clone()))
-        });
-        let (piece, seg) = match in_arena {
-            Some(found) => found,
-            None => {
-                let p = segs.carver.place(class.size, |_| true)?;
-                (p, segs.carver.payload(p.seg)?.clone())
-            }
-        };
-        self.block_for(class, piece, seg)
-    }
-
-    /// Bytes of a granule of the pool's expandable range (0 without one).
-    fn granule_size(&self) -> usize {
-        self.carved
-            .as_ref()
-            .and_then(|s| s.arena.as_ref())
-            .map_or(0, |a| a.granule())
-    }
-
+    /// Enters a fresh segment in the carver: all of it free.
     fn add_segment(&mut self, memory: Region) {
         let pool = self.shared.clone();
         if let Some(segs) = self.carved.as_mut() {
@@ -678,125 +467,7 @@ impl<R: Runtime> PoolActor<R> {
                 .add_segment_with(memory.size, |id| Segment::new(id, memory, pool, None));
         }
     }
-
-    /// Gives back wholly free segments, least recently used first, until `bytes` have gone
-    /// back.
-    async fn give_back_room(&mut self, bytes: usize) {
-        let Some(segs) = self.carved.as_mut() else {
-            return;
-        };
-        let mut freed = 0;
-        let mut gone = Vec::new();
-        for (id, n) in segs.carver.free_segments_lru() {
-            if freed >= bytes {
-                break;
-            }
-            if let Some((g, _)) = segs.carver.remove_segment(id) {
-                gone.push(g);
-                freed += n;
-            }
-        }
-        self.host_free_segments(gone).await;
-    }
-
-    /// Gives back every wholly free segment (only those larger than `max_cached_size`
-    /// unless `all`), on a blocking thread. Returns (segments, bytes).
-    pub(super) async fn give_back_free_segments(&mut self, all: bool) -> (usize, usize) {
-        let Some(segs) = self.carved.as_mut() else {
-            return (0, 0);
-        };
-        let max = segs.carving.max_cached_size;
-        let gone = segs.carver.remove_free_segments(|size| !all && size <= max);
-        let gone = gone.into_iter().map(|(g, _)| g).collect();
-        let (n, bytes) = self.host_free_segments(gone).await;
-        // Idle granules of the arena go too (after a block too large to cache came back,
-        // only when there is such a size).
-        let (an, abytes) = if all || max < usize::MAX {
-            self.unmap_idle(usize::MAX).await
-        } else {
-            (0, 0)
-        };
-        (n + an, bytes + abytes)
-    }
-
-    /// Gives back wholly free separate segments until `upto` bytes went (see
-    /// `give_back_some`). Returns (segments, bytes) given back.
-    pub(super) async fn give_back_free_segments_upto(&mut self, upto: usize) -> (usize, usize) {
-        let Some(segs) = self.carved.as_mut() else {
-            return (0, 0);
-        };
-        let mut left = upto;
-        let gone = segs.carver.remove_free_segments(|size| {
-            if left == 0 {
-                return true;
-            }
-            left = left.saturating_sub(size);
-            false
-        });
-        let gone = gone.into_iter().map(|(g, _)| g).collect();
-        self.host_free_segments(gone).await
-    }
-
-    /// Gives segments taken out of the carvers back to the runtime on a blocking thread. A
-    /// segment the runtime refuses to free is held back (never reused, counted as kept) and
-    /// tried again with the kept blocks. Returns (segments, bytes) given back.
-    async fn host_free_segments(&mut self, gone: Vec<Arc<Seg<R>>>) -> (usize, usize) {
-        if gone.is_empty() {
-            return (0, 0);
-        }
-        let shared = self.shared.clone();
-        let job = self.off_executor(move || {
-            let mut freed = (0, 0);
-            let mut refused = Vec::new();
-            for seg in gone {
-                // Every piece came back, so no block holds the segment.
-                match shared.free_memory_now(seg.memory) {
-                    Ok(()) => {
-                        seg.mark_given_back();
-                        freed = (freed.0 + 1, freed.1 + seg.memory.size);
-                    }
-                    Err(_) => refused.push(seg),
-                }
-            }
-            (freed, refused)
-        });
-        match job.await {
-            Ok((freed, refused)) => {
-                let stats = &self.shared.stats;
-                for seg in refused {
-                    stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
-                    stats
-                        .kept_bytes
-                        .fetch_add(seg.memory.size as i64, Ordering::Relaxed);
-                    self.refused.push(seg);
-                }
-                freed
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "freeing memory failed");
-                (0, 0)
-            }
-        }
-    }
-
-    /// Tries again to give back the segments whose free the runtime refused.
-    pub(super) async fn retry_refused_segments(&mut self) -> (usize, usize) {
-        let refused = std::mem::take(&mut self.refused);
-        let stats = &self.shared.stats;
-        for seg in &refused {
-            stats.kept_blocks.fetch_sub(1, Ordering::Relaxed);
-            stats
-                .kept_bytes
-                .fetch_sub(seg.memory.size as i64, Ordering::Relaxed);
-        }
-        self.host_free_segments(refused).await
-    }
-
-    /// Addresses and sizes of the segments held back after a refused free.
-    pub(super) fn refused_segments(&self) -> Vec<(usize, usize)> {
-        self.refused
-            .iter()
-            .map(|s| (s.memory.ptr.as_ptr() as usize, s.memory.size))
-            .collect()
-    }
 }
+
+mod give_back;
+mod miss;

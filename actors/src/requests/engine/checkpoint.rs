@@ -101,34 +101,7 @@ impl<R: Runtime> Engine<R> {
             now.allocated().into_iter().collect(),
         );
         let want: Vec<(usize, usize)> = then.difference(&now).copied().collect();
-        let mut free = Vec::new();
-        let mut conflicts = Vec::new();
-        for &(addr, size) in now.difference(&then) {
-            match take(addr) {
-                Some(l)
-                    if l.as_ptr() as usize == addr
-                        && l.capacity() == size
-                        && l.pool() == Some(pool)
-                        && l.allocator_id() == self.inner.id =>
-                {
-                    free.push(l)
-                }
-                Some(l) => {
-                    free.push(l);
-                    conflicts.push(addr as u64);
-                }
-                None => conflicts.push(addr as u64),
-            }
-        }
-        if !conflicts.is_empty() {
-            return Err((
-                Error::CheckpointConflict {
-                    pool,
-                    ptrs: conflicts,
-                },
-                free,
-            ));
-        }
+        let free = self.take_stale(pool, now.difference(&then), &mut take)?;
         let table = self.inner.table.load();
         let Some((_, shared)) = table.pools.iter().find(|(p, _)| *p == pool) else {
             return Err((Error::UnknownPool(pool), free));
@@ -167,6 +140,47 @@ impl<R: Runtime> Engine<R> {
             // The actor went with the blocks: they found their way home.
             Err(_) => Err((Error::Shutdown, Vec::new())),
         }
+    }
+
+    /// The leases of the blocks allocated now that the checkpoint does not hold (`stale`,
+    /// as (address, size)), from `take`: each must be the lease of exactly that block of
+    /// `pool`, else [`Error::CheckpointConflict`] names the others, and every lease taken
+    /// is handed back.
+    fn take_stale<'a>(
+        &self,
+        pool: PoolId,
+        stale: impl Iterator<Item = &'a (usize, usize)>,
+        take: &mut impl FnMut(usize) -> Option<Lease<R>>,
+    ) -> Result<Vec<Lease<R>>, RestoreFailed<R>> {
+        let mut free = Vec::new();
+        let mut conflicts = Vec::new();
+        for &(addr, size) in stale {
+            match take(addr) {
+                Some(l)
+                    if l.as_ptr() as usize == addr
+                        && l.capacity() == size
+                        && l.pool() == Some(pool)
+                        && l.allocator_id() == self.inner.id =>
+                {
+                    free.push(l)
+                }
+                Some(l) => {
+                    free.push(l);
+                    conflicts.push(addr as u64);
+                }
+                None => conflicts.push(addr as u64),
+            }
+        }
+        if !conflicts.is_empty() {
+            return Err((
+                Error::CheckpointConflict {
+                    pool,
+                    ptrs: conflicts,
+                },
+                free,
+            ));
+        }
+        Ok(free)
     }
 
     /// The checks that need no actor: the pool, its captures, and the state's shape.

@@ -168,57 +168,13 @@ impl<R: Runtime> Engine<R> {
     /// queues to list them; see [`MemorySnapshot`] for an example.
     pub async fn snapshot(&self) -> Result<MemorySnapshot, Error> {
         let views = self.pool_views().await?;
-        let (tx, rx) = flume::bounded(1);
-        let waiting: HashSet<usize> = if self
-            .default_pool()
-            .poller
-            .send(PollerMsg::Pending { reply: tx })
-            .is_ok()
-        {
-            rx.recv_async()
-                .await
-                .unwrap_or_default()
-                .into_iter()
-                .collect()
-        } else {
-            HashSet::new()
-        };
+        let waiting = self.waiting_blocks().await;
         let mut segments = Vec::new();
         for v in views {
             let cached: HashSet<usize> = v.cached.iter().copied().collect();
             let kept: HashSet<usize> = v.kept.iter().copied().collect();
             let block = |addr: usize, size: usize, meta: Option<&BlockMeta>| {
-                let Some(meta) = meta else {
-                    // A free range of a carved segment.
-                    return BlockInfo {
-                        address: addr,
-                        size,
-                        requested_size: 0,
-                        state: BlockStatus::Cached,
-                        streams: Vec::new(),
-                    };
-                };
-                let state = if cached.contains(&addr) {
-                    BlockStatus::Cached
-                } else if kept.contains(&addr) {
-                    BlockStatus::Kept
-                } else if waiting.contains(&addr) {
-                    BlockStatus::Waiting
-                } else {
-                    BlockStatus::InUse
-                };
-                let streams = if state == BlockStatus::Cached {
-                    Vec::new()
-                } else {
-                    meta.streams()
-                };
-                BlockInfo {
-                    address: addr,
-                    size,
-                    requested_size: meta.requested(),
-                    state,
-                    streams,
-                }
+                block_info(addr, size, meta, [&cached, &kept, &waiting])
             };
             for s in v.segments {
                 let addr = s.memory.ptr.as_ptr() as usize;
@@ -257,6 +213,26 @@ impl<R: Runtime> Engine<R> {
             },
             reserved_bytes: budget.reserved(),
         })
+    }
+
+    /// The addresses of the blocks waiting on events with the event poller (none once the
+    /// poller is gone).
+    async fn waiting_blocks(&self) -> HashSet<usize> {
+        let (tx, rx) = flume::bounded(1);
+        if self
+            .default_pool()
+            .poller
+            .send(PollerMsg::Pending { reply: tx })
+            .is_ok()
+        {
+            rx.recv_async()
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .collect()
+        } else {
+            HashSet::new()
+        }
     }
 
     /// The largest cached block and the bytes cached, over every pool.
@@ -338,5 +314,48 @@ impl<R: Runtime> Engine<R> {
                 .collect();
             Ok(live == expected)
         }
+    }
+}
+
+/// A snapshot's entry for the piece at `addr` of `size` bytes: a free range of a carved
+/// segment without `meta`, else a block whose state is the first of the address sets
+/// (cached, kept, waiting) that holds it, or in use; only a block not cached lists the
+/// streams that used it.
+fn block_info(
+    addr: usize,
+    size: usize,
+    meta: Option<&BlockMeta>,
+    [cached, kept, waiting]: [&HashSet<usize>; 3],
+) -> BlockInfo {
+    let Some(meta) = meta else {
+        // A free range of a carved segment.
+        return BlockInfo {
+            address: addr,
+            size,
+            requested_size: 0,
+            state: BlockStatus::Cached,
+            streams: Vec::new(),
+        };
+    };
+    let state = if cached.contains(&addr) {
+        BlockStatus::Cached
+    } else if kept.contains(&addr) {
+        BlockStatus::Kept
+    } else if waiting.contains(&addr) {
+        BlockStatus::Waiting
+    } else {
+        BlockStatus::InUse
+    };
+    let streams = if state == BlockStatus::Cached {
+        Vec::new()
+    } else {
+        meta.streams()
+    };
+    BlockInfo {
+        address: addr,
+        size,
+        requested_size: meta.requested(),
+        state,
+        streams,
     }
 }
