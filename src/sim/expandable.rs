@@ -127,10 +127,11 @@ pub(super) fn map(
             .total_host_allocs
             .fetch_add(granules, Ordering::SeqCst);
     } else {
-        sim.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
+        // Counted before the live bytes fall: whoever sees none live sees every free.
         sim.shared
             .total_host_frees
             .fetch_add(granules, Ordering::SeqCst);
+        sim.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
     }
     Ok(())
 }

@@ -71,9 +71,10 @@ impl SimRuntime {
             );
             return Err(e.into_runtime(OP));
         };
+        // Counted before the live bytes fall: whoever sees none live sees every free.
+        self.shared.total_host_frees.fetch_add(1, Ordering::SeqCst);
         self.shared.live_allocations.fetch_sub(1, Ordering::SeqCst);
         self.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
-        self.shared.total_host_frees.fetch_add(1, Ordering::SeqCst);
         // Queued operations and live graphs hold the other references; the memory itself
         // is released when the last of them is dropped.
         let users = Arc::strong_count(&alloc) - 1;
