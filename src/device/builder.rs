@@ -63,7 +63,7 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             handle: None,
             shards: None,
             policy: None,
-            lend_between_streams: false,
+            lend_between_streams: true,
         }
     }
 
@@ -125,10 +125,11 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     }
 
     /// Under the cap (or with the device out of memory), a stream's request first borrows
-    /// memory another stream's pool holds, before every cache is emptied (default: off):
+    /// memory another stream's pool holds, before every cache is emptied (default: on):
     /// no driver call and no waiting, the requesting stream ordered after the lender's
     /// queued work with an event (`cuStreamWaitEvent`), and the block back in its own pool
-    /// once the borrower's work on it has run.
+    /// once the borrower's work on it has run. Off, stream pools make room for each other
+    /// by giving memory back to the driver and taking it again.
     pub fn lend_between_streams(mut self, on: bool) -> Self {
         self.lend_between_streams = on;
         self

@@ -230,3 +230,21 @@ async fn without_lending_a_request_over_the_cap_takes_memory_from_the_driver_aga
     assert!(sim.device_calls(0).unwrap().0 > maps, "mapped again");
     assert_eq!(sim.stream_waits(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_pools_lend_each_other_memory_by_default() {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .max_bytes(CAP)
+        .build()
+        .expect("allocator builds inside a runtime");
+    let (a, b) = (sim.stream(), sim.stream());
+    let x = pool.alloc(BLOCK, &a).await.unwrap();
+    let addr = x.device_ptr();
+    drop(x);
+    let maps = sim.device_calls(0).unwrap().0;
+    let y = pool.try_alloc(BLOCK, &b).await.unwrap();
+    assert_eq!(y.device_ptr(), addr, "A's block, lent to B");
+    assert_eq!(sim.device_calls(0).unwrap().0, maps, "no map call");
+    assert_eq!(sim.stream_waits(), 1, "B waits for A's event");
+}

@@ -78,9 +78,12 @@ async fn memory_fraction_caps_each_device_and_bad_fractions_are_refused() {
 }
 
 #[tokio::test]
-async fn device_out_of_memory_empties_the_cache_and_retries_once() {
+async fn without_lending_device_out_of_memory_empties_the_cache_and_retries_once() {
     let sim = SimRuntime::builder().device_capacity(8 * MIB).build();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .lend_between_streams(false)
+        .build()
+        .unwrap();
     let s = sim.stream();
     drop(pool.alloc(5 * MIB, &s).await.unwrap()); // cached: 6 MiB of granules stay mapped
     assert!(sim.device_used(0).unwrap() >= 5 * MIB);
@@ -211,8 +214,13 @@ async fn a_request_larger_than_the_cap_is_refused_at_once_as_one_that_can_never_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn room_made_under_the_cap_is_what_the_cap_lacks_and_the_rest_stays_cached() {
-    let (pool, sim) = capped_device_pool(16 * MIB);
+async fn without_lending_room_made_under_the_cap_is_what_the_cap_lacks_and_the_rest_stays_cached() {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .max_bytes(16 * MIB)
+        .lend_between_streams(false)
+        .build()
+        .unwrap();
     let (a, b) = (sim.stream(), sim.stream());
     // Stream a's pool caches 12 MiB in six blocks.
     let blocks: Vec<_> = {

@@ -24,9 +24,18 @@ fn request_size(r: u64) -> usize {
     batch * seq * hidden
 }
 
-/// Runs the server's requests under the caps (bytes of pinned and device memory) and
-/// returns the driver calls both allocators made (memory taken and given back).
-fn driver_calls_under(pinned_cap: usize, device_cap: usize) -> i64 {
+/// What the allocators did under a pair of caps.
+#[derive(Debug, Clone, Copy)]
+struct Churn {
+    /// Driver calls of both allocators (memory taken and given back).
+    calls: i64,
+    /// Device requests that went to a pool actor.
+    misses: i64,
+}
+
+/// Runs the server's requests under the caps (bytes of pinned and device memory), with the
+/// allocators' defaults otherwise.
+fn churn_under(pinned_cap: usize, device_cap: usize) -> Churn {
     let rt = multi_thread(2);
     let sim = SimRuntime::new();
     let host = Builder::new(Arc::new(sim.clone()))
@@ -74,17 +83,31 @@ fn driver_calls_under(pinned_cap: usize, device_cap: usize) -> i64 {
     });
     let h = host.stats();
     let d = dev.stats(0).unwrap();
-    h.num_host_alloc + h.num_host_free + d.num_device_alloc + d.num_device_free
+    Churn {
+        calls: h.num_host_alloc + h.num_host_free + d.num_device_alloc + d.num_device_free,
+        misses: d.num_misses,
+    }
 }
 
 #[test]
-fn under_caps_of_three_requests_worth_the_driver_is_called_for_at_most_one_buffer_in_five() {
+fn under_caps_of_three_requests_worth_the_allocators_churn_little_more_than_under_roomy_caps() {
     // Three of the largest requests' worth of each memory, and for comparison the roomy caps
-    // of `serve` (most calls under either are device memory mapped and unmapped as the
-    // stream pools make room for each other).
-    let tight = driver_calls_under(3 * LARGEST * 5 / 4, 3 * LARGEST * 3);
-    let roomy = driver_calls_under(40 * MIB, 48 * MIB);
+    // of `serve`. Stream pools lend each other memory under the device cap (the default), so
+    // most requests that find no room are served without the driver.
+    let tight = churn_under(3 * LARGEST * 5 / 4, 3 * LARGEST * 3);
+    let roomy = churn_under(40 * MIB, 48 * MIB);
+    eprintln!("tight caps {tight:?}, roomy caps {roomy:?}");
     let buffers = REQUESTS as i64 * 4;
-    assert!(tight <= buffers / 5, "tight {tight}, roomy {roomy}");
-    assert!(roomy <= tight, "roomy {roomy}, tight {tight}");
+    assert!(
+        tight.calls <= buffers / 16,
+        "tight {tight:?}, roomy {roomy:?}"
+    );
+    assert!(
+        tight.calls <= 6 * roomy.calls.max(24),
+        "tight {tight:?}, roomy {roomy:?}"
+    );
+    assert!(
+        tight.misses <= 2 * roomy.misses.max(400),
+        "tight {tight:?}, roomy {roomy:?}"
+    );
 }
