@@ -1,7 +1,8 @@
 //! Statistics that add up, over random workloads on both allocators: pinned and device
 //! buffers taken and freed one by one and in sets (`BufferSet::try_alloc`, whose failed tries
 //! give back what they took) under caps, on several streams, with the caches emptied now and
-//! then. After every step, at a quiescent point:
+//! then. After every step, at a quiescent point (the frees of blocks still used by a stream's
+//! queued work, such as a block lent by another stream's pool, completed):
 //!
 //! - device: in the small pool, the large pool and both, allocated ≤ active ≤ reserved bytes,
 //!   segments ≥ 0, the parts add up to the whole (`pinpool_testkit::assert_device_stats_add_up`);
@@ -19,7 +20,7 @@ use pinpool::tuning::{BestFit, SizePolicy, TieredPowerOfTwo};
 use pinpool::{
     BufferSet, DeviceAllocator, DeviceBuffer, DeviceBuilder, PinnedAllocator, PinnedBuffer, PoolId,
 };
-use pinpool_testkit::assert_device_stats_add_up;
+use pinpool_testkit::{assert_device_stats_add_up, eventually};
 use proptest::prelude::*;
 
 const KIB: usize = 1 << 10;
@@ -155,6 +156,17 @@ impl Run {
         }
     }
 
+    /// Waits until no device block is freed and waiting for a stream's work (a block lent
+    /// between streams is marked as used by the borrower's stream, so its free waits for an
+    /// event even when the stream has no work queued).
+    async fn settle(&self) {
+        eventually("pending frees complete", || {
+            let d = self.device.stats(0).unwrap();
+            d.active.all.current == d.allocation.all.current
+        })
+        .await;
+    }
+
     fn check(&self) {
         let (mut pinned, mut pinned_bytes, mut device, mut requested) = (0i64, 0i64, 0i64, 0i64);
         for h in &self.held {
@@ -203,9 +215,11 @@ fn run(pinned_policy: Arc<dyn SizePolicy>, device_config: &str, ops: Vec<Op>) {
         let mut run = Run::new(pinned_policy, &config);
         for op in ops {
             run.step(op).await;
+            run.settle().await;
             run.check();
         }
         run.held.clear();
+        run.settle().await;
         run.check();
         run.pinned.empty_cache().await.unwrap();
         run.device.empty_cache().await.unwrap();
