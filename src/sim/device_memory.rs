@@ -122,6 +122,18 @@ impl SimDeviceMemory {
         }
     }
 
+    /// The reserved range `range` describes, for a call made as `op`, once the fault
+    /// injected at `fault` (if any) has had its say.
+    fn reserved_after(
+        &self,
+        fault: FaultPoint,
+        op: &'static str,
+        range: &Region,
+    ) -> Result<Arc<HostAllocation>, RuntimeError> {
+        self.shared.faults.check(fault)?;
+        self.reserved(op, range)
+    }
+
     /// Unmaps exactly one earlier map call's granules, waiting for the device's queued work
     /// first where `wait` says so (see `MemorySource::unmap_unused`).
     fn unmap_call(
@@ -132,12 +144,11 @@ impl SimDeviceMemory {
         wait: bool,
     ) -> Result<(), RuntimeError> {
         const OP: &str = "cuMemUnmap";
-        self.shared.faults.check(FaultPoint::DeviceFree)?;
-        let alloc = self.reserved(OP, range)?;
+        let alloc = self.reserved_after(FaultPoint::DeviceFree, OP, range)?;
         if wait {
             self.synchronize(OP);
         }
-        if !alloc.set_mapped_call(offset, size, false) {
+        if let Err(e) = mark_call(OP, &alloc, offset, size, false) {
             self.shared.report(
                 ViolationKind::InvalidFree,
                 None,
@@ -146,29 +157,37 @@ impl SimDeviceMemory {
                     self.ordinal
                 ),
             );
-            return Err(RuntimeError::new(
-                OP,
-                format!("{size} bytes at offset {offset:#x} are not one mapped call's granules"),
-            ));
+            return Err(e);
         }
         self.give(size);
         self.state().frees.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
+}
 
-    fn report_free_in_use(&self, alloc: &Arc<HostAllocation>, addr: usize, size: usize) {
-        // Queued operations and live graphs hold the other references.
-        let users = Arc::strong_count(alloc) - 1;
-        if users > 0 {
-            self.shared.report(
-                ViolationKind::FreedWhileInUse,
-                None,
-                format!(
-                    "device memory: {size} bytes at {addr:#x} given back while {users} queued operation(s) or graph(s) still use them"
-                ),
-            );
-        }
+/// Marks `[at, at + len)` of `alloc` as the granules of one map call (`mapped`) or takes
+/// that mark away, or fails as `op` when the granules are not all unmapped (marking) or not
+/// exactly one earlier call's (unmarking). Every map, unmap and move of a reserved range
+/// checks its granules here.
+fn mark_call(
+    op: &'static str,
+    alloc: &HostAllocation,
+    at: usize,
+    len: usize,
+    mapped: bool,
+) -> Result<(), RuntimeError> {
+    if alloc.set_mapped_call(at, len, mapped) {
+        return Ok(());
     }
+    let what = if mapped {
+        "whole unmapped granules"
+    } else {
+        "one mapped call's granules"
+    };
+    Err(RuntimeError::new(
+        op,
+        format!("{len} bytes at offset {at:#x} are not {what}"),
+    ))
 }
 
 impl MemorySource for SimDeviceMemory {
@@ -205,14 +224,9 @@ impl MemorySource for SimDeviceMemory {
         const OP: &str = "cuMemFree";
         self.shared.faults.check(FaultPoint::DeviceFree)?;
         let (addr, size) = (region.addr(), region.size);
-        let found = if region.method == Origin::SimulatedDevice {
-            self.shared
-                .ledger
-                .remove(addr, size)
-                .map_err(|e| e.into_runtime(OP))?
-        } else {
-            None
-        };
+        let found = self
+            .shared
+            .remove_freed(OP, &region, Origin::SimulatedDevice)?;
         if found.is_some() {
             self.synchronize(OP);
         }
@@ -225,7 +239,11 @@ impl MemorySource for SimDeviceMemory {
             );
             return Err(e.into_runtime(OP));
         };
-        self.report_free_in_use(&alloc, addr, size);
+        // Queued operations and live graphs hold the other references.
+        self.shared.report_freed_in_use(
+            &alloc,
+            format_args!("device memory: {size} bytes at {addr:#x} given back"),
+        );
         self.give(size);
         self.state().frees.fetch_add(1, Ordering::SeqCst);
         Ok(())
@@ -271,15 +289,11 @@ impl MemorySource for SimDeviceMemory {
     fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
         const OP: &str = "cuMemMap";
         super::count_memory_call();
-        self.shared.faults.check(FaultPoint::DeviceAlloc)?;
-        let alloc = self.reserved(OP, range)?;
+        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, range)?;
         self.take(OP, size)?;
-        if !alloc.set_mapped_call(offset, size, true) {
+        if let Err(e) = mark_call(OP, &alloc, offset, size, true) {
             self.give(size);
-            return Err(RuntimeError::new(
-                OP,
-                format!("{size} bytes at offset {offset:#x} are not whole unmapped granules"),
-            ));
+            return Err(e);
         }
         self.state().allocs.fetch_add(1, Ordering::SeqCst);
         Ok(())
@@ -313,22 +327,13 @@ impl MemorySource for SimDeviceMemory {
         len: usize,
     ) -> Result<(), RuntimeError> {
         const OP: &str = "cuMemMap";
-        self.shared.faults.check(FaultPoint::DeviceAlloc)?;
-        let alloc = self.reserved(OP, range)?;
+        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, range)?;
         // The memory leaves `from`: the work queued on it must have run, as for an unmap.
         self.synchronize(OP);
-        if !alloc.set_mapped_call(to, len, true) {
-            return Err(RuntimeError::new(
-                OP,
-                format!("{len} bytes at offset {to:#x} are not whole unmapped granules"),
-            ));
-        }
-        if !alloc.set_mapped_call(from, len, false) {
+        mark_call(OP, &alloc, to, len, true)?;
+        if let Err(e) = mark_call(OP, &alloc, from, len, false) {
             alloc.set_mapped_call(to, len, false);
-            return Err(RuntimeError::new(
-                OP,
-                format!("{len} bytes at offset {from:#x} are not one mapped call's granules"),
-            ));
+            return Err(e);
         }
         self.state().remaps.fetch_add(1, Ordering::SeqCst);
         Ok(())
@@ -346,20 +351,14 @@ impl MemorySource for SimDeviceMemory {
         len: usize,
     ) -> Result<(), RuntimeError> {
         const OP: &str = "cuMemMap";
-        self.shared.faults.check(FaultPoint::DeviceAlloc)?;
-        let alloc = self.reserved(OP, range)?;
+        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, range)?;
         if !alloc.all_mapped(from, len) {
             return Err(RuntimeError::new(
                 OP,
                 format!("{len} bytes at offset {from:#x} are not mapped"),
             ));
         }
-        if !alloc.set_mapped_call(to, len, true) {
-            return Err(RuntimeError::new(
-                OP,
-                format!("{len} bytes at offset {to:#x} are not whole unmapped granules"),
-            ));
-        }
+        mark_call(OP, &alloc, to, len, true)?;
         self.state().remaps.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
@@ -377,13 +376,7 @@ impl MemorySource for SimDeviceMemory {
             self.synchronize(OP);
         }
         // Work still queued on the place finds it unmapped when it runs: a violation.
-        if !alloc.set_mapped_call(offset, len, false) {
-            return Err(RuntimeError::new(
-                OP,
-                format!("{len} bytes at offset {offset:#x} are not one mapped call's granules"),
-            ));
-        }
-        Ok(())
+        mark_call(OP, &alloc, offset, len, false)
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {

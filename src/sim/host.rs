@@ -54,14 +54,7 @@ impl SimRuntime {
         const OP: &str = "host_free";
         self.shared.faults.check(FaultPoint::HostFree)?;
         let (addr, size) = (memory.ptr.as_ptr() as usize, memory.size);
-        let found = if memory.method == Origin::Simulated {
-            self.shared
-                .ledger
-                .remove(addr, size)
-                .map_err(|e| e.into_runtime(OP))?
-        } else {
-            None
-        };
+        let found = self.shared.remove_freed(OP, &memory, Origin::Simulated)?;
         let Some(alloc) = found else {
             let e = SimError::InvalidFree { addr, size };
             self.shared.report(
@@ -75,18 +68,9 @@ impl SimRuntime {
         self.shared.total_host_frees.fetch_add(1, Ordering::SeqCst);
         self.shared.live_allocations.fetch_sub(1, Ordering::SeqCst);
         self.shared.live_bytes.fetch_sub(size, Ordering::SeqCst);
-        // Queued operations and live graphs hold the other references; the memory itself
-        // is released when the last of them is dropped.
-        let users = Arc::strong_count(&alloc) - 1;
-        if users > 0 {
-            self.shared.report(
-                ViolationKind::FreedWhileInUse,
-                None,
-                format!(
-                    "{size} bytes at {addr:#x} freed while {users} queued operation(s) or graph(s) still use them"
-                ),
-            );
-        }
+        // The memory itself is released when the last of its users is dropped.
+        self.shared
+            .report_freed_in_use(&alloc, format_args!("{size} bytes at {addr:#x} freed"));
         Ok(())
     }
 

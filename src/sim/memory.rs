@@ -185,6 +185,35 @@ impl HostAllocation {
     }
 }
 
+/// A fresh private anonymous mapping of `bytes`, read and write, whose pages take memory
+/// only once written (`MAP_NORESERVE`), zeroed; `None` where `mmap` fails. Every lazily
+/// backed range of the simulation (reserved ranges, the write map's slots) is made here
+/// and given back with `munmap`.
+#[cfg(unix)]
+pub(super) fn map_lazy(bytes: usize) -> Option<NonNull<u8>> {
+    // miri's `mmap` takes no other flags; its memory is materialised anyway.
+    let flags = if cfg!(miri) {
+        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
+    } else {
+        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE
+    };
+    // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return None;
+    }
+    NonNull::new(raw.cast::<u8>())
+}
+
 #[cfg(unix)]
 impl HostAllocation {
     /// Reserves `size` bytes of address space (a multiple of `granule`, itself a multiple
@@ -193,28 +222,7 @@ impl HostAllocation {
         if size == 0 || granule == 0 || size % granule != 0 || granule % HOST_ALIGN != 0 {
             return Err(SimError::ZeroSize { op: "host_reserve" });
         }
-        // `MAP_NORESERVE`: pages take memory only once written. (miri's `mmap` takes no
-        // other flags; its memory is materialised anyway.)
-        let flags = if cfg!(miri) {
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
-        } else {
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE
-        };
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                -1,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(SimError::OutOfMemory { size });
-        }
-        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(SimError::OutOfMemory { size })?;
+        let ptr = map_lazy(size).ok_or(SimError::OutOfMemory { size })?;
         let words = (size / granule).div_ceil(64);
         Ok(Self {
             ptr,

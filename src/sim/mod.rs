@@ -59,7 +59,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::actors::{Runtime, RuntimeError, StreamId};
+use crate::actors::{Origin, Region, Runtime, RuntimeError, StreamId};
 
 pub use builder::{SimRuntimeBuilder, DEFAULT_DEVICE_CAPACITY};
 pub use device::SimDeviceBuffer;
@@ -117,6 +117,41 @@ impl Shared {
             stream,
             message,
         });
+    }
+
+    /// Takes `region` out of the ledger, for a free made as `op`: the allocation it names
+    /// (`None` when it was not obtained as `method`, or is not in the ledger). Host and
+    /// device frees both look their memory up here.
+    pub(crate) fn remove_freed(
+        &self,
+        op: &'static str,
+        region: &Region,
+        method: Origin,
+    ) -> Result<Option<Arc<HostAllocation>>, RuntimeError> {
+        if region.method != method {
+            return Ok(None);
+        }
+        self.ledger
+            .remove(region.addr(), region.size)
+            .map_err(|e| e.into_runtime(op))
+    }
+
+    /// Records a violation when memory is given back while queued operations or live
+    /// graphs still hold `alloc` (the ledger's reference was dropped: any other is a
+    /// user). `what` says what was given back and how, as the message starts.
+    pub(crate) fn report_freed_in_use(
+        &self,
+        alloc: &Arc<HostAllocation>,
+        what: std::fmt::Arguments<'_>,
+    ) {
+        let users = Arc::strong_count(alloc) - 1;
+        if users > 0 {
+            self.report(
+                ViolationKind::FreedWhileInUse,
+                None,
+                format!("{what} while {users} queued operation(s) or graph(s) still use them"),
+            );
+        }
     }
 
     /// `(seed, max_nanos)` when random delays are on.

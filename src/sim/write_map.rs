@@ -138,26 +138,7 @@ impl Slots {
     #[cfg(unix)]
     fn zeroed(len: usize) -> Option<Self> {
         let bytes = len.checked_mul(std::mem::size_of::<AtomicU64>())?;
-        let flags = if cfg!(miri) {
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS
-        } else {
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE
-        };
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                -1,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return None;
-        }
-        let ptr = std::ptr::NonNull::new(raw.cast::<AtomicU64>())?;
+        let ptr = super::memory::map_lazy(bytes)?.cast::<AtomicU64>();
         Some(Self { ptr, len })
     }
 

@@ -18,6 +18,7 @@ use crate::books::mailbox::{Note, PollerMsg, PoolMsg, Split};
 use crate::books::segment::Segment;
 use crate::holders::parked::Parkable;
 use crate::holders::ready::Slotted;
+use crate::observation::history::BlockSeen;
 use crate::statistics::meta::MetaRef;
 use crate::vocab::memory::Region;
 use crate::vocab::runtime::{Runtime, StreamId};
@@ -121,6 +122,17 @@ pub(crate) struct Block<R: Runtime> {
 }
 
 impl<R: Runtime> Block<R> {
+    /// The block as the history sees it.
+    #[inline]
+    pub(crate) fn seen(&self) -> BlockSeen {
+        BlockSeen {
+            pool: self.pool.id,
+            owner: self.pool.owner,
+            addr: self.memory.addr(),
+            size: self.size,
+        }
+    }
+
     pub(crate) fn new(memory: Region, class: usize, pool: Arc<Pool<R>>) -> Box<Self> {
         Box::new(Block {
             memory,

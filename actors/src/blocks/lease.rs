@@ -34,9 +34,7 @@ impl<R: Runtime> Lease<R> {
         during_capture: bool,
         engine: u64,
     ) -> Self {
-        let pool = &block.pool;
-        pool.history
-            .on_alloc(pool.id, pool.owner, block.memory.addr(), block.size, len);
+        block.pool.history.on_alloc(block.seen(), len);
         block.shard = block.pool.stats.lend(block.size, len);
         block.during_capture = during_capture;
         block.state = BlockState::InUse;
@@ -281,14 +279,9 @@ impl<R: Runtime> Drop for RawLease<R> {
 impl<R: Runtime> Drop for Lease<R> {
     fn drop(&mut self) {
         if let Some(b) = self.block.take() {
-            b.pool.history.on_free(
-                b.pool.id,
-                b.pool.owner,
-                b.memory.addr(),
-                b.size,
-                self.len,
-                || b.streams.first().map(|(s, _)| *s),
-            );
+            b.pool
+                .history
+                .on_free(b.seen(), self.len, || b.streams.first().map(|(s, _)| *s));
             b.pool.stats.freed(b.shard, b.size, self.len);
             let taker = b.meta.holder();
             if taker != NOBODY {

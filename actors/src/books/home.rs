@@ -24,6 +24,7 @@ use crate::books::mailbox::{Mailbox, Note, PollerMsg, PoolMsg};
 use crate::holders::parked::Parked;
 use crate::holders::ready::ReadyQueues;
 use crate::observation::history::Recorder;
+use crate::statistics::counters::AtomicDuration;
 use crate::statistics::stats::PoolStats;
 use crate::vocab::error::Error;
 use crate::vocab::memory::{units, MemorySource, Region};
@@ -38,6 +39,66 @@ pub(crate) const DIVERT_PRESSURE: u8 = 2;
 
 /// How many block records a pool keeps for reuse.
 const SHELLS: usize = 1024;
+
+/// One memory-source call on a reserved range, with its arguments, as [`Home::range_call`]
+/// makes it and keeps its books. Rule: every call on a reserved range goes through
+/// `range_call`, so that each is timed, booked and logged in one place.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RangeCall {
+    /// Maps `[offset, offset + len)` as units of `unit` bytes, each unmapped on its own later
+    /// (`MemorySource::map_units`; `unit == len`: one mapping). Books: one segment per unit,
+    /// the bytes reserved; the caller charged the budget. Timed as an allocation.
+    Map {
+        offset: usize,
+        len: usize,
+        unit: usize,
+    },
+    /// Moves the `len` bytes mapped at `from` to `to` (`MemorySource::remap_run`: one
+    /// granule, or the run of one map call). Books: no memory is taken or given back, the
+    /// history shows the run unmapped at `from` and mapped at `to`, one remap counted.
+    Move { from: usize, to: usize, len: usize },
+    /// The first half of a move (`MemorySource::alias_run`): the run at `from` is mapped at
+    /// `to` too. Books: mapped at `to` in the history, one remap counted; unmapped at `from`
+    /// when `Unalias` ends the move.
+    Alias { from: usize, to: usize, len: usize },
+    /// The second half of a move (`MemorySource::unalias_run`): the mapping at `at` ends.
+    Unalias { at: usize, len: usize, wait: bool },
+    /// Unmaps `[at, at + len)` (`MemorySource::unmap`). Books: stats, history, the budget;
+    /// the caller strikes the granules and counts map calls. Timed as a free.
+    Unmap { at: usize, len: usize },
+    /// `Unmap` for memory no work has used since it was mapped (what a map call that failed
+    /// part way had mapped): the source need not wait for the device's work, which a capture
+    /// underway would not survive (`MemorySource::unmap_unused`).
+    UnmapUnused { at: usize, len: usize },
+}
+
+impl RangeCall {
+    /// The timer the call's duration goes to, if it is timed.
+    fn timer(self, stats: &PoolStats) -> Option<&AtomicDuration> {
+        match self {
+            RangeCall::Map { .. } => Some(&stats.host_alloc_time),
+            RangeCall::Unmap { .. } | RangeCall::UnmapUnused { .. } => Some(&stats.host_free_time),
+            _ => None,
+        }
+    }
+
+    /// Logs a failure of the call.
+    fn log_failure(self, e: &RuntimeError) {
+        match self {
+            RangeCall::Map { .. } => {}
+            RangeCall::Move { .. } => tracing::warn!(error = %e, "moving a granule failed"),
+            RangeCall::Alias { .. } => {
+                tracing::warn!(error = %e, "mapping memory at a second place failed")
+            }
+            RangeCall::Unalias { len, .. } => {
+                tracing::error!(error = %e, bytes = len, "ending a moved mapping failed")
+            }
+            RangeCall::Unmap { len, .. } | RangeCall::UnmapUnused { len, .. } => {
+                tracing::error!(error = %e, bytes = len, "unmapping memory failed")
+            }
+        }
+    }
+}
 
 /// The part of a pool every handle and block can reach.
 pub(crate) struct Home<R: Runtime, B> {
@@ -231,147 +292,65 @@ impl<R: Runtime, B> Home<R, B> {
         }
     }
 
-    /// Maps `[offset, offset + len)` of a reserved `range` on this thread as units of `unit`
-    /// bytes, each unmapped on its own later (see `MemorySource::map_units`; `unit == len`:
-    /// one mapping), and keeps the books (stats, history: one segment per unit); the budget
-    /// was charged by the caller.
-    pub(crate) fn map_now(
-        &self,
-        range: &Region,
-        offset: usize,
-        len: usize,
-        unit: usize,
-    ) -> Result<(), RuntimeError> {
-        let t0 = Instant::now();
-        let res = self.memory.map_units(range, offset, len, unit);
-        self.stats.host_alloc_time.record(t0.elapsed());
-        if res.is_ok() {
-            for (at, part) in units(offset, len, unit) {
-                self.history
-                    .on_segment_map(self.id, self.owner, &range.part(at, part));
-                self.stats.segment(part, true);
-            }
-            self.stats.allocated_bytes.increase(len as i64);
+    /// Makes `call` on the reserved `range` on this thread (see [`RangeCall`]) and keeps
+    /// its books. The one shape of every call on a reserved range: the source call, timed
+    /// where it takes or gives back memory, then the books of a success, or the failure
+    /// logged.
+    pub(crate) fn range_call(&self, range: &Region, call: RangeCall) -> Result<(), RuntimeError> {
+        let m = &*self.memory;
+        let t0 = call.timer(&self.stats).map(|timer| (timer, Instant::now()));
+        let res = match call {
+            RangeCall::Map { offset, len, unit } => m.map_units(range, offset, len, unit),
+            RangeCall::Move { from, to, len } => m.remap_run(range, from, to, len),
+            RangeCall::Alias { from, to, len } => m.alias_run(range, from, to, len),
+            RangeCall::Unalias { at, len, wait } => m.unalias_run(range, at, len, wait),
+            RangeCall::Unmap { at, len } => m.unmap(range, at, len),
+            RangeCall::UnmapUnused { at, len } => m.unmap_unused(range, at, len),
+        };
+        if let Some((timer, t0)) = t0 {
+            timer.record(t0.elapsed());
+        }
+        match &res {
+            Ok(()) => self.book_range_call(range, call),
+            Err(e) => call.log_failure(e),
         }
         res
     }
 
-    /// Moves the memory of the `granule` bytes mapped at `from` in a reserved `range` to `to`
-    /// on this thread (see `MemorySource::remap_run`: one granule, or the run of one map
-    /// call), and keeps the books: reserved bytes and the budget stay as they are (no memory
-    /// is taken or given back); the history shows the run unmapped at `from` and mapped at
-    /// `to`.
-    pub(crate) fn move_now(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-        granule: usize,
-    ) -> Result<(), RuntimeError> {
-        let res = self.memory.remap_run(range, from, to, granule);
-        match &res {
-            Ok(()) => {
+    /// The books of a `call` on `range` that succeeded (see [`RangeCall`] for each).
+    fn book_range_call(&self, range: &Region, call: RangeCall) {
+        let (id, owner) = (self.id, self.owner);
+        match call {
+            RangeCall::Map { offset, len, unit } => {
+                for (at, part) in units(offset, len, unit) {
+                    self.history
+                        .on_segment_map(id, owner, &range.part(at, part));
+                    self.stats.segment(part, true);
+                }
+                self.stats.allocated_bytes.increase(len as i64);
+            }
+            RangeCall::Move { from, to, len } => {
                 self.history
-                    .on_segment_unmap(self.id, self.owner, &range.part(from, granule));
-                self.history
-                    .on_segment_map(self.id, self.owner, &range.part(to, granule));
+                    .on_segment_unmap(id, owner, &range.part(from, len));
+                self.history.on_segment_map(id, owner, &range.part(to, len));
                 self.stats.remaps.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) => tracing::warn!(error = %e, "moving a granule failed"),
-        }
-        res
-    }
-
-    /// The first half of a move on this thread (see `MemorySource::alias_run`): the run
-    /// mapped at `from` is mapped at `to` too, and counted as moved; reserved bytes and the
-    /// budget stay as they are. The history shows it mapped at `to` now, and unmapped at
-    /// `from` when [`Self::unalias_now`] ends the move.
-    pub(crate) fn alias_now(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        let res = self.memory.alias_run(range, from, to, len);
-        match &res {
-            Ok(()) => {
-                self.history
-                    .on_segment_map(self.id, self.owner, &range.part(to, len));
+            RangeCall::Alias { to, len, .. } => {
+                self.history.on_segment_map(id, owner, &range.part(to, len));
                 self.stats.remaps.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) => tracing::warn!(error = %e, "mapping memory at a second place failed"),
-        }
-        res
-    }
-
-    /// The second half of a move (see [`Self::alias_now`]): the mapping at `offset` ends.
-    pub(crate) fn unalias_now(
-        &self,
-        range: &Region,
-        offset: usize,
-        len: usize,
-        wait: bool,
-    ) -> Result<(), RuntimeError> {
-        let res = self.memory.unalias_run(range, offset, len, wait);
-        match &res {
-            Ok(()) => self
-                .history
-                .on_segment_unmap(self.id, self.owner, &range.part(offset, len)),
-            Err(e) => tracing::error!(error = %e, bytes = len, "ending a moved mapping failed"),
-        }
-        res
-    }
-
-    /// Unmaps `[offset, offset + len)` of a reserved `range` on this thread and keeps the
-    /// books (stats, history, the budget). The caller strikes the granules and counts map
-    /// calls.
-    pub(crate) fn unmap_now(
-        &self,
-        range: &Region,
-        offset: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        self.unmapped(range, offset, len, || self.memory.unmap(range, offset, len))
-    }
-
-    /// [`Home::unmap_now`] for memory no work has used since it was mapped (what a map call
-    /// that failed part way had mapped): the memory source need not wait for the device's
-    /// work, which a capture underway would not survive (`MemorySource::unmap_unused`).
-    pub(crate) fn unmap_unused_now(
-        &self,
-        range: &Region,
-        offset: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        self.unmapped(range, offset, len, || {
-            self.memory.unmap_unused(range, offset, len)
-        })
-    }
-
-    /// Runs `unmap`, the source call that unmaps `[offset, offset + len)` of `range`, and
-    /// keeps the books of it.
-    fn unmapped(
-        &self,
-        range: &Region,
-        offset: usize,
-        len: usize,
-        unmap: impl FnOnce() -> Result<(), RuntimeError>,
-    ) -> Result<(), RuntimeError> {
-        let t0 = Instant::now();
-        let res = unmap();
-        self.stats.host_free_time.record(t0.elapsed());
-        match &res {
-            Ok(()) => {
+            RangeCall::Unalias { at, len, .. } => {
                 self.history
-                    .on_segment_unmap(self.id, self.owner, &range.part(offset, len));
+                    .on_segment_unmap(id, owner, &range.part(at, len));
+            }
+            RangeCall::Unmap { at, len } | RangeCall::UnmapUnused { at, len } => {
+                self.history
+                    .on_segment_unmap(id, owner, &range.part(at, len));
                 self.stats.allocated_bytes.decrease(len as i64);
                 self.stats.segment(len, false);
                 self.budget.release(len);
             }
-            Err(e) => tracing::error!(error = %e, bytes = len, "unmapping memory failed"),
         }
-        res
     }
 
     /// Reports an out-of-memory failure of a request of this pool (see `Recorder::on_oom`);

@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::books::home::Home;
+use crate::books::home::{Home, RangeCall};
 use crate::vocab::carve::SegId;
 use crate::vocab::memory::Region;
 use crate::vocab::runtime::Runtime;
@@ -179,7 +179,9 @@ impl<R: Runtime, B> Drop for Segment<R, B> {
         if let Some(map) = &self.arena {
             let whole = !self.pool.memory.unmaps_granules();
             for (o, l) in map.mapped_ranges(whole) {
-                let _ = self.pool.unmap_now(&self.memory, o, l);
+                let _ = self
+                    .pool
+                    .range_call(&self.memory, RangeCall::Unmap { at: o, len: l });
             }
             let maps = map.live_maps.swap(0, Ordering::Relaxed);
             self.pool.stats.allocations.decrease(maps as i64);

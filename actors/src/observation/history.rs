@@ -190,36 +190,43 @@ impl Recorder {
 
 // ---- hooks: one-line calls from the engine's paths ----
 
+/// A block, or a segment, as the history sees it: its pool and that pool's owner stream, its
+/// address and size. Rule: every entry about a piece of memory starts from one, made by
+/// [`BlockSeen::entry`], so that the hooks share one shape.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BlockSeen {
+    pub(crate) pool: PoolId,
+    pub(crate) owner: Option<StreamId>,
+    pub(crate) addr: usize,
+    pub(crate) size: usize,
+}
+
+impl BlockSeen {
+    /// An entry of `action` at `time_us` about this memory.
+    #[inline]
+    fn entry(self, action: TraceAction, time_us: u64) -> TraceEntry {
+        let mut e = TraceEntry::new(action, time_us, self.pool);
+        e.owner = self.owner;
+        e.addr = self.addr;
+        e.size = self.size;
+        e
+    }
+}
+
 impl Recorder {
-    /// Hook (lease made, cached path included): records an `Alloc`.
+    /// Hook (lease made, cached path included): records an `Alloc` of `block`, `requested`
+    /// bytes asked for.
     #[inline(always)]
-    pub(crate) fn on_alloc(
-        &self,
-        pool: PoolId,
-        owner: Option<StreamId>,
-        addr: usize,
-        size: usize,
-        requested: usize,
-    ) {
+    pub(crate) fn on_alloc(&self, block: BlockSeen, requested: usize) {
         if self.is_on() {
-            self.record_alloc(pool, owner, addr, size, requested);
+            self.record_alloc(block, requested);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn record_alloc(
-        &self,
-        pool: PoolId,
-        owner: Option<StreamId>,
-        addr: usize,
-        size: usize,
-        requested: usize,
-    ) {
-        let mut e = TraceEntry::new(TraceAction::Alloc, self.now_us(), pool);
-        e.owner = owner;
-        e.addr = addr;
-        e.size = size;
+    fn record_alloc(&self, block: BlockSeen, requested: usize) {
+        let mut e = block.entry(TraceAction::Alloc, self.now_us());
         e.requested = requested;
         if self.context() != HistoryContext::None {
             e.context = Some(Arc::new(Backtrace::force_capture()));
@@ -233,34 +240,20 @@ impl Recorder {
     #[inline(always)]
     pub(crate) fn on_free(
         &self,
-        pool: PoolId,
-        owner: Option<StreamId>,
-        addr: usize,
-        size: usize,
+        block: BlockSeen,
         requested: usize,
         stream: impl FnOnce() -> Option<StreamId>,
     ) {
         if self.is_on() {
-            self.record_free(pool, owner, addr, size, requested, stream());
+            self.record_free(block, requested, stream());
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn record_free(
-        &self,
-        pool: PoolId,
-        owner: Option<StreamId>,
-        addr: usize,
-        size: usize,
-        requested: usize,
-        stream: Option<StreamId>,
-    ) {
+    fn record_free(&self, block: BlockSeen, requested: usize, stream: Option<StreamId>) {
         let t = self.now_us();
-        let mut e = TraceEntry::new(TraceAction::FreeRequested, t, pool);
-        e.owner = owner;
-        e.addr = addr;
-        e.size = size;
+        let mut e = block.entry(TraceAction::FreeRequested, t);
         e.requested = requested;
         e.stream = stream;
         if self.context() == HistoryContext::All {
@@ -268,29 +261,15 @@ impl Recorder {
         }
         self.send(e);
         if stream.is_none() {
-            let mut d = TraceEntry::new(TraceAction::FreeCompleted, t, pool);
-            d.owner = owner;
-            d.addr = addr;
-            d.size = size;
-            self.send(d);
+            self.send(block.entry(TraceAction::FreeCompleted, t));
         }
     }
 
     /// Hook (the events of a freed block completed): records a `FreeCompleted`.
     #[inline]
-    pub(crate) fn on_free_completed(
-        &self,
-        pool: PoolId,
-        owner: Option<StreamId>,
-        addr: usize,
-        size: usize,
-    ) {
+    pub(crate) fn on_free_completed(&self, block: BlockSeen) {
         if self.is_on() {
-            let mut e = TraceEntry::new(TraceAction::FreeCompleted, self.now_us(), pool);
-            e.owner = owner;
-            e.addr = addr;
-            e.size = size;
-            self.send(e);
+            self.send(block.entry(TraceAction::FreeCompleted, self.now_us()));
         }
     }
 
@@ -318,11 +297,13 @@ impl Recorder {
 
     fn segment(&self, pool: PoolId, owner: Option<StreamId>, region: &Region, action: TraceAction) {
         if self.is_on() {
-            let mut e = TraceEntry::new(action, self.now_us(), pool);
-            e.owner = owner;
-            e.addr = region.addr();
-            e.size = region.size;
-            self.send(e);
+            let seen = BlockSeen {
+                pool,
+                owner,
+                addr: region.addr(),
+                size: region.size,
+            };
+            self.send(seen.entry(action, self.now_us()));
         }
     }
 

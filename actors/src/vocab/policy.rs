@@ -142,6 +142,23 @@ pub struct Carving {
 }
 
 impl Carving {
+    /// Sets the reserve cap to `times_peak_live` times the peak of live bytes (at least 1):
+    /// what the `reserve_cap` setter of every carving policy does.
+    pub(crate) fn set_reserve_cap(&mut self, times_peak_live: f64) {
+        let permille = (times_peak_live.max(1.0) * 1000.0).min(u32::MAX as f64);
+        self.reserve_cap_permille = Some(permille as u32);
+    }
+
+    /// A carving policy's name: `expandable` while it cuts blocks out of one expandable
+    /// range, else `segments`.
+    pub(crate) fn name(&self, expandable: &'static str, segments: &'static str) -> &'static str {
+        if self.expandable {
+            expandable
+        } else {
+            segments
+        }
+    }
+
     /// The largest ready block a thread splits without the pool actor:
     /// `thread_limit`, and never past `max_split`.
     pub(crate) fn thread_split_limit(&self) -> usize {

@@ -35,7 +35,7 @@ use flume::{Receiver, Sender};
 use crate::blocks::block::{Block, BlockState, Pool, Seg};
 use crate::books::budget::Budget;
 use crate::books::errand::{spawn_or_run, Errand};
-use crate::books::home::{Home, HomeParts, DIVERT_CLOSING};
+use crate::books::home::{Home, HomeParts, RangeCall, DIVERT_CLOSING};
 use crate::books::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
 use crate::observation::history::Recorder;
 use crate::statistics::peaks::{Group, Ledger};
@@ -243,9 +243,14 @@ impl<R: Runtime> PoolActor<R> {
             for (places, e) in a.take_left(|_| true) {
                 rt.release_event(e);
                 for p in places {
-                    let _ = self
-                        .shared
-                        .unalias_now(&a.segment.memory, p.offset, p.len, true);
+                    let _ = self.shared.range_call(
+                        &a.segment.memory,
+                        RangeCall::Unalias {
+                            at: p.offset,
+                            len: p.len,
+                            wait: true,
+                        },
+                    );
                     a.release_left(p);
                 }
             }

@@ -37,6 +37,7 @@ use super::PoolActor;
 use crate::blocks::block::Block;
 use crate::blocks::lease::Lease;
 use crate::books::mailbox::PoolMsg;
+use crate::observation::history::BlockSeen;
 use crate::vocab::carve::Piece;
 use crate::vocab::error::Error;
 use crate::vocab::policy::SizeClass;
@@ -227,11 +228,14 @@ impl<R: Runtime> PoolActor<R> {
         let mut blocks = back;
         // The freed blocks: the books of a free, then back into the free ranges.
         for (mut b, len) in free {
-            let pool = &shared;
-            pool.history
-                .on_free(pool.id, pool.owner, b.memory.addr(), b.size, len, || {
-                    b.streams.first().map(|(s, _)| *s)
-                });
+            let seen = BlockSeen {
+                pool: shared.id,
+                owner: shared.owner,
+                ..b.seen()
+            };
+            shared
+                .history
+                .on_free(seen, len, || b.streams.first().map(|(s, _)| *s));
             stats.freed(b.shard, b.size, len);
             stats.deactivate(b.shard, b.size);
             b.streams.clear();

@@ -255,12 +255,7 @@ impl<R: Runtime> Block<R> {
     /// A freed block no stream's work can touch any more: its free completes (history) and
     /// it stops being counted as active.
     fn free_completed(&mut self) {
-        self.pool.history.on_free_completed(
-            self.pool.id,
-            self.pool.owner,
-            self.memory.addr(),
-            self.size,
-        );
+        self.pool.history.on_free_completed(self.seen());
         self.pool.stats.deactivate(self.shard, self.size);
     }
 

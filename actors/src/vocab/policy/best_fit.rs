@@ -125,8 +125,7 @@ impl BestFit {
 
     /// The reserve cap as a multiple of the peak of live bytes (default 1.15; at least 1).
     pub fn reserve_cap(mut self, times_peak_live: f64) -> Self {
-        let permille = (times_peak_live.max(1.0) * 1000.0).min(u32::MAX as f64);
-        self.carving.reserve_cap_permille = Some(permille as u32);
+        self.carving.set_reserve_cap(times_peak_live);
         self
     }
 
@@ -155,11 +154,7 @@ impl BestFit {
 
 impl SizePolicy for BestFit {
     fn name(&self) -> &'static str {
-        if self.carving.expandable {
-            "bestfit"
-        } else {
-            "bestfit_segments"
-        }
+        self.carving.name("bestfit", "bestfit_segments")
     }
 
     fn num_classes(&self) -> usize {
@@ -188,6 +183,7 @@ impl SizePolicy for BestFit {
         })
     }
 
+    #[inline]
     fn max_request(&self) -> usize {
         1usize << BEST_FIT_MAX_LOG2
     }

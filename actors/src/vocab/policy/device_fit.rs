@@ -2,7 +2,7 @@
 //! unit (or to a number of divisions per power of two, per interval of sizes), cut out of
 //! one expandable range per pool.
 
-use super::best_fit::{BEST_FIT_MAX_LOG2, KEEP_REST_UNDER};
+use super::best_fit::KEEP_REST_UNDER;
 use super::{best_fit_served_by, BestFit, BlockLayout, Carving, SizeClass, SizePolicy};
 
 /// The device policy: blocks of exactly the request rounded up to 512 bytes (PyTorch's device
@@ -108,8 +108,7 @@ impl DeviceFit {
     /// The reserve cap as a multiple of the peak of live bytes (default 1.0; at least 1):
     /// before fresh memory would take reserved bytes above it, free memory goes back.
     pub fn reserve_cap(mut self, times_peak_live: f64) -> Self {
-        let permille = (times_peak_live.max(1.0) * 1000.0).min(u32::MAX as f64);
-        self.carving.reserve_cap_permille = Some(permille as u32);
+        self.carving.set_reserve_cap(times_peak_live);
         self
     }
 
@@ -201,11 +200,7 @@ impl DeviceFit {
 
 impl SizePolicy for DeviceFit {
     fn name(&self) -> &'static str {
-        if self.carving.expandable {
-            "device"
-        } else {
-            "device_segments"
-        }
+        self.carving.name("device", "device_segments")
     }
 
     fn num_classes(&self) -> usize {
@@ -225,8 +220,10 @@ impl SizePolicy for DeviceFit {
         })
     }
 
+    #[inline]
     fn max_request(&self) -> usize {
-        1usize << BEST_FIT_MAX_LOG2
+        // The largest request of the `BestFit` classes.
+        BestFit::default().max_request()
     }
 
     fn layout(&self) -> BlockLayout {

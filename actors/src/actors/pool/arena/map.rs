@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::Arena;
 use crate::actors::pool::PoolActor;
 use crate::blocks::block::{Pool, Seg};
+use crate::books::home::RangeCall;
 use crate::books::segment::{ArenaMap, Segment};
 use crate::vocab::carve::{Piece, SegId};
 use crate::vocab::error::{Error, OomCause};
@@ -285,7 +286,10 @@ impl<R: Runtime> PoolActor<R> {
         let job = self.off_executor(move || {
             let mut gone = Vec::new();
             for (o, l) in runs {
-                if shared.unmap_now(&segment.memory, o, l).is_ok() {
+                if shared
+                    .range_call(&segment.memory, RangeCall::Unmap { at: o, len: l })
+                    .is_ok()
+                {
                     if let Some(m) = segment.arena_map() {
                         m.clear(o, l);
                     }
@@ -338,7 +342,7 @@ fn no_arena() -> Error {
 }
 
 /// Maps `runs` of the arena `segment` (on a blocking thread), all or nothing: on a failure,
-/// what the call mapped goes back (and its bytes to the budget, as `unmap_now` does), and
+/// what the call mapped goes back (and its bytes to the budget, as an unmap does), and
 /// the error comes with the bytes so given back.
 fn map_runs<R: Runtime>(
     shared: &Pool<R>,
@@ -347,10 +351,20 @@ fn map_runs<R: Runtime>(
 ) -> Result<(), (RuntimeError, usize)> {
     let mut done = Vec::new();
     for &(o, l, unit) in runs {
-        if let Err(e) = shared.map_now(&segment.memory, o, l, unit) {
+        if let Err(e) = shared.range_call(
+            &segment.memory,
+            RangeCall::Map {
+                offset: o,
+                len: l,
+                unit,
+            },
+        ) {
             let mut released = 0;
             for (o, l) in done {
-                if shared.unmap_unused_now(&segment.memory, o, l).is_ok() {
+                if shared
+                    .range_call(&segment.memory, RangeCall::UnmapUnused { at: o, len: l })
+                    .is_ok()
+                {
                     released += l;
                 }
             }

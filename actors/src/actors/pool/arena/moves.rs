@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::{Arena, Granule};
 use crate::actors::pool::PoolActor;
 use crate::blocks::block::{Pool, Seg};
+use crate::books::home::RangeCall;
 use crate::vocab::carve::Piece;
 use crate::vocab::runtime::Runtime;
 
@@ -183,7 +184,14 @@ impl<R: Runtime> PoolActor<R> {
             let _ = self
                 .off_executor(move || {
                     for (o, l) in unheld {
-                        let _ = shared.unalias_now(&segment.memory, o, l, true);
+                        let _ = shared.range_call(
+                            &segment.memory,
+                            RangeCall::Unalias {
+                                at: o,
+                                len: l,
+                                wait: true,
+                            },
+                        );
                     }
                 })
                 .await;
@@ -267,7 +275,14 @@ impl<R: Runtime> PoolActor<R> {
                     .map(|(i, p)| {
                         // Waiting once is enough.
                         let ok = shared
-                            .unalias_now(&segment.memory, p.offset, p.len, wait && i == 0)
+                            .range_call(
+                                &segment.memory,
+                                RangeCall::Unalias {
+                                    at: p.offset,
+                                    len: p.len,
+                                    wait: wait && i == 0,
+                                },
+                            )
                             .is_ok();
                         (p, ok)
                     })
@@ -311,12 +326,42 @@ fn run_moves<R: Runtime>(
         .filter(|&m| {
             let (f, t, len) = bytes(m);
             if !aliased {
-                return shared.move_now(&segment.memory, f, t, len).is_ok();
+                return shared
+                    .range_call(
+                        &segment.memory,
+                        RangeCall::Move {
+                            from: f,
+                            to: t,
+                            len,
+                        },
+                    )
+                    .is_ok();
             }
-            if shared.alias_now(&segment.memory, f, t, len).is_err() {
+            if shared
+                .range_call(
+                    &segment.memory,
+                    RangeCall::Alias {
+                        from: f,
+                        to: t,
+                        len,
+                    },
+                )
+                .is_err()
+            {
                 return false;
             }
-            if event.is_none() && shared.unalias_now(&segment.memory, f, len, false).is_err() {
+            if event.is_none()
+                && shared
+                    .range_call(
+                        &segment.memory,
+                        RangeCall::Unalias {
+                            at: f,
+                            len,
+                            wait: false,
+                        },
+                    )
+                    .is_err()
+            {
                 // Both places stay mapped: the old one is held for good.
                 stuck.push((f, len));
             }
