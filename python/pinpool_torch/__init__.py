@@ -328,6 +328,28 @@ def shim():
     return dict(_shim_info)
 
 
+def _cuda_include_dirs(cuda_home, sites):
+    """CUDA's runtime headers for the allocator front: CUDA_HOME's `include` folder, else the
+    folders PyTorch's pip dependencies install (`nvidia/*/include` under each of `sites`),
+    which must hold `cuda_runtime_api.h` and the `crt` headers it includes. RuntimeError when
+    neither has them."""
+    if cuda_home and os.path.isdir(os.path.join(cuda_home, "include")):
+        return [os.path.join(cuda_home, "include")]
+    wanted = ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"))
+    found = []
+    for where in sites:
+        for inc in sorted(glob.glob(os.path.join(where, "nvidia", "*", "include"))):
+            if inc not in found and any(os.path.isfile(os.path.join(inc, w)) for w in wanted):
+                found.append(inc)
+    missing = [w for w in wanted if not any(os.path.isfile(os.path.join(d, w)) for d in found)]
+    if missing:
+        raise RuntimeError(
+            "no CUDA headers for the allocator front: set CUDA_HOME to a CUDA toolkit, or "
+            f"pip install the CUDA runtime's headers (missing: {', '.join(missing)})"
+        )
+    return found
+
+
 def _torch_build_flags(front):
     """Compiler flags for the installed PyTorch: its include and library folders and C++ ABI
     flag; with `front`, also CUDA's headers and the libraries the allocator front links."""
@@ -340,10 +362,10 @@ def _torch_build_flags(front):
     flags = [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DPINPOOL_WITH_C10"]
     link = ["-lc10"]
     if front:
-        cuda = getattr(cpp_extension, "CUDA_HOME", None)
-        if not cuda or not os.path.isdir(os.path.join(cuda, "include")):
-            raise RuntimeError("no CUDA headers (CUDA_HOME) for the allocator front")
-        includes.append(os.path.join(cuda, "include"))
+        import site
+
+        sites = [os.path.dirname(os.path.dirname(torch.__file__))] + site.getsitepackages()
+        includes += _cuda_include_dirs(getattr(cpp_extension, "CUDA_HOME", None), sites)
         flags.append("-DPINPOOL_WITH_FRONT")
         link = ["-ltorch_cuda", "-lc10_cuda", "-ltorch_cpu", "-lc10"]
     flags += [f"-I{d}" for d in includes]

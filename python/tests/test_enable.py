@@ -164,5 +164,44 @@ class EnableTest(unittest.TestCase):
             self.assertIn(part, got)
 
 
+class CudaHeaders(unittest.TestCase):
+    """Where the allocator front finds CUDA's headers: a toolkit's, else those of PyTorch's
+    pip dependencies (site-packages/nvidia/*/include)."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        import pinpool_torch
+
+        self.find = pinpool_torch._cuda_include_dirs
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def touch(self, *parts):
+        path = os.path.join(self.dir, *parts)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+        return path
+
+    def test_a_toolkit_named_by_cuda_home_is_used(self):
+        self.touch("cuda", "include", "cuda_runtime_api.h")
+        self.touch("site", "nvidia", "cu13", "include", "cuda_runtime_api.h")
+        found = self.find(os.path.join(self.dir, "cuda"), [os.path.join(self.dir, "site")])
+        self.assertEqual(found, [os.path.join(self.dir, "cuda", "include")])
+
+    def test_without_a_toolkit_the_pip_wheels_headers_are_used(self):
+        self.touch("site", "nvidia", "cuda_runtime", "include", "cuda_runtime_api.h")
+        self.touch("site", "nvidia", "cuda_crt", "include", "crt", "host_defines.h")
+        self.touch("site", "nvidia", "cublas", "include", "cublas.h")
+        found = self.find(None, [os.path.join(self.dir, "site")])
+        inc = lambda name: os.path.join(self.dir, "site", "nvidia", name, "include")
+        self.assertEqual(found, [inc("cuda_crt"), inc("cuda_runtime")])
+
+    def test_without_the_crt_headers_the_front_is_refused_naming_what_is_missing(self):
+        self.touch("site", "nvidia", "cu13", "include", "cuda_runtime_api.h")
+        with self.assertRaisesRegex(RuntimeError, "host_defines"):
+            self.find(None, [os.path.join(self.dir, "site")])
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
