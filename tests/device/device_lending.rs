@@ -17,13 +17,14 @@ const MIB: usize = 1 << 20;
 const CAP: usize = 16 * MIB;
 const BLOCK: usize = 12 * MIB;
 
-fn lending_pool(lend: bool) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+/// An allocator under [`CAP`], lending between streams as `lend` says (`None`: the default).
+fn lending_pool(lend: Option<bool>) -> (DeviceAllocator<SimRuntime>, SimRuntime) {
     let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .max_bytes(CAP)
-        .lend_between_streams(lend)
-        .build()
-        .expect("allocator builds inside a runtime");
+    let mut builder = DeviceBuilder::new(Arc::new(sim.clone())).max_bytes(CAP);
+    if let Some(on) = lend {
+        builder = builder.lend_between_streams(on);
+    }
+    let pool = builder.build().expect("allocator builds inside a runtime");
     (pool, sim)
 }
 
@@ -149,7 +150,7 @@ fn waiting_for_an_event_recorded_during_capture_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_lent_between_streams_runs_the_borrowers_work_after_the_lenders() {
-    let (pool, sim) = lending_pool(true);
+    let (pool, sim) = lending_pool(Some(true));
     let (a, b) = (sim.stream(), sim.stream());
     let host = sim.host_alloc(BLOCK).unwrap();
 
@@ -188,7 +189,7 @@ async fn a_block_lent_between_streams_runs_the_borrowers_work_after_the_lenders(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lent_block_goes_back_to_its_own_pool_only_after_the_borrowers_work_has_run() {
-    let (pool, sim) = lending_pool(true);
+    let (pool, sim) = lending_pool(Some(true));
     let (a, b) = (sim.stream(), sim.stream());
     let x = pool.alloc(BLOCK, &a).await.unwrap();
     let addr = x.device_ptr();
@@ -219,7 +220,7 @@ async fn a_lent_block_goes_back_to_its_own_pool_only_after_the_borrowers_work_ha
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_lending_a_request_over_the_cap_takes_memory_from_the_driver_again() {
-    let (pool, sim) = lending_pool(false);
+    let (pool, sim) = lending_pool(Some(false));
     let (a, b) = (sim.stream(), sim.stream());
     let x = pool.alloc(BLOCK, &a).await.unwrap();
     let addr = x.device_ptr();
@@ -233,11 +234,7 @@ async fn without_lending_a_request_over_the_cap_takes_memory_from_the_driver_aga
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_pools_lend_each_other_memory_by_default() {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .max_bytes(CAP)
-        .build()
-        .expect("allocator builds inside a runtime");
+    let (pool, sim) = lending_pool(None);
     let (a, b) = (sim.stream(), sim.stream());
     let x = pool.alloc(BLOCK, &a).await.unwrap();
     let addr = x.device_ptr();
