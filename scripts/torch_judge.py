@@ -857,11 +857,15 @@ def pinpool_tests():
         # the allocator front (PyTorch 2.11 on).
         torch.cuda.memory._record_memory_history(max_entries=10000)
         x = torch.empty(3 * MIB, dtype=torch.uint8, device="cuda")
+        # A pool may give idle memory back while the snapshot is taken (a trim after a pause):
+        # the segments add up to what was reserved just before or just after.
+        before = torch.cuda.memory_reserved()
         snap = torch.cuda.memory._snapshot()
+        after = torch.cuda.memory_reserved()
         torch.cuda.memory._record_memory_history(enabled=None)
         segments = snap["segments"]
         reserved = sum(s["total_size"] for s in segments)
-        assert reserved == torch.cuda.memory_reserved(), (reserved, torch.cuda.memory_reserved())
+        assert reserved in (before, after), (reserved, before, after)
         blocks = []
         for s in segments:
             at = s["address"]
@@ -871,11 +875,15 @@ def pinpool_tests():
                 at += b["size"]
         mine = [b for at, b in blocks if at == x.data_ptr() and b["state"] == "active_allocated"]
         assert mine and mine[0]["requested_size"] == 3 * MIB, mine
+        # The call sites PyTorch's context recorder gathered: this function among them.
+        here = lambda frames: any(f["name"] == "t_torch_snapshot_and_history_give_pinpools_layout" for f in frames)
+        assert here(mine[0]["frames"]), mine[0]["frames"][:4]
         allocated = sum(s["allocated_size"] for s in segments)
         assert allocated == torch.cuda.memory_allocated(), (allocated, torch.cuda.memory_allocated())
         trace = snap["device_traces"][0]
         allocs = [e for e in trace if e["action"] == "alloc" and e["addr"] == x.data_ptr()]
         assert allocs and allocs[-1]["size"] == 3 * MIB, trace[-5:]
+        assert here(allocs[-1]["frames"]), allocs[-1]["frames"][:4]
         times = [e["time_us"] for e in trace]
         assert times == sorted(times), "trace times out of order"
         # On the wall clock, as PyTorch's own trace (microseconds since the epoch).

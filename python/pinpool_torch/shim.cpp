@@ -46,7 +46,10 @@
 #include <torch/version.h>
 
 #include <atomic>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 // The snapshot and history calls have the signatures the front overrides from this version.
@@ -241,6 +244,79 @@ const std::vector<std::string>& stat_keys() {
                         "): " + last_error());
 }
 
+#ifdef PINPOOL_FRONT_SNAPSHOT
+using Context = std::shared_ptr<c10::GatheredContext>;
+
+// Call sites of allocations while PyTorch's memory history records them (the context
+// recorder _record_memory_history hands the front: Python and C++ frames). pinpool keeps the
+// trace; the front keeps the contexts, by address in allocation order, and gives the
+// snapshot's allocated blocks and trace entries theirs. An allocation outside history costs
+// one atomic load.
+struct CallSites {
+  std::atomic<c10::CachingDeviceAllocator::CreateContextFn> recorder{nullptr};
+  std::atomic<bool> for_trace{false};  // RecordContext ALLOC or ALL: trace entries get them
+  std::mutex mu;
+  std::unordered_map<uint64_t, std::deque<Context>> by_addr;
+  std::deque<uint64_t> order;  // addresses, oldest first, to bound what is kept
+  size_t keep = 0;
+
+  void note(void* p) {
+    auto rec = recorder.load(std::memory_order_relaxed);
+    if (rec == nullptr || p == nullptr) return;
+    Context ctx = rec();
+    auto a = reinterpret_cast<uint64_t>(p);
+    std::lock_guard<std::mutex> g(mu);
+    by_addr[a].push_back(std::move(ctx));
+    order.push_back(a);
+    while (order.size() > keep) {
+      auto it = by_addr.find(order.front());
+      if (it != by_addr.end()) {
+        it->second.pop_front();
+        if (it->second.empty()) by_addr.erase(it);
+      }
+      order.pop_front();
+    }
+  }
+
+  void set(c10::CachingDeviceAllocator::CreateContextFn rec,
+           c10::CachingDeviceAllocator::RecordContext when, size_t max_entries) {
+    using When = c10::CachingDeviceAllocator::RecordContext;
+    std::lock_guard<std::mutex> g(mu);
+    keep = max_entries;
+    for_trace = when == When::ALLOC || when == When::ALL;
+    recorder = when == When::NEVER ? nullptr : rec;
+    if (recorder.load() == nullptr) {
+      by_addr.clear();
+      order.clear();
+    }
+  }
+
+  // The context of the allocation live at `addr` (the latest there), or none.
+  Context latest(uint64_t addr) {
+    auto it = by_addr.find(addr);
+    return it == by_addr.end() ? nullptr : it->second.back();
+  }
+
+  // Gives the trace's allocation entries their contexts: the last n entries at an address
+  // are the last n allocations noted there.
+  void attach(std::vector<std::vector<c10::CachingDeviceAllocator::TraceEntry>>& traces) {
+    if (!for_trace) return;
+    std::unordered_map<uint64_t, size_t> seen;
+    for (auto& trace : traces) {
+      for (auto e = trace.rbegin(); e != trace.rend(); ++e) {
+        if (e->action_ != c10::CachingDeviceAllocator::TraceEntry::ALLOC) continue;
+        auto it = by_addr.find(e->addr_);
+        if (it == by_addr.end()) continue;
+        size_t k = seen[e->addr_]++;
+        if (k < it->second.size()) e->context_ = it->second[it->second.size() - 1 - k];
+      }
+    }
+  }
+};
+
+CallSites call_sites;
+#endif
+
 // PyTorch's pluggable allocator (alloc, free, record_stream, empty_cache, the memory
 // fraction and graph pools through pinpool's hooks), with the calls it leaves unimplemented
 // answered by pinpool.
@@ -308,8 +384,9 @@ struct Front : Base {
 
   // The snapshot PyTorch's Python calls read (torch.cuda.memory._snapshot): segments with
   // their blocks tiling them, and each device's trace with its times in microseconds since
-  // the epoch (what PyTorch's own snapshot converts its entries' clock readings to).
-  // Call sites are not recorded (frames come out empty).
+  // the epoch (what PyTorch's own snapshot converts its entries' clock readings to); the
+  // call sites of allocated blocks and allocations where history recorded them (frees get
+  // none).
   SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
     Collect c;
     c.info.device_traces.resize(static_cast<size_t>(c10::cuda::device_count()));
@@ -319,17 +396,31 @@ struct Front : Base {
         c.failed) {
       failed("snapshot", -1);
     }
+    std::lock_guard<std::mutex> g(call_sites.mu);
+    for (auto& seg : c.info.segments) {
+      uint64_t at = seg.address;
+      for (auto& b : seg.blocks) {
+        if (b.allocated) b.context_when_allocated = call_sites.latest(at);
+        at += b.size;
+      }
+    }
+    call_sites.attach(c.info.device_traces);
     return std::move(c.info);
   }
 
-  // PyTorch's _record_memory_history: pinpool keeps the trace (no call sites) in a ring of
-  // `alloc_trace_max_entries`; recording context and skipped actions are not supported.
-  void recordHistory(bool enabled, c10::CachingDeviceAllocator::CreateContextFn,
-                     size_t alloc_trace_max_entries, c10::CachingDeviceAllocator::RecordContext,
-                     bool, const std::vector<std::string>&) override {
+  // PyTorch's _record_memory_history: pinpool keeps the trace in a ring of
+  // `alloc_trace_max_entries`, the front the allocations' call sites (pinpool's own, Rust
+  // frames, are not recorded); clearing the history and skipped actions are not supported.
+  void recordHistory(bool enabled, c10::CachingDeviceAllocator::CreateContextFn recorder,
+                     size_t alloc_trace_max_entries,
+                     c10::CachingDeviceAllocator::RecordContext when, bool,
+                     const std::vector<std::string>&) override {
     if (history_impl(enabled ? 1 : 0, alloc_trace_max_entries, 0) != 0) {
       failed("recordHistory", -1);
     }
+    call_sites.set(enabled ? recorder : nullptr,
+                   enabled ? when : c10::CachingDeviceAllocator::RecordContext::NEVER,
+                   alloc_trace_max_entries);
     history_on_ = enabled;
   }
 
@@ -444,7 +535,11 @@ int pinpool_shim_enable(char* what, size_t cap) {
   try {
     auto f = std::make_shared<Front>(
         [](size_t size, int device, cudaStream_t stream) {
-          return pinpool_shim_alloc(size, device, stream);
+          void* p = pinpool_shim_alloc(size, device, stream);
+#ifdef PINPOOL_FRONT_SNAPSHOT
+          call_sites.note(p);
+#endif
+          return p;
         },
         [](void* ptr, size_t size, int device, cudaStream_t stream) {
           pinpool_shim_free(ptr, size, device, stream);
