@@ -93,8 +93,8 @@ impl<R: Runtime> EngineBuilder<R> {
 
     /// With [`Self::stream_ordered`] pools: a request that finds no room under the cap (or
     /// the driver out of memory) first borrows a block of memory another stream's pool holds
-    /// (cached, or free in its mapped memory) before every cache is emptied (default: off).
-    /// The block is handed over without the driver and without waiting: the requesting
+    /// (cached, or free in its mapped memory) before every cache is emptied (default: off
+    /// here; `pinpool`'s `DeviceBuilder` turns it on). The block is handed over without the driver and without waiting: the requesting
     /// stream is made to wait for an event recorded on the lender's stream
     /// ([`crate::Runtime::stream_wait_event`]), and the block goes back to its own pool once
     /// the borrower's work on it has run. Needs a runtime that can order one stream after
