@@ -246,6 +246,7 @@ _ENTRY_POINTS = (
     "pinpool_last_error_is_oom",
     "pinpool_snapshot",
     "pinpool_record_history",
+    "pinpool_enable_peer_access",
 )
 
 
@@ -446,8 +447,11 @@ def enable(path=None, peer_access=False, **settings_):
     place.
 
     `peer_access=True` (the same as PINPOOL_TORCH_PEER_ACCESS=1) gives every GPU access to
-    the memory the others map, for copies between GPUs in this process (`tensor.to("cuda:1")`);
-    it makes every map call on a host of several GPUs dearer (docs/torch.md).
+    the memory the others map from the start. With the allocator front (the shim's `front`
+    flavour) PyTorch's own peer-access call reaches pinpool before its first copy between
+    GPUs, so it is not needed; without the front, copies between GPUs
+    (`tensor.to("cuda:1")`) need it. It makes every map call on a host of several GPUs
+    dearer (docs/torch.md).
 
     Other keyword arguments are settings, the keys of `PINPOOL_DEVICE_CONF` (and of
     `PYTORCH_CUDA_ALLOC_CONF`), set over the variable's:

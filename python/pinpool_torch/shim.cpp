@@ -20,7 +20,9 @@
 //   linked with libtorch_cuda): PyTorch's pluggable allocator with the calls it leaves
 //   unimplemented answered by pinpool — getDeviceStats (torch.cuda.memory_stats,
 //   max_memory_allocated, memory_summary, ...), resetPeakStats, resetAccumulatedStats and
-//   cacheInfo (cuDNN's algorithm search with torch.backends.cudnn.benchmark), and, from
+//   cacheInfo (cuDNN's algorithm search with torch.backends.cudnn.benchmark),
+//   enablePeerAccess and memcpyAsync (copies between GPUs reach memory mapped before peer
+//   access was enabled, and go through the driver's peer copy without it), and, from
 //   PyTorch 2.11, snapshot and recordHistory (torch.cuda.memory._snapshot,
 //   _record_memory_history, _dump_snapshot for pytorch.org/memory_viz) — installed as
 //   PyTorch's CUDA allocator by pinpool_shim_enable.
@@ -102,6 +104,7 @@ typedef void (*segment_cb)(void*, const SegmentRecord*);
 typedef void (*trace_cb)(void*, const TraceRecord*);
 typedef int (*snapshot_fn)(uint64_t, uint64_t, int, void*, segment_cb, trace_cb);
 typedef int (*history_fn)(int, size_t, int);
+typedef int (*peer_fn)(int, int);
 
 static alloc_fn alloc_impl = nullptr;
 static free_fn free_impl = nullptr;
@@ -119,6 +122,7 @@ static device_status_fn reset_accumulated_impl = nullptr;
 static flag_fn oom_impl = nullptr;
 static snapshot_fn snapshot_impl = nullptr;
 static history_fn history_impl = nullptr;
+static peer_fn peer_impl = nullptr;
 
 static std::string last_error() {
   char buf[1024];
@@ -372,6 +376,25 @@ struct Front : Base {
 
   // The largest block a request could get now (cuDNN tries workspaces up to it). PyTorch's
   // own allocator answers at least what `*largest` held; so does this.
+  // PyTorch calls this before its first direct copy between two GPUs (get_p2p_access).
+  // The pluggable front only enables the contexts' peer access; memory pinpool mapped
+  // before the call is opened to `dev` too (mapped memory is reachable only by the devices
+  // its mapping names), as PyTorch's expandable segments are.
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    Base::enablePeerAccess(dev, dev_to_access);
+    if (peer_impl(dev, dev_to_access) != 0) failed("enablePeerAccess", dev);
+  }
+
+  // As PyTorch's own allocator: between two GPUs without peer access, mapped memory is
+  // copied only by the driver's peer copy (cudaMemcpyAsync fails there).
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,
+                          size_t count, cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dstDevice == srcDevice) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
     int64_t n = largest_impl(device);
     if (n < 0) failed("cacheInfo", device);
@@ -493,7 +516,8 @@ std::shared_ptr<Front> front;
 extern "C" {
 // Takes pinpool's entry points (in[0..16]: alloc, free, last_error, begin, end, release,
 // record_stream, empty_cache, memory_fraction, stats_values, largest_block,
-// reset_peak_stats, reset_accumulated_stats, last_error_is_oom, snapshot, record_history);
+// reset_peak_stats, reset_accumulated_stats, last_error_is_oom, snapshot, record_history,
+// enable_peer_access);
 // writes the addresses of the graph-pool hooks
 // to hand PyTorch (out[0..3]); returns 2 when built with the allocator front, 1 when built
 // against PyTorch's headers, else 0.
@@ -514,6 +538,7 @@ int pinpool_shim_install(void* const* in, uint64_t* out) {
   oom_impl = reinterpret_cast<flag_fn>(in[13]);
   snapshot_impl = reinterpret_cast<snapshot_fn>(in[14]);
   history_impl = reinterpret_cast<history_fn>(in[15]);
+  peer_impl = reinterpret_cast<peer_fn>(in[16]);
   out[0] = reinterpret_cast<uint64_t>(&begin_hook);
   out[1] = reinterpret_cast<uint64_t>(&end_hook);
   out[2] = reinterpret_cast<uint64_t>(&release_hook);

@@ -27,9 +27,10 @@ use super::context::{bind, KeepCurrent, RelaxedCaptureMode};
 use super::error::runtime_error;
 use super::ipc;
 use super::runtime::{device_count, stream_id, CudaRuntime};
-use super::vmm::{self, Location, PeerGrants};
+use super::vmm::{self, Location};
 use crate::device::{
-    DeviceBuffer, DeviceBuilder, DeviceOps, DeviceRuntime, IpcExport, IPC_HANDLE_BYTES,
+    DeviceBuffer, DeviceBuilder, DeviceOps, DeviceRuntime, IpcExport, MappedAccess,
+    IPC_HANDLE_BYTES,
 };
 #[cfg(target_os = "linux")]
 use crate::device::{DeviceCopy, IpcHandle, IpcMappedExport};
@@ -45,9 +46,10 @@ pub(crate) struct CudaDeviceMemory {
     /// Whether mapped memory is created exportable as a POSIX file descriptor (for
     /// `ipc_handle`): probed once here, cleared if `cuMemCreate` refuses it.
     shareable: AtomicBool,
-    /// The devices given access to this device's memory (peer access enabled for them):
-    /// memory mapped from then on is accessible to them too, as `cuMemAlloc`'s is.
-    grants: Arc<PeerGrants>,
+    /// The devices given access to this device's memory (peer access enabled for them), and
+    /// the spans mapped here: what is mapped, before or after a grant, is accessible to
+    /// them too, as `cuMemAlloc`'s memory is.
+    access: Arc<MappedAccess>,
 }
 
 impl std::fmt::Debug for CudaDeviceMemory {
@@ -62,24 +64,52 @@ impl std::fmt::Debug for CudaDeviceMemory {
 
 impl CudaDeviceMemory {
     /// The memory of the device whose (primary) context is `ctx`.
-    pub(crate) fn new(ctx: Arc<CudaContext>, grants: Arc<PeerGrants>) -> Self {
+    pub(crate) fn new(ctx: Arc<CudaContext>, access: Arc<MappedAccess>) -> Self {
         let location = Location::device(ctx.ordinal() as std::ffi::c_int);
         let granule = bind(&ctx).ok().and_then(|()| vmm::granularity(location));
         let shareable = granule.is_some() && vmm::fd_handles_supported(ctx.cu_device());
         Self {
-            grants,
+            access,
             ctx,
             granule,
             shareable: AtomicBool::new(shareable),
         }
     }
 
+    /// This device's mapped memory, open to no peer.
+    fn closed(&self) -> Location {
+        Location::device(self.ctx.ordinal() as std::ffi::c_int)
+    }
+
     /// This device's mapped memory, open to the devices granted access to it so far.
     fn location(&self) -> Location {
         Location::Device {
             device: self.ctx.ordinal() as std::ffi::c_int,
-            peers: self.grants.of(self.ctx.ordinal()),
+            peers: self.access.granted(self.ctx.ordinal()),
         }
+    }
+
+    /// Notes `[offset, offset + len)` of `range`, just mapped open to what `location`
+    /// named, opening it to the peers granted since (see `MappedAccess`).
+    fn note_mapped(&self, range: &Region, offset: usize, len: usize, location: Location) {
+        let Location::Device { device, peers } = location else {
+            return;
+        };
+        let at = range.addr() + offset;
+        self.access
+            .mapped(device as usize, at, len, peers, |granted| {
+                let peers = Location::Device {
+                    device,
+                    peers: granted,
+                };
+                vmm::set_access(at as sys::CUdeviceptr, len, peers)
+            });
+    }
+
+    /// Forgets `[offset, offset + len)` of `range` as mapped: called before it is unmapped.
+    fn note_unmapped(&self, range: &Region, offset: usize, len: usize) {
+        self.access
+            .unmapped(self.ctx.ordinal(), range.addr() + offset, len);
     }
 
     /// Binds the device's context and relaxes the thread's capture mode for one call.
@@ -194,19 +224,13 @@ impl MemorySource for CudaDeviceMemory {
             ));
         }
         let _relaxed = self.enter()?;
+        let location = self.location();
         // SAFETY: the engine maps only whole, unmapped granules of a range reserved here
         // (checked for shape above), one mapping per unit; access is granted once for the
         // span (a range of whole mappings): one driver call instead of one per unit.
-        unsafe {
-            vmm::map(
-                range,
-                offset,
-                size,
-                unit,
-                self.location(),
-                Some(&self.shareable),
-            )
-        }
+        unsafe { vmm::map(range, offset, size, unit, location, Some(&self.shareable)) }?;
+        self.note_mapped(range, offset, size, location);
+        Ok(())
     }
 
     fn unmaps_granules(&self) -> bool {
@@ -218,6 +242,7 @@ impl MemorySource for CudaDeviceMemory {
         self.granules_of("cuMemUnmap", range, offset, size)?;
         let _relaxed = self.enter()?;
         self.synchronize("cuMemUnmap")?;
+        self.note_unmapped(range, offset, size);
         // SAFETY: the engine unmaps exactly the run of one earlier `map` call, once no block
         // touches it and the work queued on it has run (synchronised just above).
         unsafe { vmm::unmap(range, offset, size, size) }
@@ -227,6 +252,7 @@ impl MemorySource for CudaDeviceMemory {
         let _keep = KeepCurrent::new();
         self.granules_of("cuMemUnmap", range, offset, size)?;
         let _relaxed = self.enter()?;
+        self.note_unmapped(range, offset, size);
         // SAFETY: the engine unmaps exactly the run of one earlier `map` call that no work
         // has used since it was mapped (`MemorySource::unmap_unused`): nothing to wait for.
         unsafe { vmm::unmap(range, offset, size, size) }
@@ -254,11 +280,20 @@ impl MemorySource for CudaDeviceMemory {
         let _relaxed = self.enter()?;
         // The memory leaves `from`: the work queued on it must have run, as for an unmap.
         self.synchronize("cuMemUnmap")?;
+        let location = self.location();
+        self.note_unmapped(range, from, len);
         // SAFETY: the engine moves exactly the run of one earlier `map` call (one handle of
         // `len` bytes), once no block touches it and its queued work has run (synchronised
         // just above), to whole unmapped granules of the same reserved range (shapes checked
         // above).
-        unsafe { vmm::remap(range, from, to, len, self.location()) }
+        let moved = unsafe { vmm::remap(range, from, to, len, location) };
+        // Where it stayed, it is noted again as open to no peer: noting opens it to all.
+        let (at, location) = match moved {
+            Ok(()) => (to, location),
+            Err(_) => (from, self.closed()),
+        };
+        self.note_mapped(range, at, len, location);
+        moved
     }
 
     fn aliases(&self) -> bool {
@@ -276,10 +311,13 @@ impl MemorySource for CudaDeviceMemory {
         self.granules_of("cuMemMap", range, from, len)?;
         self.granules_of("cuMemMap", range, to, len)?;
         let _relaxed = self.enter()?;
+        let location = self.location();
         // SAFETY: the engine aliases exactly the run of one earlier `map` call (one handle of
         // `len` bytes) to whole unmapped granules of the same reserved range (shapes checked
         // above); `from` stays mapped.
-        unsafe { vmm::alias(range, from, to, len, self.location()) }
+        unsafe { vmm::alias(range, from, to, len, location) }?;
+        self.note_mapped(range, to, len, location);
+        Ok(())
     }
 
     fn unalias_run(
@@ -295,6 +333,7 @@ impl MemorySource for CudaDeviceMemory {
         if wait {
             self.synchronize("cuMemUnmap")?;
         }
+        self.note_unmapped(range, offset, len);
         // SAFETY: the engine ends exactly one mapping that `alias_run` left behind, once
         // the work queued on it has run (an event it recorded completed, or synchronised
         // just above); the handle stays mapped at the place it moved to, so no memory goes.
@@ -341,7 +380,7 @@ impl DeviceOps for CudaRuntime {
     fn device_memory(&self, device: usize) -> Result<Arc<dyn MemorySource>, Error> {
         let memory: Arc<dyn MemorySource> = Arc::new(CudaDeviceMemory::new(
             self.device_context(device)?,
-            self.peer_grants(),
+            self.mapped_access(),
         ));
         Ok(memory)
     }
@@ -399,9 +438,18 @@ impl DeviceOps for CudaRuntime {
     }
 
     fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {
-        ipc::enable_peer(&self.device_context(device)?, &self.device_context(peer)?)?;
-        self.peer_grants().grant(peer, device);
-        Ok(())
+        let owner = self.device_context(peer)?;
+        ipc::enable_peer(&self.device_context(device)?, &owner)?;
+        // Memory `peer` mapped before this call is opened to `device` too.
+        let _keep = KeepCurrent::new();
+        bind(&owner).map_err(|e| Error::Runtime(runtime_error("cuCtxSetCurrent", e)))?;
+        let on = owner.ordinal() as std::ffi::c_int;
+        self.mapped_access()
+            .grant(peer, device, |at, len, peers| {
+                let location = Location::Device { device: on, peers };
+                vmm::set_access(at as sys::CUdeviceptr, len, location)
+            })
+            .map_err(Error::Runtime)
     }
 
     unsafe fn copy_device_async(

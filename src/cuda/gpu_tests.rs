@@ -608,7 +608,7 @@ fn device_granules_mapped_as_units_in_one_call_are_all_usable_and_each_goes_back
     let Some(rt) = default_gpu("device_map_units") else {
         return;
     };
-    let mem = CudaDeviceMemory::new(rt.context().clone(), rt.peer_grants());
+    let mem = CudaDeviceMemory::new(rt.context().clone(), rt.mapped_access());
     let Some(g) = mem.granularity() else {
         println!("device_map_units: skipped, the device has no granules");
         return;

@@ -142,7 +142,7 @@ pub struct CudaRuntime {
     vmm_granule: Option<usize>,
     /// Which devices may access each device's mapped memory (see
     /// [`crate::DeviceAllocator::enable_peer_access`]).
-    peer_grants: Arc<vmm::PeerGrants>,
+    mapped_access: Arc<crate::device::MappedAccess>,
 }
 
 impl std::fmt::Debug for CudaRuntime {
@@ -183,13 +183,13 @@ impl CudaRuntime {
             layout,
             events: EventPools::new(),
             vmm_granule,
-            peer_grants: Arc::new(vmm::PeerGrants::new(count)),
+            mapped_access: Arc::new(crate::device::MappedAccess::new(count)),
         })
     }
 
-    /// The grants of access to each device's mapped memory.
-    pub(crate) fn peer_grants(&self) -> Arc<vmm::PeerGrants> {
-        self.peer_grants.clone()
+    /// The grants of access to each device's mapped memory, and its mapped spans.
+    pub(crate) fn mapped_access(&self) -> Arc<crate::device::MappedAccess> {
+        self.mapped_access.clone()
     }
 
     /// A new non-blocking stream on this runtime's device (the call that makes a stream on

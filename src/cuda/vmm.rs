@@ -33,7 +33,8 @@ pub(crate) enum Location {
     /// Pinned host memory, accessed by this device.
     Host { device: c_int },
     /// This device's memory, readable and writable by it and by the devices of `peers` (a
-    /// bit per device ordinal: those granted access, see [`PeerGrants`]).
+    /// bit per device ordinal: those granted access, see the device module's
+    /// `MappedAccess`).
     Device { device: c_int, peers: u64 },
 }
 
@@ -134,34 +135,6 @@ pub(crate) fn reserve(size: usize, granule: usize, method: Origin) -> Result<Reg
     Ok(Region { ptr, size, method })
 }
 
-/// Which devices have been given access to each device's mapped memory, a bit per
-/// ordinal (devices past the 64th are left out): set by peer access being enabled, read at
-/// every map call, never cleared (peer access lasts as long as the context).
-#[derive(Debug)]
-pub(crate) struct PeerGrants(Box<[std::sync::atomic::AtomicU64]>);
-
-impl PeerGrants {
-    /// No grants among `count` devices.
-    pub(crate) fn new(count: usize) -> Self {
-        Self((0..count).map(|_| Default::default()).collect())
-    }
-
-    /// The devices that map calls of `device`'s memory give access to, besides itself.
-    pub(crate) fn of(&self, device: usize) -> u64 {
-        self.0.get(device).map_or(0, |m| m.load(Ordering::Acquire))
-    }
-
-    /// From now on, memory that `owner` maps is accessible to `accessor` too.
-    pub(crate) fn grant(&self, owner: usize, accessor: usize) {
-        if accessor >= 64 || accessor == owner {
-            return;
-        }
-        if let Some(m) = self.0.get(owner) {
-            m.fetch_or(1 << accessor, Ordering::AcqRel);
-        }
-    }
-}
-
 /// Whether device `device` can export memory as POSIX file descriptors
 /// (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`); false where the
 /// driver does not say.
@@ -253,7 +226,13 @@ pub(crate) unsafe fn map(
     res
 }
 
-fn set_access(at: sys::CUdeviceptr, size: usize, location: Location) -> Result<(), RuntimeError> {
+/// Opens the mapped span `[at, at + size)` to the accessors `location` names (for device
+/// memory, its device and its peers; for host memory, the device and the host).
+pub(crate) fn set_access(
+    at: sys::CUdeviceptr,
+    size: usize,
+    location: Location,
+) -> Result<(), RuntimeError> {
     let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     let on_device = |id: c_int| sys::CUmemAccessDesc {
         location: sys::CUmemLocation {

@@ -13,8 +13,9 @@
 //! their memory), `builder`, `allocator`, `buffer`, `raw` (the raw-pointer calls' table),
 //! `capture` (capture pools for CUDA graphs), `checkpoint` (checkpoints
 //! of capture pools), `free_memory` (free-memory callbacks),
-//! `ipc_handle` and `ipc` (blocks shared with other processes), and `peer` (peer access
-//! and copies between devices).
+//! `ipc_handle` and `ipc` (blocks shared with other processes), `peer` (peer access
+//! and copies between devices) and `mapped_access` (which peers reach each device's mapped
+//! memory, for the runtimes).
 
 mod allocator;
 mod buffer;
@@ -24,6 +25,7 @@ mod checkpoint;
 mod free_memory;
 mod ipc;
 mod ipc_handle;
+mod mapped_access;
 mod peer;
 mod raw;
 mod runtime;
@@ -34,6 +36,8 @@ pub use builder::DeviceBuilder;
 pub use checkpoint::CheckpointDelta;
 pub use ipc::IpcMemory;
 pub use ipc_handle::{IpcHandle, MappedHandle, IPC_HANDLE_BYTES, MAX_MAPPED_HANDLES};
+pub(crate) use mapped_access::MappedAccess;
+pub(crate) use runtime::DeviceCopy;
 pub use runtime::DeviceRuntime;
 #[cfg(feature = "cuda")]
-pub(crate) use runtime::{DeviceCopy, DeviceOps, IpcExport, IpcMappedExport};
+pub(crate) use runtime::{DeviceOps, IpcExport, IpcMappedExport};

@@ -54,10 +54,11 @@ impl PeerTable {
 impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// Lets device `device` access the memory of device `peer` (PyTorch's
     /// `enablePeerAccess`); enabling a pair again, or a device for itself, changes nothing.
-    /// Memory of `peer`'s expandable range is reachable by `device` only where it was
-    /// mapped after this call (a mapping names the devices that may access it): enable peer
-    /// access before allocating what `device` reads or writes directly, or use separate
-    /// segments (`expandable_segments:false`), which peer access covers whole.
+    /// Mapped memory (the expandable ranges) names the devices that may access it: the
+    /// memory `peer`'s pools mapped before this call is opened to `device` here, and what
+    /// they map later is mapped open to it, so that `device` reaches every block of `peer`,
+    /// old or new, as it reaches separate segments. Each device a device's memory is open
+    /// to makes its later map calls dearer.
     /// [`Error::NoSuchDevice`] for a device that does not exist,
     /// [`Error::PeerAccessUnsupported`] where the two devices have no peer-to-peer path.
     pub fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {

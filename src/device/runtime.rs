@@ -239,11 +239,11 @@ impl DeviceOps for SimRuntime {
     }
 
     fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {
-        if self.peer_access() {
-            Ok(())
-        } else {
-            Err(Error::PeerAccessUnsupported { device, peer })
+        if !self.peer_access() {
+            return Err(Error::PeerAccessUnsupported { device, peer });
         }
+        let opened = |_, _, _| Ok::<(), Error>(());
+        self.mapped_access().grant(peer, device, opened)
     }
 
     unsafe fn copy_device_async(
@@ -254,6 +254,9 @@ impl DeviceOps for SimRuntime {
         // Both ways are one copy on the stream's worker (early reuse of either range is
         // caught when it runs).
         self.check_stream(stream).map_err(sim_error)?;
+        if copy.p2p {
+            self.check_peer_reach(stream.device(), &copy)?;
+        }
         stream
             .copy_dtod(copy.src, copy.dst, copy.len)
             .map_err(sim_error)

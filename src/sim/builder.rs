@@ -90,6 +90,7 @@ impl SimRuntimeBuilder {
                     })
                     .collect(),
                 peer_access: !self.no_peer_access,
+                mapped_access: crate::device::MappedAccess::new(self.devices.unwrap_or(1)),
                 lifeline: lifeline_rx,
             }),
             _lifeline: Arc::new(lifeline_tx),

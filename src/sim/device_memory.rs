@@ -57,6 +57,21 @@ impl SimDeviceMemory {
             })
     }
 
+    /// Notes `[offset, offset + len)` of `range` as mapped, open to the peers granted now
+    /// (see `MappedAccess`; a simulated mapping opens at once).
+    fn note_mapped(&self, range: &Region, offset: usize, len: usize) {
+        let access = &self.shared.mapped_access;
+        let granted = access.granted(self.ordinal);
+        let opened = |_| Ok::<(), std::convert::Infallible>(());
+        access.mapped(self.ordinal, range.addr() + offset, len, granted, opened);
+    }
+
+    /// Forgets `[offset, offset + len)` of `range` as mapped.
+    fn note_unmapped(&self, range: &Region, offset: usize, len: usize) {
+        let at = range.addr() + offset;
+        self.shared.mapped_access.unmapped(self.ordinal, at, len);
+    }
+
     fn give(&self, bytes: usize) {
         self.state().used.fetch_sub(bytes, Ordering::SeqCst);
     }
@@ -159,6 +174,7 @@ impl SimDeviceMemory {
             );
             return Err(e);
         }
+        self.note_unmapped(range, offset, size);
         self.give(size);
         self.state().frees.fetch_add(1, Ordering::SeqCst);
         Ok(())
@@ -295,6 +311,7 @@ impl MemorySource for SimDeviceMemory {
             self.give(size);
             return Err(e);
         }
+        self.note_mapped(range, offset, size);
         self.state().allocs.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
@@ -335,6 +352,8 @@ impl MemorySource for SimDeviceMemory {
             alloc.set_mapped_call(to, len, false);
             return Err(e);
         }
+        self.note_unmapped(range, from, len);
+        self.note_mapped(range, to, len);
         self.state().remaps.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
@@ -359,6 +378,7 @@ impl MemorySource for SimDeviceMemory {
             ));
         }
         mark_call(OP, &alloc, to, len, true)?;
+        self.note_mapped(range, to, len);
         self.state().remaps.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
@@ -376,7 +396,9 @@ impl MemorySource for SimDeviceMemory {
             self.synchronize(OP);
         }
         // Work still queued on the place finds it unmapped when it runs: a violation.
-        mark_call(OP, &alloc, offset, len, false)
+        mark_call(OP, &alloc, offset, len, false)?;
+        self.note_unmapped(range, offset, len);
+        Ok(())
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {

@@ -103,6 +103,8 @@ pub(crate) struct Shared {
     devices: Box<[DeviceState]>,
     /// Whether the devices can access each other's memory (peer access).
     peer_access: bool,
+    /// Which peers reach each device's mapped memory (a copy between devices checks it).
+    pub(crate) mapped_access: crate::device::MappedAccess,
     /// Never sent on; disconnects when the last `SimRuntime` handle drops, ending hangs.
     lifeline: flume::Receiver<()>,
 }
@@ -274,6 +276,37 @@ impl SimRuntime {
     /// [`SimRuntimeBuilder::without_peer_access`]).
     pub(crate) fn peer_access(&self) -> bool {
         self.shared.peer_access
+    }
+
+    /// Which peers reach each device's mapped memory.
+    pub(crate) fn mapped_access(&self) -> &crate::device::MappedAccess {
+        &self.shared.mapped_access
+    }
+
+    /// Refuses a direct copy on a stream of device `on` that touches mapped memory of
+    /// another device not opened to `on`, as the driver does (CUDA's invalid-argument error).
+    pub(crate) fn check_peer_reach(
+        &self,
+        on: usize,
+        copy: &crate::device::DeviceCopy,
+    ) -> Result<(), crate::Error> {
+        let ends = [(copy.src_device, copy.src), (copy.dst_device, copy.dst)];
+        for (device, addr) in ends {
+            let reach = self
+                .mapped_access()
+                .reaches(device, on, addr as usize, copy.len);
+            if reach == Some(false) {
+                return Err(crate::Error::Runtime(RuntimeError::new(
+                    "cuMemcpyAsync",
+                    format!(
+                        "invalid argument: {} bytes at {addr:#x}, mapped memory of device \
+                         {device}, are not open to device {on}",
+                        copy.len
+                    ),
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Bytes allocated or mapped on device `ordinal` (`None` past the last device).

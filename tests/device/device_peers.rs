@@ -70,6 +70,41 @@ async fn a_peer_copy_moves_bytes_from_device_0_to_device_1_either_way() {
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
 
+/// PyTorch enables peer access when a program first copies between two GPUs, long after
+/// memory was mapped: the mapped memory of both devices' expandable ranges, old and new (and
+/// moved after the grant), must be reachable by the peer's direct copy.
+#[tokio::test]
+async fn memory_mapped_before_peer_access_is_enabled_is_reached_by_the_peers_copies() {
+    let (pool, sim) = two_devices(SimRuntime::builder().devices(2).build());
+    let (s0, s1) = (sim.stream_on(0).unwrap(), sim.stream_on(1).unwrap());
+    let mut old_src = pool.alloc(3 * MIB, &s0).await.unwrap();
+    let mut old_dst = pool.alloc(3 * MIB, &s1).await.unwrap();
+    s0.fill_device(old_src.device_ptr(), 3 * MIB, 0x3c).unwrap();
+    s0.synchronize().unwrap();
+    pool.enable_peer_access(1, 0).unwrap();
+    pool.enable_peer_access(0, 1).unwrap();
+    let mut new_src = pool.alloc(40 * MIB, &s0).await.unwrap();
+    s0.fill_device(new_src.device_ptr(), 40 * MIB, 0x3d)
+        .unwrap();
+    s0.synchronize().unwrap();
+    let mut new_dst = pool.alloc(40 * MIB, &s1).await.unwrap();
+    // On device 1's stream (reaching device 0's memory) and on device 0's (reaching 1's).
+    pool.memcpy_async(&mut old_dst, &mut old_src, 3 * MIB, &s1, true)
+        .unwrap();
+    pool.memcpy_async(&mut new_dst, &mut new_src, 40 * MIB, &s0, true)
+        .unwrap();
+    s0.synchronize().unwrap();
+    pool.memcpy_async(&mut new_dst, &mut old_src, MIB, &s1, true)
+        .unwrap();
+    s1.synchronize().unwrap();
+    let old = read_device(&sim, &s1, old_dst.device_ptr(), 3 * MIB);
+    assert!(old.iter().all(|&b| b == 0x3c));
+    let new = read_device(&sim, &s1, new_dst.device_ptr(), 40 * MIB);
+    assert!(new[..MIB].iter().all(|&b| b == 0x3c));
+    assert!(new[MIB..].iter().all(|&b| b == 0x3d));
+    assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
+}
+
 #[tokio::test]
 async fn a_destination_freed_right_after_a_peer_copy_is_not_reused_before_the_copy_runs() {
     let (pool, sim) = two_devices(SimRuntime::builder().devices(2).build());

@@ -153,6 +153,17 @@ pub extern "C" fn pinpool_memory_fraction(fraction: f64, device: c_int) {
     });
 }
 
+/// `int enable_peer_access(int device, int peer)`: PyTorch's `enablePeerAccess`, made
+/// before its first direct copy between two GPUs: `device` may access `peer`'s memory,
+/// including what `peer`'s pools mapped before the call. 0, or -1 (no such device, no peer
+/// path between the two, a driver failure).
+#[no_mangle]
+pub extern "C" fn pinpool_enable_peer_access(device: c_int, peer: c_int) -> c_int {
+    status("enable_peer_access", || {
+        plugin()?.enable_peer_access(device, peer)
+    })
+}
+
 /// Makes the allocator now (it is otherwise made by the first call): 0, or -1 with the
 /// reason in `pinpool_last_error`. A failed start is tried again by the next call.
 #[no_mangle]

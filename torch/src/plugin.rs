@@ -211,6 +211,14 @@ impl<R: DeviceRuntime> Plugin<R> {
         self.alloc.reserved_bytes(self.device(device)?)
     }
 
+    /// PyTorch's `enablePeerAccess(device, peer)` (made before its first copy between two
+    /// GPUs): `device` may access `peer`'s memory, the memory `peer`'s pools mapped before
+    /// the call included.
+    pub(crate) fn enable_peer_access(&self, device: i32, peer: i32) -> Result<(), Error> {
+        let (device, peer) = (self.device(device)?, self.device(peer)?);
+        self.alloc.enable_peer_access(device, peer)
+    }
+
     /// `torch.cuda.reset_peak_memory_stats(device)`.
     pub(crate) fn reset_peak_stats(&self, device: i32) -> Result<(), Error> {
         self.alloc.reset_peak_stats(self.device(device)?)

@@ -555,6 +555,40 @@ fn without_cuda_the_exported_symbols_fail_softly() {
     pinpool_empty_cache();
 }
 
+/// PyTorch's `enablePeerAccess`, made before its first copy between two GPUs, long after
+/// the first allocations: a direct copy on the peer then reaches the memory mapped before.
+#[test]
+fn pytorchs_peer_access_call_opens_the_memory_mapped_before_it() {
+    let s = setup();
+    let alloc = s.plugin.allocator();
+    let (s0, s1) = (s.stream(0, 3), s.stream(1, 3));
+    let mut src = alloc.alloc_blocking(3 * MIB, s0).unwrap();
+    let mut dst = alloc.alloc_blocking(3 * MIB, s1).unwrap();
+    s0.fill_device(src.device_ptr(), 3 * MIB, 7).unwrap();
+    s0.synchronize().unwrap();
+    assert!(matches!(
+        alloc.memcpy_async(&mut dst, &mut src, 3 * MIB, s1, true),
+        Err(Error::PeerAccessNotEnabled { device: 1, peer: 0 })
+    ));
+    assert!(matches!(
+        s.plugin.enable_peer_access(1, 5),
+        Err(Error::NoSuchDevice { ordinal: 5, .. })
+    ));
+    s.plugin.enable_peer_access(1, 0).unwrap();
+    alloc
+        .memcpy_async(&mut dst, &mut src, 3 * MIB, s1, true)
+        .unwrap();
+    s1.synchronize().unwrap();
+    let sim = alloc.runtime();
+    let host = sim.host_alloc(3 * MIB).unwrap();
+    s1.copy_dtoh(dst.device_ptr(), host.ptr.as_ptr(), 3 * MIB)
+        .unwrap();
+    s1.synchronize().unwrap();
+    let back = sim.host_read(host.ptr.as_ptr(), 3 * MIB).unwrap();
+    sim.host_free(host).unwrap();
+    assert!(back.iter().all(|&b| b == 7));
+}
+
 #[test]
 fn reset_peak_stats_brings_the_allocated_peak_down_to_what_is_allocated_now() {
     let s = setup();
