@@ -65,6 +65,7 @@ impl std::fmt::Debug for CudaDeviceMemory {
 impl CudaDeviceMemory {
     /// The memory of the device whose (primary) context is `ctx`.
     pub(crate) fn new(ctx: Arc<CudaContext>, access: Arc<MappedAccess>) -> Self {
+        let _keep = KeepCurrent::new();
         let location = Location::device(ctx.ordinal() as std::ffi::c_int);
         let granule = bind(&ctx).ok().and_then(|()| vmm::granularity(location));
         let shareable = granule.is_some() && vmm::fd_handles_supported(ctx.cu_device());
@@ -391,6 +392,7 @@ impl DeviceOps for CudaRuntime {
 
     fn device_memory_info(&self, device: usize) -> Result<(usize, usize), Error> {
         let ctx = self.device_context(device)?;
+        let _keep = KeepCurrent::new();
         bind(&ctx).map_err(|e| Error::Runtime(runtime_error("cuCtxSetCurrent", e)))?;
         result::mem_get_info().map_err(|e| Error::Runtime(runtime_error("cuMemGetInfo", e)))
     }

@@ -18,6 +18,7 @@ use crate::actors::{
 
 use super::buffer::{tie_to_stream, DeviceBuffer};
 use super::builder::DeviceBuilder;
+use super::devices::Devices;
 use super::ipc::IpcRegistry;
 use super::peer::PeerTable;
 use super::raw::RawTable;
@@ -27,9 +28,8 @@ use crate::sim::SimRuntime;
 
 pub(crate) struct Inner<R: DeviceRuntime> {
     pub(crate) runtime: Arc<R>,
-    pub(crate) devices: Box<[Engine<R>]>,
-    /// Each device's memory, in bytes: no request larger than that is tried.
-    pub(crate) totals: Box<[usize]>,
+    /// Each device's engine, started at the device's first use.
+    pub(crate) devices: Devices<R>,
     pub(crate) raw: RawTable<RawLease<R>>,
     pub(crate) config: DeviceConfig,
     /// Segments of other processes opened here (started on the first open).
@@ -121,20 +121,23 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
 
     /// How many devices the allocator serves.
     pub fn device_count(&self) -> usize {
-        self.inner.devices.len()
+        self.inner.devices.count()
     }
 
-    /// Every device's engine, by ordinal.
-    pub(super) fn engines(&self) -> &[Engine<R>] {
-        &self.inner.devices
+    /// The engines of the devices started so far, by ordinal.
+    pub(super) fn engines(&self) -> impl Iterator<Item = &Engine<R>> {
+        self.inner.devices.engines()
     }
 
-    /// The engine of device `device` ([`crate::tuning::device_engine`] for tools).
+    /// The engine of device `device`, started now if it was not
+    /// ([`crate::tuning::device_engine`] for tools).
     pub(crate) fn engine(&self, device: usize) -> Result<&Engine<R>, Error> {
-        self.inner.devices.get(device).ok_or(Error::NoSuchDevice {
-            ordinal: device,
-            count: self.inner.devices.len(),
-        })
+        self.inner.devices.get(device).map(|d| &d.engine)
+    }
+
+    /// The engine of device `device` if it has started, without starting it.
+    fn started(&self, device: usize) -> Result<Option<&Engine<R>>, Error> {
+        Ok(self.inner.devices.started(device)?.map(|d| &d.engine))
     }
 
     /// The engine of the device `stream` runs on, for a request of `size` bytes: one larger
@@ -145,8 +148,9 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         size: usize,
     ) -> Result<(usize, &Engine<R>), Error> {
         let d = self.inner.runtime.stream_device(stream);
-        let engine = self.engine(d)?;
-        if size > self.inner.totals[d] {
+        let device = self.inner.devices.get(d)?;
+        let engine = &device.engine;
+        if size > device.total {
             return Err(engine.refused(Error::OutOfMemory {
                 requested: size,
                 reserved: engine.reserved_bytes(),
@@ -353,7 +357,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// take memory as they would from fresh pools.
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
         let mut total = EmptyReport::default();
-        for e in self.inner.devices.iter() {
+        for e in self.engines() {
             total.merge(&e.empty_cache().await?);
         }
         Ok(total)
@@ -369,20 +373,29 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     }
 
     /// Statistics of device `device`, with the keys of `torch.cuda.memory_stats()`.
+    /// Counts all zero for a device not used yet.
     pub fn stats(&self, device: usize) -> Result<DeviceStats, Error> {
-        let engine = self.engine(device)?;
-        Ok(engine.device_stats().unwrap_or_default())
+        if let Some(stats) = self.started(device)?.and_then(|e| e.device_stats()) {
+            return Ok(stats);
+        }
+        let mut unused = DeviceStats::default();
+        unused.max_split_size = self.inner.config.max_split_size.map(|m| m as i64);
+        Ok(unused)
     }
 
     /// Sets every peak statistic of device `device` to its current value.
     pub fn reset_peak_stats(&self, device: usize) -> Result<(), Error> {
-        self.engine(device)?.reset_peak_stats();
+        if let Some(e) = self.started(device)? {
+            e.reset_peak_stats();
+        }
         Ok(())
     }
 
     /// Zeroes the accumulated statistics of device `device`.
     pub fn reset_accumulated_stats(&self, device: usize) -> Result<(), Error> {
-        self.engine(device)?.reset_accumulated_stats();
+        if let Some(e) = self.started(device)? {
+            e.reset_accumulated_stats();
+        }
         Ok(())
     }
 
@@ -407,20 +420,24 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
 
     /// Bytes device `device`'s pools reserve (what the cap limits).
     pub fn reserved_bytes(&self, device: usize) -> Result<usize, Error> {
-        Ok(self.engine(device)?.reserved_bytes())
+        Ok(self.started(device)?.map_or(0, |e| e.reserved_bytes()))
     }
 
     /// Free and total bytes of device `device`, as its driver reports them.
     pub fn memory_info(&self, device: usize) -> Result<(usize, usize), Error> {
-        self.engine(device)?;
+        self.started(device)?;
         self.inner.runtime.device_memory_info(device)
     }
 
     /// Every segment and block of every device (address, size, requested size, state,
-    /// stream, device) and the configuration in force; serializable with serde.
+    /// stream, device) and the configuration in force; serializable with serde. (Before any
+    /// device is used, device 0 starts, for its configuration.)
     pub async fn snapshot(&self) -> Result<MemorySnapshot, Error> {
+        if self.engines().next().is_none() {
+            self.engine(0)?;
+        }
         let mut all: Option<MemorySnapshot> = None;
-        for e in self.inner.devices.iter() {
+        for e in self.engines() {
             let s = e.snapshot().await?;
             match &mut all {
                 None => all = Some(s),
@@ -437,12 +454,15 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
 
     /// The largest cached block and the bytes cached on device `device`.
     pub async fn cache_info(&self, device: usize) -> Result<CacheInfo, Error> {
-        self.engine(device)?.cache_info().await
+        match self.started(device)? {
+            Some(e) => e.cache_info().await,
+            None => Ok(CacheInfo::default()),
+        }
     }
 
     /// The segment that holds device address `ptr`, on any device, or `None`.
     pub async fn base_allocation(&self, ptr: u64) -> Result<Option<BaseAllocation>, Error> {
-        for e in self.inner.devices.iter() {
+        for e in self.engines() {
             if let Some(b) = e.base_allocation(ptr as usize as *const u8).await? {
                 return Ok(Some(b));
             }
@@ -473,28 +493,40 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         max_entries: usize,
         context: HistoryContext,
     ) -> Result<(), Error> {
-        for e in self.inner.devices.iter() {
-            e.record_history(enabled, max_entries, context)?;
-        }
-        Ok(())
+        self.inner
+            .devices
+            .record_history(enabled, max_entries, context)
     }
 
-    /// Adds a `UserDefined` entry named `name` to every device's history.
+    /// Adds a `UserDefined` entry named `name` to every device's history (a device not used
+    /// yet records it when it starts).
     pub fn record_annotation(&self, name: &str) {
-        for e in self.inner.devices.iter() {
-            e.record_annotation(name);
+        self.inner.devices.annotate(name);
+    }
+
+    /// The recorded history of device `device` (none for a device not used yet).
+    pub async fn history(&self, device: usize) -> Result<History, Error> {
+        match self.started(device)? {
+            Some(e) => e.history().await,
+            None => Ok(self.unused_history()),
         }
     }
 
-    /// The recorded history of device `device`.
-    pub async fn history(&self, device: usize) -> Result<History, Error> {
-        self.engine(device)?.history().await
+    /// The history of a device not used yet: no entries, the setting in force.
+    fn unused_history(&self) -> History {
+        let mut h = History::default();
+        if let Some((enabled, max_entries, _)) = self.inner.devices.history_setting() {
+            (h.enabled, h.max_entries) = (enabled, max_entries);
+        }
+        h
     }
 
     /// [`DeviceAllocator::history`] for threads outside the tokio runtime.
     pub fn history_blocking(&self, device: usize) -> Result<History, Error> {
-        let engine = self.engine(device)?;
-        crate::actors::blocking::call(("history_blocking", "history().await"), engine.history())?
+        crate::actors::blocking::call(
+            ("history_blocking", "history().await"),
+            self.history(device),
+        )?
     }
 
     /// The history page of device `device` (see [`crate::report::render_history_html`]).
@@ -509,10 +541,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// Calls `f` for every trace entry recorded on any device while history is on.
     pub fn attach_trace_tracker(&self, f: impl Fn(&TraceEntry) + Send + Sync + 'static) {
         let f = Arc::new(f);
-        for e in self.inner.devices.iter() {
+        self.inner.devices.attach(move |e| {
             let f = f.clone();
             e.attach_trace_tracker(move |t| f(t));
-        }
+        });
     }
 
     /// Calls `f` for every request that fails for want of device memory, with the report
@@ -520,10 +552,10 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// free).
     pub fn attach_oom_observer(&self, f: impl Fn(&OomReport) + Send + Sync + 'static) {
         let f = Arc::new(f);
-        for e in self.inner.devices.iter() {
+        self.inner.devices.attach(move |e| {
             let f = f.clone();
             e.attach_oom_observer(move |r| f(r));
-        }
+        });
     }
 }
 
@@ -531,7 +563,7 @@ impl<R: DeviceRuntime> std::fmt::Debug for DeviceAllocator<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceAllocator")
             .field("runtime", &self.inner.runtime.name())
-            .field("devices", &self.inner.devices.len())
+            .field("devices", &self.inner.devices.count())
             .finish_non_exhaustive()
     }
 }

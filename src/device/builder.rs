@@ -1,25 +1,18 @@
-//! `DeviceBuilder`: the settings of a [`DeviceAllocator`], and the start of one engine per
-//! device (each with its own actors, budget, statistics and history, as PyTorch keeps one
-//! allocator per device).
+//! `DeviceBuilder`: the settings of a [`DeviceAllocator`], checked when it is built; each
+//! device's engine (its own actors, budget, statistics and history, as PyTorch keeps one
+//! allocator per device) starts at the device's first use (see `devices`).
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crate::actors::{DeviceFit, EngineBuilder, Error, SizePolicy};
+use crate::actors::{Error, SizePolicy};
 
-use super::allocator::{DeviceAllocator, Inner};
+use super::allocator::{fraction_of, DeviceAllocator, Inner};
+use super::devices::{Cap, Devices, Recipe};
 use super::peer::PeerTable;
 use super::raw::RawTable;
 use super::runtime::DeviceRuntime;
 use crate::config::{DeviceConfig, DEVICE_ENV_VAR};
-
-/// How the cap of each device is set.
-#[derive(Debug, Clone, Copy)]
-enum Cap {
-    None,
-    Bytes(usize),
-    Fraction(f64),
-}
 
 /// Configures a [`DeviceAllocator`].
 ///
@@ -162,32 +155,9 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
         self
     }
 
-    /// The policy the configuration `c` describes: [`DeviceFit`] with its keys applied, its
-    /// expandable range no larger than the device.
-    fn device_policy(c: &DeviceConfig, total: usize) -> DeviceFit {
-        let mut p = match c.roundup_power2_divisions_by_size {
-            Some(table) => DeviceFit::default().roundup_power2_divisions_by_size(table),
-            None => DeviceFit::default().roundup_power2_divisions(c.roundup_power2_divisions),
-        }
-        .arena_reserve(total.next_multiple_of(2 << 20).max(2 << 20));
-        if !c.expandable_segments {
-            p = p.separate_segments();
-        }
-        if let Some(m) = c.max_split_size {
-            p = p.max_split_size(m);
-        }
-        if let Some(t) = c.garbage_collection_threshold {
-            p = p.garbage_collection_threshold(t);
-        }
-        p = match c.reserve_cap {
-            Some(x) => p.reserve_cap(x),
-            None => p.keep_free_memory(),
-        };
-        p.thread_cache(c.thread_cache)
-    }
-
-    /// Builds the allocator: for each device, its actors (on the tokio runtime), its cap,
-    /// statistics and history.
+    /// Builds the allocator. Each device's engine (its actors on the tokio runtime, its cap,
+    /// statistics and history) starts at the device's first use: a process that uses one
+    /// device of several touches no other (on CUDA, retains no other device's context).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a malformed `PINPOOL_DEVICE_CONF` (when no
@@ -199,46 +169,24 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
             Some(h) => h.clone(),
             None => tokio::runtime::Handle::try_current().map_err(|_| Error::NoTokioRuntime)?,
         };
-        let count = self.runtime.device_count();
-        let mut devices = Vec::with_capacity(count);
-        let mut totals = Vec::with_capacity(count);
-        for d in 0..count {
-            let (_, total) = self.runtime.device_memory_info(d)?;
-            totals.push(total);
-            let limit = match self.cap {
-                Cap::None => match config.memory_fraction {
-                    Some(f) => Some(super::allocator::fraction_of(f, total)?),
-                    None => None,
-                },
-                Cap::Bytes(b) => Some(b),
-                Cap::Fraction(f) => Some(super::allocator::fraction_of(f, total)?),
-            };
-            let policy: Arc<dyn SizePolicy> = match &self.policy {
-                Some(p) => p.clone(),
-                None => Arc::new(Self::device_policy(&config, total)),
-            };
-            let mut b = EngineBuilder::new(self.runtime.clone(), self.runtime.device_memory(d)?)
-                .policy(policy)
-                .stream_ordered(true)
-                .lend_between_streams(self.lend_between_streams)
-                .device_stats(config.max_split_size.unwrap_or(usize::MAX))
-                .linger(config.linger)
-                .handle(handle.clone());
-            if let Some(l) = limit {
-                b = b.max_bytes(l);
-            }
-            if let Some(t) = self.alloc_timeout {
-                b = b.alloc_timeout(t);
-            }
-            if let Some(s) = self.shards {
-                b = b.shards(s);
-            }
-            devices.push(b.build()?);
+        if let Cap::Fraction(f) = self.cap {
+            // Refused here, not at the device's start.
+            fraction_of(f, usize::MAX)?;
         }
+        let count = self.runtime.device_count();
+        let devices = Devices::new(Recipe {
+            runtime: self.runtime.clone(),
+            config: config.clone(),
+            cap: self.cap,
+            policy: self.policy,
+            lend_between_streams: self.lend_between_streams,
+            alloc_timeout: self.alloc_timeout,
+            shards: self.shards,
+            handle,
+        });
         Ok(DeviceAllocator::from_inner(Inner {
             runtime: self.runtime,
-            devices: devices.into_boxed_slice(),
-            totals: totals.into_boxed_slice(),
+            devices,
             raw: RawTable::new(),
             config,
             ipc: OnceLock::new(),

@@ -37,23 +37,19 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// ```
     pub fn attach_free_memory_callback(&self, f: impl Fn() -> bool + Send + Sync + 'static) {
         let f: crate::actors::FreeMemoryCallback = Arc::new(f);
-        for e in self.engines() {
-            e.attach_free_memory_callback(f.clone());
-        }
+        self.inner()
+            .devices
+            .attach(move |e| e.attach_free_memory_callback(f.clone()));
     }
 
     /// How many times free-memory callbacks were called, over every device.
     pub fn free_memory_callback_calls(&self) -> u64 {
-        self.engines()
-            .iter()
-            .map(|e| e.free_memory_callback_calls())
-            .sum()
+        self.engines().map(|e| e.free_memory_callback_calls()).sum()
     }
 
     /// How many free-memory callback calls panicked, over every device.
     pub fn free_memory_callback_panics(&self) -> u64 {
         self.engines()
-            .iter()
             .map(|e| e.free_memory_callback_panics())
             .sum()
     }

@@ -10,7 +10,8 @@
 //! `PINPOOL_DEVICE_CONF` ([`crate::config::DeviceConfig`]).
 //!
 //! This module holds the public face: `runtime` (what a runtime must offer: its devices and
-//! their memory), `builder`, `allocator`, `buffer`, `raw` (the raw-pointer calls' table),
+//! their memory), `builder`, `devices` (each device's engine, started at its first use),
+//! `allocator`, `buffer`, `raw` (the raw-pointer calls' table),
 //! `capture` (capture pools for CUDA graphs), `checkpoint` (checkpoints
 //! of capture pools), `free_memory` (free-memory callbacks),
 //! `ipc_handle` and `ipc` (blocks shared with other processes), `peer` (peer access
@@ -22,6 +23,7 @@ mod buffer;
 mod builder;
 mod capture;
 mod checkpoint;
+mod devices;
 mod free_memory;
 mod ipc;
 mod ipc_handle;

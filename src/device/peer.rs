@@ -62,8 +62,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// [`Error::NoSuchDevice`] for a device that does not exist,
     /// [`Error::PeerAccessUnsupported`] where the two devices have no peer-to-peer path.
     pub fn enable_peer_access(&self, device: usize, peer: usize) -> Result<(), Error> {
-        self.engine(device)?;
-        self.engine(peer)?;
+        self.inner().devices.started(device)?;
+        self.inner().devices.started(peer)?;
         if self.inner().peers.enabled(device, peer) {
             return Ok(());
         }

@@ -21,6 +21,8 @@ pub(crate) struct DeviceState {
     pub(super) frees: AtomicU64,
     /// Map calls' memory moved to another place of its range (`MemorySource::remap_run`).
     pub(super) remaps: AtomicU64,
+    /// Whether the device's memory source was asked for (as a GPU's context is retained).
+    pub(super) opened: std::sync::atomic::AtomicBool,
     /// The queues and capture states of the device's streams, so that giving memory back can
     /// wait for every stream of the device first, as `cuMemFree` does, and catch a capture
     /// that this would invalidate (weak: streams end on their own).
@@ -44,6 +46,7 @@ impl DeviceState {
             allocs: AtomicU64::new(0),
             frees: AtomicU64::new(0),
             remaps: AtomicU64::new(0),
+            opened: std::sync::atomic::AtomicBool::new(false),
             streams: ArcSwap::from_pointee(Vec::new()),
         }
     }

@@ -266,10 +266,21 @@ impl SimRuntime {
                 count: self.device_count(),
             });
         }
+        self.shared.devices[ordinal]
+            .opened
+            .store(true, Ordering::SeqCst);
         Ok(Arc::new(SimDeviceMemory {
             shared: self.shared.clone(),
             ordinal,
         }))
+    }
+
+    /// Whether device `ordinal`'s memory was asked for (`None` past the last device): as a
+    /// GPU's context is retained for it, which a process that does not use the device should
+    /// not do.
+    pub fn device_opened(&self, ordinal: usize) -> Option<bool> {
+        let d = self.shared.devices.get(ordinal)?;
+        Some(d.opened.load(Ordering::SeqCst))
     }
 
     /// Whether the devices can access each other's memory (see

@@ -301,6 +301,63 @@ async fn devices_without_a_peer_path_refuse_peer_access_but_still_copy_staged() 
         .all(|&b| b == 1));
 }
 
+/// With `torchrun` every rank sees every GPU and uses one: a device is started (on a GPU,
+/// its context retained) only when used, and settings made for every device before then
+/// reach it when it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_devices_used_are_started_and_every_device_setting_reaches_them() {
+    let sim = SimRuntime::builder()
+        .devices(4)
+        .device_capacity(64 * MIB)
+        .build();
+    let (pool, sim) = two_devices(sim);
+    let ooms = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = ooms.clone();
+    pool.attach_oom_observer(move |_| {
+        seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    });
+    pool.record_history(true, 100, pinpool::HistoryContext::None)
+        .unwrap();
+    pool.record_annotation("before any device");
+    // Questions about devices not used yet start none of them.
+    assert_eq!(pool.stats(3).unwrap().allocated_bytes.all.current, 0);
+    assert_eq!(pool.reserved_bytes(1).unwrap(), 0);
+    assert!(pool.history(0).await.unwrap().entries.is_empty());
+    assert!(pool.history(0).await.unwrap().enabled);
+    pool.reset_peak_stats(3).unwrap();
+    pool.empty_cache().await.unwrap();
+    assert!((0..4).all(|d| sim.device_opened(d) == Some(false)));
+    assert!(matches!(
+        pool.stats(4),
+        Err(Error::NoSuchDevice { ordinal: 4, .. })
+    ));
+
+    let s2 = sim.stream_on(2).unwrap();
+    let held = pool.try_alloc(40 * MIB, &s2).await.unwrap();
+    let opened: Vec<bool> = (0..4).map(|d| sim.device_opened(d).unwrap()).collect();
+    assert_eq!(opened, [false, false, true, false]);
+    let history = pool.history(2).await.unwrap();
+    assert!(
+        history.enabled && !history.entries.is_empty(),
+        "set before it started"
+    );
+    let err = pool.try_alloc(40 * MIB, &s2).await.unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
+    // Observers are called off the requester's thread.
+    let start = std::time::Instant::now();
+    while ooms.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "observer not called"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let snap = pool.snapshot().await.unwrap();
+    assert!(snap.segments.iter().all(|s| s.device == Some(2)));
+    drop(held);
+    assert_eq!(sim.violations(), 0);
+}
+
 #[tokio::test]
 async fn one_allocator_keeps_each_devices_pools_and_statistics_apart() {
     let (pool, sim) = two_devices(SimRuntime::builder().devices(2).build());

@@ -2,8 +2,9 @@
 //! PyTorch's stream handles as cudarc streams.
 //!
 //! Owns the plugin (made at the first call that can make it, with a small tokio runtime of
-//! its own for the allocator's actors: PyTorch's threads are in none), one retained primary context per
-//! device (PyTorch works in the primary contexts too), and each thread's cache of wrapped
+//! its own for the allocator's actors: PyTorch's threads are in none), a retained primary
+//! context per device used (PyTorch works in the primary contexts too; a device no call
+//! names gets none), and each thread's cache of wrapped
 //! stream handles. Every entry point keeps the calling thread's current context as it found
 //! it ([`KeepContext`]): the allocator binds the contexts it needs, and PyTorch's current
 //! device must not move under it.
@@ -59,10 +60,13 @@ fn build() -> Result<Backend, Error> {
         Err(e) => return Err(invalid(e.to_string())),
     };
     let config = plugin::settings(env.as_deref()).map_err(|e| invalid(e.to_string()))?;
+    // The runtime of the device the first call came from (PyTorch's current device): no
+    // other device's context is retained until that device is used.
+    let cuda = CudaRuntime::new(current_device()).map_err(Error::from)?;
     let alloc = DeviceAllocator::builder()
         .handle(runtime.handle().clone())
         .config(&config)
-        .cuda()?
+        .runtime(Arc::new(cuda))
         .build()?;
     if std::env::var_os(PEER_ENV_VAR).is_some_and(|v| v == "1") {
         let n = alloc.device_count();
@@ -78,6 +82,20 @@ fn build() -> Result<Backend, Error> {
         plugin: Plugin::new(alloc, Arc::new(streams)),
         runtime,
     })
+}
+
+/// The device of the calling thread's current context (0 when it has none).
+fn current_device() -> usize {
+    if !driver_present() || result::ctx::get_current().ok().flatten().is_none() {
+        return 0;
+    }
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: `device` is valid for the write; a context is current on this thread.
+    let r = unsafe { sys::cuCtxGetDevice(&mut device) };
+    match r {
+        sys::CUresult::CUDA_SUCCESS => usize::try_from(device).unwrap_or(0),
+        _ => 0,
+    }
 }
 
 fn backend() -> Result<&'static Backend, Error> {
