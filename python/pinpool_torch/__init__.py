@@ -332,22 +332,26 @@ def shim():
 def _cuda_include_dirs(cuda_home, sites):
     """CUDA's runtime headers for the allocator front: CUDA_HOME's `include` folder, else the
     folders PyTorch's pip dependencies install (`nvidia/*/include` under each of `sites`),
-    which must hold `cuda_runtime_api.h` and the `crt` headers it includes. RuntimeError when
-    neither has them."""
+    which must hold `cuda_runtime_api.h`. PyTorch's pip dependencies do not install the `crt`
+    headers it includes (nvcc's own): then pinpool's host-only stand-ins for the two a host
+    compile reads (`hostonly/crt`, the same type layouts) complete them. RuntimeError when
+    there is no `cuda_runtime_api.h`."""
     if cuda_home and os.path.isdir(os.path.join(cuda_home, "include")):
         return [os.path.join(cuda_home, "include")]
-    wanted = ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"))
+    runtime, crt = "cuda_runtime_api.h", os.path.join("crt", "host_defines.h")
     found = []
     for where in sites:
         for inc in sorted(glob.glob(os.path.join(where, "nvidia", "*", "include"))):
-            if inc not in found and any(os.path.isfile(os.path.join(inc, w)) for w in wanted):
+            if inc not in found and any(os.path.isfile(os.path.join(inc, w)) for w in (runtime, crt)):
                 found.append(inc)
-    missing = [w for w in wanted if not any(os.path.isfile(os.path.join(d, w)) for d in found)]
-    if missing:
+    has = lambda w: any(os.path.isfile(os.path.join(d, w)) for d in found)
+    if not has(runtime):
         raise RuntimeError(
             "no CUDA headers for the allocator front: set CUDA_HOME to a CUDA toolkit, or "
-            f"pip install the CUDA runtime's headers (missing: {', '.join(missing)})"
+            f"pip install the CUDA runtime's headers (missing: {runtime})"
         )
+    if not has(crt):
+        found.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostonly"))
     return found
 
 

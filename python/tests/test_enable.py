@@ -197,11 +197,18 @@ class CudaHeaders(unittest.TestCase):
         inc = lambda name: os.path.join(self.dir, "site", "nvidia", name, "include")
         self.assertEqual(found, [inc("cuda_crt"), inc("cuda_runtime")])
 
-    def test_without_the_crt_headers_the_front_is_refused_naming_what_is_missing(self):
+    def test_without_the_crt_headers_pinpools_host_only_stand_ins_complete_them(self):
         self.touch("site", "nvidia", "cu13", "include", "cuda_runtime_api.h")
-        with self.assertRaisesRegex(RuntimeError, "host_defines"):
-            self.find(None, [os.path.join(self.dir, "site")])
+        found = self.find(None, [os.path.join(self.dir, "site")])
+        self.assertEqual(found[0], os.path.join(self.dir, "site", "nvidia", "cu13", "include"))
+        self.assertEqual(len(found), 2)
+        for header in ("host_defines.h", "host_config.h"):
+            self.assertTrue(os.path.isfile(os.path.join(found[1], "crt", header)), header)
 
+    def test_without_the_runtime_headers_the_front_is_refused_naming_what_is_missing(self):
+        self.touch("site", "nvidia", "cublas", "include", "cublas.h")
+        with self.assertRaisesRegex(RuntimeError, "cuda_runtime_api.h"):
+            self.find(None, [os.path.join(self.dir, "site")])
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
