@@ -27,7 +27,7 @@
 
 pub use crate::actors::{
     BestFit, BlockLayout, Carving, DeviceFit, Engine, Inventory, MemorySource, Origin, PowerOfTwo,
-    SizeClass, SizePolicy, TieredPowerOfTwo,
+    RangeCall, SizeClass, SizePolicy, TieredPowerOfTwo,
 };
 
 use crate::actors::Error;

@@ -85,7 +85,7 @@ pub use vocab::blocking;
 pub use vocab::error::{Error, OomCause};
 #[doc(hidden)]
 pub use vocab::memory::Region;
-pub use vocab::memory::{MemoryKind, MemorySource, Origin};
+pub use vocab::memory::{MemoryKind, MemorySource, Origin, RangeCall};
 #[doc(hidden)]
 pub use vocab::policy::DIVISION_INTERVALS;
 pub use vocab::policy::{

@@ -7,7 +7,7 @@
 //! reserved device address range per pool with CUDA's virtual memory calls (`cuMemCreate`
 //! and `cuMemMap` for a whole run at once, `cuMemSetAccess` for this device; a run is
 //! unmapped whole, so `unmaps_granules` is false, and can be moved whole to another place of
-//! its range with `remap_run`, its handle mapped again). Memory goes back, or moves, only
+//! its range with `RangeCall::Move`, its handle mapped again). Memory goes back, or moves, only
 //! after the device
 //! is synchronised: a block freed on its own stream is reusable by that stream at once, but
 //! work queued on it may still run. Every call binds the device's context
@@ -28,6 +28,7 @@ use super::error::runtime_error;
 use super::ipc;
 use super::runtime::{device_count, stream_id, CudaRuntime};
 use super::vmm::{self, Location};
+use crate::actors::RangeCall;
 use crate::device::{
     DeviceBuffer, DeviceBuilder, DeviceOps, DeviceRuntime, IpcExport, MappedAccess,
     IPC_HANDLE_BYTES,
@@ -149,6 +150,91 @@ impl CudaDeviceMemory {
     }
 }
 
+/// The calls on a reserved range (`RangeCall`), each checking its granules, with the
+/// device's context bound and the thread's capture mode relaxed.
+impl CudaDeviceMemory {
+    /// `RangeCall::Map`: one mapping per unit, access granted once for the span (a range
+    /// of whole mappings): one driver call instead of one per unit.
+    fn map_units(
+        &self,
+        r: &Region,
+        offset: usize,
+        size: usize,
+        unit: usize,
+    ) -> Result<(), RuntimeError> {
+        self.granules_of("cuMemMap", r, offset, size)?;
+        self.granules_of("cuMemMap", r, offset, unit)?;
+        if unit == 0 || size % unit != 0 {
+            let what = format!("{size} bytes are not whole units of {unit}");
+            return Err(RuntimeError::new("cuMemMap", what));
+        }
+        let _relaxed = self.enter()?;
+        let location = self.location();
+        // SAFETY: the engine maps only whole, unmapped granules of a range reserved here
+        // (checked for shape above), one mapping per unit.
+        unsafe { vmm::map(r, offset, size, unit, location, Some(&self.shareable)) }?;
+        self.note_mapped(r, offset, size, location);
+        Ok(())
+    }
+
+    /// `RangeCall::Unmap` (`wait`), `UnmapUnused` and `Unalias`: ends exactly one mapping
+    /// (a unit of a map call, or what an alias left behind), after the device's queued work
+    /// where `wait` says so.
+    fn unmap_run(&self, r: &Region, at: usize, len: usize, wait: bool) -> Result<(), RuntimeError> {
+        self.granules_of("cuMemUnmap", r, at, len)?;
+        let _relaxed = self.enter()?;
+        if wait {
+            self.synchronize("cuMemUnmap")?;
+        }
+        self.note_unmapped(r, at, len);
+        // SAFETY: the engine ends exactly one mapping made here, once no block touches it
+        // and no queued work uses it any more: synchronised just above, or the caller knows
+        // (no work used it since it was mapped, or an event it recorded completed). An alias
+        // ends with its handle still mapped where the memory moved to.
+        unsafe { vmm::unmap(r, at, len, len) }
+    }
+
+    /// `RangeCall::Move`: the memory leaves `from` once the device's queued work has run.
+    fn move_run(&self, r: &Region, from: usize, to: usize, len: usize) -> Result<(), RuntimeError> {
+        self.granules_of("cuMemMap", r, from, len)?;
+        self.granules_of("cuMemMap", r, to, len)?;
+        let _relaxed = self.enter()?;
+        self.synchronize("cuMemUnmap")?;
+        let location = self.location();
+        self.note_unmapped(r, from, len);
+        // SAFETY: the engine moves exactly one mapping made here (one handle of `len` bytes),
+        // once no block touches it and its queued work has run (synchronised just above), to
+        // whole unmapped granules of the same reserved range (shapes checked above).
+        let moved = unsafe { vmm::remap(r, from, to, len, location) };
+        // Where it stayed, it is noted again as open to no peer: noting opens it to all.
+        let (at, location) = match moved {
+            Ok(()) => (to, location),
+            Err(_) => (from, self.closed()),
+        };
+        self.note_mapped(r, at, len, location);
+        moved
+    }
+
+    /// `RangeCall::Alias`: the memory at `from` mapped at `to` too; `from` stays mapped.
+    fn alias_run(
+        &self,
+        r: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        self.granules_of("cuMemMap", r, from, len)?;
+        self.granules_of("cuMemMap", r, to, len)?;
+        let _relaxed = self.enter()?;
+        let location = self.location();
+        // SAFETY: the engine aliases exactly one mapping made here (one handle of `len`
+        // bytes) to whole unmapped granules of the same reserved range (shapes checked).
+        unsafe { vmm::alias(r, from, to, len, location) }?;
+        self.note_mapped(r, to, len, location);
+        Ok(())
+    }
+}
+
 impl MemorySource for CudaDeviceMemory {
     fn kind(&self) -> MemoryKind {
         MemoryKind::Device(self.ctx.ordinal())
@@ -203,142 +289,28 @@ impl MemorySource for CudaDeviceMemory {
         vmm::reserve(size, granule, Origin::DeviceMapped)
     }
 
-    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        // The whole run is one mapping.
-        self.map_units(range, offset, size, size)
-    }
-
-    fn map_units(
-        &self,
-        range: &Region,
-        offset: usize,
-        size: usize,
-        unit: usize,
-    ) -> Result<(), RuntimeError> {
+    fn range_call(&self, range: &Region, call: RangeCall) -> Result<(), RuntimeError> {
         let _keep = KeepCurrent::new();
-        self.granules_of("cuMemMap", range, offset, size)?;
-        self.granules_of("cuMemMap", range, offset, unit)?;
-        if unit == 0 || size % unit != 0 {
-            return Err(RuntimeError::new(
-                "cuMemMap",
-                format!("{size} bytes are not whole units of {unit}"),
-            ));
+        match call {
+            RangeCall::Map { offset, len, unit } => self.map_units(range, offset, len, unit),
+            RangeCall::Unmap { at, len } => self.unmap_run(range, at, len, true),
+            RangeCall::UnmapUnused { at, len } => self.unmap_run(range, at, len, false),
+            RangeCall::Move { from, to, len } => self.move_run(range, from, to, len),
+            RangeCall::Alias { from, to, len } => self.alias_run(range, from, to, len),
+            RangeCall::Unalias { at, len, wait } => self.unmap_run(range, at, len, wait),
         }
-        let _relaxed = self.enter()?;
-        let location = self.location();
-        // SAFETY: the engine maps only whole, unmapped granules of a range reserved here
-        // (checked for shape above), one mapping per unit; access is granted once for the
-        // span (a range of whole mappings): one driver call instead of one per unit.
-        unsafe { vmm::map(range, offset, size, unit, location, Some(&self.shareable)) }?;
-        self.note_mapped(range, offset, size, location);
-        Ok(())
     }
 
     fn unmaps_granules(&self) -> bool {
         false
     }
 
-    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        let _keep = KeepCurrent::new();
-        self.granules_of("cuMemUnmap", range, offset, size)?;
-        let _relaxed = self.enter()?;
-        self.synchronize("cuMemUnmap")?;
-        self.note_unmapped(range, offset, size);
-        // SAFETY: the engine unmaps exactly the run of one earlier `map` call, once no block
-        // touches it and the work queued on it has run (synchronised just above).
-        unsafe { vmm::unmap(range, offset, size, size) }
-    }
-
-    fn unmap_unused(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        let _keep = KeepCurrent::new();
-        self.granules_of("cuMemUnmap", range, offset, size)?;
-        let _relaxed = self.enter()?;
-        self.note_unmapped(range, offset, size);
-        // SAFETY: the engine unmaps exactly the run of one earlier `map` call that no work
-        // has used since it was mapped (`MemorySource::unmap_unused`): nothing to wait for.
-        unsafe { vmm::unmap(range, offset, size, size) }
-    }
-
     fn remaps(&self) -> bool {
         true
     }
 
-    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
-        let granule = self.granule("cuMemMap")?;
-        self.remap_run(range, from, to, granule)
-    }
-
-    fn remap_run(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        let _keep = KeepCurrent::new();
-        self.granules_of("cuMemMap", range, from, len)?;
-        self.granules_of("cuMemMap", range, to, len)?;
-        let _relaxed = self.enter()?;
-        // The memory leaves `from`: the work queued on it must have run, as for an unmap.
-        self.synchronize("cuMemUnmap")?;
-        let location = self.location();
-        self.note_unmapped(range, from, len);
-        // SAFETY: the engine moves exactly the run of one earlier `map` call (one handle of
-        // `len` bytes), once no block touches it and its queued work has run (synchronised
-        // just above), to whole unmapped granules of the same reserved range (shapes checked
-        // above).
-        let moved = unsafe { vmm::remap(range, from, to, len, location) };
-        // Where it stayed, it is noted again as open to no peer: noting opens it to all.
-        let (at, location) = match moved {
-            Ok(()) => (to, location),
-            Err(_) => (from, self.closed()),
-        };
-        self.note_mapped(range, at, len, location);
-        moved
-    }
-
     fn aliases(&self) -> bool {
         true
-    }
-
-    fn alias_run(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        let _keep = KeepCurrent::new();
-        self.granules_of("cuMemMap", range, from, len)?;
-        self.granules_of("cuMemMap", range, to, len)?;
-        let _relaxed = self.enter()?;
-        let location = self.location();
-        // SAFETY: the engine aliases exactly the run of one earlier `map` call (one handle of
-        // `len` bytes) to whole unmapped granules of the same reserved range (shapes checked
-        // above); `from` stays mapped.
-        unsafe { vmm::alias(range, from, to, len, location) }?;
-        self.note_mapped(range, to, len, location);
-        Ok(())
-    }
-
-    fn unalias_run(
-        &self,
-        range: &Region,
-        offset: usize,
-        len: usize,
-        wait: bool,
-    ) -> Result<(), RuntimeError> {
-        let _keep = KeepCurrent::new();
-        self.granules_of("cuMemUnmap", range, offset, len)?;
-        let _relaxed = self.enter()?;
-        if wait {
-            self.synchronize("cuMemUnmap")?;
-        }
-        self.note_unmapped(range, offset, len);
-        // SAFETY: the engine ends exactly one mapping that `alias_run` left behind, once
-        // the work queued on it has run (an event it recorded completed, or synchronised
-        // just above); the handle stays mapped at the place it moved to, so no memory goes.
-        unsafe { vmm::unmap(range, offset, len, len) }
     }
 
     fn free_bytes(&self) -> Option<usize> {

@@ -604,7 +604,9 @@ fn expandable_host_memory_maps_granules_copies_across_them_and_unmaps_one_in_the
 
 #[test]
 fn device_granules_mapped_as_units_in_one_call_are_all_usable_and_each_goes_back_alone() {
-    use crate::actors::MemorySource;
+    use crate::actors::{MemorySource, RangeCall};
+    let map = |offset, len, unit| RangeCall::Map { offset, len, unit };
+    let unmap = |at, len| RangeCall::Unmap { at, len };
     let Some(rt) = default_gpu("device_map_units") else {
         return;
     };
@@ -615,10 +617,10 @@ fn device_granules_mapped_as_units_in_one_call_are_all_usable_and_each_goes_back
     };
     let range = mem.reserve(16 * g).unwrap();
     // Bad shapes are refused before the driver sees them.
-    assert!(mem.map_units(&range, 0, 3 * g, 2 * g).is_err());
-    assert!(mem.map_units(&range, 1, 2 * g, g).is_err());
+    assert!(mem.range_call(&range, map(0, 3 * g, 2 * g)).is_err());
+    assert!(mem.range_call(&range, map(1, 2 * g, g)).is_err());
     let t0 = Instant::now();
-    mem.map_units(&range, 0, 8 * g, g).unwrap();
+    mem.range_call(&range, map(0, 8 * g, g)).unwrap();
     let one_call = t0.elapsed();
     // The device writes the whole span in one memset, across every unit, and it reads back.
     let base = range.ptr.as_ptr() as usize as sys::CUdeviceptr;
@@ -635,7 +637,7 @@ fn device_granules_mapped_as_units_in_one_call_are_all_usable_and_each_goes_back
     }
     assert!(back.iter().all(|&b| b == 0x5a));
     // A unit in the middle goes back on its own; the units after it are still usable.
-    mem.unmap(&range, 3 * g, g).unwrap();
+    mem.range_call(&range, unmap(3 * g, g)).unwrap();
     // SAFETY: granules 4..8 are still mapped.
     unsafe {
         sys::cuMemsetD8_v2(base + 4 * g as u64, 0x11, 4 * g)
@@ -644,16 +646,16 @@ fn device_granules_mapped_as_units_in_one_call_are_all_usable_and_each_goes_back
         sys::cuCtxSynchronize().result().unwrap();
     }
     for i in (0..8).filter(|&i| i != 3) {
-        mem.unmap(&range, i * g, g).unwrap();
+        mem.range_call(&range, unmap(i * g, g)).unwrap();
     }
     // The same units mapped one call each, for comparison.
     let t0 = Instant::now();
     for i in 0..8 {
-        mem.map(&range, i * g, g).unwrap();
+        mem.range_call(&range, map(i * g, g, g)).unwrap();
     }
     let per_unit = t0.elapsed();
     for i in 0..8 {
-        mem.unmap(&range, i * g, g).unwrap();
+        mem.range_call(&range, unmap(i * g, g)).unwrap();
     }
     println!(
         "cuda device_map_units granules=8 granule_kb={} one_call_us {:.0} per_unit_calls_us {:.0}",

@@ -16,6 +16,7 @@ use super::error::{runtime_error, CudaInitError};
 use super::events::{EventPools, PooledEvent};
 use super::host::{self, RegisterLayout};
 use super::vmm;
+use crate::actors::RangeCall;
 use crate::config::{Config, PinStrategy};
 use crate::{MemoryKind, MemorySource, Origin, Region, Runtime, RuntimeError, StreamId};
 
@@ -347,7 +348,7 @@ impl CudaRuntime {
     }
 
     /// Moves the pinned memory of the granule mapped at `from` of a reserved range to the
-    /// unmapped granule at `to`, without pinning memory again (see `MemorySource::remap`).
+    /// unmapped granule at `to`, without pinning memory again (see `RangeCall::Move`).
     pub(crate) fn host_remap(
         &self,
         range: &Region,
@@ -401,23 +402,18 @@ impl MemorySource for CudaRuntime {
         self.host_reserve(size)
     }
 
-    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+    fn range_call(&self, range: &Region, call: RangeCall) -> Result<(), RuntimeError> {
         let _keep = KeepCurrent::new();
-        self.host_map(range, offset, size)
-    }
-
-    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        let _keep = KeepCurrent::new();
-        self.host_unmap(range, offset, size)
+        call.by_granules(
+            self.host_granularity(),
+            |at, len| self.host_map(range, at, len),
+            |at, len| self.host_unmap(range, at, len),
+            |from, to| self.host_remap(range, from, to),
+        )
     }
 
     fn remaps(&self) -> bool {
         self.host_granularity().is_some()
-    }
-
-    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
-        let _keep = KeepCurrent::new();
-        self.host_remap(range, from, to)
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {

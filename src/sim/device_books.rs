@@ -19,7 +19,7 @@ pub(crate) struct DeviceState {
     /// Allocations and map calls made, and given back.
     pub(super) allocs: AtomicU64,
     pub(super) frees: AtomicU64,
-    /// Map calls' memory moved to another place of its range (`MemorySource::remap_run`).
+    /// Map calls' memory moved to another place of its range (`RangeCall::Move`).
     pub(super) remaps: AtomicU64,
     /// Whether the device's memory source was asked for (as a GPU's context is retained).
     pub(super) opened: std::sync::atomic::AtomicBool,

@@ -11,7 +11,7 @@
 //! `cuMemAlloc` does. Expandable memory follows CUDA's virtual memory calls: a reserved
 //! range is mapped in 2 MiB granules, and what one `map` call mapped is unmapped whole, in
 //! one call (as `cuMemUnmap` needs: `unmaps_granules` is false); what one call mapped can
-//! move whole to unmapped granules of the same range (`remap_run`: the same memory mapped
+//! move whole to unmapped granules of the same range (`RangeCall::Move`: the same memory mapped
 //! again elsewhere, no memory taken or given back). Giving memory back, or moving it, waits
 //! for every stream of the device first (as `cuMemFree` does); a stream that never gets
 //! there, or a free of memory still used by a live graph, is recorded as a violation; a free
@@ -20,7 +20,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::actors::{MemoryKind, MemorySource, Origin, Region, RuntimeError};
+use crate::actors::{MemoryKind, MemorySource, Origin, RangeCall, Region, RuntimeError};
 
 use super::expandable::GRANULE;
 use super::memory::HostAllocation;
@@ -149,8 +149,78 @@ impl SimDeviceMemory {
         self.reserved(op, range)
     }
 
+    /// Maps `[offset, offset + size)` of `range` as one mapping (`cuMemMap`).
+    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemMap";
+        super::count_memory_call();
+        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, range)?;
+        self.take(OP, size)?;
+        if let Err(e) = mark_call(OP, &alloc, offset, size, true) {
+            self.give(size);
+            return Err(e);
+        }
+        self.note_mapped(range, offset, size);
+        self.state().allocs.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// `RangeCall::Move`: the memory leaves `from` once the device's queued work has run.
+    fn move_run(&self, r: &Region, from: usize, to: usize, len: usize) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemMap";
+        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, r)?;
+        self.synchronize(OP);
+        mark_call(OP, &alloc, to, len, true)?;
+        if let Err(e) = mark_call(OP, &alloc, from, len, false) {
+            alloc.set_mapped_call(to, len, false);
+            return Err(e);
+        }
+        self.note_unmapped(r, from, len);
+        self.note_mapped(r, to, len);
+        self.state().remaps.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// `RangeCall::Alias`: the memory at `from` mapped at `to` too.
+    fn alias_run(
+        &self,
+        r: &Region,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemMap";
+        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, r)?;
+        if !alloc.all_mapped(from, len) {
+            let what = format!("{len} bytes at offset {from:#x} are not mapped");
+            return Err(RuntimeError::new(OP, what));
+        }
+        mark_call(OP, &alloc, to, len, true)?;
+        self.note_mapped(r, to, len);
+        self.state().remaps.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// `RangeCall::Unalias`: work still queued on the place finds it unmapped when it runs
+    /// (a violation).
+    fn unalias_run(
+        &self,
+        r: &Region,
+        at: usize,
+        len: usize,
+        wait: bool,
+    ) -> Result<(), RuntimeError> {
+        const OP: &str = "cuMemUnmap";
+        let alloc = self.reserved(OP, r)?;
+        if wait {
+            self.synchronize(OP);
+        }
+        mark_call(OP, &alloc, at, len, false)?;
+        self.note_unmapped(r, at, len);
+        Ok(())
+    }
+
     /// Unmaps exactly one earlier map call's granules, waiting for the device's queued work
-    /// first where `wait` says so (see `MemorySource::unmap_unused`).
+    /// first where `wait` says so (see `RangeCall::UnmapUnused`).
     fn unmap_call(
         &self,
         range: &Region,
@@ -302,103 +372,33 @@ impl MemorySource for SimDeviceMemory {
         }
     }
 
-    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        const OP: &str = "cuMemMap";
-        super::count_memory_call();
-        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, range)?;
-        self.take(OP, size)?;
-        if let Err(e) = mark_call(OP, &alloc, offset, size, true) {
-            self.give(size);
-            return Err(e);
+    fn range_call(&self, range: &Region, call: RangeCall) -> Result<(), RuntimeError> {
+        match call {
+            RangeCall::Map { offset, len, unit } => RangeCall::map_each_unit(
+                offset,
+                len,
+                unit,
+                |at, part| self.map(range, at, part),
+                |at, part| self.unmap_call(range, at, part, true),
+            ),
+            RangeCall::Unmap { at, len } => self.unmap_call(range, at, len, true),
+            RangeCall::UnmapUnused { at, len } => self.unmap_call(range, at, len, false),
+            RangeCall::Move { from, to, len } => self.move_run(range, from, to, len),
+            RangeCall::Alias { from, to, len } => self.alias_run(range, from, to, len),
+            RangeCall::Unalias { at, len, wait } => self.unalias_run(range, at, len, wait),
         }
-        self.note_mapped(range, offset, size);
-        self.state().allocs.fetch_add(1, Ordering::SeqCst);
-        Ok(())
     }
 
     fn unmaps_granules(&self) -> bool {
         false
     }
 
-    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        self.unmap_call(range, offset, size, true)
-    }
-
-    fn unmap_unused(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        self.unmap_call(range, offset, size, false)
-    }
-
     fn remaps(&self) -> bool {
         true
     }
 
-    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
-        self.remap_run(range, from, to, GRANULE)
-    }
-
-    fn remap_run(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        const OP: &str = "cuMemMap";
-        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, range)?;
-        // The memory leaves `from`: the work queued on it must have run, as for an unmap.
-        self.synchronize(OP);
-        mark_call(OP, &alloc, to, len, true)?;
-        if let Err(e) = mark_call(OP, &alloc, from, len, false) {
-            alloc.set_mapped_call(to, len, false);
-            return Err(e);
-        }
-        self.note_unmapped(range, from, len);
-        self.note_mapped(range, to, len);
-        self.state().remaps.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-
     fn aliases(&self) -> bool {
         true
-    }
-
-    fn alias_run(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        const OP: &str = "cuMemMap";
-        let alloc = self.reserved_after(FaultPoint::DeviceAlloc, OP, range)?;
-        if !alloc.all_mapped(from, len) {
-            return Err(RuntimeError::new(
-                OP,
-                format!("{len} bytes at offset {from:#x} are not mapped"),
-            ));
-        }
-        mark_call(OP, &alloc, to, len, true)?;
-        self.note_mapped(range, to, len);
-        self.state().remaps.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-
-    fn unalias_run(
-        &self,
-        range: &Region,
-        offset: usize,
-        len: usize,
-        wait: bool,
-    ) -> Result<(), RuntimeError> {
-        const OP: &str = "cuMemUnmap";
-        let alloc = self.reserved(OP, range)?;
-        if wait {
-            self.synchronize(OP);
-        }
-        // Work still queued on the place finds it unmapped when it runs: a violation.
-        mark_call(OP, &alloc, offset, len, false)?;
-        self.note_unmapped(range, offset, len);
-        Ok(())
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {

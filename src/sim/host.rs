@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::expandable::{self, GRANULE};
 use super::memory::HostAllocation;
 use super::{FaultPoint, SimError, SimRuntime, ViolationKind};
-use crate::actors::{MemoryKind, MemorySource, Origin, Region, RuntimeError};
+use crate::actors::{MemoryKind, MemorySource, Origin, RangeCall, Region, RuntimeError};
 
 /// Host memory: what the simulated runtime's calls operate on.
 impl SimRuntime {
@@ -105,7 +105,7 @@ impl SimRuntime {
     }
 
     /// Moves the memory of the granule mapped at `from` of a reserved range to the unmapped
-    /// granule at `to` (see `MemorySource::remap`).
+    /// granule at `to` (see `RangeCall::Move`).
     pub(crate) fn host_remap(
         &self,
         range: &Region,
@@ -156,21 +156,20 @@ impl MemorySource for SimRuntime {
         self.host_reserve(size)
     }
 
-    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        count_memory_call();
-        self.host_map(range, offset, size)
-    }
-
-    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        self.host_unmap(range, offset, size)
+    fn range_call(&self, range: &Region, call: RangeCall) -> Result<(), RuntimeError> {
+        call.by_granules(
+            self.host_granularity(),
+            |at, len| {
+                count_memory_call();
+                self.host_map(range, at, len)
+            },
+            |at, len| self.host_unmap(range, at, len),
+            |from, to| self.host_remap(range, from, to),
+        )
     }
 
     fn remaps(&self) -> bool {
         self.host_granularity().is_some()
-    }
-
-    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
-        self.host_remap(range, from, to)
     }
 
     fn unreserve(&self, range: Region) -> Result<(), RuntimeError> {

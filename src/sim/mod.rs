@@ -86,7 +86,7 @@ pub(crate) struct Shared {
     live_bytes: AtomicUsize,
     total_host_allocs: AtomicU64,
     total_host_frees: AtomicU64,
-    /// Granules moved by `MemorySource::remap`.
+    /// Granules moved by `RangeCall::Move`.
     host_remaps: AtomicU64,
     /// Waits of one stream on another's event (`Runtime::stream_wait_event`).
     stream_waits: AtomicU64,

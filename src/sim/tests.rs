@@ -315,9 +315,10 @@ fn mapping_counts_against_the_memory_limit_and_can_be_turned_off() {
     ignore = "reserves 16 MiB, which miri materialises and tracks byte by byte: too slow"
 )]
 fn a_remapped_granule_moves_its_memory_without_allocating_and_misuse_changes_nothing() {
-    use crate::actors::MemorySource;
+    use crate::actors::{MemorySource, RangeCall};
     let sim = SimRuntime::new();
     let g = sim.host_granularity().unwrap();
+    let mv = |from, to| RangeCall::Move { from, to, len: g };
     assert!(sim.remaps());
     let range = sim.host_reserve(8 * g).unwrap();
     sim.host_map(&range, 0, 2 * g).unwrap();
@@ -326,7 +327,7 @@ fn a_remapped_granule_moves_its_memory_without_allocating_and_misuse_changes_not
     // SAFETY: pointer arithmetic inside the reserved range.
     let (zero, one, five) = unsafe { (base, base.add(g), base.add(5 * g)) };
     sim.host_write(zero, &[3; 8]).unwrap();
-    sim.remap(&range, 0, 5 * g).unwrap();
+    sim.range_call(&range, mv(0, 5 * g)).unwrap();
     assert!(
         sim.host_write(zero, &[1; 8]).is_err(),
         "the old place is unmapped"
@@ -346,10 +347,13 @@ fn a_remapped_granule_moves_its_memory_without_allocating_and_misuse_changes_not
     assert_eq!(sim.total_host_remaps(), 1);
     // Onto a mapped granule, from an unmapped one, or off the granules: refused, and
     // nothing changes.
-    assert!(sim.remap(&range, g, 5 * g).is_err());
-    assert!(sim.remap(&range, 0, 3 * g).is_err());
-    assert!(sim.remap(&range, g, 3 * g + 4096).is_err());
-    assert!(sim.remap(&range, g, 8 * g).is_err(), "past the range");
+    assert!(sim.range_call(&range, mv(g, 5 * g)).is_err());
+    assert!(sim.range_call(&range, mv(0, 3 * g)).is_err());
+    assert!(sim.range_call(&range, mv(g, 3 * g + 4096)).is_err());
+    assert!(
+        sim.range_call(&range, mv(g, 8 * g)).is_err(),
+        "past the range"
+    );
     assert!(sim.host_read(one, 8).is_ok() && sim.host_read(five, 8).is_ok());
     assert!(sim.host_write(base.wrapping_add(3 * g), &[1; 8]).is_err());
     assert_eq!(sim.live_bytes(), 2 * g);

@@ -3,7 +3,7 @@
 //! in a few units of a power of two granules rather than granule by granule; a burst of
 //! requests keeps what it mapped, and memory above the reserve cap goes back only once the
 //! burst is over; under a memory limit, memory no block touches moves whole into the places
-//! a new block needs (`MemorySource::remap_run`) rather than going back to the driver and
+//! a new block needs (`RangeCall::Move`) rather than going back to the driver and
 //! being mapped again. Whatever moved still goes back whole when the cache is emptied.
 
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 //! held stream (or a capture pool) still needs. After every step: live buffers keep their
 //! bytes (no two live buffers overlap), no block that the model says is still needed is
 //! handed out, and at the end every byte is accounted for and given back. A second run
-//! does the same where granules of the expandable range move (`MemorySource::remap`).
+//! does the same where granules of the expandable range move (`RangeCall::Move`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;

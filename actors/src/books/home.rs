@@ -27,7 +27,7 @@ use crate::observation::history::Recorder;
 use crate::statistics::counters::AtomicDuration;
 use crate::statistics::stats::PoolStats;
 use crate::vocab::error::Error;
-use crate::vocab::memory::{units, MemorySource, Region};
+use crate::vocab::memory::{units, MemorySource, RangeCall, Region};
 use crate::vocab::policy::{BlockLayout, SizePolicy};
 use crate::vocab::pool_id::PoolId;
 use crate::vocab::runtime::{Runtime, RuntimeError, StreamId};
@@ -40,37 +40,8 @@ pub(crate) const DIVERT_PRESSURE: u8 = 2;
 /// How many block records a pool keeps for reuse.
 const SHELLS: usize = 1024;
 
-/// One memory-source call on a reserved range, with its arguments, as [`Home::range_call`]
-/// makes it and keeps its books. Rule: every call on a reserved range goes through
-/// `range_call`, so that each is timed, booked and logged in one place.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum RangeCall {
-    /// Maps `[offset, offset + len)` as units of `unit` bytes, each unmapped on its own later
-    /// (`MemorySource::map_units`; `unit == len`: one mapping). Books: one segment per unit,
-    /// the bytes reserved; the caller charged the budget. Timed as an allocation.
-    Map {
-        offset: usize,
-        len: usize,
-        unit: usize,
-    },
-    /// Moves the `len` bytes mapped at `from` to `to` (`MemorySource::remap_run`: one
-    /// granule, or the run of one map call). Books: no memory is taken or given back, the
-    /// history shows the run unmapped at `from` and mapped at `to`, one remap counted.
-    Move { from: usize, to: usize, len: usize },
-    /// The first half of a move (`MemorySource::alias_run`): the run at `from` is mapped at
-    /// `to` too. Books: mapped at `to` in the history, one remap counted; unmapped at `from`
-    /// when `Unalias` ends the move.
-    Alias { from: usize, to: usize, len: usize },
-    /// The second half of a move (`MemorySource::unalias_run`): the mapping at `at` ends.
-    Unalias { at: usize, len: usize, wait: bool },
-    /// Unmaps `[at, at + len)` (`MemorySource::unmap`). Books: stats, history, the budget;
-    /// the caller strikes the granules and counts map calls. Timed as a free.
-    Unmap { at: usize, len: usize },
-    /// `Unmap` for memory no work has used since it was mapped (what a map call that failed
-    /// part way had mapped): the source need not wait for the device's work, which a capture
-    /// underway would not survive (`MemorySource::unmap_unused`).
-    UnmapUnused { at: usize, len: usize },
-}
+// Every call on a reserved range goes through `Home::range_call`, so that each is timed,
+// booked and logged in one place.
 
 impl RangeCall {
     /// The timer the call's duration goes to, if it is timed.
@@ -299,14 +270,7 @@ impl<R: Runtime, B> Home<R, B> {
     pub(crate) fn range_call(&self, range: &Region, call: RangeCall) -> Result<(), RuntimeError> {
         let m = &*self.memory;
         let t0 = call.timer(&self.stats).map(|timer| (timer, Instant::now()));
-        let res = match call {
-            RangeCall::Map { offset, len, unit } => m.map_units(range, offset, len, unit),
-            RangeCall::Move { from, to, len } => m.remap_run(range, from, to, len),
-            RangeCall::Alias { from, to, len } => m.alias_run(range, from, to, len),
-            RangeCall::Unalias { at, len, wait } => m.unalias_run(range, at, len, wait),
-            RangeCall::Unmap { at, len } => m.unmap(range, at, len),
-            RangeCall::UnmapUnused { at, len } => m.unmap_unused(range, at, len),
-        };
+        let res = m.range_call(range, call);
         if let Some((timer, t0)) = t0 {
             timer.record(t0.elapsed());
         }

@@ -9,8 +9,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::books::home::{Home, RangeCall};
+use crate::books::home::Home;
 use crate::vocab::carve::SegId;
+use crate::vocab::memory::RangeCall;
 use crate::vocab::memory::Region;
 use crate::vocab::runtime::Runtime;
 

@@ -168,7 +168,7 @@ pub(crate) struct PoolStats {
     pub(crate) kept_bytes: AtomicI64,
     pub(crate) num_alloc_retries: AtomicI64,
     pub(crate) num_ooms: AtomicI64,
-    /// Granules moved within the expandable range (see `MemorySource::remap`).
+    /// Granules moved within the expandable range (see `RangeCall::Move`).
     pub(crate) remaps: AtomicI64,
     /// Requests the pool actor answered.
     pub(crate) misses: AtomicI64,

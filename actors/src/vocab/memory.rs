@@ -104,8 +104,8 @@ impl fmt::Display for MemoryKind {
 }
 
 /// The units `[offset, offset + len)` is mapped as, `unit` bytes each (the last one shorter
-/// if `unit` does not divide `len`), as (offset, bytes): what
-/// [`MemorySource::map_units`] maps and each later [`MemorySource::unmap`] takes.
+/// if `unit` does not divide `len`), as (offset, bytes): what a [`RangeCall::Map`] maps and
+/// each later [`RangeCall::Unmap`] takes.
 pub(crate) fn units(
     offset: usize,
     len: usize,
@@ -115,6 +115,134 @@ pub(crate) fn units(
     (offset..end)
         .step_by(unit.max(1))
         .map(move |at| (at, unit.max(1).min(end - at)))
+}
+
+/// One call on a range reserved with [`MemorySource::reserve`] ([`MemorySource::range_call`]).
+/// Offsets and lengths are in bytes from the range's start, whole granules
+/// ([`MemorySource::granularity`]). Each call may block for milliseconds, and is all or
+/// nothing: on failure nothing changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangeCall {
+    /// Maps memory at `[offset, offset + len)`, unmapped now, as consecutive units of
+    /// `unit` bytes (`unit` divides `len`; `unit == len`: one mapping), each of which an
+    /// `Unmap` later takes on its own, as if each had been mapped by a call of its own.
+    Map {
+        /// Where the span starts.
+        offset: usize,
+        /// Its bytes.
+        len: usize,
+        /// The bytes of each unit.
+        unit: usize,
+    },
+    /// Unmaps memory mapped by `Map` and gives it back: any granules where
+    /// [`MemorySource::unmaps_granules`] says so, else exactly the span of one earlier unit.
+    /// A device source first waits for the device's queued work.
+    Unmap {
+        /// Where the span starts.
+        at: usize,
+        /// Its bytes.
+        len: usize,
+    },
+    /// `Unmap` for memory that no work has used since it was mapped (a map that failed part
+    /// way gives back what it mapped): no wait for the device's queued work is needed, so
+    /// none is made (a device-wide synchronisation would invalidate a capture underway).
+    UnmapUnused {
+        /// Where the span starts.
+        at: usize,
+        /// Its bytes.
+        len: usize,
+    },
+    /// Moves the memory mapped at `from` (one granule, or for a source that unmaps only whole
+    /// units, exactly one unit) to the unmapped `[to, to + len)`: `from` ends unmapped, `to`
+    /// mapped with the same memory, its contents undefined. No memory is taken or given
+    /// back (pinned host memory is not pinned again), so it costs a fraction of an unmap and
+    /// a map. Nothing may use the memory at `from` any more. Where
+    /// [`MemorySource::remaps`] says so.
+    Move {
+        /// Where the memory is mapped now.
+        from: usize,
+        /// Where it goes.
+        to: usize,
+        /// Its bytes.
+        len: usize,
+    },
+    /// The first half of a move: maps the memory mapped at `from` (as for `Move`) at the
+    /// unmapped `[to, to + len)` too, without waiting for the work queued on `from`; until
+    /// `Unalias` ends the mapping at `from`, both places map the same memory. No memory is
+    /// taken. Where [`MemorySource::aliases`] says so.
+    Alias {
+        /// Where the memory is mapped now.
+        from: usize,
+        /// Where it is mapped too.
+        to: usize,
+        /// Its bytes.
+        len: usize,
+    },
+    /// The second half of a move: ends the mapping at `[at, at + len)` of memory `Alias`
+    /// mapped elsewhere too; no memory goes back. With `wait` it first waits for the
+    /// device's queued work (as `Unmap` does); without, the caller knows that no queued
+    /// work uses the place any more (an event completed).
+    Unalias {
+        /// Where the mapping to end starts.
+        at: usize,
+        /// Its bytes.
+        len: usize,
+        /// Whether to wait for the device's queued work first.
+        wait: bool,
+    },
+}
+
+impl RangeCall {
+    /// The driver call it stands for, for errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            RangeCall::Map { .. } | RangeCall::Move { .. } | RangeCall::Alias { .. } => "map",
+            RangeCall::Unmap { .. } | RangeCall::UnmapUnused { .. } | RangeCall::Unalias { .. } => {
+                "unmap"
+            }
+        }
+    }
+
+    /// Makes a `Map` as one `map(offset, len)` call per unit, all or nothing: what it mapped
+    /// is unmapped again with `unmap` when a later unit fails.
+    pub fn map_each_unit(
+        offset: usize,
+        len: usize,
+        unit: usize,
+        mut map: impl FnMut(usize, usize) -> Result<(), RuntimeError>,
+        mut unmap: impl FnMut(usize, usize) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        for (at, part) in units(offset, len, unit) {
+            if let Err(e) = map(at, part) {
+                for (back, part) in units(offset, at - offset, unit) {
+                    let _ = unmap(back, part);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes this call for a source that maps and unmaps any granules in one call
+    /// ([`MemorySource::unmaps_granules`]), moves one `granule` at a time, and neither waits
+    /// for queued work nor aliases (pinned host memory): with `map(at, len)`,
+    /// `unmap(at, len)` and `remap(from, to)`.
+    pub fn by_granules(
+        self,
+        granule: Option<usize>,
+        mut map: impl FnMut(usize, usize) -> Result<(), RuntimeError>,
+        mut unmap: impl FnMut(usize, usize) -> Result<(), RuntimeError>,
+        remap: impl FnOnce(usize, usize) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        match self {
+            RangeCall::Map { offset, len, unit } => {
+                Self::map_each_unit(offset, len, unit, &mut map, &mut unmap)
+            }
+            RangeCall::Unmap { at, len } | RangeCall::UnmapUnused { at, len } => unmap(at, len),
+            RangeCall::Move { from, to, len } if Some(len) == granule => remap(from, to),
+            _ => Err(unsupported(self.name())),
+        }
+    }
 }
 
 fn unsupported(op: &'static str) -> RuntimeError {
@@ -134,7 +262,8 @@ pub trait MemorySource: Send + Sync + 'static {
 
     /// Expandable memory: the granule (bytes) in which memory is mapped into a range
     /// reserved with [`MemorySource::reserve`], or `None` when the source cannot (the
-    /// default). A source that returns a granule implements the four calls below.
+    /// default). A source that returns a granule implements `reserve`, `unreserve` and
+    /// [`MemorySource::range_call`]'s `Map` and `Unmap`.
     fn granularity(&self) -> Option<usize> {
         None
     }
@@ -146,136 +275,29 @@ pub trait MemorySource: Send + Sync + 'static {
         Err(unsupported("reserve"))
     }
 
-    /// Maps memory at `[offset, offset + size)` of a reserved `range`. Both are multiples of
-    /// the granule; the granules are unmapped now. All or nothing: on failure nothing stays
-    /// mapped. May block for milliseconds. Whether each granule can later be unmapped on its
-    /// own, or only the whole of what one call mapped, is [`MemorySource::unmaps_granules`].
-    fn map(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        let _ = (range, offset, size);
-        Err(unsupported("map"))
+    /// Makes `call` on a reserved `range` (see [`RangeCall`] for each call). The default
+    /// refuses every call.
+    fn range_call(&self, range: &Region, call: RangeCall) -> Result<(), RuntimeError> {
+        let _ = range;
+        Err(unsupported(call.name()))
     }
 
-    /// Maps `[offset, offset + size)` of a reserved `range` as consecutive units of `unit`
-    /// bytes (`unit` divides `size`), each of which [`MemorySource::unmap`] later takes on
-    /// its own, as if each had been mapped by a [`MemorySource::map`] call of its own. All or
-    /// nothing, like `map`. The default makes those calls; a source may map the units in
-    /// fewer driver calls (CUDA: one access grant for the whole span).
-    fn map_units(
-        &self,
-        range: &Region,
-        offset: usize,
-        size: usize,
-        unit: usize,
-    ) -> Result<(), RuntimeError> {
-        for (at, len) in units(offset, size, unit) {
-            if let Err(e) = self.map(range, at, len) {
-                for (back, len) in units(offset, at - offset, unit) {
-                    let _ = self.unmap(range, back, len);
-                }
-                return Err(e);
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether [`MemorySource::unmap`] takes any granules mapped earlier (true, the default:
-    /// `map` maps granule by granule), or only exactly the range of one earlier `map` call
-    /// (false: `map` backs a call with one piece of memory, which is faster to get).
+    /// Whether a [`RangeCall::Unmap`] takes any granules mapped earlier (true, the default:
+    /// memory is mapped granule by granule), or only exactly one earlier unit of a
+    /// [`RangeCall::Map`] (false: each unit is one piece of memory, which is faster to get).
     fn unmaps_granules(&self) -> bool {
         true
     }
 
-    /// Unmaps granules mapped with [`MemorySource::map`] (see
-    /// [`MemorySource::unmaps_granules`] for which ranges) and gives their memory back. May
-    /// block for milliseconds.
-    fn unmap(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        let _ = (range, offset, size);
-        Err(unsupported("unmap"))
-    }
-
-    /// [`MemorySource::unmap`] for memory that no work has used since it was mapped (a map
-    /// call that failed part way gives back what it mapped): no wait for the device's queued
-    /// work is needed, so none is made (a device-wide synchronisation would invalidate a
-    /// capture underway). The default unmaps as `unmap` does.
-    fn unmap_unused(&self, range: &Region, offset: usize, size: usize) -> Result<(), RuntimeError> {
-        self.unmap(range, offset, size)
-    }
-
-    /// Whether [`MemorySource::remap`] moves a mapped granule to another place of its range
-    /// without giving its memory back (false, the default: it is not offered).
+    /// Whether [`RangeCall::Move`] is offered (false, the default).
     fn remaps(&self) -> bool {
         false
     }
 
-    /// Moves the memory of the granule mapped at `from` in a reserved `range` to the
-    /// granule at `to`, unmapped now (both offsets multiples of the granule): afterwards
-    /// `from` is unmapped and `to` mapped, with the same memory behind it and its contents
-    /// undefined. No memory is taken or given back, so it costs a fraction of an unmap
-    /// and a map (pinned host memory is not pinned again). All or nothing: on failure
-    /// `from` stays mapped and `to` unmapped. Offered where [`MemorySource::remaps`] says
-    /// so (for a source that unmaps only whole map calls, `from` was mapped by a call of
-    /// its own of one granule); nothing may use the granule at `from` any more. May block
-    /// for milliseconds.
-    fn remap(&self, range: &Region, from: usize, to: usize) -> Result<(), RuntimeError> {
-        let _ = (range, from, to);
-        Err(unsupported("remap"))
-    }
-
-    /// [`MemorySource::remap`] for `len` bytes: moves the memory mapped at `from` (for a
-    /// source that unmaps only whole map calls, exactly the run of one earlier map call) to
-    /// the unmapped `[to, to + len)` of the same `range`. No memory is taken or given back.
-    /// All or nothing. Offered where [`MemorySource::remaps`] says so; nothing may use the
-    /// memory at `from` any more (a source whose `unmap` waits for queued device work waits
-    /// here too). The default moves one granule with `remap` and refuses other lengths.
-    fn remap_run(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        if Some(len) != self.granularity() {
-            return Err(unsupported("remap_run"));
-        }
-        self.remap(range, from, to)
-    }
-
-    /// Whether [`MemorySource::alias_run`] and [`MemorySource::unalias_run`] are offered
-    /// (false, the default).
+    /// Whether [`RangeCall::Alias`] and [`RangeCall::Unalias`] are offered (false, the
+    /// default).
     fn aliases(&self) -> bool {
         false
-    }
-
-    /// Maps the memory mapped at `from` (for a source that unmaps only whole map calls,
-    /// exactly the run of one earlier map call) at the unmapped `[to, to + len)` of the same
-    /// `range` too, without waiting for the work queued on `from`: until
-    /// [`MemorySource::unalias_run`] ends the mapping at `from`, both places map the same
-    /// memory. The first half of a move whose second half waits for that work to have run
-    /// (the caller knows when: an event). No memory is taken. All or nothing.
-    fn alias_run(
-        &self,
-        range: &Region,
-        from: usize,
-        to: usize,
-        len: usize,
-    ) -> Result<(), RuntimeError> {
-        let _ = (range, from, to, len);
-        Err(unsupported("alias_run"))
-    }
-
-    /// Ends the mapping at `[offset, offset + len)` of memory that
-    /// [`MemorySource::alias_run`] mapped elsewhere too. No memory goes back. With `wait`
-    /// it first waits for the device's queued work (as `unmap` does); without, the caller
-    /// knows that no queued work uses the place any more.
-    fn unalias_run(
-        &self,
-        range: &Region,
-        offset: usize,
-        len: usize,
-        wait: bool,
-    ) -> Result<(), RuntimeError> {
-        let _ = (range, offset, len, wait);
-        Err(unsupported("unalias_run"))
     }
 
     /// Bytes the source could still give, as its driver reports them (`None`: it cannot

@@ -15,7 +15,7 @@
 //! - placement prefers the places that need the fewest granules mapped, then best fit;
 //! - a map call is one host allocation in the books: it stays counted while any granule it
 //!   mapped is mapped, and its bytes are charged to the budget granule by granule;
-//! - memory no lent piece touches moves (`MemorySource::remap_run`) into the places a new
+//! - memory no lent piece touches moves (`RangeCall::Move`) into the places a new
 //!   piece needs before fresh memory is taken over the reserve cap, and only what cannot
 //!   move goes back: where the source unmaps only whole map calls, runs are mapped in units
 //!   of a power of two granules (`UNITS_PER_PEAK`), and idle units move whole.

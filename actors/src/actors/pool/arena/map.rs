@@ -7,11 +7,11 @@ use std::time::Instant;
 use super::Arena;
 use crate::actors::pool::PoolActor;
 use crate::blocks::block::{Pool, Seg};
-use crate::books::home::RangeCall;
 use crate::books::segment::{ArenaMap, Segment};
 use crate::vocab::carve::{Piece, SegId};
 use crate::vocab::error::{Error, OomCause};
 use crate::vocab::memory::units;
+use crate::vocab::memory::RangeCall;
 use crate::vocab::runtime::{Runtime, RuntimeError};
 
 /// Under a memory limit of fewer granules than this, a pool keeps separate segments.

@@ -7,8 +7,8 @@ use std::time::Instant;
 use super::{Arena, Granule};
 use crate::actors::pool::PoolActor;
 use crate::blocks::block::{Pool, Seg};
-use crate::books::home::RangeCall;
 use crate::vocab::carve::Piece;
+use crate::vocab::memory::RangeCall;
 use crate::vocab::runtime::Runtime;
 
 /// How long a miss looks at the events of moves not ended yet before it places a block
@@ -153,12 +153,12 @@ impl<R: Runtime> PoolActor<R> {
     ///
     /// Work the pool's stream queued before may still use the memory at its old place (a
     /// block freed on its own stream is reusable by that stream at once). Where the source
-    /// maps memory at two places (`MemorySource::alias_run`) and the pool has a stream, the
+    /// maps memory at two places (`RangeCall::Alias`) and the pool has a stream, the
     /// memory is mapped at its new place now; if the stream still has work queued, its old
     /// place is held, still mapped, until an event recorded on the stream at the move
     /// completes (`retire_moves`), else its old mapping ends at once. The move never waits
     /// for the device. Elsewhere each move waits for the device's queued work
-    /// (`MemorySource::remap_run`).
+    /// (`RangeCall::Move`).
     pub(super) async fn move_idle(&mut self, need: &mut Vec<usize>, n: usize) -> usize {
         let Some(arena) = self.carved.as_ref().and_then(|s| s.arena.as_ref()) else {
             return 0;
