@@ -210,6 +210,9 @@ fn tokio_console_shows_every_actor_task_by_name_for_pinned_and_device_memory() {
             .record_history(true, 1000, HistoryContext::None)
             .expect("history on");
         device.attach_oom_observer(|_| {});
+        // A device's actors start at its first use.
+        let stream = device.runtime().new_stream().expect("a stream");
+        drop(device.alloc(4096, &stream).await.expect("device memory"));
         let device_tasks = find_tasks(
             "device memory",
             &DEVICE_TASKS,
