@@ -188,7 +188,7 @@ impl<R: DeviceRuntime> Devices<R> {
         Ok(slot.get_or_init(|| started))
     }
 
-    /// Device `device` if it has started (`None`), without starting it.
+    /// Device `device` if it has started (`None` if not), without starting it.
     pub(crate) fn started(&self, device: usize) -> Result<Option<&Device<R>>, Error> {
         Ok(self.slot(device)?.get())
     }
