@@ -37,17 +37,19 @@ def main():
         line("torch", "not installed (the shim and the graph-pool hooks need it)")
         return 0
     line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
-    cls = getattr(torch._C, "_cuda_CUDAAllocator", None)
-    if cls is None:
-        line("graph hooks", "unknown (no torch._C._cuda_CUDAAllocator)")
-    else:
-        missing = [h for h in pt._GRAPH_HOOKS if not hasattr(cls, h)]
-        line("graph hooks", f"missing {', '.join(missing)}" if missing else "yes")
     try:
         _, shim_path, flavour = pt._build_shim()
         line("shim", f"{shim_path} ({flavour})")
     except Exception as e:
         line("shim", f"cannot be built: {e}")
+        line("graph hooks", "unknown (asked of the shim's pluggable allocator)")
+    else:
+        # A pluggable allocator object over the shim, not installed: what enable() asks.
+        made = torch.cuda.memory.CUDAPluggableAllocator(
+            shim_path, "pinpool_shim_alloc", "pinpool_shim_free"
+        ).allocator()
+        missing = [h for h in pt._GRAPH_HOOKS if not hasattr(made, h)]
+        line("graph hooks", f"missing {', '.join(missing)}" if missing else "yes")
     peer = os.environ.get("PINPOOL_TORCH_PEER_ACCESS") == "1"
     line("peer access", "on" if peer else "off")
     return 0
