@@ -150,11 +150,12 @@ impl<R: Runtime> Lease<R> {
 
     /// Gives the block back as if it had never been lent: for a buffer taken by a request
     /// for several that did not get them all, whose requester never sees it. It is freed as
-    /// a drop frees it (no stream used it: it is reusable at once), and then its counts go
+    /// a drop frees it (reusable at once; a block borrowed from another stream's pool, marked
+    /// as used by the requesting stream, once that stream's work has run), and its counts go
     /// back (see `PoolStats::roll_back`), so that the statistics count what requesters
-    /// received. A lease on which a stream was recorded is only dropped.
+    /// received.
     pub(crate) fn roll_back(self) {
-        let Some(b) = self.block.as_ref().filter(|b| b.streams.is_empty()) else {
+        let Some(b) = self.block.as_ref() else {
             return;
         };
         let (pool, shard, size, len) = (b.pool.clone(), b.shard, b.size, self.len);
