@@ -4,13 +4,18 @@
 //!
 //! Owns the recipe that starts a device's engine (the builder's settings), the started
 //! engines with their device's size, and the settings made for every device (history,
-//! observers, free-memory callbacks): those apply to the engines started and are kept for
-//! the ones that start later. Starting and applying an every-device setting take one lock,
-//! so that no engine misses a setting made while it started.
+//! observers, free-memory callbacks, annotations): those apply to the engines started and
+//! are published whole for the ones that start later. No lock: a setter publishes, then
+//! applies to the engines published; a starting engine catches up before it is published and
+//! again after, with per-engine counts that apply each observer and annotation once (see
+//! `Devices::get`).
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+
+use arc_swap::ArcSwap;
 
 use crate::actors::{
     blocking, DeviceFit, Engine, EngineBuilder, Error, HistoryContext, SizePolicy,
@@ -40,31 +45,50 @@ pub(crate) struct Recipe<R: DeviceRuntime> {
     pub(crate) handle: tokio::runtime::Handle,
 }
 
-/// A started device: its engine, and its memory in bytes (no request larger is tried).
+/// A started device: its engine, its memory in bytes (no request larger is tried), and how
+/// far the engine has caught up with the settings made for every device.
 pub(crate) struct Device<R: DeviceRuntime> {
     pub(crate) engine: Engine<R>,
     pub(crate) total: usize,
+    /// How many of `Everywhere::attached` are attached to the engine.
+    attached: AtomicUsize,
+    /// The number of the next annotation the engine records.
+    annotated: AtomicU64,
 }
 
 /// An observer or callback attached to every device's engine.
 type Attached<R> = Arc<dyn Fn(&Engine<R>) + Send + Sync>;
 
-/// The settings made for every device so far, in order.
+/// The settings made for every device so far, published whole: each change publishes a new
+/// one.
 struct Everywhere<R: DeviceRuntime> {
     /// The last `record_history` call's arguments.
     history: Option<(bool, usize, HistoryContext)>,
-    /// Observers and callbacks, each attached once to every engine.
+    /// Observers and callbacks, each attached once to every engine, in order.
     attached: Vec<Attached<R>>,
-    /// The annotations made while history was on (the last `max_entries`), for the devices
-    /// that start later: recorded there first thing, at their start's time.
+    /// The annotations made while history was on (the last `max_entries`), numbered from
+    /// `first_annotation`: each engine records each once, those made before its start first
+    /// thing, at its start's time.
     annotations: VecDeque<Arc<str>>,
+    first_annotation: u64,
+}
+
+impl<R: DeviceRuntime> Clone for Everywhere<R> {
+    fn clone(&self) -> Self {
+        Self {
+            history: self.history,
+            attached: self.attached.clone(),
+            annotations: self.annotations.clone(),
+            first_annotation: self.first_annotation,
+        }
+    }
 }
 
 /// The devices of one allocator.
 pub(crate) struct Devices<R: DeviceRuntime> {
     recipe: Recipe<R>,
     slots: Box<[OnceLock<Device<R>>]>,
-    everywhere: Mutex<Everywhere<R>>,
+    everywhere: ArcSwap<Everywhere<R>>,
 }
 
 impl<R: DeviceRuntime> Recipe<R> {
@@ -127,6 +151,8 @@ impl<R: DeviceRuntime> Recipe<R> {
         Ok(Device {
             engine: b.build()?,
             total,
+            attached: AtomicUsize::new(0),
+            annotated: AtomicU64::new(0),
         })
     }
 }
@@ -138,10 +164,11 @@ impl<R: DeviceRuntime> Devices<R> {
         Self {
             recipe,
             slots: (0..count).map(|_| OnceLock::new()).collect(),
-            everywhere: Mutex::new(Everywhere {
+            everywhere: ArcSwap::from_pointee(Everywhere {
                 history: None,
                 attached: Vec::new(),
                 annotations: VecDeque::new(),
+                first_annotation: 0,
             }),
         }
     }
@@ -149,11 +176,6 @@ impl<R: DeviceRuntime> Devices<R> {
     /// How many devices there are.
     pub(crate) fn count(&self) -> usize {
         self.slots.len()
-    }
-
-    fn everywhere(&self) -> MutexGuard<'_, Everywhere<R>> {
-        // The settings stay consistent whatever panicked while they were held.
-        self.everywhere.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn slot(&self, device: usize) -> Result<&OnceLock<Device<R>>, Error> {
@@ -165,27 +187,92 @@ impl<R: DeviceRuntime> Devices<R> {
 
     /// Device `device`, started now if it was not ([`Error::NoSuchDevice`] past the last;
     /// a failed start is tried again at the next call).
+    ///
+    /// No lock: a new engine catches up with the settings made for every device before it
+    /// is published, and again after (a setting made meanwhile, which a setter applies
+    /// only to the engines published, is not missed). Two threads that start one device at
+    /// once each start an engine; the one published first stays, the other closes.
     pub(crate) fn get(&self, device: usize) -> Result<&Device<R>, Error> {
         let slot = self.slot(device)?;
         if let Some(d) = slot.get() {
             return Ok(d);
         }
-        let everywhere = self.everywhere();
-        if let Some(d) = slot.get() {
-            return Ok(d);
-        }
         // The driver calls take milliseconds: off the worker where they can be.
         let started = blocking::stall(|| self.recipe.start(device))?;
-        if let Some((enabled, max, context)) = everywhere.history {
-            started.engine.record_history(enabled, max, context)?;
+        self.catch_up(&started)?;
+        // Published unless another thread's engine was first (then this one is dropped).
+        let d = slot.get_or_init(|| started);
+        self.catch_up(d)?;
+        Ok(d)
+    }
+
+    /// Brings `d`'s engine up to the settings made for every device: applies the history
+    /// setting, attaches what it lacks and records the annotations it has not (each once,
+    /// whoever else catches it up at the same time), until the settings it applied are the
+    /// ones in force.
+    fn catch_up(&self, d: &Device<R>) -> Result<(), Error> {
+        loop {
+            let now = self.everywhere.load_full();
+            // History first: an engine records annotations only while it is on.
+            if let Some((enabled, max, context)) = now.history {
+                d.engine.record_history(enabled, max, context)?;
+            }
+            self.attach_pending(d, &now);
+            self.annotate_pending(d, &now);
+            fence(Ordering::SeqCst);
+            if Arc::ptr_eq(&now, &self.everywhere.load_full()) {
+                return Ok(());
+            }
         }
-        for attach in &everywhere.attached {
-            attach(&started.engine);
+    }
+
+    /// Attaches to `d`'s engine, once each, the observers of `now` it lacks.
+    fn attach_pending(&self, d: &Device<R>, now: &Everywhere<R>) {
+        loop {
+            let i = d.attached.load(Ordering::SeqCst);
+            if i >= now.attached.len() {
+                return;
+            }
+            if d.attached
+                .compare_exchange(i, i + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                now.attached[i](&d.engine);
+            }
         }
-        for name in &everywhere.annotations {
-            started.engine.record_annotation(name);
+    }
+
+    /// Records on `d`'s engine, once each, the annotations of `now` it has not.
+    fn annotate_pending(&self, d: &Device<R>, now: &Everywhere<R>) {
+        let end = now.first_annotation + now.annotations.len() as u64;
+        loop {
+            let n = d.annotated.load(Ordering::SeqCst);
+            let next = n.max(now.first_annotation);
+            if next >= end {
+                return;
+            }
+            if d.annotated
+                .compare_exchange(n, next + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                let name = &now.annotations[(next - now.first_annotation) as usize];
+                d.engine.record_annotation(name);
+            }
         }
-        Ok(slot.get_or_init(|| started))
+    }
+
+    /// Publishes `change` made to the settings for every device, then hands each device
+    /// published by then to `apply` (a device that starts meanwhile catches up itself).
+    fn publish(&self, change: impl Fn(&mut Everywhere<R>), mut apply: impl FnMut(&Device<R>)) {
+        self.everywhere.rcu(|now| {
+            let mut next = Everywhere::clone(now);
+            change(&mut next);
+            next
+        });
+        fence(Ordering::SeqCst);
+        for d in self.slots.iter().filter_map(|s| s.get()) {
+            apply(d);
+        }
     }
 
     /// Device `device` if it has started (`None` if not), without starting it.
@@ -200,47 +287,58 @@ impl<R: DeviceRuntime> Devices<R> {
 
     /// The history setting in force for every device (`None`: never set).
     pub(crate) fn history_setting(&self) -> Option<(bool, usize, HistoryContext)> {
-        self.everywhere().history
+        self.everywhere.load().history
     }
 
-    /// Turns history recording on or off on every device, started or not.
+    /// Turns history recording on or off on every device, started or not
+    /// ([`Error::EmptyHistoryRing`] for recording into a ring of no entries; nothing changes).
     pub(crate) fn record_history(
         &self,
         enabled: bool,
         max_entries: usize,
         context: HistoryContext,
     ) -> Result<(), Error> {
-        let mut everywhere = self.everywhere();
-        for e in self.engines() {
-            e.record_history(enabled, max_entries, context)?;
+        if enabled && max_entries == 0 {
+            return Err(Error::EmptyHistoryRing);
         }
-        everywhere.history = Some((enabled, max_entries, context));
-        Ok(())
+        let mut res = Ok(());
+        self.publish(
+            |e| e.history = Some((enabled, max_entries, context)),
+            |d| {
+                if let Err(err) = d.engine.record_history(enabled, max_entries, context) {
+                    res = Err(err);
+                }
+            },
+        );
+        res
     }
 
     /// Adds a `UserDefined` entry named `name` to every device's history: now on the
     /// devices started, at their start on the others.
     pub(crate) fn annotate(&self, name: &str) {
-        let mut everywhere = self.everywhere();
-        for e in self.engines() {
-            e.record_annotation(name);
-        }
-        if let Some((true, max_entries, _)) = everywhere.history {
-            if everywhere.annotations.len() >= max_entries {
-                everywhere.annotations.pop_front();
-            }
-            if max_entries > 0 {
-                everywhere.annotations.push_back(Arc::from(name));
-            }
-        }
+        let Some((true, max_entries, _)) = self.history_setting() else {
+            // Recording is off: the started engines ignore it, the others never see it.
+            return;
+        };
+        let name: Arc<str> = Arc::from(name);
+        self.publish(
+            |e| {
+                e.annotations.push_back(name.clone());
+                while e.annotations.len() > max_entries {
+                    e.annotations.pop_front();
+                    e.first_annotation += 1;
+                }
+            },
+            |d| self.annotate_pending(d, &self.everywhere.load()),
+        );
     }
 
     /// Attaches `f`'s observer or callback to every device's engine, started or not.
     pub(crate) fn attach(&self, f: impl Fn(&Engine<R>) + Send + Sync + 'static) {
-        let mut everywhere = self.everywhere();
-        for e in self.engines() {
-            f(e);
-        }
-        everywhere.attached.push(Arc::new(f));
+        let f: Attached<R> = Arc::new(f);
+        self.publish(
+            |e| e.attached.push(f.clone()),
+            |d| self.attach_pending(d, &self.everywhere.load()),
+        );
     }
 }

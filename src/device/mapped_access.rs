@@ -7,29 +7,52 @@
 //! peer too (as PyTorch's expandable segments do), so that a copy or a kernel on the peer
 //! reaches every block, old or new.
 //!
-//! The order that keeps this true however a map and a grant interleave: a memory source maps
-//! a span open to the peers granted so far, then notes it here; a grant sets its bit and
-//! opens every span noted, both under the device's lock; a note that finds peers granted
-//! since the map read them opens the span to those. A span is taken out before it is
-//! unmapped. Grants are never taken back (peer access lasts as long as the context).
+//! No lock: the pool actors that map and unmap never wait for a grant's driver calls. Each
+//! device's spans are a published map, replaced whole on each change (a map call is rare
+//! and costs milliseconds). The order that keeps every span open to every peer granted,
+//! however a map and a grant interleave: a memory source maps a span open to the peers
+//! granted so far, publishes it here, then reads the grants again and opens it to any
+//! granted since; a grant sets its bit, then opens every span published. Between the two
+//! steps of each side a full fence stands, so at least one side sees the other (both may
+//! open the span: opening is idempotent). A span is taken out before it is unmapped; a grant
+//! that fails to open a span no longer published ignores the failure. Grants are never
+//! taken back (peer access lasts as long as the context).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+/// Mapped spans by start address: their length and the devices they are open to.
+type Spans = BTreeMap<usize, (usize, u64)>;
 
 /// One device's grants and mapped spans.
 #[derive(Debug, Default)]
 struct Owner {
     /// The devices given access, a bit per ordinal (devices past the 64th are left out).
     granted: AtomicU64,
-    /// Mapped spans by start address: their length and the devices they are open to.
-    spans: Mutex<BTreeMap<usize, (usize, u64)>>,
+    /// The spans mapped now.
+    spans: ArcSwap<Spans>,
 }
 
 impl Owner {
-    fn spans(&self) -> MutexGuard<'_, BTreeMap<usize, (usize, u64)>> {
-        // The map stays consistent whatever panicked while it was held.
-        self.spans.lock().unwrap_or_else(|e| e.into_inner())
+    /// Notes that the span at `addr` of `len` bytes, if still published, is open to `peers`.
+    fn opened(&self, addr: usize, len: usize, peers: u64) {
+        self.spans.rcu(|spans| {
+            let mut next = Spans::clone(spans);
+            if let Some((l, open_to)) = next.get_mut(&addr) {
+                if *l == len {
+                    *open_to |= peers;
+                }
+            }
+            next
+        });
+    }
+
+    /// Whether the span at `addr` of `len` bytes is published.
+    fn holds(&self, addr: usize, len: usize) -> bool {
+        self.spans.load().get(&addr).is_some_and(|&(l, _)| l == len)
     }
 }
 
@@ -60,13 +83,13 @@ impl MappedAccess {
     pub(crate) fn granted(&self, owner: usize) -> u64 {
         self.owners
             .get(owner)
-            .map_or(0, |o| o.granted.load(Ordering::Acquire))
+            .map_or(0, |o| o.granted.load(Ordering::SeqCst))
     }
 
     /// Notes `[addr, addr + len)` of `owner`'s memory, just mapped and opened to
     /// `opened` (what [`MappedAccess::granted`] said before the map). Where peers were
-    /// granted since, opens the span to all of them with `open(peers)` first; a failure
-    /// there is logged, and the span keeps the access it has.
+    /// granted since, opens the span to all of them with `open(peers)`; a failure there is
+    /// logged, and the span keeps the access it has.
     pub(crate) fn mapped<E: std::fmt::Display>(
         &self,
         owner: usize,
@@ -78,40 +101,41 @@ impl MappedAccess {
         let Some(o) = self.owners.get(owner) else {
             return;
         };
-        let mut spans = o.spans();
-        let granted = o.granted.load(Ordering::Acquire);
-        let mut open_to = opened;
+        o.spans.rcu(|spans| {
+            let mut next = Spans::clone(spans);
+            next.insert(addr, (len, opened));
+            next
+        });
+        fence(Ordering::SeqCst);
+        let granted = o.granted.load(Ordering::SeqCst);
         if granted & !opened != 0 {
             match open(granted) {
-                Ok(()) => open_to = granted,
+                Ok(()) => o.opened(addr, len, granted),
                 Err(e) => tracing::warn!(
                     "device {owner}: {len} bytes mapped at {addr:#x} stay closed to peers \
                      granted access meanwhile: {e}"
                 ),
             }
         }
-        spans.insert(addr, (len, open_to));
     }
 
     /// Forgets the spans of `owner` that start in `[addr, addr + len)`: called before they
     /// are unmapped.
     pub(crate) fn unmapped(&self, owner: usize, addr: usize, len: usize) {
         if let Some(o) = self.owners.get(owner) {
-            let mut spans = o.spans();
-            let gone: Vec<usize> = spans
-                .range(addr..addr.saturating_add(len))
-                .map(|(&a, _)| a)
-                .collect();
-            for a in gone {
-                spans.remove(&a);
-            }
+            o.spans.rcu(|spans| {
+                let mut next = Spans::clone(spans);
+                next.retain(|&a, _| !(addr..addr.saturating_add(len)).contains(&a));
+                next
+            });
         }
     }
 
     /// Gives `accessor` access to `owner`'s memory: to what is mapped from now on, and to
     /// every span mapped so far, each opened with `open(addr, len, peers)` (`peers` all
-    /// the devices granted). Stops at the first failure and returns it: the spans opened
-    /// before it stay open, the grant stays (a later grant of the pair tries the rest again).
+    /// the devices granted). Stops at the first failure on a span still mapped and returns
+    /// it: the spans opened before it stay open, the grant stays (a later grant of the pair
+    /// tries the rest again).
     pub(crate) fn grant<E>(
         &self,
         owner: usize,
@@ -124,12 +148,18 @@ impl MappedAccess {
         if accessor == owner {
             return Ok(());
         }
-        let mut spans = o.spans();
-        let peers = o.granted.fetch_or(bit(accessor), Ordering::AcqRel) | bit(accessor);
-        for (&addr, (len, open_to)) in spans.iter_mut() {
-            if *open_to & peers != peers {
-                open(addr, *len, peers)?;
-                *open_to = peers;
+        let peers = o.granted.fetch_or(bit(accessor), Ordering::SeqCst) | bit(accessor);
+        fence(Ordering::SeqCst);
+        let spans = o.spans.load_full();
+        for (&addr, &(len, open_to)) in spans.iter() {
+            if open_to & peers == peers {
+                continue;
+            }
+            match open(addr, len, peers) {
+                Ok(()) => o.opened(addr, len, peers),
+                // Unmapped meanwhile: nothing left to open.
+                Err(_) if !o.holds(addr, len) => {}
+                Err(e) => return Err(e),
             }
         }
         Ok(())
@@ -149,7 +179,7 @@ impl MappedAccess {
             return Some(true);
         }
         let o = self.owners.get(owner)?;
-        let spans = o.spans();
+        let spans: Arc<Spans> = o.spans.load_full();
         let (&start, &(first_len, _)) = spans.range(..=addr).next_back()?;
         if addr >= start + first_len {
             return None;

@@ -358,6 +358,48 @@ async fn only_the_devices_used_are_started_and_every_device_setting_reaches_them
     assert_eq!(sim.violations(), 0);
 }
 
+/// Threads that start one device at once while observers are attached to every device:
+/// each observer ends attached to the device's engine exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn observers_attached_while_a_device_starts_are_attached_exactly_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    const OBSERVERS: usize = 20;
+    for _ in 0..10 {
+        let sim = SimRuntime::builder()
+            .devices(2)
+            .device_capacity(64 * MIB)
+            .build();
+        let (pool, sim) = two_devices(sim);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let starters: Vec<_> = (0..4)
+            .map(|_| {
+                let (pool, stream) = (pool.clone(), sim.stream_on(1).unwrap());
+                tokio::spawn(async move { drop(pool.alloc(MIB, &stream).await.unwrap()) })
+            })
+            .collect();
+        for _ in 0..OBSERVERS {
+            let calls = calls.clone();
+            pool.attach_oom_observer(move |_| {
+                calls.fetch_add(1, SeqCst);
+            });
+            tokio::task::yield_now().await;
+        }
+        for s in starters {
+            s.await.unwrap();
+        }
+        let s1 = sim.stream_on(1).unwrap();
+        let held = pool.try_alloc(40 * MIB, &s1).await.unwrap();
+        assert!(pool.try_alloc(40 * MIB, &s1).await.is_err());
+        let start = std::time::Instant::now();
+        while calls.load(SeqCst) < OBSERVERS && start.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(calls.load(SeqCst), OBSERVERS, "each observer once");
+        drop(held);
+    }
+}
+
 #[tokio::test]
 async fn one_allocator_keeps_each_devices_pools_and_statistics_apart() {
     let (pool, sim) = two_devices(SimRuntime::builder().devices(2).build());
