@@ -23,6 +23,8 @@ pub(crate) struct DeviceState {
     pub(super) remaps: AtomicU64,
     /// Whether the device's memory source was asked for (as a GPU's context is retained).
     pub(super) opened: std::sync::atomic::AtomicBool,
+    /// Address ranges reserved and not given back.
+    pub(super) reservations: AtomicU64,
     /// The queues and capture states of the device's streams, so that giving memory back can
     /// wait for every stream of the device first, as `cuMemFree` does, and catch a capture
     /// that this would invalidate (weak: streams end on their own).
@@ -47,6 +49,7 @@ impl DeviceState {
             frees: AtomicU64::new(0),
             remaps: AtomicU64::new(0),
             opened: std::sync::atomic::AtomicBool::new(false),
+            reservations: AtomicU64::new(0),
             streams: ArcSwap::from_pointee(Vec::new()),
         }
     }
@@ -68,6 +71,15 @@ impl DeviceState {
             all.push(stream.clone());
             all
         });
+    }
+
+    /// The device's streams that have not ended.
+    pub(crate) fn live_streams(&self) -> usize {
+        let streams = self.streams.load();
+        streams
+            .iter()
+            .filter(|s| s.queue.upgrade().is_some())
+            .count()
     }
 
     /// Invalidates the capture underway on every stream of the device that captures, as a

@@ -359,6 +359,7 @@ impl MemorySource for SimDeviceMemory {
                 .ledger
                 .register(Arc::new(alloc))
                 .map_err(|e| e.into_runtime(OP))?;
+            self.state().reservations.fetch_add(1, Ordering::SeqCst);
             Ok(Region {
                 ptr,
                 size,
@@ -422,6 +423,7 @@ impl MemorySource for SimDeviceMemory {
             .ledger
             .remove(range.addr(), range.size)
             .map_err(|e| e.into_runtime(OP))?;
+        self.state().reservations.fetch_sub(1, Ordering::SeqCst);
         Ok(())
     }
 }

@@ -326,6 +326,19 @@ impl SimRuntime {
         Some(d.used.load(Ordering::SeqCst))
     }
 
+    /// Address ranges reserved on device `ordinal` and not given back (`None` past the last
+    /// device).
+    pub fn device_reservations(&self, ordinal: usize) -> Option<u64> {
+        let d = self.shared.devices.get(ordinal)?;
+        Some(d.reservations.load(Ordering::SeqCst))
+    }
+
+    /// Streams of device `ordinal` not yet dropped by everyone who held them (`None` past
+    /// the last device).
+    pub fn device_streams(&self, ordinal: usize) -> Option<usize> {
+        Some(self.shared.devices.get(ordinal)?.live_streams())
+    }
+
     /// The capacity of device `ordinal` (`None` past the last device).
     pub fn device_capacity(&self, ordinal: usize) -> Option<usize> {
         self.shared.devices.get(ordinal).map(|d| d.capacity)

@@ -14,3 +14,4 @@ mod device_free_memory;
 mod device_lending;
 mod device_peers;
 mod device_stream_ordering;
+mod stream_pool_retirement;

@@ -7,7 +7,10 @@
 //! `begin_allocate_to_pool` registers a capture (a private pool and a stream filter),
 //! `end_allocate_to_pool` removes it (the budget's count of captures underway follows), `release_pool` drops a use of the pool; a pool whose
 //! uses are all released is freed by the next `empty_cache`, kept blocks included (its graphs
-//! are gone, so invariant 4 no longer binds). After each change the router publishes an
+//! are gone, so invariant 4 no longer binds). The same `empty_cache` retires every stream's
+//! pool that holds nothing: its actor and thread stop, its address range goes back, the
+//! stream is let go, and its counts are kept in [`Routes::retired`]; the stream's
+//! next request gets a new pool. After each change the router publishes an
 //! immutable [`RoutingTable`] through `ArcSwap`: a handle routes with one atomic load, and
 //! when no capture is underway that load is all routing costs. Each publication also counts
 //! one more [`Routes::epoch`], so a thread that remembers a route (see the engine's
@@ -24,6 +27,7 @@ use crate::actors::pool::{start_pool, PoolSpec};
 use crate::blocks::block::Pool;
 use crate::books::budget::{Budget, EmptyReport};
 use crate::books::mailbox::{Inventory, PoolMsg, Reply};
+use crate::statistics::retired::Retired;
 use crate::vocab::error::Error;
 use crate::vocab::pool_id::PoolId;
 use crate::vocab::runtime::{Runtime, StreamId};
@@ -65,10 +69,12 @@ impl<R: Runtime> RoutingTable<R> {
     }
 }
 
-/// The published routing table, and how many tables have been published.
+/// What the router publishes: the routing table, how many tables have been published, and
+/// the counts of the stream pools it retired.
 pub(crate) struct Routes<R: Runtime> {
     table: ArcSwap<RoutingTable<R>>,
     epoch: AtomicU64,
+    pub(crate) retired: Retired,
 }
 
 impl<R: Runtime> Routes<R> {
@@ -76,6 +82,7 @@ impl<R: Runtime> Routes<R> {
         Self {
             table: ArcSwap::from_pointee(RoutingTable::empty()),
             epoch: AtomicU64::new(0),
+            retired: Retired::default(),
         }
     }
 
@@ -115,14 +122,16 @@ pub(crate) enum RouterMsg<R: Runtime> {
         id: PoolId,
         reply: Reply<Result<(), Error>>,
     },
-    /// Empty the released pools, and stop those left with nothing.
+    /// Empty the released pools, and stop those left with nothing; retire the stream pools
+    /// that hold nothing.
     EmptyReleased { reply: Reply<EmptyReport> },
     /// Inventories of every private pool and every stream pool.
     Inventory { reply: Reply<Vec<Inventory>> },
     /// The pool of a stream (made now if it has none yet). `keep` is the stream itself,
-    /// held while the router lives: a stream's id may be its handle, which the driver hands
+    /// held while its pool lives: a stream's id may be its handle, which the driver hands
     /// to a new stream once the old one is destroyed, and the new stream must not inherit
     /// the old one's pool (whose blocks may still be used by the old stream's queued work).
+    /// A pool is retired only once it holds nothing, and the stream let go with it.
     StreamPool {
         stream: StreamId,
         keep: R::Stream,
@@ -336,7 +345,44 @@ impl<R: Runtime> Router<R> {
         if changed {
             self.publish();
         }
+        self.retire_idle_streams().await;
         total
+    }
+
+    /// Retires every stream pool that holds nothing (see `PoolMsg::Retire`): its actor
+    /// stops, and with it its thread and its address range; the stream kept alive for it is
+    /// let go; its counts go to [`Routes::retired`] once no table names it. A request
+    /// already on its way to a retired pool finds its mailbox closed and asks here for the
+    /// stream's pool again (see the engine's `serve`), which this actor answers only after
+    /// the retirement is published: with a new pool.
+    async fn retire_idle_streams(&mut self) {
+        if !self.captures.is_empty() {
+            // A capture underway may record any stream's work; nothing changes under it.
+            return;
+        }
+        let asked: Vec<_> = self
+            .streams
+            .iter()
+            .filter_map(|(stream, (pool, _))| {
+                let (tx, rx) = flume::bounded(1);
+                let sent = pool.mailbox.send(PoolMsg::Retire { reply: tx });
+                sent.is_ok().then_some((*stream, rx))
+            })
+            .collect();
+        let mut gone = Vec::new();
+        for (stream, rx) in asked {
+            if rx.recv_async().await == Ok(true) {
+                gone.extend(self.streams.remove(&stream));
+            }
+        }
+        if gone.is_empty() {
+            return;
+        }
+        self.publish();
+        for (pool, _stream) in gone {
+            self.table.retired.absorb(&pool.stats);
+            tracing::debug!(stream = ?pool.owner, "stream pool retired");
+        }
     }
 
     fn publish(&self) {

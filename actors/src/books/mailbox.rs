@@ -172,6 +172,10 @@ pub(crate) enum PoolMsg<B> {
     Books,
     /// The pool's owner is gone: give everything back as it comes home, then stop.
     Close,
+    /// A stream's pool that holds nothing (no memory, no waiting request, no kept block):
+    /// stop now and answer `true`; otherwise answer `false` and go on (see the router's
+    /// `retire_idle_streams`).
+    Retire { reply: Reply<bool> },
 }
 
 /// A ready block split in two by the thread that took it (see `Block::split_off`): the

@@ -191,6 +191,24 @@ impl DeviceStats {
         o.peak = group.peak(OVERSIZE, ALL).max(o.current);
     }
 
+    /// Every statistic of the report with a peak.
+    pub(crate) fn stats_mut(&mut self) -> impl Iterator<Item = &mut Stat> {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+        .into_iter()
+        .flat_map(|a| [&mut a.all, &mut a.small_pool, &mut a.large_pool])
+        .chain([&mut self.oversize_allocations, &mut self.oversize_segments])
+    }
+
     /// Adds another pool's report into this one (for a device's total over its pools).
     pub fn merge(&mut self, o: &DeviceStats) {
         for (a, b) in [

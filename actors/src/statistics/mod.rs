@@ -6,6 +6,7 @@ pub(crate) mod counters;
 pub(crate) mod peaks;
 pub(crate) mod device_stats;
 pub(crate) mod stats;
+pub(crate) mod retired;
 pub(crate) mod meta;
 pub(crate) mod trace;
 pub(crate) mod snapshot;

@@ -1,26 +1,24 @@
-//! The pool actor: one per pool (the default pool, and one per private capture pool).
-//!
-//! It owns the pool's books and every block of the pool that is not lent out, queued as
-//! ready, or waiting on events (the part of the pool that others reach is its [`Home`]): it answers misses (first noticing blocks whose events have
-//! completed — invariant 3 — then taking fresh memory on a blocking thread — invariant 6),
-//! keeps blocks used by captured work (invariant 4), empties the cache, and on shutdown gives
-//! every block back to the runtime as it comes home (invariant 2).
-//!
-//! Under a memory limit it also queues the requests that wait for room, first come first
-//! served (see [`crate::books::budget`] and `crate::requests::miss`), and serves them as blocks come back or
-//! room is made.
-//!
-//! Under a policy whose layout carves blocks out of shared segments ([`BlockLayout::Carved`])
-//! it also owns the free ranges of those segments (see `segments`).
+//! The pool actor: one per pool (the default pool, each stream's pool, each private capture
+//! pool). It owns the pool's books and every block of the pool that is not lent out, queued
+//! as ready, or waiting on events (the part of the pool that others reach is its [`Home`]):
+//! it answers misses (first noticing blocks whose events have completed — invariant 3 —
+//! then taking fresh memory on a blocking thread — invariant 6), keeps blocks used by
+//! captured work (invariant 4), empties the cache, retires a stream's pool that holds
+//! nothing, and on shutdown gives every block back to the runtime as it comes home
+//! (invariant 2). Under a memory limit it queues the requests that wait for room, first
+//! come first served (see [`crate::books::budget`] and `crate::requests::miss`), and serves
+//! them as blocks come back or room is made. Under a layout that carves blocks out of
+//! shared segments ([`BlockLayout::Carved`]) it owns their free ranges (see `segments`).
 //!
 //! This file holds the actor's state and its loop; `cache`, `fresh`, `segments`, `arena`,
-//! `waiters` and `books` hold what the actor does.
+//! `waiters`, `retire` and `books` hold what the actor does.
 
 mod arena;
 mod books;
 mod cache;
 mod fresh;
 mod restore;
+mod retire;
 mod segments;
 mod spin;
 mod waiters;
@@ -40,8 +38,7 @@ use crate::books::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
 use crate::observation::history::Recorder;
 use crate::statistics::peaks::{Group, Ledger};
 use crate::vocab::error::Error;
-use crate::vocab::memory::RangeCall;
-use crate::vocab::memory::{MemoryKind, MemorySource};
+use crate::vocab::memory::{MemoryKind, MemorySource, RangeCall};
 use crate::vocab::policy::{BlockLayout, SizePolicy};
 use crate::vocab::pool_id::PoolId;
 use crate::vocab::runtime::{Runtime, StreamId};
@@ -586,6 +583,9 @@ impl<R: Runtime> PoolActor<R> {
             PoolMsg::Wake => {
                 self.shared.woke();
                 self.serve_waiters().await;
+            }
+            PoolMsg::Retire { reply } => {
+                let _ = reply.send(self.retire().await);
             }
             PoolMsg::Close => {
                 self.closing = true;

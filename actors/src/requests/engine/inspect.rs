@@ -29,9 +29,9 @@ use crate::vocab::pool_id::PoolId;
 use crate::vocab::runtime::Runtime;
 
 impl<R: Runtime> Engine<R> {
-    /// Statistics over every pool.
+    /// Statistics over every pool (the stream pools retired included).
     pub fn stats(&self) -> HostStats {
-        let mut s = HostStats::default();
+        let mut s = self.inner.table.retired.host();
         for p in self.all_pools() {
             s.merge(&p.stats.read());
         }
@@ -46,7 +46,7 @@ impl<R: Runtime> Engine<R> {
     /// Device statistics over every pool (`None` for an engine built without them: a pinned
     /// allocator's).
     pub fn device_stats(&self) -> Option<DeviceStats> {
-        let mut total: Option<DeviceStats> = None;
+        let mut total: Option<DeviceStats> = self.inner.table.retired.device();
         for p in self.all_pools() {
             let s = p.stats.read_device()?;
             match &mut total {
@@ -67,7 +67,7 @@ impl<R: Runtime> Engine<R> {
     pub fn pool_stats(&self, id: PoolId) -> Option<HostStats> {
         let limit = self.max_bytes().map(|l| l as i64);
         if id.is_default() {
-            let mut s = HostStats::default();
+            let mut s = self.inner.table.retired.host();
             for p in self.default_pools() {
                 s.merge(&p.stats.read());
             }
@@ -120,6 +120,7 @@ impl<R: Runtime> Engine<R> {
     #[doc(hidden)]
     pub fn reset_peak_stats(&self) {
         self.all_pools().iter().for_each(|p| p.stats.reset_peak());
+        self.inner.table.retired.reset_peaks();
         self.inner.ledger.reset_peaks();
         self.default_pool().budget.reset_peak();
     }
@@ -130,6 +131,7 @@ impl<R: Runtime> Engine<R> {
         self.all_pools()
             .iter()
             .for_each(|p| p.stats.reset_accumulated());
+        self.inner.table.retired.reset_accumulated();
     }
 
     /// Where every pool's reserved bytes are (default pool first). Meant for checks at

@@ -34,6 +34,7 @@ use crate::blocks::block::{Block, Pool};
 use crate::blocks::lease::Lease;
 use crate::books::budget::Budget;
 use crate::books::budget::EmptyReport;
+use crate::books::home::DIVERT_CLOSING;
 use crate::books::mailbox::{PollerMsg, PoolMsg, Reply};
 use crate::observation::history::Recorder;
 use crate::requests::miss::{miss, miss_once, Tried, Wait, Who};
@@ -326,16 +327,44 @@ impl<R: Runtime> Engine<R> {
         wait: Wait,
         who: Who,
     ) -> Result<Lease<R>, Error> {
-        let (pool, class, during_capture) = match self.route(step, who).await? {
-            Ok(lease) => return Ok(lease),
-            Err(miss) => miss,
-        };
-        // Boxed: the miss's state (the loop, both kinds of waiting, the timeout) is large,
-        // and held inline it would make every request's future, hits included, that large.
-        let block = Box::pin(miss(&pool, class, size, wait, who))
-            .await
-            .map_err(|e| pool.oom(e))?;
-        Ok(Lease::new(block, size, during_capture, self.inner.id))
+        let mut routed = self.route(step, who).await?;
+        loop {
+            let (pool, class, during_capture) = match routed {
+                Ok(lease) => return Ok(lease),
+                Err(miss) => miss,
+            };
+            // Boxed: the miss's state (the loop, both kinds of waiting, the timeout) is
+            // large, and held inline it would make every request's future, hits included,
+            // that large.
+            match Box::pin(miss(&pool, class, size, wait, who)).await {
+                Ok(block) => return Ok(Lease::new(block, size, during_capture, self.inner.id)),
+                Err(Error::Shutdown) => match Self::rerouted(&pool, class, during_capture) {
+                    Some(step) => routed = self.route(step, who).await?,
+                    None => return Err(Error::Shutdown),
+                },
+                Err(e) => return Err(pool.oom(e)),
+            }
+        }
+    }
+
+    /// The step that asks the router again for the pool of a stream whose pool was retired
+    /// while a request was on its way to it (see the router's `retire_idle_streams`): its
+    /// mailbox closed, it is marked as closing, and only retirement closes a stream's pool
+    /// while a handle of its engine lives (the request holds one) and its runtime runs.
+    /// `None` for any other pool. The router answers only once the retirement is published,
+    /// with a new pool; should the runtime be shutting down, the router is gone as well, and
+    /// asking it fails.
+    fn rerouted(pool: &Pool<R>, class: SizeClass, during_capture: bool) -> Option<Step<R>> {
+        let closing = pool.divert.load(Ordering::Acquire) & DIVERT_CLOSING != 0;
+        match (pool.owner, &pool.owner_stream) {
+            (Some(stream), Some(keep)) if closing => Some(Step::NewStream {
+                stream,
+                keep: keep.clone(),
+                class,
+                during_capture,
+            }),
+            _ => None,
+        }
     }
 
     /// The cached path's answer for a request: a lease, or the pool (started first, for a
@@ -380,15 +409,25 @@ impl<R: Runtime> Engine<R> {
         empty: bool,
     ) -> Result<Lease<R>, Tried> {
         let step = self.step(size, stream).map_err(Tried::Failed)?;
-        let (pool, class, during_capture) =
-            match self.route(step, Who::Task).await.map_err(Tried::Failed)? {
+        let mut routed = self.route(step, Who::Task).await.map_err(Tried::Failed)?;
+        loop {
+            let (pool, class, during_capture) = match routed {
                 Ok(lease) => return Ok(lease),
                 Err(miss) => miss,
             };
-        match miss_once(&pool, class, size, empty).await {
-            Ok(block) => Ok(Lease::new(block, size, during_capture, self.inner.id)),
-            Err(Tried::Failed(e)) => Err(Tried::Failed(pool.oom(e))),
-            Err(Tried::NoRoom) => Err(Tried::NoRoom),
+            match miss_once(&pool, class, size, empty).await {
+                Ok(block) => return Ok(Lease::new(block, size, during_capture, self.inner.id)),
+                Err(Tried::Failed(Error::Shutdown)) => {
+                    match Self::rerouted(&pool, class, during_capture) {
+                        Some(step) => {
+                            routed = self.route(step, Who::Task).await.map_err(Tried::Failed)?
+                        }
+                        None => return Err(Tried::Failed(Error::Shutdown)),
+                    }
+                }
+                Err(Tried::Failed(e)) => return Err(Tried::Failed(pool.oom(e))),
+                Err(Tried::NoRoom) => return Err(Tried::NoRoom),
+            }
         }
     }
 
@@ -480,13 +519,33 @@ impl<R: Runtime> Engine<R> {
         lease.record_stream(stream)
     }
 
-    /// Frees every cached block of the default pool and of released capture pools (kept
-    /// blocks of released pools too); blocks in use or waiting on events are untouched. The
-    /// pools forget what their layouts learned from requests.
+    /// Frees every cached block of the default pool, the stream pools and released capture
+    /// pools (kept blocks of released pools too); blocks in use or waiting on events are
+    /// untouched. The pools forget what their layouts learned from requests. Stream pools
+    /// left holding nothing are retired (see the router's `retire_idle_streams`).
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
-        let mut report = EmptyReport::default();
-        for rx in self.ask_default_pools_to_empty()? {
-            report.merge(&rx.recv_async().await.map_err(|_| Error::Shutdown)?);
+        let ask = |pool: &Pool<R>| {
+            let (tx, rx) = flume::bounded(1);
+            let msg = PoolMsg::EmptyCache {
+                include_kept: false,
+                forget: true,
+                upto: usize::MAX,
+                reply: tx,
+            };
+            pool.mailbox.send(msg).is_ok().then_some(rx)
+        };
+        // The default pool and every stream pool empty their caches at once.
+        let default = ask(&self.inner.default).ok_or(Error::Shutdown)?;
+        let streams: Vec<_> = {
+            let table = self.inner.table.load();
+            table.streams.iter().filter_map(|(_, p)| ask(p)).collect()
+        };
+        let mut report = default.recv_async().await.map_err(|_| Error::Shutdown)?;
+        for rx in streams {
+            // A stream's pool retired meanwhile holds nothing: no reply, nothing to count.
+            if let Ok(r) = rx.recv_async().await {
+                report.merge(&r);
+            }
         }
         let released = self
             .call_router(|reply| RouterMsg::EmptyReleased { reply })?
@@ -495,27 +554,6 @@ impl<R: Runtime> Engine<R> {
             .map_err(|_| Error::Shutdown)?;
         report.merge(&released);
         Ok(report)
-    }
-
-    /// Asks the default pool and every stream pool to empty their caches; the replies come
-    /// on the receivers.
-    fn ask_default_pools_to_empty(&self) -> Result<Vec<flume::Receiver<EmptyReport>>, Error> {
-        let mut replies = Vec::new();
-        for pool in self.default_pools() {
-            let (tx, rx) = flume::bounded(1);
-            let msg = PoolMsg::EmptyCache {
-                include_kept: false,
-                forget: true,
-                upto: usize::MAX,
-                reply: tx,
-            };
-            if pool.mailbox.send(msg).is_ok() {
-                replies.push(rx);
-            } else if pool.id.is_default() && pool.owner.is_none() {
-                return Err(Error::Shutdown);
-            }
-        }
-        Ok(replies)
     }
 
     /// The default pool, and in a stream-ordered engine every stream's pool (together they

@@ -6,12 +6,14 @@
 //! A route is remembered only when no capture was underway (the stream's own pool serves
 //! it, or the default pool where streams have none), under the engine's id, the stream and
 //! the router's epoch read before the table was. It is used while the epoch is unchanged: any
-//! new table (a capture begun, a stream pool added) makes the thread look the stream up
-//! again. The default pool lives as long as the engine, stream pools are never taken out of
-//! a table while their engine has a handle (only the router's close does, and the last
-//! handle's drop sends it), and engine ids are never reused, so a remembered pool is alive
-//! whenever a handle of its engine finds it.
+//! new table (a capture begun, a stream pool added or retired) makes the thread look the
+//! stream up again. The thread holds a strong reference to each pool it remembers, taken
+//! when the route is (not when it is used): a stream's pool retired (taken out of the tables
+//! and let go by the router) while a thread is between reading the epoch and using the
+//! route stays alive until the thread remembers another pool in its place. Engine ids are
+//! never reused, so a route is used only through a handle of the engine it was made for.
 
+use std::any::Any;
 use std::cell::Cell;
 use std::sync::Arc;
 
@@ -36,8 +38,23 @@ const NONE: Route = Route {
     pool: std::ptr::null(),
 };
 
+/// A pool held by a thread for the route that names it.
+type Held = Option<Arc<dyn Any + Send + Sync>>;
+
+/// A thread's routes, and the pools they name. One thread-local, so that the routes cannot
+/// be read once the pools are dropped with the thread's locals.
+struct Ways {
+    routes: [Cell<Route>; WAYS],
+    held: [Cell<Held>; WAYS],
+}
+
 thread_local! {
-    static ROUTES: [Cell<Route>; WAYS] = const { [const { Cell::new(NONE) }; WAYS] };
+    static ROUTES: Ways = const {
+        Ways {
+            routes: [const { Cell::new(NONE) }; WAYS],
+            held: [const { Cell::new(None) }; WAYS],
+        }
+    };
 }
 
 /// The way of `stream`: the top bits of a multiplicative hash (a stream's id may be a
@@ -59,9 +76,9 @@ impl<'a, R: Runtime> Known<'a, R> {
     /// request).
     pub(super) fn shared(&self) -> Arc<Pool<R>> {
         let p: *const Pool<R> = self.0;
-        // SAFETY: `remember` stored `Arc::as_ptr` of a live `Arc<Pool<R>>`, and the table in
-        // force still holds that `Arc` (see `lookup`): adding a strong count and taking one
-        // reference for it is balanced by the returned `Arc`'s drop.
+        // SAFETY: `remember` stored `Arc::as_ptr` of an `Arc<Pool<R>>` whose strong
+        // reference this thread still holds (see `lookup`): adding a strong count and taking
+        // one reference for it is balanced by the returned `Arc`'s drop.
         unsafe {
             Arc::increment_strong_count(p);
             Arc::from_raw(p)
@@ -81,19 +98,20 @@ pub(super) unsafe fn lookup<'a, R: Runtime>(
     stream: StreamId,
     epoch: u64,
 ) -> Option<Known<'a, R>> {
-    let r = ROUTES.try_with(|routes| routes[way(stream)].get()).ok()?;
+    let r = ROUTES.try_with(|w| w.routes[way(stream)].get()).ok()?;
     if r.engine != engine || r.stream != stream.0 || r.epoch != epoch || r.pool.is_null() {
         return None;
     }
-    // SAFETY: `remember` stored a pointer to a stream pool of engine `engine` (type
-    // `Pool<R>`: an engine has one runtime type) taken from a table published at `epoch`.
-    // Stream pools stay in every later table while the engine has a handle (see the module
-    // header), and the caller holds one for `'a`: the table in force holds the pool.
+    // SAFETY: `remember` stored a pointer to a pool of engine `engine` (type `Pool<R>`: an
+    // engine has one runtime type) and a strong reference to it in the same way, which this
+    // thread replaces only in `remember`; the caller uses the reference before it remembers
+    // anything (for `'a`, within one request), so the pool is alive.
     Some(Known(unsafe { &*(r.pool as *const Pool<R>) }))
 }
 
 /// Remembers that `stream` of engine `engine` routes to `pool`, read from a table loaded
-/// after the router's epoch was `epoch`, with no capture underway.
+/// after the router's epoch was `epoch`, with no capture underway; holds the pool for the
+/// route (a new reference only when the way named another pool).
 #[inline]
 pub(super) fn remember<R: Runtime>(engine: u64, stream: StreamId, epoch: u64, pool: &Arc<Pool<R>>) {
     let route = Route {
@@ -102,7 +120,17 @@ pub(super) fn remember<R: Runtime>(engine: u64, stream: StreamId, epoch: u64, po
         epoch,
         pool: Arc::as_ptr(pool) as *const (),
     };
-    let _ = ROUTES.try_with(|routes| routes[way(stream)].set(route));
+    let way = way(stream);
+    let _ = ROUTES.try_with(|w| {
+        let before = w.routes[way].get();
+        let old = (before.pool != route.pool).then(|| {
+            let held: Arc<dyn Any + Send + Sync> = pool.clone();
+            w.held[way].replace(Some(held))
+        });
+        w.routes[way].set(route);
+        // The pool the way named before goes after the route moved off it.
+        drop(old);
+    });
 }
 
 #[cfg(all(test, not(pinpool_loom)))]
