@@ -323,6 +323,109 @@ async fn a_new_stream_never_inherits_the_blocks_of_a_dropped_stream_whose_work_s
     println!("gpu device_dropped_stream new_stream_id=distinct block=distinct");
 }
 
+/// Threads of this process's device pool actors (named `pinpool-<device>, <pool>...`).
+fn pool_threads() -> usize {
+    let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("pinpool-0, "))
+        .count()
+}
+
+/// A stream's pool that holds nothing and served no request since the `empty_cache` before
+/// is retired by `empty_cache` (its thread ends, its address range goes back) and the stream
+/// is served again by a new pool, bytes intact, counts kept. Prints what a request after a
+/// retirement costs (a new pool: its thread, its range, the map) against one after an
+/// `empty_cache` that kept the pool (used since the call before), which maps anew too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_pool_retired_by_empty_cache_serves_its_stream_again_with_a_new_pool() {
+    let test = "a_streams_pool_retired_by_empty_cache";
+    let Some(pool) = gpu(test) else { return };
+    let rt = pool.runtime().clone();
+    let s = rt.context().new_stream().unwrap();
+    let size = 8 * MIB;
+    let (mut retired_us, mut kept_us) = (Vec::new(), Vec::new());
+    for round in 0..8u8 {
+        let t0 = Instant::now();
+        let buf = pool.alloc(size, &s).await.unwrap();
+        let took = t0.elapsed().as_secs_f64() * 1e6;
+        memset(&s, buf.device_ptr(), round + 1, size);
+        let back = read_back(&s, buf.device_ptr(), size);
+        assert!(back.iter().all(|&b| b == round + 1), "round {round}: bytes");
+        drop(buf);
+        // The request of round r follows the empty_cache calls of round r - 1.
+        match round % 2 {
+            _ if round == 0 => {}
+            1 => retired_us.push(took),
+            _ => kept_us.push(took),
+        }
+        let before = pool_threads();
+        pool.empty_cache().await.unwrap();
+        assert_eq!(
+            pool.reserved_bytes(0).unwrap(),
+            0,
+            "round {round}: all given back"
+        );
+        assert_eq!(
+            pool_threads(),
+            before,
+            "round {round}: used since the call before"
+        );
+        if round % 2 == 0 {
+            // A second call with the stream unused retires its pool.
+            pool.empty_cache().await.unwrap();
+            let t0 = Instant::now();
+            while pool_threads() != before - 1 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(5),
+                    "the pool's thread ended"
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+    let stats = pool.stats(0).unwrap();
+    assert_eq!(stats.allocation.all.allocated, 8, "every request counted");
+    s.synchronize().unwrap();
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    // A new stream's first request, with and without expandable memory (which reserves an
+    // address range as large as the device for the stream's pool).
+    let first_us = |pool: &DeviceAllocator<CudaRuntime>| {
+        let mut took: Vec<f64> = (0..5u8)
+            .map(|i| {
+                let s = rt.context().new_stream().unwrap();
+                let t0 = Instant::now();
+                let buf = pool.alloc_blocking(size, &s).unwrap();
+                let took = t0.elapsed().as_secs_f64() * 1e6;
+                memset(&s, buf.device_ptr(), i, size);
+                assert!(read_back(&s, buf.device_ptr(), size)
+                    .iter()
+                    .all(|&b| b == i));
+                took
+            })
+            .collect();
+        median(&mut took)
+    };
+    let expandable = first_us(&pool);
+    let config = pinpool::config::DeviceConfig::default().with_expandable_segments(false);
+    let segments = DeviceAllocator::builder()
+        .cuda()
+        .unwrap()
+        .config(&config)
+        .build();
+    let segments = first_us(&segments.expect("allocator"));
+    println!(
+        "gpu device_stream_retired rounds=8 alloc_after_retire_us={:.0} \
+         alloc_after_empty_us={:.0} new_stream_first_us={expandable:.0} \
+         new_stream_first_no_expandable_us={segments:.0}",
+        median(&mut retired_us),
+        median(&mut kept_us)
+    );
+}
+
 /// Sets `n` bytes at device address `ptr` to `byte`, on `stream` (captured while it captures).
 fn memset(stream: &Arc<CudaStream>, ptr: u64, byte: u8, n: usize) {
     stream.context().bind_to_thread().unwrap();

@@ -5,12 +5,13 @@
 //! own, made here at its first miss: its blocks are reusable by that stream without events.
 //!
 //! `begin_allocate_to_pool` registers a capture (a private pool and a stream filter),
-//! `end_allocate_to_pool` removes it (the budget's count of captures underway follows), `release_pool` drops a use of the pool; a pool whose
-//! uses are all released is freed by the next `empty_cache`, kept blocks included (its graphs
-//! are gone, so invariant 4 no longer binds). The same `empty_cache` retires every stream's
-//! pool that holds nothing: its actor and thread stop, its address range goes back, the
-//! stream is let go, and its counts are kept in [`Routes::retired`]; the stream's
-//! next request gets a new pool. After each change the router publishes an
+//! `end_allocate_to_pool` removes it (the budget's count of captures underway follows),
+//! `release_pool` drops a use of the pool; a pool whose uses are all released is freed by
+//! the next `empty_cache`, kept blocks included (its graphs are gone, so invariant 4 no
+//! longer binds). `empty_cache` also retires every stream's pool that holds nothing and
+//! served no request since the call before: its actor and thread stop, its address range
+//! goes back, the stream is let go, and its counts are kept in [`Routes::retired`]; the
+//! stream's next request gets a new pool. After each change the router publishes an
 //! immutable [`RoutingTable`] through `ArcSwap`: a handle routes with one atomic load, and
 //! when no capture is underway that load is all routing costs. Each publication also counts
 //! one more [`Routes::epoch`], so a thread that remembers a route (see the engine's
@@ -141,6 +142,14 @@ pub(crate) enum RouterMsg<R: Runtime> {
     Close,
 }
 
+/// A stream's pool, the stream itself (kept alive while the pool lives), and the count of
+/// requests the pool had answered at the last `empty_cache` (see `retire_idle_streams`).
+struct StreamPool<R: Runtime> {
+    pool: Arc<Pool<R>>,
+    _stream: R::Stream,
+    misses_seen: i64,
+}
+
 struct PrivatePool<R: Runtime> {
     shared: Arc<Pool<R>>,
     uses: usize,
@@ -178,8 +187,8 @@ struct Router<R: Runtime> {
     factory: PoolFactory<R>,
     captures: Vec<(PoolId, StreamFilter<R>)>,
     pools: BTreeMap<PoolId, PrivatePool<R>>,
-    /// Each stream's pool, and the stream itself, kept alive (see `RouterMsg::StreamPool`).
-    streams: BTreeMap<StreamId, (Arc<Pool<R>>, R::Stream)>,
+    /// Each stream's pool (see `RouterMsg::StreamPool`).
+    streams: BTreeMap<StreamId, StreamPool<R>>,
 }
 
 impl<R: Runtime> Router<R> {
@@ -205,7 +214,7 @@ impl<R: Runtime> Router<R> {
                 RouterMsg::Inventory { reply } => {
                     let mut all = Vec::new();
                     let pools = self.pools.values().map(|p| &p.shared);
-                    for p in pools.chain(self.streams.values().map(|(p, _)| p)) {
+                    for p in pools.chain(self.streams.values().map(|s| &s.pool)) {
                         let (tx, rx) = flume::bounded(1);
                         if p.mailbox.send(PoolMsg::Inventory { reply: tx }).is_ok() {
                             if let Ok(inv) = rx.recv_async().await {
@@ -229,8 +238,8 @@ impl<R: Runtime> Router<R> {
         for (_, p) in std::mem::take(&mut self.pools) {
             let _ = p.shared.mailbox.send(PoolMsg::Close);
         }
-        for (_, (p, _)) in std::mem::take(&mut self.streams) {
-            let _ = p.mailbox.send(PoolMsg::Close);
+        for (_, s) in std::mem::take(&mut self.streams) {
+            let _ = s.pool.mailbox.send(PoolMsg::Close);
         }
         self.captures.clear();
         self.publish();
@@ -261,13 +270,19 @@ impl<R: Runtime> Router<R> {
     }
 
     fn stream_pool(&mut self, stream: StreamId, keep: R::Stream) -> Arc<Pool<R>> {
-        if let Some((p, _)) = self.streams.get(&stream) {
-            return p.clone();
+        if let Some(s) = self.streams.get(&stream) {
+            return s.pool.clone();
         }
         let mut spec = (self.factory)(PoolId::DEFAULT, Some(stream));
         spec.owner_stream = Some(keep.clone());
         let pool = start_pool(spec);
-        self.streams.insert(stream, (pool.clone(), keep));
+        let misses_seen = pool.stats.misses.load(Ordering::Relaxed);
+        let entry = StreamPool {
+            pool: pool.clone(),
+            _stream: keep,
+            misses_seen,
+        };
+        self.streams.insert(stream, entry);
         tracing::debug!(stream = stream.0, "stream pool made");
         self.publish();
         pool
@@ -349,26 +364,30 @@ impl<R: Runtime> Router<R> {
         total
     }
 
-    /// Retires every stream pool that holds nothing (see `PoolMsg::Retire`): its actor
-    /// stops, and with it its thread and its address range; the stream kept alive for it is
-    /// let go; its counts go to [`Routes::retired`] once no table names it. A request
-    /// already on its way to a retired pool finds its mailbox closed and asks here for the
-    /// stream's pool again (see the engine's `serve`), which this actor answers only after
-    /// the retirement is published: with a new pool.
+    /// Retires every stream pool that holds nothing and answered no request since the last
+    /// `empty_cache` (see `PoolMsg::Retire`): a stream used between two calls keeps its pool
+    /// (its next request would make a new one), one left unused is retired at the second.
+    /// Its actor stops, and with it its thread and its address range; the stream kept alive
+    /// for it is let go; its counts go to [`Routes::retired`] once no table names it. A
+    /// request already on its way to a retired pool finds its mailbox closed and asks here
+    /// for the stream's pool again (see the engine's `serve`), which this actor answers only
+    /// after the retirement is published: with a new pool.
     async fn retire_idle_streams(&mut self) {
         if !self.captures.is_empty() {
             // A capture underway may record any stream's work; nothing changes under it.
             return;
         }
-        let asked: Vec<_> = self
-            .streams
-            .iter()
-            .filter_map(|(stream, (pool, _))| {
-                let (tx, rx) = flume::bounded(1);
-                let sent = pool.mailbox.send(PoolMsg::Retire { reply: tx });
-                sent.is_ok().then_some((*stream, rx))
-            })
-            .collect();
+        let mut asked = Vec::new();
+        for (stream, s) in self.streams.iter_mut() {
+            let misses = s.pool.stats.misses.load(Ordering::Relaxed);
+            if std::mem::replace(&mut s.misses_seen, misses) != misses {
+                continue;
+            }
+            let (tx, rx) = flume::bounded(1);
+            if s.pool.mailbox.send(PoolMsg::Retire { reply: tx }).is_ok() {
+                asked.push((*stream, rx));
+            }
+        }
         let mut gone = Vec::new();
         for (stream, rx) in asked {
             if rx.recv_async().await == Ok(true) {
@@ -379,9 +398,9 @@ impl<R: Runtime> Router<R> {
             return;
         }
         self.publish();
-        for (pool, _stream) in gone {
-            self.table.retired.absorb(&pool.stats);
-            tracing::debug!(stream = ?pool.owner, "stream pool retired");
+        for s in gone {
+            self.table.retired.absorb(&s.pool.stats);
+            tracing::debug!(stream = ?s.pool.owner, "stream pool retired");
         }
     }
 
@@ -406,7 +425,7 @@ impl<R: Runtime> Router<R> {
         let streams = self
             .streams
             .iter()
-            .map(|(s, (p, _))| (*s, p.clone()))
+            .map(|(s, p)| (*s, p.pool.clone()))
             .collect();
         self.table.publish(RoutingTable {
             captures,

@@ -522,7 +522,8 @@ impl<R: Runtime> Engine<R> {
     /// Frees every cached block of the default pool, the stream pools and released capture
     /// pools (kept blocks of released pools too); blocks in use or waiting on events are
     /// untouched. The pools forget what their layouts learned from requests. Stream pools
-    /// left holding nothing are retired (see the router's `retire_idle_streams`).
+    /// left holding nothing, unused since the call before, are retired (see the router's
+    /// `retire_idle_streams`).
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
         let ask = |pool: &Pool<R>| {
             let (tx, rx) = flume::bounded(1);
