@@ -896,6 +896,39 @@ def pinpool_tests():
         del x
         return f"{len(segments)} segments, {len(trace)} trace entries"
 
+    def t_history_clear_and_skip_actions():
+        # _record_memory_history's clear_history and skip_actions (PyTorch 2.11 on).
+        mem = torch.cuda.memory
+
+        def trace():
+            torch.cuda.synchronize()
+            return mem._snapshot()["device_traces"][0]
+
+        mem._record_memory_history(max_entries=1000)
+        x = torch.empty(2 * MIB, dtype=torch.uint8, device="cuda")
+        first = x.data_ptr()
+        del x
+        assert any(e["action"] == "free_requested" and e["addr"] == first for e in trace())
+        mem._record_memory_history(max_entries=1000, clear_history=True, skip_actions=["free_requested"])
+        try:
+            assert not any(e["action"] == "alloc" for e in trace()), "cleared"
+            y = torch.empty(3 * MIB, dtype=torch.uint8, device="cuda")
+            second = y.data_ptr()
+            del y
+            mine = [e["action"] for e in trace() if e["addr"] == second]
+            assert "alloc" in mine and "free_requested" not in mine, mine
+            # context="all": frees come with their call sites too.
+            mem._record_memory_history(context="all", max_entries=1000)
+            z = torch.empty(5 * MIB, dtype=torch.uint8, device="cuda")
+            third = z.data_ptr()
+            del z
+            frees = [e for e in trace() if e["action"] == "free_requested" and e["addr"] == third]
+            names = [f["name"] for f in frees[-1]["frames"]] if frees else []
+            assert "t_history_clear_and_skip_actions" in names, names[:6]
+        finally:
+            mem._record_memory_history(enabled=None)
+        return "cleared, free_requested left out, frees' call sites with context='all'"
+
     def t_record_stream():
         # test_cuda.py: test_record_stream
         t = torch.FloatTensor([1, 2, 3, 4]).pin_memory()

@@ -107,7 +107,7 @@ _SIGNATURES = [
     ("pinpool_reserved_bytes", _C.c_int64, [_C.c_int]),
     ("pinpool_reset_peak_stats", _C.c_int, [_C.c_int]),
     ("pinpool_reset_accumulated_stats", _C.c_int, [_C.c_int]),
-    ("pinpool_record_history", _C.c_int, [_C.c_int, _C.c_size_t, _C.c_int]),
+    ("pinpool_record_history", _C.c_int, [_C.c_int, _C.c_size_t, _C.c_int, _C.c_int, _C.c_char_p]),
     ("pinpool_dump_snapshot", _C.c_int, [_C.c_char_p]),
     ("pinpool_end_allocate_to_pool", _C.c_int, [_C.c_int, _C.c_uint64, _C.c_uint64]),
     ("pinpool_release_pool", _C.c_int, [_C.c_int, _C.c_uint64, _C.c_uint64]),
@@ -560,7 +560,10 @@ def record_memory_history(enabled=True, max_entries=100_000):
     """Turns pinpool's trace on (with each allocation's call site in pinpool) or off; with
     the allocator front, `torch.cuda.memory._record_memory_history` does the same without
     call sites."""
-    _check(_load().pinpool_record_history(1 if enabled else 0, max_entries, 1), "record_history")
+    _check(
+        _load().pinpool_record_history(1 if enabled else 0, max_entries, 1, 0, None),
+        "record_history",
+    )
 
 
 def dump_snapshot(path):

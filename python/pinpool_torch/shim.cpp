@@ -103,7 +103,7 @@ struct TraceRecord {
 typedef void (*segment_cb)(void*, const SegmentRecord*);
 typedef void (*trace_cb)(void*, const TraceRecord*);
 typedef int (*snapshot_fn)(uint64_t, uint64_t, int, void*, segment_cb, trace_cb);
-typedef int (*history_fn)(int, size_t, int);
+typedef int (*history_fn)(int, size_t, int, int, const char*);
 typedef int (*peer_fn)(int, int);
 
 static alloc_fn alloc_impl = nullptr;
@@ -257,29 +257,68 @@ using Context = std::shared_ptr<c10::GatheredContext>;
 // snapshot's allocated blocks and trace entries theirs. An allocation outside history costs
 // one atomic load.
 struct CallSites {
+  // Contexts by address, in the order noted, at most `keep` of them.
+  struct Sites {
+    std::unordered_map<uint64_t, std::deque<Context>> by_addr;
+    std::deque<uint64_t> order;  // addresses, oldest first, to bound what is kept
+
+    void add(uint64_t a, Context ctx, size_t keep) {
+      by_addr[a].push_back(std::move(ctx));
+      order.push_back(a);
+      while (order.size() > keep) {
+        auto it = by_addr.find(order.front());
+        if (it != by_addr.end()) {
+          it->second.pop_front();
+          if (it->second.empty()) by_addr.erase(it);
+        }
+        order.pop_front();
+      }
+    }
+
+    void clear() {
+      by_addr.clear();
+      order.clear();
+    }
+
+    // Gives the trace's entries of `action` their contexts: the last n entries at an
+    // address are the last n noted there.
+    void attach(std::vector<std::vector<c10::CachingDeviceAllocator::TraceEntry>>& traces,
+                c10::CachingDeviceAllocator::TraceEntry::Action action) {
+      std::unordered_map<uint64_t, size_t> seen;
+      for (auto& trace : traces) {
+        for (auto e = trace.rbegin(); e != trace.rend(); ++e) {
+          if (e->action_ != action) continue;
+          auto it = by_addr.find(e->addr_);
+          if (it == by_addr.end()) continue;
+          size_t k = seen[e->addr_]++;
+          if (k < it->second.size()) e->context_ = it->second[it->second.size() - 1 - k];
+        }
+      }
+    }
+  };
+
   std::atomic<c10::CachingDeviceAllocator::CreateContextFn> recorder{nullptr};
   std::atomic<bool> for_trace{false};  // RecordContext ALLOC or ALL: trace entries get them
+  std::atomic<bool> for_frees{false};  // RecordContext ALL: frees get them too
   std::mutex mu;
-  std::unordered_map<uint64_t, std::deque<Context>> by_addr;
-  std::deque<uint64_t> order;  // addresses, oldest first, to bound what is kept
+  Sites allocs, frees;
   size_t keep = 0;
 
   void note(void* p) {
     auto rec = recorder.load(std::memory_order_relaxed);
     if (rec == nullptr || p == nullptr) return;
     Context ctx = rec();
-    auto a = reinterpret_cast<uint64_t>(p);
     std::lock_guard<std::mutex> g(mu);
-    by_addr[a].push_back(std::move(ctx));
-    order.push_back(a);
-    while (order.size() > keep) {
-      auto it = by_addr.find(order.front());
-      if (it != by_addr.end()) {
-        it->second.pop_front();
-        if (it->second.empty()) by_addr.erase(it);
-      }
-      order.pop_front();
-    }
+    allocs.add(reinterpret_cast<uint64_t>(p), std::move(ctx), keep);
+  }
+
+  void note_free(void* p) {
+    if (!for_frees.load(std::memory_order_relaxed) || p == nullptr) return;
+    auto rec = recorder.load(std::memory_order_relaxed);
+    if (rec == nullptr) return;
+    Context ctx = rec();
+    std::lock_guard<std::mutex> g(mu);
+    frees.add(reinterpret_cast<uint64_t>(p), std::move(ctx), keep);
   }
 
   void set(c10::CachingDeviceAllocator::CreateContextFn rec,
@@ -288,33 +327,27 @@ struct CallSites {
     std::lock_guard<std::mutex> g(mu);
     keep = max_entries;
     for_trace = when == When::ALLOC || when == When::ALL;
+    for_frees = when == When::ALL;
     recorder = when == When::NEVER ? nullptr : rec;
     if (recorder.load() == nullptr) {
-      by_addr.clear();
-      order.clear();
+      allocs.clear();
+      frees.clear();
     }
   }
 
   // The context of the allocation live at `addr` (the latest there), or none.
   Context latest(uint64_t addr) {
-    auto it = by_addr.find(addr);
-    return it == by_addr.end() ? nullptr : it->second.back();
+    auto it = allocs.by_addr.find(addr);
+    return it == allocs.by_addr.end() ? nullptr : it->second.back();
   }
 
-  // Gives the trace's allocation entries their contexts: the last n entries at an address
-  // are the last n allocations noted there.
+  // Gives the trace's allocation entries their contexts, and its free requests theirs
+  // where frees are noted.
   void attach(std::vector<std::vector<c10::CachingDeviceAllocator::TraceEntry>>& traces) {
+    using Entry = c10::CachingDeviceAllocator::TraceEntry;
     if (!for_trace) return;
-    std::unordered_map<uint64_t, size_t> seen;
-    for (auto& trace : traces) {
-      for (auto e = trace.rbegin(); e != trace.rend(); ++e) {
-        if (e->action_ != c10::CachingDeviceAllocator::TraceEntry::ALLOC) continue;
-        auto it = by_addr.find(e->addr_);
-        if (it == by_addr.end()) continue;
-        size_t k = seen[e->addr_]++;
-        if (k < it->second.size()) e->context_ = it->second[it->second.size() - 1 - k];
-      }
-    }
+    allocs.attach(traces, Entry::ALLOC);
+    frees.attach(traces, Entry::FREE_REQUESTED);
   }
 };
 
@@ -432,13 +465,19 @@ struct Front : Base {
   }
 
   // PyTorch's _record_memory_history: pinpool keeps the trace in a ring of
-  // `alloc_trace_max_entries`, the front the allocations' call sites (pinpool's own, Rust
-  // frames, are not recorded); clearing the history and skipped actions are not supported.
+  // `alloc_trace_max_entries` (cleared first with `clear_history` when turned on, and
+  // without the `skip_actions`), the front the call sites of allocations, and of frees for
+  // RecordContext ALL (pinpool's own, Rust frames, are not recorded).
   void recordHistory(bool enabled, c10::CachingDeviceAllocator::CreateContextFn recorder,
                      size_t alloc_trace_max_entries,
-                     c10::CachingDeviceAllocator::RecordContext when, bool,
-                     const std::vector<std::string>&) override {
-    if (history_impl(enabled ? 1 : 0, alloc_trace_max_entries, 0) != 0) {
+                     c10::CachingDeviceAllocator::RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) override {
+    std::string skip;
+    for (const auto& action : skip_actions) {
+      skip += (skip.empty() ? "" : ",") + action;
+    }
+    if (history_impl(enabled ? 1 : 0, alloc_trace_max_entries, 0, clear_history ? 1 : 0,
+                     skip.c_str()) != 0) {
       failed("recordHistory", -1);
     }
     call_sites.set(enabled ? recorder : nullptr,
@@ -567,6 +606,9 @@ int pinpool_shim_enable(char* what, size_t cap) {
           return p;
         },
         [](void* ptr, size_t size, int device, cudaStream_t stream) {
+#ifdef PINPOOL_FRONT_SNAPSHOT
+          call_sites.note_free(ptr);
+#endif
           pinpool_shim_free(ptr, size, device, stream);
         });
     f->set_record_stream_fn([](void* ptr, cudaStream_t stream) { record_impl(ptr, stream); });

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use crate::actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
-    Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceEntry, Wait,
+    Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceAction, TraceEntry, Wait,
 };
 
 use super::buffer::{tie_to_stream, DeviceBuffer};
@@ -493,9 +493,24 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         max_entries: usize,
         context: HistoryContext,
     ) -> Result<(), Error> {
-        self.inner
-            .devices
-            .record_history(enabled, max_entries, context)
+        let setting = (enabled, max_entries, context);
+        self.inner.devices.record_history(setting, false, &[])
+    }
+
+    /// [`Self::record_history`], and, as PyTorch's `clear_history` and `skip_actions`: with
+    /// `clear`, the entries recorded so far are forgotten; entries of the `skip` actions are
+    /// left out of the history (trace trackers still get them) until the next call.
+    #[doc(hidden)]
+    pub fn record_history_with(
+        &self,
+        enabled: bool,
+        max_entries: usize,
+        context: HistoryContext,
+        clear: bool,
+        skip: &[TraceAction],
+    ) -> Result<(), Error> {
+        let setting = (enabled, max_entries, context);
+        self.inner.devices.record_history(setting, clear, skip)
     }
 
     /// Adds a `UserDefined` entry named `name` to every device's history (a device not used

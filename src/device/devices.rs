@@ -18,7 +18,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 
 use crate::actors::{
-    blocking, DeviceFit, Engine, EngineBuilder, Error, HistoryContext, SizePolicy,
+    blocking, DeviceFit, Engine, EngineBuilder, Error, HistoryContext, SizePolicy, TraceAction,
 };
 
 use super::allocator::fraction_of;
@@ -64,6 +64,8 @@ type Attached<R> = Arc<dyn Fn(&Engine<R>) + Send + Sync>;
 struct Everywhere<R: DeviceRuntime> {
     /// The last `record_history` call's arguments.
     history: Option<(bool, usize, HistoryContext)>,
+    /// The actions it left out of the history.
+    history_skip: Arc<[TraceAction]>,
     /// Observers and callbacks, each attached once to every engine, in order.
     attached: Vec<Attached<R>>,
     /// The annotations made while history was on (the last `max_entries`), numbered from
@@ -77,6 +79,7 @@ impl<R: DeviceRuntime> Clone for Everywhere<R> {
     fn clone(&self) -> Self {
         Self {
             history: self.history,
+            history_skip: self.history_skip.clone(),
             attached: self.attached.clone(),
             annotations: self.annotations.clone(),
             first_annotation: self.first_annotation,
@@ -166,6 +169,7 @@ impl<R: DeviceRuntime> Devices<R> {
             slots: (0..count).map(|_| OnceLock::new()).collect(),
             everywhere: ArcSwap::from_pointee(Everywhere {
                 history: None,
+                history_skip: Arc::from([]),
                 attached: Vec::new(),
                 annotations: VecDeque::new(),
                 first_annotation: 0,
@@ -215,7 +219,9 @@ impl<R: DeviceRuntime> Devices<R> {
             let now = self.everywhere.load_full();
             // History first: an engine records annotations only while it is on.
             if let Some((enabled, max, context)) = now.history {
-                d.engine.record_history(enabled, max, context)?;
+                let skip = &now.history_skip;
+                d.engine
+                    .record_history_with(enabled, max, context, false, skip)?;
             }
             self.attach_pending(d, &now);
             self.annotate_pending(d, &now);
@@ -291,21 +297,29 @@ impl<R: DeviceRuntime> Devices<R> {
     }
 
     /// Turns history recording on or off on every device, started or not
-    /// ([`Error::EmptyHistoryRing`] for recording into a ring of no entries; nothing changes).
+    /// ([`Error::EmptyHistoryRing`] for recording into a ring of no entries; nothing changes);
+    /// `clear` and `skip` as [`Engine::record_history_with`] (a device not started has
+    /// nothing to clear).
     pub(crate) fn record_history(
         &self,
-        enabled: bool,
-        max_entries: usize,
-        context: HistoryContext,
+        (enabled, max_entries, context): (bool, usize, HistoryContext),
+        clear: bool,
+        skip: &[TraceAction],
     ) -> Result<(), Error> {
         if enabled && max_entries == 0 {
             return Err(Error::EmptyHistoryRing);
         }
         let mut res = Ok(());
         self.publish(
-            |e| e.history = Some((enabled, max_entries, context)),
+            |e| {
+                e.history = Some((enabled, max_entries, context));
+                e.history_skip = skip.into();
+            },
             |d| {
-                if let Err(err) = d.engine.record_history(enabled, max_entries, context) {
+                let engine = &d.engine;
+                if let Err(err) =
+                    engine.record_history_with(enabled, max_entries, context, clear, skip)
+                {
                     res = Err(err);
                 }
             },

@@ -83,7 +83,8 @@ fn call_every_export() {
     assert_eq!(pinpool_reserved_bytes(99), -1);
     assert_eq!(pinpool_reset_peak_stats(99), -1);
     assert_eq!(pinpool_reset_accumulated_stats(99), -1);
-    let _ = pinpool_record_history(0, 0, 0);
+    // SAFETY: a null list of actions skips none.
+    let _ = unsafe { pinpool_record_history(0, 0, 0, 0, std::ptr::null()) };
     assert_eq!(pinpool_enable_peer_access(99, 0), -1);
     // SAFETY: no callbacks, so nothing is called with the null context.
     let _ = unsafe { pinpool_snapshot(0, 0, 1, std::ptr::null_mut(), None, None) };

@@ -8,7 +8,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use pinpool::{Error, HistoryContext};
+use pinpool::{Error, HistoryContext, TraceAction};
 
 use crate::snapshot::{SegmentFn, TraceFn};
 
@@ -294,12 +294,21 @@ pub extern "C" fn pinpool_reset_accumulated_stats(device: c_int) -> c_int {
 
 /// Turns the allocation history on (non-zero `enabled`, keeping `max_entries`) or off;
 /// `context` 1 records each allocation's call site (a Rust backtrace), 2 also each free's,
-/// 0 none: 0, or -1.
+/// 0 none; as PyTorch's `clear_history` and `skip_actions`, non-zero `clear` forgets the
+/// entries recorded so far, and `skip` (null, or a comma-separated list of action names:
+/// `alloc`, `free_requested`, ...) leaves those actions out of the history: 0, or -1 (an
+/// unknown action is an error naming the valid ones; nothing changes).
+///
+/// # Safety
+///
+/// `skip` is null or a NUL-terminated string.
 #[no_mangle]
-pub extern "C" fn pinpool_record_history(
+pub unsafe extern "C" fn pinpool_record_history(
     enabled: c_int,
     max_entries: usize,
     context: c_int,
+    clear: c_int,
+    skip: *const c_char,
 ) -> c_int {
     let context = match context {
         1 => HistoryContext::Alloc,
@@ -307,7 +316,22 @@ pub extern "C" fn pinpool_record_history(
         _ => HistoryContext::None,
     };
     status("record_history", || {
-        plugin()?.record_history(enabled != 0, max_entries, context)
+        let skip = match skip.is_null() {
+            true => String::new(),
+            // SAFETY: this function's contract.
+            false => unsafe { CStr::from_ptr(skip) }
+                .to_string_lossy()
+                .into_owned(),
+        };
+        let skip = skip
+            .split(',')
+            .map(str::trim)
+            .filter(|name| !name.is_empty())
+            .map(str::parse)
+            .collect::<Result<Vec<TraceAction>, _>>()?;
+        // `torch.cuda.memory._record_memory_history`.
+        let alloc = plugin()?.allocator();
+        alloc.record_history_with(enabled != 0, max_entries, context, clear != 0, &skip)
     })
 }
 

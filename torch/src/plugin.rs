@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use pinpool::config::{ConfigError, DeviceConfig};
-use pinpool::{DeviceAllocator, DeviceRuntime, Error, HistoryContext, PoolId};
+use pinpool::{DeviceAllocator, DeviceRuntime, Error, PoolId};
 
 /// The plug-in's settings: the device allocator's defaults (the library and the plug-in
 /// share one), with the keys `env` (the value of `PINPOOL_DEVICE_CONF`, if set) names set
@@ -227,17 +227,6 @@ impl<R: DeviceRuntime> Plugin<R> {
     /// `torch.cuda.reset_accumulated_memory_stats(device)`.
     pub(crate) fn reset_accumulated_stats(&self, device: i32) -> Result<(), Error> {
         self.alloc.reset_accumulated_stats(self.device(device)?)
-    }
-
-    /// `torch.cuda.memory._record_memory_history`: turns the trace on (keeping the last
-    /// `max_entries` entries, with the call sites `context` names) or off.
-    pub(crate) fn record_history(
-        &self,
-        enabled: bool,
-        max_entries: usize,
-        context: HistoryContext,
-    ) -> Result<(), Error> {
-        self.alloc.record_history(enabled, max_entries, context)
     }
 
     /// `torch.cuda.memory._snapshot()` pickled, as `_dump_snapshot` writes it.

@@ -858,6 +858,7 @@ fn pytorchs_pool_ids_come_back_from_the_pools_made_of_them() {
 fn the_trace_gives_pytorchs_actions_in_order_with_requested_sizes_and_ages() {
     let s = setup();
     s.plugin
+        .allocator()
         .record_history(true, 1000, pinpool::HistoryContext::None)
         .unwrap();
     let p = s.plugin.alloc(MIB + 100, 0, 3).unwrap();
@@ -882,4 +883,50 @@ fn the_trace_gives_pytorchs_actions_in_order_with_requested_sizes_and_ages() {
     assert!(traces.iter().all(|t| (0..=8).contains(&t.action)));
     // Older entries are older: the ages fall along the trace.
     assert!(of_p[0].age_us >= of_p[1].age_us && of_p[1].age_us >= 5_000);
+}
+
+/// PyTorch's `clear_history` forgets the entries recorded so far, and its `skip_actions`
+/// leaves those actions out of the trace until the next call.
+#[test]
+fn clear_history_and_skip_actions_shape_the_trace_as_pytorchs_do() {
+    let s = setup();
+    let on = |clear: bool, skip: &[pinpool::TraceAction]| {
+        let context = pinpool::HistoryContext::None;
+        let alloc = s.plugin.allocator();
+        alloc.record_history_with(true, 1000, context, clear, skip)
+    };
+    let actions = |s: &Setup| {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let (_, traces) = torch_snapshot(s, (0, 0));
+        traces.iter().map(|t| t.action).collect::<Vec<i32>>()
+    };
+    on(false, &[]).unwrap();
+    let p = s.plugin.alloc(MIB, 0, 3).unwrap();
+    s.plugin.free(p, 0, 3).unwrap();
+    assert!(actions(&s).contains(&1), "free_requested recorded");
+
+    let skip: Vec<pinpool::TraceAction> = ["free_requested", "segment_map"]
+        .iter()
+        .map(|name| name.parse().unwrap())
+        .collect();
+    on(true, &skip).unwrap();
+    let kept = actions(&s);
+    assert!(kept.is_empty(), "cleared: {kept:?}");
+    let p = s.plugin.alloc(MIB, 0, 3).unwrap();
+    s.plugin.free(p, 0, 3).unwrap();
+    let skipped = actions(&s);
+    assert!(skipped.contains(&0), "alloc recorded: {skipped:?}");
+    assert!(
+        !skipped.contains(&1),
+        "free_requested left out: {skipped:?}"
+    );
+
+    on(false, &[]).unwrap();
+    let p = s.plugin.alloc(MIB, 0, 3).unwrap();
+    s.plugin.free(p, 0, 3).unwrap();
+    let all = actions(&s);
+    assert!(
+        all.contains(&1),
+        "the next call records every action again: {all:?}"
+    );
 }

@@ -33,8 +33,16 @@ const CHANNEL_BOUND: usize = 1 << 16;
 
 /// Messages to the history actor other than entries.
 enum Control {
-    Configure { max_entries: usize },
-    Read { reply: Sender<History> },
+    /// The ring's bound; `clear`: forget the entries kept; `skip`: the actions (bits of
+    /// [`TraceAction::bit`]) left out of the ring (trace trackers still get them).
+    Configure {
+        max_entries: usize,
+        clear: bool,
+        skip: u32,
+    },
+    Read {
+        reply: Sender<History>,
+    },
 }
 
 /// The flags the hot paths read, on cache lines of their own: written only by
@@ -42,6 +50,23 @@ enum Control {
 struct Flags {
     enabled: AtomicBool,
     context: AtomicU8,
+}
+
+/// What the ring does with entries when recording is turned on: PyTorch's `clear_history`
+/// (forget the entries recorded so far) and `skip_actions` (leave these out; trace trackers
+/// still get them). The default keeps everything.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Keep {
+    pub(crate) clear: bool,
+    /// Bits of [`TraceAction::bit`].
+    pub(crate) skip: u32,
+}
+
+impl Keep {
+    pub(crate) fn new(clear: bool, skip: &[TraceAction]) -> Self {
+        let skip = skip.iter().fold(0, |bits, a| bits | a.bit());
+        Keep { clear, skip }
+    }
 }
 
 /// The recording side of history, shared by the engine and its pools.
@@ -72,6 +97,7 @@ pub(crate) fn start(handle: &tokio::runtime::Handle) -> Arc<Recorder> {
         control: control_rx,
         ring: VecDeque::new(),
         max_entries: 0,
+        skip: 0,
         overwritten: 0,
         lost: lost.clone(),
         trackers: trackers.clone(),
@@ -119,20 +145,27 @@ impl Recorder {
         }
     }
 
-    /// Turns recording on or off and sets the ring's bound and the call sites captured.
+    /// Turns recording on or off and sets the ring's bound and the call sites captured;
+    /// see [`Keep`] for what the ring keeps.
     pub(crate) fn configure(
         &self,
         enabled: bool,
         max_entries: usize,
         context: HistoryContext,
+        keep: Keep,
     ) -> Result<(), Error> {
         if enabled && max_entries == 0 {
             return Err(Error::EmptyHistoryRing);
         }
         if enabled {
             // The actor sizes its ring before any entry sent after the flag is set reaches it.
+            let (clear, skip) = (keep.clear, keep.skip);
             self.control
-                .send(Control::Configure { max_entries })
+                .send(Control::Configure {
+                    max_entries,
+                    clear,
+                    skip,
+                })
                 .map_err(|_| Error::Shutdown)?;
             if self.flags.context.load(Relaxed) != context.to_u8() {
                 self.flags.context.store(context.to_u8(), Relaxed);
@@ -370,6 +403,8 @@ struct HistoryActor {
     control: Receiver<Control>,
     ring: VecDeque<TraceEntry>,
     max_entries: usize,
+    /// Actions left out of the ring (bits of [`TraceAction::bit`]).
+    skip: u32,
     overwritten: u64,
     lost: Arc<AtomicU64>,
     trackers: Arc<AtomicUsize>,
@@ -403,7 +438,15 @@ impl HistoryActor {
 
     fn handle(&mut self, msg: Control) {
         match msg {
-            Control::Configure { max_entries } => {
+            Control::Configure {
+                max_entries,
+                clear,
+                skip,
+            } => {
+                if clear {
+                    self.ring.clear();
+                }
+                self.skip = skip;
                 self.max_entries = max_entries;
                 while self.ring.len() > max_entries {
                     self.ring.pop_front();
@@ -442,7 +485,7 @@ impl HistoryActor {
                 self.observer_lost += 1;
             }
         }
-        if self.max_entries == 0 {
+        if self.max_entries == 0 || self.skip & entry.action.bit() != 0 {
             return;
         }
         if self.ring.len() == self.max_entries {

@@ -61,6 +61,44 @@ impl TraceAction {
     }
 }
 
+impl TraceAction {
+    /// Every action, in declaration order.
+    const ALL: [TraceAction; 12] = [
+        TraceAction::Alloc,
+        TraceAction::FreeRequested,
+        TraceAction::FreeCompleted,
+        TraceAction::SegmentAlloc,
+        TraceAction::SegmentFree,
+        TraceAction::SegmentMap,
+        TraceAction::SegmentUnmap,
+        TraceAction::Snapshot,
+        TraceAction::Oom,
+        TraceAction::UserDefined,
+        TraceAction::CaptureBegin,
+        TraceAction::CaptureEnd,
+    ];
+
+    /// The action's bit in a set of actions.
+    pub(crate) fn bit(self) -> u32 {
+        1 << (self as u32)
+    }
+}
+
+/// Parses a name [`TraceAction::as_str`] gives (PyTorch's `skip_actions` names).
+impl std::str::FromStr for TraceAction {
+    type Err = crate::vocab::error::Error;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        let all = TraceAction::ALL;
+        all.into_iter().find(|a| a.as_str() == name).ok_or_else(|| {
+            let valid: Vec<_> = all.iter().map(|a| a.as_str()).collect();
+            crate::vocab::error::Error::InvalidConfig {
+                message: format!("unknown trace action `{name}`; valid: {}", valid.join(", ")),
+            }
+        })
+    }
+}
+
 impl fmt::Display for TraceAction {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -179,3 +217,17 @@ pub struct OomReport {
 pub(crate) type TraceTracker = Arc<dyn Fn(&TraceEntry) + Send + Sync>;
 /// A callback told of every out-of-memory failure.
 pub(crate) type OomObserver = Arc<dyn Fn(&OomReport) + Send + Sync>;
+
+#[cfg(all(test, not(pinpool_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_action_parses_from_its_name_and_an_unknown_name_lists_the_valid_ones() {
+        for a in TraceAction::ALL {
+            assert_eq!(a.as_str().parse::<TraceAction>().unwrap(), a);
+        }
+        let err = "free".parse::<TraceAction>().unwrap_err().to_string();
+        assert!(err.contains("`free`") && err.contains("free_requested, free_completed"));
+    }
+}
