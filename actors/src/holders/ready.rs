@@ -244,7 +244,7 @@ impl<B: Slotted> ReadyQueues<B> {
             from_slot.or_else(|| {
                 let shard = &self.shards[s];
                 if shard.may_hold(c) {
-                    let b = shard.queues[c].rx.try_recv().ok()?;
+                    let b = shard.queues[c].take()?;
                     self.fitting(s, b, class)
                 } else {
                     None
@@ -302,7 +302,7 @@ impl<B: Slotted> ReadyQueues<B> {
                 return Some(b);
             }
             if mine.may_hold(c) {
-                if let Ok(b) = mine.queues[c].rx.try_recv() {
+                if let Some(b) = mine.queues[c].take() {
                     return Some(b);
                 }
             }
@@ -312,7 +312,7 @@ impl<B: Slotted> ReadyQueues<B> {
                 let shard = &self.shards[s];
                 let mut from = above + 1;
                 while let Some(c) = shard.first_marked(from, upto) {
-                    if let Ok(b) = shard.queues[c].rx.try_recv() {
+                    if let Some(b) = shard.queues[c].take() {
                         return Some(b);
                     }
                     from = c + 1;
@@ -414,7 +414,7 @@ impl<B: Slotted> ReadyQueues<B> {
         self.hold(shard, class);
         // The receiver lives beside the sender, so the send cannot fail.
         let shard = &self.shards[shard];
-        let _ = shard.queues[class].tx.send(block);
+        shard.queues[class].put(block);
         shard.mark(class);
     }
 

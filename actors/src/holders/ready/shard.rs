@@ -1,16 +1,49 @@
 //! One shard's overflow queues: a flume queue per class for the blocks its slots cannot
-//! hold, and the bits that say which queues may hold a block.
+//! hold, made at the class's first overflow, and the bits that say which queues may hold a
+//! block.
 
 use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
 
 use flume::{Receiver, Sender};
 
 use crate::vocab::loom::AtomicU64;
 
-/// A class's overflow queue of one shard.
+/// A class's overflow queue of one shard, made when the first block overflows into it: a
+/// pool has hundreds of classes and tens of shards, and most queues of most pools are
+/// never used (made up front, they were most of the time and memory a new pool took).
 pub(super) struct Queue<B> {
-    pub(super) tx: Sender<Box<B>>,
-    pub(super) rx: Receiver<Box<B>>,
+    chan: OnceLock<Chan<B>>,
+}
+
+/// Both ends of a queue's channel (the receiver lives beside the sender: a send cannot fail).
+type Chan<B> = (Sender<Box<B>>, Receiver<Box<B>>);
+
+impl<B> Queue<B> {
+    fn new() -> Self {
+        Queue {
+            chan: OnceLock::new(),
+        }
+    }
+
+    /// A block of the queue, if it holds one.
+    #[inline]
+    pub(super) fn take(&self) -> Option<Box<B>> {
+        self.chan.get()?.1.try_recv().ok()
+    }
+
+    /// Adds a block to the queue.
+    #[inline]
+    pub(super) fn put(&self, block: Box<B>) {
+        let _ = self.chan.get_or_init(flume::unbounded).0.send(block);
+    }
+
+    /// Takes every block of the queue into `out`.
+    fn take_all(&self, out: &mut Vec<Box<B>>) {
+        if let Some((_, rx)) = self.chan.get() {
+            out.extend(rx.try_iter());
+        }
+    }
 }
 
 /// One shard's overflow queues.
@@ -29,12 +62,7 @@ impl<B> Shard<B> {
     /// Empty queues for `classes` size classes, none marked.
     pub(super) fn new(classes: usize) -> Self {
         Shard {
-            queues: (0..classes)
-                .map(|_| {
-                    let (tx, rx) = flume::unbounded();
-                    Queue { tx, rx }
-                })
-                .collect(),
+            queues: (0..classes).map(|_| Queue::new()).collect(),
             queued: (0..classes.div_ceil(64))
                 .map(|_| AtomicU64::new(0))
                 .collect(),
@@ -68,12 +96,12 @@ impl<B> Shard<B> {
     /// queue that holds a block keeps its bit set, and a bit left set over an emptied queue
     /// (a take leaves it) costs the next look one lock, not every look until a drain.
     pub(super) fn take_or_unmark(&self, class: usize) -> Option<Box<B>> {
-        let q = &self.queues[class].rx;
-        if let Ok(b) = q.try_recv() {
+        let q = &self.queues[class];
+        if let Some(b) = q.take() {
             return Some(b);
         }
         self.queued[class / 64].fetch_and(!(1 << (class % 64)), Ordering::AcqRel);
-        let b = q.try_recv().ok()?;
+        let b = q.take()?;
         // It may hold more.
         self.mark(class);
         Some(b)
@@ -97,7 +125,7 @@ impl<B> Shard<B> {
                 // One block at a time: `drain` would hand over the queue's buffer, and the
                 // next frees into it would grow a new one (about 5 % of the mixed sizes
                 // loop on a 16-core host went to that growth).
-                out.extend(self.queues[class].rx.try_iter());
+                self.queues[class].take_all(out);
             }
         }
     }
