@@ -61,6 +61,16 @@ pub fn best_fit_pool_on(rt: &tokio::runtime::Runtime) -> (PinnedAllocator<SimRun
     (pool, sim)
 }
 
+/// A device allocator on a fresh simulated runtime, with the defaults (call inside a tokio
+/// runtime).
+pub fn sim_device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
+    let sim = SimRuntime::new();
+    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
+        .build()
+        .expect("allocator builds inside a runtime");
+    (pool, sim)
+}
+
 /// A device allocator on a fresh simulated runtime, capped at `max_bytes` per device (call
 /// inside a tokio runtime).
 pub fn capped_device_pool(max_bytes: usize) -> (DeviceAllocator<SimRuntime>, SimRuntime) {

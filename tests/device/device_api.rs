@@ -11,15 +11,10 @@ use pinpool::{
     TraceAction,
 };
 use pinpool_testkit::eventually;
+use pinpool_testkit::sim_device_pool as device_pool;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-
-fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
-    (pool, sim)
-}
 
 #[tokio::test]
 async fn size_zero_gives_an_empty_buffer_at_address_zero_as_raw_alloc_does_and_touches_no_pool() {

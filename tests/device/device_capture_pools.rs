@@ -9,15 +9,10 @@ use std::sync::Arc;
 
 use pinpool::sim::{SimRuntime, SimStream};
 use pinpool::{DeviceAllocator, DeviceBuilder, Error, PoolId};
+use pinpool_testkit::sim_device_pool as device_pool;
 use pinpool_testkit::{all_bytes_are, on_plain_thread};
 
 const MIB: usize = 1 << 20;
-
-fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
-    (pool, sim)
-}
 
 /// Routes `stream`'s requests on device `device` to `id`, and starts capturing it.
 async fn begin(pool: &DeviceAllocator<SimRuntime>, device: usize, s: &SimStream, id: PoolId) {

@@ -4,19 +4,12 @@
 //! graphs replay against them. A buffer a user holds in the way, and bad input, are typed
 //! errors that change nothing.
 
-use std::sync::Arc;
-
 use pinpool::sim::{HoldGuard, SimRuntime, SimStream};
-use pinpool::{DeviceAllocator, DeviceBuilder, Error, PoolCheckpoint, PoolId};
+use pinpool::{DeviceAllocator, Error, PoolCheckpoint, PoolId};
 use pinpool_testkit::all_bytes_are;
+use pinpool_testkit::sim_device_pool as device_pool;
 
 const MIB: usize = 1 << 20;
-
-fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
-    (pool, sim)
-}
 
 async fn route(pool: &DeviceAllocator<SimRuntime>, s: &SimStream, id: PoolId) {
     let wanted = s.id();

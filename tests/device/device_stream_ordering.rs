@@ -3,22 +3,13 @@
 //! every other stream recorded on it. The simulated device checks every kernel and copy
 //! for bytes written by another stream between enqueue and run (early reuse).
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use pinpool::sim::{SimRuntime, ViolationKind};
-use pinpool::{DeviceAllocator, DeviceBuilder};
+use pinpool::sim::ViolationKind;
+use pinpool_testkit::sim_device_pool as device_pool;
 use pinpool_testkit::{all_bytes_are, eventually};
 
 const MIB: usize = 1 << 20;
-
-fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .build()
-        .expect("allocator builds inside a runtime");
-    (pool, sim)
-}
 
 #[tokio::test]
 async fn a_block_freed_with_no_other_stream_is_reused_by_its_stream_at_once_without_an_event() {

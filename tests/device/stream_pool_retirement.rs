@@ -8,18 +8,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use pinpool::sim::SimRuntime;
-use pinpool::{DeviceAllocator, DeviceBuilder};
+use pinpool_testkit::sim_device_pool as device_pool;
 
 const MIB: usize = 1 << 20;
-
-fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone()))
-        .build()
-        .expect("allocator builds inside a runtime");
-    (pool, sim)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_cache_retires_an_idle_streams_pool_with_its_range_and_its_stream() {

@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use pinpool::plan::{PlanSessionError, Planner};
 use pinpool::sim::SimRuntime;
-use pinpool::{DeviceAllocator, DeviceBuilder, Error, HistoryContext, TraceAction};
+use pinpool::{DeviceBuilder, Error, HistoryContext, TraceAction};
+use pinpool_testkit::sim_device_pool as device_pool;
 use pinpool_testkit::{current_thread, multi_thread, sim_pool};
 
 /// Runs `scenario` on a thread of its own; fails the test if it has not finished within
@@ -59,12 +60,6 @@ fn assert_plan_would_deadlock<T>(result: Result<T, PlanSessionError>, call: &str
         Err(other) => panic!("{call}: expected WouldDeadlock, got {other}"),
         Ok(_) => panic!("{call}: expected WouldDeadlock, got a value"),
     }
-}
-
-fn device_pool() -> (DeviceAllocator<SimRuntime>, SimRuntime) {
-    let sim = SimRuntime::new();
-    let pool = DeviceBuilder::new(Arc::new(sim.clone())).build().unwrap();
-    (pool, sim)
 }
 
 /// Code tested with a warm cache must behave as it will with a cold one: on a thread that
