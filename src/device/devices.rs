@@ -56,16 +56,18 @@ pub(crate) struct Device<R: DeviceRuntime> {
     annotated: AtomicU64,
 }
 
+/// Whether history is recorded, the ring's bound and the call sites captured.
+type HistorySetting = (bool, usize, HistoryContext);
+
 /// An observer or callback attached to every device's engine.
 type Attached<R> = Arc<dyn Fn(&Engine<R>) + Send + Sync>;
 
 /// The settings made for every device so far, published whole: each change publishes a new
 /// one.
 struct Everywhere<R: DeviceRuntime> {
-    /// The last `record_history` call's arguments.
-    history: Option<(bool, usize, HistoryContext)>,
-    /// The actions it left out of the history.
-    history_skip: Arc<[TraceAction]>,
+    /// The last `record_history` call's setting and the actions it left out of the
+    /// history (its `clear` applied once, at the call).
+    history: Option<(HistorySetting, Arc<[TraceAction]>)>,
     /// Observers and callbacks, each attached once to every engine, in order.
     attached: Vec<Attached<R>>,
     /// The annotations made while history was on (the last `max_entries`), numbered from
@@ -78,8 +80,7 @@ struct Everywhere<R: DeviceRuntime> {
 impl<R: DeviceRuntime> Clone for Everywhere<R> {
     fn clone(&self) -> Self {
         Self {
-            history: self.history,
-            history_skip: self.history_skip.clone(),
+            history: self.history.clone(),
             attached: self.attached.clone(),
             annotations: self.annotations.clone(),
             first_annotation: self.first_annotation,
@@ -169,7 +170,6 @@ impl<R: DeviceRuntime> Devices<R> {
             slots: (0..count).map(|_| OnceLock::new()).collect(),
             everywhere: ArcSwap::from_pointee(Everywhere {
                 history: None,
-                history_skip: Arc::from([]),
                 attached: Vec::new(),
                 annotations: VecDeque::new(),
                 first_annotation: 0,
@@ -218,10 +218,9 @@ impl<R: DeviceRuntime> Devices<R> {
         loop {
             let now = self.everywhere.load_full();
             // History first: an engine records annotations only while it is on.
-            if let Some((enabled, max, context)) = now.history {
-                let skip = &now.history_skip;
+            if let Some(((enabled, max, context), skip)) = &now.history {
                 d.engine
-                    .record_history_with(enabled, max, context, false, skip)?;
+                    .record_history_with(*enabled, *max, *context, false, skip)?;
             }
             self.attach_pending(d, &now);
             self.annotate_pending(d, &now);
@@ -292,8 +291,12 @@ impl<R: DeviceRuntime> Devices<R> {
     }
 
     /// The history setting in force for every device (`None`: never set).
-    pub(crate) fn history_setting(&self) -> Option<(bool, usize, HistoryContext)> {
-        self.everywhere.load().history
+    pub(crate) fn history_setting(&self) -> Option<HistorySetting> {
+        self.everywhere
+            .load()
+            .history
+            .as_ref()
+            .map(|(setting, _)| *setting)
     }
 
     /// Turns history recording on or off on every device, started or not
@@ -302,7 +305,7 @@ impl<R: DeviceRuntime> Devices<R> {
     /// nothing to clear).
     pub(crate) fn record_history(
         &self,
-        (enabled, max_entries, context): (bool, usize, HistoryContext),
+        (enabled, max_entries, context): HistorySetting,
         clear: bool,
         skip: &[TraceAction],
     ) -> Result<(), Error> {
@@ -311,10 +314,7 @@ impl<R: DeviceRuntime> Devices<R> {
         }
         let mut res = Ok(());
         self.publish(
-            |e| {
-                e.history = Some((enabled, max_entries, context));
-                e.history_skip = skip.into();
-            },
+            |e| e.history = Some(((enabled, max_entries, context), skip.into())),
             |d| {
                 let engine = &d.engine;
                 if let Err(err) =

@@ -33,12 +33,10 @@ const CHANNEL_BOUND: usize = 1 << 16;
 
 /// Messages to the history actor other than entries.
 enum Control {
-    /// The ring's bound; `clear`: forget the entries kept; `skip`: the actions (bits of
-    /// [`TraceAction::bit`]) left out of the ring (trace trackers still get them).
+    /// The ring's bound, and what it keeps.
     Configure {
         max_entries: usize,
-        clear: bool,
-        skip: u32,
+        keep: Keep,
     },
     Read {
         reply: Sender<History>,
@@ -159,13 +157,8 @@ impl Recorder {
         }
         if enabled {
             // The actor sizes its ring before any entry sent after the flag is set reaches it.
-            let (clear, skip) = (keep.clear, keep.skip);
             self.control
-                .send(Control::Configure {
-                    max_entries,
-                    clear,
-                    skip,
-                })
+                .send(Control::Configure { max_entries, keep })
                 .map_err(|_| Error::Shutdown)?;
             if self.flags.context.load(Relaxed) != context.to_u8() {
                 self.flags.context.store(context.to_u8(), Relaxed);
@@ -438,15 +431,11 @@ impl HistoryActor {
 
     fn handle(&mut self, msg: Control) {
         match msg {
-            Control::Configure {
-                max_entries,
-                clear,
-                skip,
-            } => {
-                if clear {
+            Control::Configure { max_entries, keep } => {
+                if keep.clear {
                     self.ring.clear();
                 }
-                self.skip = skip;
+                self.skip = keep.skip;
                 self.max_entries = max_entries;
                 while self.ring.len() > max_entries {
                     self.ring.pop_front();

@@ -34,7 +34,6 @@ use crate::blocks::block::{Block, Pool};
 use crate::blocks::lease::Lease;
 use crate::books::budget::Budget;
 use crate::books::budget::EmptyReport;
-use crate::books::home::DIVERT_CLOSING;
 use crate::books::mailbox::{PollerMsg, PoolMsg, Reply};
 use crate::observation::history::Recorder;
 use crate::requests::miss::{miss, miss_once, Tried, Wait, Who};
@@ -338,32 +337,38 @@ impl<R: Runtime> Engine<R> {
             // that large.
             match Box::pin(miss(&pool, class, size, wait, who)).await {
                 Ok(block) => return Ok(Lease::new(block, size, during_capture, self.inner.id)),
-                Err(Error::Shutdown) => match Self::rerouted(&pool, class, during_capture) {
-                    Some(step) => routed = self.route(step, who).await?,
-                    None => return Err(Error::Shutdown),
-                },
+                Err(Error::Shutdown) => {
+                    routed = self.reroute(&pool, class, during_capture, who).await?
+                }
                 Err(e) => return Err(pool.oom(e)),
             }
         }
     }
 
-    /// The step that asks the router again for the pool of a stream whose pool was retired
-    /// while a request was on its way to it (see the router's `retire_idle_streams`): its
-    /// mailbox closed, it is marked as closing, and only retirement closes a stream's pool
-    /// while a handle of its engine lives (the request holds one) and its runtime runs.
-    /// `None` for any other pool. The router answers only once the retirement is published,
-    /// with a new pool; should the runtime be shutting down, the router is gone as well, and
-    /// asking it fails.
-    fn rerouted(pool: &Pool<R>, class: SizeClass, during_capture: bool) -> Option<Step<R>> {
-        let closing = pool.divert.load(Ordering::Acquire) & DIVERT_CLOSING != 0;
+    /// After a miss that found its pool gone: the stream's pool asked of the router again
+    /// when the pool was a stream's pool retired while the request was on its way to it
+    /// (see the router's `retire_idle_streams`); only retirement closes a stream pool's
+    /// mailbox while a handle of its engine lives (the request holds one) and its runtime
+    /// runs. The router answers once the retirement is published, with a new pool. Any
+    /// other pool, or a router gone with its runtime: [`Error::Shutdown`].
+    async fn reroute(
+        &self,
+        pool: &Pool<R>,
+        class: SizeClass,
+        during_capture: bool,
+        who: Who,
+    ) -> Result<Result<Lease<R>, (Arc<Pool<R>>, SizeClass, bool)>, Error> {
         match (pool.owner, &pool.owner_stream) {
-            (Some(stream), Some(keep)) if closing => Some(Step::NewStream {
-                stream,
-                keep: keep.clone(),
-                class,
-                during_capture,
-            }),
-            _ => None,
+            (Some(stream), Some(keep)) if pool.mailbox.is_closed() => {
+                let step = Step::NewStream {
+                    stream,
+                    keep: keep.clone(),
+                    class,
+                    during_capture,
+                };
+                self.route(step, who).await
+            }
+            _ => Err(Error::Shutdown),
         }
     }
 
@@ -418,12 +423,8 @@ impl<R: Runtime> Engine<R> {
             match miss_once(&pool, class, size, empty).await {
                 Ok(block) => return Ok(Lease::new(block, size, during_capture, self.inner.id)),
                 Err(Tried::Failed(Error::Shutdown)) => {
-                    match Self::rerouted(&pool, class, during_capture) {
-                        Some(step) => {
-                            routed = self.route(step, Who::Task).await.map_err(Tried::Failed)?
-                        }
-                        None => return Err(Tried::Failed(Error::Shutdown)),
-                    }
+                    let rerouted = self.reroute(&pool, class, during_capture, Who::Task);
+                    routed = rerouted.await.map_err(Tried::Failed)?
                 }
                 Err(Tried::Failed(e)) => return Err(Tried::Failed(pool.oom(e))),
                 Err(Tried::NoRoom) => return Err(Tried::NoRoom),
