@@ -68,7 +68,7 @@ fn start_tracing() {
 }
 
 async fn worker(
-    pool: PinnedAllocator,
+    allocator: PinnedAllocator,
     sim: SimRuntime,
     seed: u64,
     stop: Instant,
@@ -81,7 +81,7 @@ async fn worker(
         x ^= x >> 7;
         x ^= x << 17;
         let size = 4096usize << (x % 9);
-        let Ok(mut buf) = pool.alloc(size).await else {
+        let Ok(mut buf) = allocator.alloc(size).await else {
             break;
         };
         buf.fill((x & 0xff) as u8);
@@ -106,20 +106,28 @@ async fn main() {
     };
     start_tracing();
     let sim = SimRuntime::new();
-    let pool = match Builder::new(Arc::new(sim.clone())).build() {
+    let allocator = match Builder::new(Arc::new(sim.clone())).build() {
         Ok(p) => p,
         Err(e) => {
             eprintln!("could not start the allocator: {e}");
             std::process::exit(1);
         }
     };
-    if let Err(e) = pool.record_history(true, 50_000, HistoryContext::None) {
+    if let Err(e) = allocator.record_history(true, 50_000, HistoryContext::None) {
         eprintln!("could not turn history on: {e}");
     }
     let stop = Instant::now() + Duration::from_secs(args.seconds);
     let ops = Arc::new(AtomicU64::new(0));
     let workers: Vec<_> = (0..4)
-        .map(|i| tokio::spawn(worker(pool.clone(), sim.clone(), i + 1, stop, ops.clone())))
+        .map(|i| {
+            tokio::spawn(worker(
+                allocator.clone(),
+                sim.clone(),
+                i + 1,
+                stop,
+                ops.clone(),
+            ))
+        })
         .collect();
 
     let mut tick = 0u64;
@@ -131,20 +139,20 @@ async fn main() {
             let id = pinpool::PoolId::fresh();
             let capture = sim.new_stream().expect("stream");
             let target = capture.id();
-            if pool
+            if allocator
                 .begin_allocate_to_pool(id, move |s| s.id() == target)
                 .await
                 .is_ok()
             {
-                let buf = pool.alloc_on(1 << 16, &capture).await;
-                let _ = pool.end_allocate_to_pool(id).await;
+                let buf = allocator.alloc_on(1 << 16, &capture).await;
+                let _ = allocator.end_allocate_to_pool(id).await;
                 drop(buf);
-                let _ = pool.release_pool(id).await;
+                let _ = allocator.release_pool(id).await;
             }
-            pool.record_annotation(&format!("capture {tick}"));
-            let _ = pool.empty_cache().await;
+            allocator.record_annotation(&format!("capture {tick}"));
+            let _ = allocator.empty_cache().await;
         }
-        let s = pool.stats();
+        let s = allocator.stats();
         println!(
             "{:>4}s  ops {:>8}  reserved {:>10}  in use {:>10}  waiting {:>3}  host allocs {}",
             tick,
@@ -159,7 +167,7 @@ async fn main() {
         let _ = w.await;
     }
     if let Some(path) = args.html {
-        let page = pool.history_html().await;
+        let page = allocator.history_html().await;
         match page
             .map_err(|e| e.to_string())
             .and_then(|page| std::fs::write(&path, page).map_err(|e| e.to_string()))

@@ -286,7 +286,7 @@ fn trace_name(path: &str) -> String {
 
 /// The benchmark over one runtime: its allocator, and how to make a new stream on device 0.
 struct Bench<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> {
-    pool: DeviceAllocator<R>,
+    allocator: DeviceAllocator<R>,
     new_stream: F,
     quick: bool,
     repeat: usize,
@@ -303,21 +303,21 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
     }
 
     fn fresh_count(&self) -> Result<i64> {
-        Ok(self.pool.stats(0)?.num_device_alloc)
+        Ok(self.allocator.stats(0)?.num_device_alloc)
     }
 
     fn pair(&self) -> Result<()> {
         let stream = (self.new_stream)()?;
-        let pool = &self.pool;
+        let allocator = &self.allocator;
         let n = self.n(2_000_000);
         for size in [4096usize, 1 << 20, 64 << 20] {
-            pool.raw_delete(pool.raw_alloc_with_stream(size, &stream)?)?;
+            allocator.raw_delete(allocator.raw_alloc_with_stream(size, &stream)?)?;
             let mut best = f64::INFINITY;
             for _ in 0..self.repeat {
                 let t0 = Instant::now();
                 for _ in 0..n {
-                    let p = pool.raw_alloc_with_stream(size, &stream)?;
-                    pool.raw_delete(std::hint::black_box(p))?;
+                    let p = allocator.raw_alloc_with_stream(size, &stream)?;
+                    allocator.raw_delete(std::hint::black_box(p))?;
                 }
                 best = best.min(ns_per(t0, n));
             }
@@ -326,7 +326,9 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
             for _ in 0..self.repeat {
                 let t0 = Instant::now();
                 for _ in 0..n {
-                    drop(std::hint::black_box(pool.alloc_blocking(size, &stream)?));
+                    drop(std::hint::black_box(
+                        allocator.alloc_blocking(size, &stream)?,
+                    ));
                 }
                 best = best.min(ns_per(t0, n));
             }
@@ -337,14 +339,14 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
 
     fn pair_with_record(&self) -> Result<()> {
         let (stream, other) = ((self.new_stream)()?, (self.new_stream)()?);
-        let pool = &self.pool;
+        let allocator = &self.allocator;
         let size = 1usize << 20;
         let n = self.n(200_000);
-        drop(pool.alloc_blocking(size, &stream)?);
+        drop(allocator.alloc_blocking(size, &stream)?);
         let fresh0 = self.fresh_count()?;
         let t0 = Instant::now();
         for _ in 0..n {
-            let mut b = pool.alloc_blocking(size, &stream)?;
+            let mut b = allocator.alloc_blocking(size, &stream)?;
             b.record_stream(&other).unwrap();
         }
         println!(
@@ -354,9 +356,9 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         let fresh1 = self.fresh_count()?;
         let t0 = Instant::now();
         for _ in 0..n {
-            let p = pool.raw_alloc_with_stream(size, &stream)?;
-            pool.raw_record_stream(p, &other)?;
-            pool.raw_delete(p)?;
+            let p = allocator.raw_alloc_with_stream(size, &stream)?;
+            allocator.raw_record_stream(p, &other)?;
+            allocator.raw_delete(p)?;
         }
         println!(
             "pinpool dev_pair_with_record_raw_ns size={size} {:.1}",
@@ -390,8 +392,8 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
                                 // so the others do not wait for it forever.
                                 let warm = (|| -> Result<R::Stream> {
                                     let stream = (self.new_stream)()?;
-                                    let p = self.pool.raw_alloc_with_stream(size, &stream)?;
-                                    self.pool.raw_delete(p)?;
+                                    let p = self.allocator.raw_alloc_with_stream(size, &stream)?;
+                                    self.allocator.raw_delete(p)?;
                                     Ok(stream)
                                 })();
                                 ready.fetch_add(1, Ordering::SeqCst);
@@ -400,8 +402,8 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
                                     std::hint::spin_loop();
                                 }
                                 for _ in 0..k {
-                                    let p = self.pool.raw_alloc_with_stream(size, &stream)?;
-                                    self.pool.raw_delete(std::hint::black_box(p))?;
+                                    let p = self.allocator.raw_alloc_with_stream(size, &stream)?;
+                                    self.allocator.raw_delete(std::hint::black_box(p))?;
                                 }
                                 Ok(())
                             })
@@ -429,18 +431,18 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
 
     fn mixed_sizes(&self) -> Result<()> {
         let stream = (self.new_stream)()?;
-        let pool = &self.pool;
+        let allocator = &self.allocator;
         let n = self.n(50_000) as usize;
         let size = |i: usize| 4096 + i.wrapping_mul(104_729) % (1 << 20);
         let mut held = Vec::with_capacity(64);
         for i in 0..64 {
-            held.push(pool.raw_alloc_with_stream(size(n + i), &stream)?);
+            held.push(allocator.raw_alloc_with_stream(size(n + i), &stream)?);
         }
         let fresh0 = self.fresh_count()?;
         let t0 = Instant::now();
         for i in 0..n {
-            let p = pool.raw_alloc_with_stream(size(i), &stream)?;
-            pool.raw_delete(held[i % 64])?;
+            let p = allocator.raw_alloc_with_stream(size(i), &stream)?;
+            allocator.raw_delete(held[i % 64])?;
             held[i % 64] = p;
         }
         println!(
@@ -452,32 +454,32 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
             self.fresh_count()? - fresh0
         );
         for p in held {
-            pool.raw_delete(p)?;
+            allocator.raw_delete(p)?;
         }
         Ok(())
     }
 
     fn fresh(&self) -> Result<()> {
         let stream = (self.new_stream)()?;
-        let pool = &self.pool;
+        let allocator = &self.allocator;
         // The anchor measures on a stream its allocator has served before: make this
         // stream's pool (and reserve its address range) first, so that only fresh memory
         // is timed.
-        pool.raw_delete(pool.raw_alloc_with_stream(4096, &stream)?)?;
+        allocator.raw_delete(allocator.raw_alloc_with_stream(4096, &stream)?)?;
         for mb in [16usize, 256, 1024] {
-            pool.empty_cache_blocking()?;
+            allocator.empty_cache_blocking()?;
             let t0 = Instant::now();
-            let p = pool.raw_alloc_with_stream(mb << 20, &stream)?;
+            let p = allocator.raw_alloc_with_stream(mb << 20, &stream)?;
             let ms = t0.elapsed().as_secs_f64() * 1e3;
-            pool.raw_delete(p)?;
+            allocator.raw_delete(p)?;
             println!("pinpool dev_fresh_alloc_ms size_mb={mb} {ms:.3}");
         }
-        pool.empty_cache_blocking()?;
-        pool.reset_peak_stats(0)?;
-        pool.raw_delete(pool.raw_alloc_with_stream(1025 << 20, &stream)?)?;
+        allocator.empty_cache_blocking()?;
+        allocator.reset_peak_stats(0)?;
+        allocator.raw_delete(allocator.raw_alloc_with_stream(1025 << 20, &stream)?)?;
         println!(
             "pinpool dev_reserved_MiB_for_request_MiB request=1025 {:.0}",
-            pool.stats(0)?.reserved_bytes.all.peak as f64 / 1048576.0
+            allocator.stats(0)?.reserved_bytes.all.peak as f64 / 1048576.0
         );
         Ok(())
     }
@@ -485,14 +487,14 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
     fn async_pair(&self, rt: &tokio::runtime::Runtime) -> Result<()> {
         let n = self.n(2_000_000);
         let size = 1usize << 20;
-        let pool = self.pool.clone();
+        let allocator = self.allocator.clone();
         let stream = (self.new_stream)()?;
         let ns = rt.block_on(async move {
             tokio::spawn(async move {
-                drop(pool.alloc(size, &stream).await?);
+                drop(allocator.alloc(size, &stream).await?);
                 let t0 = Instant::now();
                 for _ in 0..n {
-                    drop(std::hint::black_box(pool.alloc(size, &stream).await?));
+                    drop(std::hint::black_box(allocator.alloc(size, &stream).await?));
                 }
                 Ok::<f64, pinpool::Error>(ns_per(t0, n))
             })
@@ -510,24 +512,24 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
     /// that is already mapped.
     fn miss_latency(&self) -> Result<()> {
         let stream = (self.new_stream)()?;
-        let pool = &self.pool;
+        let allocator = &self.allocator;
         let size = |k: usize| (24usize << 20) + (k % 7) * (3 << 20);
         for k in 0..7 {
-            pool.raw_delete(pool.raw_alloc_with_stream(size(k), &stream)?)?;
+            allocator.raw_delete(allocator.raw_alloc_with_stream(size(k), &stream)?)?;
         }
         for gap_us in [0u64, 100, 1000] {
-            let before = pool.stats(0)?;
+            let before = allocator.stats(0)?;
             let mut us = Vec::with_capacity(400);
             for k in 0..400 {
                 if gap_us > 0 {
                     std::thread::sleep(Duration::from_micros(gap_us));
                 }
                 let t0 = Instant::now();
-                let p = pool.raw_alloc_with_stream(size(k), &stream)?;
+                let p = allocator.raw_alloc_with_stream(size(k), &stream)?;
                 us.push(t0.elapsed().as_secs_f64() * 1e6);
-                pool.raw_delete(p)?;
+                allocator.raw_delete(p)?;
             }
-            let after = pool.stats(0)?;
+            let after = allocator.stats(0)?;
             us.sort_by(f64::total_cmp);
             println!(
                 "pinpool dev_miss_us gap_us={gap_us} {:.1}",
@@ -559,7 +561,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         live: &mut [u64],
         pace: Duration,
     ) -> Result<Duration> {
-        let pool = &self.pool;
+        let allocator = &self.allocator;
         let mut in_calls = Duration::ZERO;
         for step in &trace.steps {
             let t0 = if pace.is_zero() {
@@ -583,9 +585,9 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
                             e.insert((self.new_stream)()?)
                         }
                     };
-                    live[slot] = pool.raw_alloc_with_stream(bytes, s)?;
+                    live[slot] = allocator.raw_alloc_with_stream(bytes, s)?;
                 }
-                Step::Free { slot } => pool.raw_delete(std::mem::take(&mut live[slot]))?,
+                Step::Free { slot } => allocator.raw_delete(std::mem::take(&mut live[slot]))?,
             }
             if let Some(t0) = t0 {
                 in_calls += t0.elapsed();
@@ -595,18 +597,18 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
     }
 
     fn replay(&self, base: &str, trace: &Replay) -> Result<()> {
-        let pool = &self.pool;
+        let allocator = &self.allocator;
         let mut streams: BTreeMap<u64, R::Stream> = BTreeMap::new();
         let mut live: Vec<u64> = vec![0; trace.slots];
         for rep in 0..2 {
             // The first run warms nothing up: the cache is emptied before each.
-            pool.empty_cache_blocking()?;
-            pool.reset_peak_stats(0)?;
+            allocator.empty_cache_blocking()?;
+            allocator.reset_peak_stats(0)?;
             let fresh0 = self.fresh_count()?;
             let t0 = Instant::now();
             self.play(trace, &mut streams, &mut live, Duration::ZERO)?;
             let ns = ns_per(t0, trace.lines);
-            let stats = pool.stats(0)?;
+            let stats = allocator.stats(0)?;
             if rep == 1 {
                 eprintln!(
                     "  ({base}: {} lines, {} allocations on {} streams, peak live {:.1} MiB, read by {})",
@@ -631,21 +633,21 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
                 );
             }
             for p in live.iter_mut() {
-                pool.raw_delete(std::mem::take(p))?;
+                allocator.raw_delete(std::mem::take(p))?;
             }
         }
         // Warm passes, the cache kept: what a repeated stream (training steps, a serving
         // loop) costs the driver once the pool has learned it.
-        let before = pool.stats(0)?;
+        let before = allocator.stats(0)?;
         let t0 = Instant::now();
         for _ in 0..WARM_PASSES {
             self.play(trace, &mut streams, &mut live, Duration::ZERO)?;
             for p in live.iter_mut() {
-                pool.raw_delete(std::mem::take(p))?;
+                allocator.raw_delete(std::mem::take(p))?;
             }
         }
         let ns = ns_per(t0, trace.lines * WARM_PASSES);
-        let after = pool.stats(0)?;
+        let after = allocator.stats(0)?;
         println!(
             "pinpool dev_replay_warm_misses_per_pass trace={base} {:.1}",
             (after.num_misses - before.num_misses) as f64 / WARM_PASSES as f64
@@ -662,7 +664,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         for _ in 0..WARM_PASSES {
             in_calls += self.play(trace, &mut streams, &mut live, REPLAY_PACE)?;
             for p in live.iter_mut() {
-                pool.raw_delete(std::mem::take(p))?;
+                allocator.raw_delete(std::mem::take(p))?;
             }
         }
         println!(
@@ -672,7 +674,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
         );
         // Where a paced miss's time goes: the pool actor's own work, and the rest (threads
         // handing the request over and waking up).
-        let paced = pool.stats(0)?;
+        let paced = allocator.stats(0)?;
         let misses = (paced.num_misses - after.num_misses).max(1) as f64;
         println!(
             "pinpool dev_replay_paced_miss_us trace={base} {:.1}",
@@ -697,7 +699,7 @@ impl<R: DeviceRuntime, F: Fn() -> Result<R::Stream> + Sync> Bench<R, F> {
             self.replay(base, trace)
                 .map_err(|e| -> BoxError { format!("replay of {base}: {e}").into() })?;
         }
-        self.pool.empty_cache_blocking()?;
+        self.allocator.empty_cache_blocking()?;
         Ok(())
     }
 }
@@ -735,11 +737,11 @@ fn bench<R: DeviceRuntime>(
 ) -> Result<()> {
     let rt = tokio_runtime()?;
     let config = config(args)?;
-    let pool = DeviceBuilder::new(runtime.clone())
+    let allocator = DeviceBuilder::new(runtime.clone())
         .config(&config)
         .handle(rt.handle().clone())
         .build()?;
-    let (_, total) = pool.memory_info(0)?;
+    let (_, total) = allocator.memory_info(0)?;
     eprintln!(
         "device_bench: runtime {what} ({:.0} GiB), {config}, {}{} trace(s)",
         total as f64 / (1u64 << 30) as f64,
@@ -755,7 +757,7 @@ fn bench<R: DeviceRuntime>(
     // whatever the allocator still keeps under that stream's id.
     let streams = Mutex::new(Vec::new());
     let bench = Bench {
-        pool,
+        allocator,
         new_stream: || {
             let s = new_stream(&runtime)?;
             streams

@@ -99,16 +99,16 @@ fn ns_per(t0: Instant, n: u64) -> f64 {
 }
 
 /// One thread: cached allocate + free of one size.
-fn pair_ns<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool, repeat: usize) {
+fn pair_ns<R: Runtime>(allocator: &PinnedAllocator<R>, quick: bool, repeat: usize) {
     for size in [4096usize, 1 << 20, 64 << 20] {
         let n = if quick { 200_000 } else { 2_000_000 };
-        drop(pool.alloc_blocking(size).expect("warm"));
+        drop(allocator.alloc_blocking(size).expect("warm"));
         let best = (0..repeat)
             .map(|_| {
                 let t0 = Instant::now();
                 for _ in 0..n {
                     drop(std::hint::black_box(
-                        pool.alloc_blocking(size).expect("alloc"),
+                        allocator.alloc_blocking(size).expect("alloc"),
                     ));
                 }
                 ns_per(t0, n)
@@ -119,25 +119,25 @@ fn pair_ns<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool, repeat: usize) {
 }
 
 /// One thread: allocate, record use on an idle stream, free.
-fn pair_with_record<R: Runtime>(pool: &PinnedAllocator<R>, stream: &R::Stream, quick: bool) {
+fn pair_with_record<R: Runtime>(allocator: &PinnedAllocator<R>, stream: &R::Stream, quick: bool) {
     let size = 1usize << 20;
     let n = if quick { 20_000 } else { 200_000 };
-    let fresh_before = pool.stats().num_host_alloc;
+    let fresh_before = allocator.stats().num_host_alloc;
     let t0 = Instant::now();
     for _ in 0..n {
-        let mut b = pool.alloc_blocking(size).expect("alloc");
+        let mut b = allocator.alloc_blocking(size).expect("alloc");
         b.record_stream(stream).unwrap();
     }
     let ns = ns_per(t0, n);
     println!("pinpool pair_with_record_ns size={size} {ns:.1}");
     eprintln!(
         "  (fresh allocations during the record loop: {})",
-        pool.stats().num_host_alloc - fresh_before
+        allocator.stats().num_host_alloc - fresh_before
     );
 }
 
 /// T threads allocating and freeing: all one class, or each its own.
-fn mt<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
+fn mt<R: Runtime>(allocator: &PinnedAllocator<R>, quick: bool) {
     let k: u64 = if quick { 50_000 } else { 300_000 };
     for same in [0, 1] {
         for threads in [1usize, 2, 4, 8, 16] {
@@ -154,14 +154,14 @@ fn mt<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
                             } else {
                                 4096usize << (t % 12)
                             };
-                            drop(pool.alloc_blocking(size).expect("warm"));
+                            drop(allocator.alloc_blocking(size).expect("warm"));
                             ready.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                             while ready.load(std::sync::atomic::Ordering::SeqCst) < threads {
                                 std::hint::spin_loop();
                             }
                             for _ in 0..k {
                                 drop(std::hint::black_box(
-                                    pool.alloc_blocking(size).expect("alloc"),
+                                    allocator.alloc_blocking(size).expect("alloc"),
                                 ));
                             }
                         })
@@ -182,16 +182,22 @@ fn mt<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
 }
 
 /// The async path: `alloc().await` of a cached size inside a tokio task.
-fn async_pair<R: Runtime>(pool: &PinnedAllocator<R>, rt: &tokio::runtime::Runtime, quick: bool) {
+fn async_pair<R: Runtime>(
+    allocator: &PinnedAllocator<R>,
+    rt: &tokio::runtime::Runtime,
+    quick: bool,
+) {
     let n: u64 = if quick { 200_000 } else { 2_000_000 };
     let size = 1usize << 20;
-    let pool = pool.clone();
+    let allocator = allocator.clone();
     let ns = rt.block_on(async move {
         tokio::spawn(async move {
-            drop(pool.alloc(size).await.expect("warm"));
+            drop(allocator.alloc(size).await.expect("warm"));
             let t0 = Instant::now();
             for _ in 0..n {
-                drop(std::hint::black_box(pool.alloc(size).await.expect("alloc")));
+                drop(std::hint::black_box(
+                    allocator.alloc(size).await.expect("alloc"),
+                ));
             }
             ns_per(t0, n)
         })
@@ -203,20 +209,20 @@ fn async_pair<R: Runtime>(pool: &PinnedAllocator<R>, rt: &tokio::runtime::Runtim
 
 /// One thread holds 64 buffers of varied sizes and replaces one at a time with a buffer of
 /// another size: what a request costs when sizes vary (the policy's misses included).
-fn mixed_sizes<R: Runtime>(pool: &PinnedAllocator<R>, quick: bool) {
+fn mixed_sizes<R: Runtime>(allocator: &PinnedAllocator<R>, quick: bool) {
     let n: usize = if quick { 5_000 } else { 50_000 };
     let size = |i: usize| 4096 + i.wrapping_mul(104_729) % (1 << 20);
     let mut held: Vec<_> = (0..64)
-        .map(|i| pool.alloc_blocking(size(n + i)).expect("alloc"))
+        .map(|i| allocator.alloc_blocking(size(n + i)).expect("alloc"))
         .collect();
-    let before = pool.stats();
+    let before = allocator.stats();
     let t0 = Instant::now();
     for i in 0..n {
-        held[i % 64] = pool.alloc_blocking(size(i)).expect("alloc");
+        held[i % 64] = allocator.alloc_blocking(size(i)).expect("alloc");
     }
     let ns = ns_per(t0, n as u64);
     println!("pinpool mixed_sizes_ns_per_request held=64 {ns:.1}");
-    let after = pool.stats();
+    let after = allocator.stats();
     eprintln!(
         "  (during the mixed sizes loop: {} fresh allocations, {:.2} misses a request, {:.1} us waited and {:.1} us served a miss)",
         after.num_host_alloc - before.num_host_alloc,
@@ -254,19 +260,19 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 fn run_sim(args: &Args) {
     let rt = tokio_runtime();
     let sim = Arc::new(pinpool::sim::SimRuntime::new());
-    let pool = rt
+    let allocator = rt
         .block_on(async {
             pinpool::Builder::new(sim.clone())
                 .policy(args.policy.policy())
                 .build()
         })
         .expect("allocator");
-    pair_ns(&pool, args.quick, args.repeat);
+    pair_ns(&allocator, args.quick, args.repeat);
     let stream = sim.new_stream().expect("stream");
-    pair_with_record(&pool, &stream, args.quick);
-    mt(&pool, args.quick);
-    async_pair(&pool, &rt, args.quick);
-    mixed_sizes(&pool, args.quick);
+    pair_with_record(&allocator, &stream, args.quick);
+    mt(&allocator, args.quick);
+    async_pair(&allocator, &rt, args.quick);
+    mixed_sizes(&allocator, args.quick);
     // Idle with nothing pending, then with a block waiting on a stream that never finishes.
     if let Some(p) = idle_cpu_pct(1.0) {
         println!("pinpool poller_idle_cpu_pct pending=0 {p:.2}");
@@ -274,14 +280,14 @@ fn run_sim(args: &Args) {
     let held = sim.new_stream().expect("stream");
     let hold = held.hold();
     for _ in 0..3 {
-        let mut b = pool.alloc_blocking(4096).expect("alloc");
+        let mut b = allocator.alloc_blocking(4096).expect("alloc");
         b.record_stream(&held).unwrap();
     }
     if let Some(p) = idle_cpu_pct(1.0) {
         println!("pinpool poller_idle_cpu_pct pending=1 {p:.2}");
     }
     hold.release();
-    drop(pool);
+    drop(allocator);
     rt.shutdown_timeout(Duration::from_secs(5));
 }
 
@@ -295,26 +301,26 @@ mod gpu {
     pub(super) fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         let rt = tokio_runtime();
         let cuda = Arc::new(CudaRuntime::with_config(0, Config::default())?);
-        let pool = rt.block_on(async {
+        let allocator = rt.block_on(async {
             pinpool::Builder::new(cuda.clone())
                 .policy(args.policy.policy())
                 .build()
         })?;
         let stream = cuda.context().new_stream()?;
 
-        pair_ns(&pool, args.quick, args.repeat);
-        pair_with_record(&pool, &stream, args.quick);
+        pair_ns(&allocator, args.quick, args.repeat);
+        pair_with_record(&allocator, &stream, args.quick);
         driver_calls(&cuda, &stream, args.quick)?;
-        mt(&pool, args.quick);
+        mt(&allocator, args.quick);
         fresh(&rt, args)?;
-        async_pair(&pool, &rt, args.quick);
-        mixed_sizes(&pool, args.quick);
-        h2d(&pool, &cuda, &stream)?;
-        event_latency(&pool, &cuda, &stream, args.quick)?;
+        async_pair(&allocator, &rt, args.quick);
+        mixed_sizes(&allocator, args.quick);
+        h2d(&allocator, &cuda, &stream)?;
+        event_latency(&allocator, &cuda, &stream, args.quick)?;
         if let Some(p) = idle_cpu_pct(2.0) {
             println!("pinpool poller_idle_cpu_pct pending=0 {p:.2}");
         }
-        drop(pool);
+        drop(allocator);
         rt.shutdown_timeout(Duration::from_secs(5));
         Ok(())
     }
@@ -326,24 +332,24 @@ mod gpu {
             .with_huge_pages(true)
             .with_prefault_threads(16);
         let cuda = Arc::new(CudaRuntime::with_config(0, config)?);
-        let pool = rt.block_on(async {
+        let allocator = rt.block_on(async {
             pinpool::Builder::new(cuda)
                 .policy(args.policy.policy())
                 .build()
         })?;
         for mb in [16usize, 256, 1024] {
-            pool.empty_cache_blocking()?;
+            allocator.empty_cache_blocking()?;
             let t0 = Instant::now();
-            drop(pool.alloc_blocking(mb << 20)?);
+            drop(allocator.alloc_blocking(mb << 20)?);
             let ms = t0.elapsed().as_secs_f64() * 1e3;
             println!("pinpool fresh_alloc_ms size_mb={mb} {ms:.2}");
         }
-        pool.empty_cache_blocking()?;
-        pool.reset_peak_stats();
-        drop(pool.alloc_blocking((1 << 30) + 1)?);
-        let peak = pool.stats().allocated_bytes.peak as f64 / 1048576.0;
+        allocator.empty_cache_blocking()?;
+        allocator.reset_peak_stats();
+        drop(allocator.alloc_blocking((1 << 30) + 1)?);
+        let peak = allocator.stats().allocated_bytes.peak as f64 / 1048576.0;
         println!("pinpool reserved_MiB_for_request_MiB request=1025 {peak:.0}");
-        pool.empty_cache_blocking()?;
+        allocator.empty_cache_blocking()?;
         Ok(())
     }
 
@@ -385,7 +391,7 @@ mod gpu {
 
     /// Host→device bandwidth from a pinpool buffer and from a plain `cuMemHostAlloc` buffer.
     fn h2d(
-        pool: &PinnedAllocator<CudaRuntime>,
+        allocator: &PinnedAllocator<CudaRuntime>,
         cuda: &Arc<CudaRuntime>,
         stream: &Arc<cudarc::driver::CudaStream>,
     ) -> Result<(), Box<dyn std::error::Error>> {
@@ -407,7 +413,7 @@ mod gpu {
             stream.synchronize()?;
             Ok((bytes * reps) as f64 / t0.elapsed().as_secs_f64() / 1e9)
         };
-        let mut buf = pool.alloc_blocking(bytes)?;
+        let mut buf = allocator.alloc_blocking(bytes)?;
         buf.fill(1);
         buf.record_stream(stream).unwrap();
         let ours = time(&buf[..])?;
@@ -434,7 +440,7 @@ mod gpu {
     /// is seen (by spinning on a marker event recorded right after it) a request of the same
     /// class is made, on the freeing thread, or on another thread that spins on the marker.
     fn event_latency(
-        pool: &PinnedAllocator<CudaRuntime>,
+        allocator: &PinnedAllocator<CudaRuntime>,
         cuda: &Arc<CudaRuntime>,
         stream: &Arc<cudarc::driver::CudaStream>,
         quick: bool,
@@ -452,7 +458,7 @@ mod gpu {
         let marker_ref = &Marker(marker);
         // One iteration: use, free, mark; returns once the marker is recorded.
         let step = || -> Result<(), Box<dyn std::error::Error>> {
-            let mut buf = pool.alloc_blocking(size)?;
+            let mut buf = allocator.alloc_blocking(size)?;
             buf.record_stream(stream).unwrap();
             // SAFETY: `dev` holds `size` bytes; the buffer outlives the copy because its
             // free records an event after it, and reuse waits for that event.
@@ -470,13 +476,13 @@ mod gpu {
         };
         for other_thread in [false, true] {
             let mut lat = Vec::with_capacity(n);
-            let fresh0 = pool.stats().num_host_alloc;
+            let fresh0 = allocator.stats().num_host_alloc;
             if !other_thread {
                 for _ in 0..n {
                     step()?;
                     spin(marker_ref);
                     let t0 = Instant::now();
-                    let again = pool.alloc_blocking(size)?;
+                    let again = allocator.alloc_blocking(size)?;
                     lat.push(t0.elapsed().as_secs_f64() * 1e6);
                     drop(again);
                 }
@@ -492,7 +498,7 @@ mod gpu {
                             }
                             spin(marker_ref);
                             let t0 = Instant::now();
-                            let again = pool.alloc_blocking(size)?;
+                            let again = allocator.alloc_blocking(size)?;
                             lat.push(t0.elapsed().as_secs_f64() * 1e6);
                             drop(again);
                             done.store(i, SeqCst);
@@ -521,7 +527,7 @@ mod gpu {
             let who = if other_thread { "other" } else { "same" };
             eprintln!(
                 "  ({who} thread: fresh allocations during {n} rounds: {})",
-                pool.stats().num_host_alloc - fresh0
+                allocator.stats().num_host_alloc - fresh0
             );
             println!(
                 "pinpool event_to_reusable_us thread={who} p50 {:.2}",

@@ -51,8 +51,8 @@ async fn open(args: &[String]) -> Result<bool, String> {
         .map_err(|e| format!("{e}"))?;
     let (expect, write) = (seed(args.get(1))?, seed(args.get(2))?);
     // Either layout opens either kind of handle.
-    let pool = allocator(false).map_err(|e| e.to_string())?;
-    let block = pool.open_ipc(&handle).map_err(|e| e.to_string())?;
+    let allocator = allocator(false).map_err(|e| e.to_string())?;
+    let block = allocator.open_ipc(&handle).map_err(|e| e.to_string())?;
     let ctx = CudaContext::new(block.device()).map_err(|e| format!("{e:?}"))?;
     ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
     let mut bytes = vec![0u8; block.len()];
@@ -82,13 +82,13 @@ async fn export(args: &[String]) -> Result<bool, String> {
         Some("expandable") => true,
         Some(other) => return Err(format!("unknown layout {other:?}")),
     };
-    let pool = allocator(expandable).map_err(|e| e.to_string())?;
-    let stream = pool
+    let allocator = allocator(expandable).map_err(|e| e.to_string())?;
+    let stream = allocator
         .runtime()
         .context()
         .new_stream()
         .map_err(|e| format!("{e:?}"))?;
-    let buf = pool
+    let buf = allocator
         .alloc(1 << 20, &stream)
         .await
         .map_err(|e| e.to_string())?;
@@ -99,7 +99,7 @@ async fn export(args: &[String]) -> Result<bool, String> {
     // SAFETY: the buffer is live and 1 MiB long; nothing else uses it.
     unsafe { result::memcpy_htod_sync(buf.device_ptr(), &pattern(buf.len(), fill)) }
         .map_err(|e| format!("cuMemcpyHtoD: {e:?}"))?;
-    let handle = pool.ipc_handle(&buf).map_err(|e| e.to_string())?;
+    let handle = allocator.ipc_handle(&buf).map_err(|e| e.to_string())?;
     println!("{handle}");
     Ok(true)
 }

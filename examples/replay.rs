@@ -218,7 +218,7 @@ pub(crate) fn replay_device(
         error,
     };
     rt.block_on(async {
-        let pool = DeviceAllocator::builder()
+        let allocator = DeviceAllocator::builder()
             .config(&config)
             .build()
             .map_err(alloc_err)?;
@@ -233,18 +233,19 @@ pub(crate) fn replay_device(
                     let s = match streams.entry(stream) {
                         std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                         std::collections::btree_map::Entry::Vacant(e) => e.insert(
-                            pool.runtime()
+                            allocator
+                                .runtime()
                                 .new_stream()
                                 .map_err(|e| alloc_err(e.into()))?,
                         ),
                     };
-                    live[id] = Some(pool.alloc(size, s).await.map_err(alloc_err)?);
+                    live[id] = Some(allocator.alloc(size, s).await.map_err(alloc_err)?);
                 }
                 TraceEvent::Free { id } => live[id] = None,
             }
         }
         let elapsed = t0.elapsed();
-        let stats = pool.stats(0).map_err(alloc_err)?;
+        let stats = allocator.stats(0).map_err(alloc_err)?;
         drop(live);
         let requests = trace.allocation_count();
         Ok(Report {
@@ -254,7 +255,7 @@ pub(crate) fn replay_device(
             peak_live: trace.peak_live_bytes(),
             peak_reserved: stats.reserved_bytes.all.peak.max(0) as u64,
             fresh: stats.num_device_alloc.max(0) as u64,
-            moved: pool.runtime().device_remaps(0).unwrap_or(0),
+            moved: allocator.runtime().device_remaps(0).unwrap_or(0),
             ns_per_request: elapsed.as_nanos() as f64 / requests.max(1) as f64,
         })
     })
@@ -278,7 +279,7 @@ pub(crate) fn replay_trace(
         error,
     };
     rt.block_on(async {
-        let pool = PinnedAllocator::builder()
+        let allocator = PinnedAllocator::builder()
             .policy(policy)
             .build()
             .map_err(alloc_err)?;
@@ -289,13 +290,13 @@ pub(crate) fn replay_trace(
             match *event {
                 TraceEvent::Alloc { id, bytes, .. } => {
                     let size = usize::try_from(bytes).unwrap_or(usize::MAX);
-                    live[id] = Some(pool.alloc(size).await.map_err(alloc_err)?);
+                    live[id] = Some(allocator.alloc(size).await.map_err(alloc_err)?);
                 }
                 TraceEvent::Free { id } => live[id] = None,
             }
         }
         let elapsed = t0.elapsed();
-        let stats = pool.stats();
+        let stats = allocator.stats();
         drop(live);
         let requests = trace.allocation_count();
         Ok(Report {

@@ -278,7 +278,7 @@ impl Held {
 
 /// What every request task shares: both allocators and the counters.
 struct Server<R: DeviceRuntime> {
-    pool: PinnedAllocator<R>,
+    allocator: PinnedAllocator<R>,
     device: DeviceAllocator<R>,
     counters: Counters,
 }
@@ -296,9 +296,9 @@ struct Buffers<R: DeviceRuntime> {
 }
 
 impl<R: DeviceRuntime> Server<R> {
-    fn new(pool: PinnedAllocator<R>, device: DeviceAllocator<R>) -> Self {
+    fn new(allocator: PinnedAllocator<R>, device: DeviceAllocator<R>) -> Self {
         Self {
-            pool,
+            allocator,
             device,
             counters: Counters::default(),
         }
@@ -336,8 +336,8 @@ impl<R: DeviceRuntime> Server<R> {
             mut pinned,
             mut device,
         } = BufferSet::new()
-            .pinned(&self.pool, size)
-            .pinned(&self.pool, size / 4)
+            .pinned(&self.allocator, size)
+            .pinned(&self.allocator, size / 4)
             .device(&self.device, size, stream)
             .device(&self.device, size * ACTIVATIONS, stream)
             .alloc()
@@ -382,7 +382,7 @@ impl<R: DeviceRuntime> Server<R> {
     /// Waits until `stream` has run everything enqueued so far, without blocking the task's
     /// thread.
     async fn wait_for(&self, stream: &R::Stream) -> Result<(), pinpool::Error> {
-        let rt = self.pool.runtime();
+        let rt = self.allocator.runtime();
         let done = rt.record_event(stream)?;
         while !rt.query_event(&done)? {
             tokio::time::sleep(Duration::from_micros(100)).await;
@@ -701,8 +701,8 @@ async fn main() {
     #[cfg(feature = "cuda")]
     match PinnedAllocator::builder().cuda(0) {
         Ok(builder) => {
-            let pool = args.apply(builder).build().expect("allocator");
-            if !gpu::serve(pool, &args).await {
+            let allocator = args.apply(builder).build().expect("allocator");
+            if !gpu::serve(allocator, &args).await {
                 std::process::exit(1);
             }
             return;
@@ -714,12 +714,12 @@ async fn main() {
 
 async fn serve_sim(args: Args) {
     let sim = SimRuntime::new();
-    let pool = args
+    let allocator = args
         .apply(Builder::new(Arc::new(sim.clone())))
         .build()
         .expect("allocator");
     let device = args
-        .device(pool.runtime().clone())
+        .device(allocator.runtime().clone())
         .unwrap_or_else(|e| fail(e));
     println!(
         "pinpool serve: runtime=sim (software streams and a simulated device; every copy and \
@@ -731,7 +731,7 @@ async fn serve_sim(args: Args) {
         .map(|_| sim.new_stream())
         .collect::<Result<_, _>>()
         .unwrap_or_else(|e| fail(e.to_string()));
-    let server = Arc::new(Server::new(pool, device));
+    let server = Arc::new(Server::new(allocator, device));
     let (failed, elapsed) = run_workers(
         &server,
         &streams,
@@ -744,7 +744,7 @@ async fn serve_sim(args: Args) {
     }
 
     report(
-        &server.pool.stats(),
+        &server.allocator.stats(),
         &server.device.stats(0).expect("device 0"),
         &server.counters,
         elapsed,
@@ -817,22 +817,22 @@ mod gpu {
 
     /// Runs the server on `pool` and a device allocator on the same runtime; false when a
     /// request failed.
-    pub(super) async fn serve(pool: PinnedAllocator<CudaRuntime>, args: &Args) -> bool {
-        let ctx = pool.runtime().context().clone();
+    pub(super) async fn serve(allocator: PinnedAllocator<CudaRuntime>, args: &Args) -> bool {
+        let ctx = allocator.runtime().context().clone();
         let device = args
-            .device(pool.runtime().clone())
+            .device(allocator.runtime().clone())
             .unwrap_or_else(|e| fail(e));
         println!(
             "pinpool serve: runtime=cuda (device {}, pin_method={}; every result is checked)",
-            pool.runtime().ordinal(),
-            pool.runtime().config().pin_method
+            allocator.runtime().ordinal(),
+            allocator.runtime().config().pin_method
         );
         println!("{}", args.describe());
         println!("device layout: {}", device.config());
         let streams: Vec<Arc<CudaStream>> = (0..args.streams)
             .map(|_| ctx.new_stream().expect("stream"))
             .collect();
-        let server = Arc::new(Server::new(pool, device));
+        let server = Arc::new(Server::new(allocator, device));
         let (failed, elapsed) = run_workers(
             &server,
             &streams,
@@ -845,7 +845,7 @@ mod gpu {
         }
         let done = server.counters.done.load(Ordering::Relaxed);
         report(
-            &server.pool.stats(),
+            &server.allocator.stats(),
             &server.device.stats(0).expect("device 0"),
             &server.counters,
             elapsed,

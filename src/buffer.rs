@@ -16,8 +16,8 @@ use crate::sim::SimRuntime;
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), pinpool::Error> {
-/// let pool = pinpool::PinnedAllocator::builder().build()?;
-/// let mut buf = pool.alloc(16).await?;
+/// let allocator = pinpool::PinnedAllocator::builder().build()?;
+/// let mut buf = allocator.alloc(16).await?;
 /// buf.copy_from_slice(&[7u8; 16]);
 /// let words: &[u32] = buf.as_slice_of()?;
 /// assert_eq!(words[0], u32::from_ne_bytes([7; 4]));

@@ -99,28 +99,33 @@ impl<'a, R: DeviceRuntime> BufferSet<'a, R> {
     }
 
     /// Adds `size` bytes of pinned memory from `pool`'s default pool.
-    pub fn pinned(mut self, pool: &'a PinnedAllocator<R>, size: usize) -> Self {
-        self.items.push(Item::Pinned {
-            engine: pool.engine(),
-            size,
-            stream: None,
-        });
-        self
+    pub fn pinned(self, pool: &'a PinnedAllocator<R>, size: usize) -> Self {
+        self.add_pinned(pool, size, None)
     }
 
     /// Adds `size` bytes of pinned memory from `pool` for work on `stream` (from a
-    /// capture's private pool when a capture under way accepts the stream; see
+    /// capture's capture pool when a capture under way accepts the stream; see
     /// [`PinnedAllocator::alloc_on`]).
     pub fn pinned_on(
-        mut self,
+        self,
         pool: &'a PinnedAllocator<R>,
         size: usize,
         stream: &'a R::Stream,
     ) -> Self {
+        self.add_pinned(pool, size, Some(stream))
+    }
+
+    fn add_pinned(
+        mut self,
+        pool: &'a PinnedAllocator<R>,
+        size: usize,
+        stream: Option<&'a R::Stream>,
+    ) -> Self {
+        let engine = pool.engine();
         self.items.push(Item::Pinned {
-            engine: pool.engine(),
+            engine,
             size,
-            stream: Some(stream),
+            stream,
         });
         self
     }

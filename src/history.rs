@@ -5,7 +5,9 @@
 //! actor or an allocation), and render the history as an HTML page ([`crate::report`]).
 //! Keeps invariant 5: with history off, the cached path pays one relaxed load of a flag.
 
-use crate::actors::{Error, History, HistoryContext, OomReport, Runtime, TraceEntry};
+use crate::actors::{
+    Error, History, HistoryContext, HistorySetting, OomReport, Runtime, TraceEntry,
+};
 
 use crate::allocator::PinnedAllocator;
 
@@ -23,10 +25,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # async fn main() -> Result<(), pinpool::Error> {
     /// use pinpool::{HistoryContext, PinnedAllocator, TraceAction};
     ///
-    /// let pool = PinnedAllocator::builder().build()?;
-    /// pool.record_history(true, 1000, HistoryContext::None)?;
-    /// drop(pool.alloc(4096).await?);
-    /// let actions: Vec<TraceAction> = pool.history().await?.entries.iter().map(|e| e.action).collect();
+    /// let allocator = PinnedAllocator::builder().build()?;
+    /// allocator.record_history(true, 1000, HistoryContext::None)?;
+    /// drop(allocator.alloc(4096).await?);
+    /// let actions: Vec<TraceAction> = allocator.history().await?.entries.iter().map(|e| e.action).collect();
     /// // Fresh memory: the granule the block needs is mapped, then the block is cut from it.
     /// assert_eq!(actions, [TraceAction::SegmentMap, TraceAction::Alloc,
     ///                      TraceAction::FreeRequested, TraceAction::FreeCompleted]);
@@ -38,7 +40,8 @@ impl<R: Runtime> PinnedAllocator<R> {
         max_entries: usize,
         context: HistoryContext,
     ) -> Result<(), Error> {
-        self.engine().record_history(enabled, max_entries, context)
+        self.engine()
+            .record_history(HistorySetting::new(enabled, max_entries, context))
     }
 
     /// Whether history recording is on.
@@ -52,10 +55,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), pinpool::Error> {
-    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// pool.record_history(true, 100, pinpool::HistoryContext::None)?;
-    /// pool.record_annotation("warm-up done");
-    /// let h = pool.history().await?;
+    /// # let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// allocator.record_history(true, 100, pinpool::HistoryContext::None)?;
+    /// allocator.record_annotation("warm-up done");
+    /// let h = allocator.history().await?;
     /// assert_eq!(h.entries[0].name.as_deref(), Some("warm-up done"));
     /// # Ok(()) }
     /// ```
@@ -68,8 +71,8 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), pinpool::Error> {
-    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// let h = pool.history().await?;
+    /// # let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// let h = allocator.history().await?;
     /// assert!(!h.enabled && h.entries.is_empty());
     /// # Ok(()) }
     /// ```
@@ -81,10 +84,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     ///
     /// ```
     /// # let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).build().unwrap();
-    /// # let pool = rt.block_on(async { pinpool::PinnedAllocator::builder().build() })?;
-    /// pool.record_history(true, 100, pinpool::HistoryContext::None)?;
-    /// drop(pool.alloc_blocking(64)?);
-    /// assert_eq!(pool.history_blocking()?.entries.len(), 4);
+    /// # let allocator = rt.block_on(async { pinpool::PinnedAllocator::builder().build() })?;
+    /// allocator.record_history(true, 100, pinpool::HistoryContext::None)?;
+    /// drop(allocator.alloc_blocking(64)?);
+    /// assert_eq!(allocator.history_blocking()?.entries.len(), 4);
     /// # Ok::<(), pinpool::Error>(())
     /// ```
     pub fn history_blocking(&self) -> Result<History, Error> {
@@ -107,12 +110,12 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// use std::sync::atomic::{AtomicUsize, Ordering};
     /// use std::sync::Arc;
     ///
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
     /// let seen = Arc::new(AtomicUsize::new(0));
     /// let counter = seen.clone();
-    /// pool.attach_trace_tracker(move |_entry| { counter.fetch_add(1, Ordering::Relaxed); });
-    /// pool.record_history(true, 100, pinpool::HistoryContext::None)?;
-    /// drop(pool.alloc(64).await?);
+    /// allocator.attach_trace_tracker(move |_entry| { counter.fetch_add(1, Ordering::Relaxed); });
+    /// allocator.record_history(true, 100, pinpool::HistoryContext::None)?;
+    /// drop(allocator.alloc(64).await?);
     /// while seen.load(Ordering::Relaxed) < 4 { tokio::task::yield_now().await; }
     /// # Ok(()) }
     /// ```
@@ -127,8 +130,8 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), pinpool::Error> {
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// pool.attach_oom_observer(|r| eprintln!("{} bytes wanted, {} reserved", r.requested, r.reserved));
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// allocator.attach_oom_observer(|r| eprintln!("{} bytes wanted, {} reserved", r.requested, r.reserved));
     /// # Ok(()) }
     /// ```
     pub fn attach_oom_observer(&self, f: impl Fn(&OomReport) + Send + Sync + 'static) {
@@ -152,14 +155,14 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # async fn main() -> Result<(), pinpool::Error> {
     /// use pinpool::{PinnedAllocator, PinnedBuffer};
     ///
-    /// let pool = PinnedAllocator::builder().max_bytes(8 << 20).build()?;
+    /// let allocator = PinnedAllocator::builder().max_bytes(8 << 20).build()?;
     /// // Staging buffers kept around in case they are needed again, given up when memory
     /// // runs out.
     /// let (spare, spares) = flume::unbounded::<PinnedBuffer>();
-    /// pool.attach_free_memory_callback(move || spares.drain().count() > 0);
-    /// spare.send(pool.alloc(8 << 20).await?).unwrap();
-    /// let buf = pool.try_alloc(4 << 20).await?; // room made by the callback
-    /// assert_eq!(pool.free_memory_callback_calls(), 1);
+    /// allocator.attach_free_memory_callback(move || spares.drain().count() > 0);
+    /// spare.send(allocator.alloc(8 << 20).await?).unwrap();
+    /// let buf = allocator.try_alloc(4 << 20).await?; // room made by the callback
+    /// assert_eq!(allocator.free_memory_callback_calls(), 1);
     /// # Ok(()) }
     /// ```
     pub fn attach_free_memory_callback(&self, f: impl Fn() -> bool + Send + Sync + 'static) {
@@ -183,10 +186,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), pinpool::Error> {
-    /// # let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// pool.record_history(true, 10_000, pinpool::HistoryContext::Alloc)?;
-    /// let keep = pool.alloc(1 << 20).await?;
-    /// let page = pool.history_html().await?;
+    /// # let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// allocator.record_history(true, 10_000, pinpool::HistoryContext::Alloc)?;
+    /// let keep = allocator.alloc(1 << 20).await?;
+    /// let page = allocator.history_html().await?;
     /// assert!(page.contains("Largest allocations"));
     /// # drop(keep);
     /// # Ok(()) }

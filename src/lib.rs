@@ -21,14 +21,14 @@
 //! # async fn main() -> Result<(), pinpool::Error> {
 //! use pinpool::PinnedAllocator;
 //!
-//! let pool = PinnedAllocator::builder().build()?;
-//! let stream = pool.runtime().new_stream()?;
-//! let mut buf = pool.alloc(1 << 20).await?;
+//! let allocator = PinnedAllocator::builder().build()?;
+//! let stream = allocator.runtime().new_stream()?;
+//! let mut buf = allocator.alloc(1 << 20).await?;
 //! buf.fill(1);
 //! buf.record_stream(&stream)?; // reuse waits for this stream's work
-//! drop(buf); // back to the pool, ordered by an event
-//! pool.empty_cache().await?;
-//! println!("{:?}", pool.stats().to_map());
+//! drop(buf); // back to the allocator, ordered by an event
+//! allocator.empty_cache().await?;
+//! println!("{:?}", allocator.stats().to_map());
 //! # Ok(()) }
 //! ```
 //!

@@ -19,10 +19,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), pinpool::Error> {
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// pool.record_history(true, 1000, pinpool::HistoryContext::None)?;
-    /// let buf = pool.alloc(4096).await?;
-    /// let bytes = pool.pickle_snapshot().await?;
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// allocator.record_history(true, 1000, pinpool::HistoryContext::None)?;
+    /// let buf = allocator.alloc(4096).await?;
+    /// let bytes = allocator.pickle_snapshot().await?;
     /// assert_eq!(&bytes[..2], &[0x80, 2]); // a pickle, protocol 2
     /// # drop(buf);
     /// # Ok(()) }
@@ -45,11 +45,11 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use pinpool::{DeviceAllocator, HistoryContext};
     ///
-    /// let pool = DeviceAllocator::builder().build()?;
-    /// pool.record_history(true, 100_000, HistoryContext::Alloc)?; // device_traces, with frames
-    /// let stream = pool.runtime().new_stream()?;
-    /// let buf = pool.alloc(1 << 20, &stream).await?;
-    /// let bytes = pool.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
+    /// let allocator = DeviceAllocator::builder().build()?;
+    /// allocator.record_history(true, 100_000, HistoryContext::Alloc)?; // device_traces, with frames
+    /// let stream = allocator.runtime().new_stream()?;
+    /// let buf = allocator.alloc(1 << 20, &stream).await?;
+    /// let bytes = allocator.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
     /// assert_eq!(&bytes[..2], &[0x80, 2]);
     /// let file = std::env::temp_dir().join("pinpool-device-doc.pickle");
     /// std::fs::write(&file, bytes)?; // open it in pytorch.org/memory_viz

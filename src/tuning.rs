@@ -15,12 +15,12 @@
 //! use std::sync::Arc;
 //! use pinpool::tuning::{self, BestFit};
 //!
-//! let pool = pinpool::PinnedAllocator::builder()
+//! let allocator = pinpool::PinnedAllocator::builder()
 //!     .policy(Arc::new(BestFit::default().separate_segments()))
 //!     .build()?;
-//! drop(pool.alloc(4096).await?);
-//! assert_eq!(tuning::engine(&pool).policy().name(), "bestfit_segments");
-//! let inventory = tuning::engine(&pool).inventory().await?;
+//! drop(allocator.alloc(4096).await?);
+//! assert_eq!(tuning::engine(&allocator).policy().name(), "bestfit_segments");
+//! let inventory = tuning::engine(&allocator).inventory().await?;
 //! assert!(inventory.iter().all(|pool| pool.in_use_blocks == 0));
 //! # Ok(()) }
 //! ```

@@ -62,9 +62,11 @@ pub use actors::pool::DEFAULT_LINGER;
 #[doc(hidden)]
 pub use blocks::lease::{Lease, RawLease};
 pub use books::budget::EmptyReport;
-pub use books::mailbox::Inventory;
+pub use books::messages::Inventory;
 #[doc(hidden)]
 pub use observation::free_memory::FreeMemoryCallback;
+#[doc(hidden)]
+pub use observation::history::HistorySetting;
 pub use requests::engine::Engine;
 #[doc(hidden)]
 pub use requests::engine::{alloc_many, alloc_many_blocking, EngineBuilder, Want};

@@ -70,11 +70,11 @@ pub(super) fn fraction_of_host(fraction: f64) -> Result<usize, Error> {
 /// # async fn main() -> Result<(), pinpool::Error> {
 /// use std::time::Duration;
 ///
-/// let pool = pinpool::PinnedAllocator::builder()
+/// let allocator = pinpool::PinnedAllocator::builder()
 ///     .max_bytes(64 << 20) // at most 64 MiB pinned
 ///     .alloc_timeout(Duration::from_secs(5)) // `alloc` waits at most 5 s for room
 ///     .build()?;
-/// assert_eq!(pool.max_bytes(), Some(64 << 20));
+/// assert_eq!(allocator.max_bytes(), Some(64 << 20));
 /// # Ok(()) }
 /// ```
 pub struct Builder<R: Runtime> {
@@ -153,11 +153,11 @@ impl<R: Runtime> Builder<R> {
     ///
     /// let sim = SimRuntime::new();
     /// sim.set_memory_limit(Some(1 << 30));
-    /// let pool = pinpool::PinnedAllocator::builder()
+    /// let allocator = pinpool::PinnedAllocator::builder()
     ///     .max_bytes(64 << 20)
     ///     .runtime(Arc::new(sim))
     ///     .build()?;
-    /// assert_eq!(pool.max_bytes(), Some(64 << 20));
+    /// assert_eq!(allocator.max_bytes(), Some(64 << 20));
     /// # Ok(()) }
     /// ```
     pub fn runtime<R2: Runtime + MemorySource>(self, runtime: Arc<R2>) -> Builder<R2> {
@@ -188,8 +188,8 @@ impl<R: Runtime> Builder<R> {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let config: pinpool::config::Config = "size_policy:bestfit".parse()?;
-    /// let pool = pinpool::PinnedAllocator::builder().config(&config).build()?;
-    /// assert_eq!(pool.snapshot().await?.config.policy, "bestfit");
+    /// let allocator = pinpool::PinnedAllocator::builder().config(&config).build()?;
+    /// assert_eq!(allocator.snapshot().await?.config.policy, "bestfit");
     /// # Ok(()) }
     /// ```
     pub fn config(mut self, config: &Config) -> Self {

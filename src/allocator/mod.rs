@@ -31,13 +31,13 @@ use crate::sim::SimRuntime;
 /// # async fn main() -> Result<(), pinpool::Error> {
 /// use pinpool::PinnedAllocator;
 ///
-/// let pool = PinnedAllocator::builder().build()?;
-/// let buf = pool.alloc(1 << 20).await?; // fresh memory
+/// let allocator = PinnedAllocator::builder().build()?;
+/// let buf = allocator.alloc(1 << 20).await?; // fresh memory
 /// let ptr = buf.as_ptr();
 /// drop(buf); // cached
-/// let again = pool.alloc(1 << 20).await?; // the cached path: no actor, no runtime call
+/// let again = allocator.alloc(1 << 20).await?; // the cached path: no actor, no runtime call
 /// assert_eq!(again.as_ptr(), ptr);
-/// assert_eq!(pool.stats().num_host_alloc, 1);
+/// assert_eq!(allocator.stats().num_host_alloc, 1);
 /// # Ok(()) }
 /// ```
 pub struct PinnedAllocator<R: Runtime = SimRuntime> {
@@ -93,9 +93,9 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # async fn main() -> Result<(), pinpool::Error> {
     /// use std::time::Duration;
     ///
-    /// let pool = pinpool::PinnedAllocator::builder().max_bytes(1 << 20).build()?;
-    /// let held = pool.alloc(1 << 20).await?;
-    /// let err = pool.alloc_timeout(1 << 20, Duration::from_millis(10)).await.unwrap_err();
+    /// let allocator = pinpool::PinnedAllocator::builder().max_bytes(1 << 20).build()?;
+    /// let held = allocator.alloc(1 << 20).await?;
+    /// let err = allocator.alloc_timeout(1 << 20, Duration::from_millis(10)).await.unwrap_err();
     /// assert!(matches!(err, pinpool::Error::Timeout { .. }));
     /// drop(held);
     /// # Ok(()) }
@@ -111,7 +111,7 @@ impl<R: Runtime> PinnedAllocator<R> {
             .map(PinnedBuffer::new)
     }
 
-    /// Allocates `size` bytes for work on `stream`: from a capture's private pool when a
+    /// Allocates `size` bytes for work on `stream`: from a capture pool when a
     /// capture under way accepts the stream, from the default pool otherwise.
     pub async fn alloc_on(
         &self,
@@ -131,9 +131,9 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), pinpool::Error> {
-    /// let pool = pinpool::PinnedAllocator::builder().max_bytes(1 << 20).build()?;
-    /// let held = pool.alloc(1 << 20).await?;
-    /// let err = pool.try_alloc(4096).await.unwrap_err();
+    /// let allocator = pinpool::PinnedAllocator::builder().max_bytes(1 << 20).build()?;
+    /// let held = allocator.alloc(1 << 20).await?;
+    /// let err = allocator.try_alloc(4096).await.unwrap_err();
     /// assert!(matches!(err, pinpool::Error::OutOfMemory { limit: Some(_), .. }));
     /// drop(held);
     /// # Ok(()) }
@@ -172,14 +172,14 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # use pinpool::{Error, PinnedAllocator};
     /// #[tokio::main(flavor = "current_thread")]
     /// async fn main() {
-    ///     let pool = PinnedAllocator::builder().build().unwrap();
+    ///     let allocator = PinnedAllocator::builder().build().unwrap();
     ///     assert!(matches!(
-    ///         pool.alloc_blocking(1 << 20),
+    ///         allocator.alloc_blocking(1 << 20),
     ///         Err(Error::WouldDeadlock { .. })
     ///     ));
     ///     // A thread of its own may block; the runtime's thread goes on running the actors.
-    ///     let pool2 = pool.clone();
-    ///     let thread = std::thread::spawn(move || pool2.alloc_blocking(1 << 20).map(|b| b.len()));
+    ///     let allocator2 = allocator.clone();
+    ///     let thread = std::thread::spawn(move || allocator2.alloc_blocking(1 << 20).map(|b| b.len()));
     ///     let len = tokio::task::spawn_blocking(move || thread.join().unwrap()).await;
     ///     assert_eq!(len.unwrap().unwrap(), 1 << 20);
     /// }
@@ -241,9 +241,9 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # async fn main() -> Result<(), pinpool::Error> {
     /// use pinpool::BlockStatus;
     ///
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// let buf = pool.alloc(1000).await?;
-    /// let snap = pool.snapshot().await?;
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// let buf = allocator.alloc(1000).await?;
+    /// let snap = allocator.snapshot().await?;
     /// // The mapped memory is one segment, tiled by its blocks: the one lent, the rest free.
     /// assert_eq!(snap.segments.len(), 1);
     /// let (segment, block) = snap.blocks().find(|(_, b)| b.state == BlockStatus::InUse).unwrap();
@@ -263,10 +263,10 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), pinpool::Error> {
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// drop(pool.alloc(4096).await?);
-    /// drop(pool.alloc(100).await?);
-    /// let info = pool.cache_info().await?;
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// drop(allocator.alloc(4096).await?);
+    /// drop(allocator.alloc(100).await?);
+    /// let info = allocator.cache_info().await?;
     /// // The first request mapped one 2 MiB granule of pinned memory: all of it is cached now.
     /// assert_eq!(info.total_cached, 2 << 20);
     /// assert!(info.largest_block >= 4096 && info.largest_block <= info.total_cached);
@@ -282,14 +282,14 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), pinpool::Error> {
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// let buf = pool.alloc(4096).await?;
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// let buf = allocator.alloc(4096).await?;
     /// let inside = buf.as_ptr().wrapping_add(100);
-    /// let base = pool.base_allocation(inside).await?.unwrap();
+    /// let base = allocator.base_allocation(inside).await?.unwrap();
     /// // The mapped run of pinned memory the block was cut from.
     /// assert!(base.base <= buf.as_ptr() as usize);
     /// assert!(buf.as_ptr() as usize + 4096 <= base.base + base.size);
-    /// assert_eq!(pool.base_allocation(&0u8 as *const u8).await?, None);
+    /// assert_eq!(allocator.base_allocation(&0u8 as *const u8).await?, None);
     /// # Ok(()) }
     /// ```
     pub fn base_allocation(
@@ -306,12 +306,12 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # async fn main() -> Result<(), pinpool::Error> {
     /// use pinpool::PoolId;
     ///
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// let a = pool.alloc(64).await?;
-    /// let b = pool.alloc(64).await?;
-    /// assert!(pool.check_pool_live_allocations(PoolId::DEFAULT, &[a.as_ptr(), b.as_ptr()]).await?);
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// let a = allocator.alloc(64).await?;
+    /// let b = allocator.alloc(64).await?;
+    /// assert!(allocator.check_pool_live_allocations(PoolId::DEFAULT, &[a.as_ptr(), b.as_ptr()]).await?);
     /// drop(b);
-    /// assert!(pool.check_pool_live_allocations(PoolId::DEFAULT, &[a.as_ptr()]).await?);
+    /// assert!(allocator.check_pool_live_allocations(PoolId::DEFAULT, &[a.as_ptr()]).await?);
     /// # Ok(()) }
     /// ```
     pub fn check_pool_live_allocations(
@@ -390,7 +390,7 @@ impl<R: Runtime> PinnedAllocator<R> {
     }
 
     /// Routes allocations made with `alloc_on` for streams that `filter` accepts into the
-    /// private pool `pool` until [`PinnedAllocator::end_allocate_to_pool`]. Blocks used by
+    /// capture pool `pool` until [`PinnedAllocator::end_allocate_to_pool`]. Blocks used by
     /// captured work are never reused while the pool lives.
     pub async fn begin_allocate_to_pool(
         &self,

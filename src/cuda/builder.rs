@@ -43,8 +43,8 @@ impl<R: Runtime> Builder<R> {
     ///
     /// match PinnedAllocator::builder().cuda(0) {
     ///     Ok(builder) => {
-    ///         let pool = builder.build()?;
-    ///         let buf = pool.alloc(1 << 20).await?;
+    ///         let allocator = builder.build()?;
+    ///         let buf = allocator.alloc(1 << 20).await?;
     ///         assert_eq!(buf.len(), 1 << 20);
     ///     }
     ///     Err(Error::DeviceUnavailable { message }) => println!("no GPU: {message}"),
@@ -93,10 +93,10 @@ impl<R: Runtime> Builder<R> {
     /// # async fn main() -> Result<(), pinpool::Error> {
     /// use pinpool::PinnedAllocator;
     ///
-    /// let pool = PinnedAllocator::builder().best_available(0)?.build()?;
-    /// println!("{}", pool.runtime().describe()); // "cuda device 0" or "sim (...)"
-    /// let stream = pool.runtime().new_stream()?;
-    /// let mut buf = pool.alloc(4096).await?;
+    /// let allocator = PinnedAllocator::builder().best_available(0)?.build()?;
+    /// println!("{}", allocator.runtime().describe()); // "cuda device 0" or "sim (...)"
+    /// let stream = allocator.runtime().new_stream()?;
+    /// let mut buf = allocator.alloc(4096).await?;
     /// buf.fill(1);
     /// buf.record_stream(&stream)?;
     /// # Ok(()) }

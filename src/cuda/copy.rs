@@ -35,10 +35,10 @@ impl PinnedBuffer<CudaRuntime> {
     /// ```no_run
     /// # #[tokio::main]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let pool = pinpool::PinnedAllocator::builder().cuda(0)?.build()?;
-    /// let stream = pool.runtime().context().new_stream()?;
+    /// let allocator = pinpool::PinnedAllocator::builder().cuda(0)?.build()?;
+    /// let stream = allocator.runtime().context().new_stream()?;
     /// let mut device = stream.alloc_zeros::<u8>(1 << 20)?;
-    /// let mut buf = pool.alloc(1 << 20).await?;
+    /// let mut buf = allocator.alloc(1 << 20).await?;
     /// buf.fill(7);
     /// buf.copy_to_device(&stream, &mut device)?;
     /// drop(buf); // safe: reused only once the copy has run
@@ -76,10 +76,10 @@ impl PinnedBuffer<CudaRuntime> {
     /// ```no_run
     /// # #[tokio::main]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let pool = pinpool::PinnedAllocator::builder().cuda(0)?.build()?;
-    /// let stream = pool.runtime().context().new_stream()?;
+    /// let allocator = pinpool::PinnedAllocator::builder().cuda(0)?.build()?;
+    /// let stream = allocator.runtime().context().new_stream()?;
     /// let device = stream.clone_htod(&[3u8; 4096])?;
-    /// let mut buf = pool.alloc(4096).await?;
+    /// let mut buf = allocator.alloc(4096).await?;
     /// buf.copy_from_device(&stream, &device)?;
     /// stream.synchronize()?;
     /// assert!(buf.iter().all(|&b| b == 3));
@@ -123,10 +123,10 @@ impl PinnedBuffer<CudaRuntime> {
 /// ```no_run
 /// # #[tokio::main]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let pool = pinpool::PinnedAllocator::builder().cuda(0)?.build()?;
-/// let stream = pool.runtime().context().new_stream()?;
+/// let allocator = pinpool::PinnedAllocator::builder().cuda(0)?.build()?;
+/// let stream = allocator.runtime().context().new_stream()?;
 /// let mut device = stream.alloc_zeros::<u8>(4096)?;
-/// let mut buf = pool.alloc(4096).await?;
+/// let mut buf = allocator.alloc(4096).await?;
 /// buf.fill(1);
 /// buf.record_stream(&stream)?; // makes the copy below asynchronous
 /// stream.memcpy_htod(&buf, &mut device)?;

@@ -145,8 +145,7 @@ impl CudaDeviceMemory {
         size: usize,
     ) -> Result<usize, RuntimeError> {
         let granule = self.granule(op)?;
-        vmm::check_whole_granules(op, range, offset, size, granule, Origin::DeviceMapped)?;
-        Ok(granule)
+        vmm::whole_granules(op, range, offset, size, granule, Origin::DeviceMapped)
     }
 }
 
@@ -464,9 +463,9 @@ impl<R: DeviceRuntime> DeviceBuilder<R> {
     ///
     /// match DeviceAllocator::builder().cuda() {
     ///     Ok(builder) => {
-    ///         let pool = builder.build()?;
-    ///         let stream = pool.runtime().context().new_stream().expect("a stream");
-    ///         let buf = pool.alloc(1 << 20, &stream).await?;
+    ///         let allocator = builder.build()?;
+    ///         let stream = allocator.runtime().context().new_stream().expect("a stream");
+    ///         let buf = allocator.alloc(1 << 20, &stream).await?;
     ///         assert_eq!(buf.len(), 1 << 20);
     ///     }
     ///     Err(Error::DeviceUnavailable { message }) => println!("no GPU: {message}"),

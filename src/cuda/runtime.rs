@@ -254,19 +254,6 @@ impl CudaRuntime {
         Ok(granule)
     }
 
-    /// [`Self::vmm_call`] for whole granules of a reserved range.
-    fn vmm_range(
-        &self,
-        op: &'static str,
-        range: &Region,
-        offset: usize,
-        size: usize,
-    ) -> Result<usize, RuntimeError> {
-        let granule = self.vmm_call(op)?;
-        vmm::check_whole_granules(op, range, offset, size, granule, Origin::Mapped)?;
-        Ok(granule)
-    }
-
     /// Idle events held in the pools (all contexts).
     pub fn idle_events(&self) -> usize {
         self.events.idle()
@@ -315,7 +302,9 @@ impl CudaRuntime {
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
-        let granule = self.vmm_range("cuMemMap", range, offset, size)?;
+        let op = "cuMemMap";
+        let granule = self.vmm_call(op)?;
+        vmm::whole_granules(op, range, offset, size, granule, Origin::Mapped)?;
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
         let device = self.ctx.ordinal() as std::ffi::c_int;
@@ -340,7 +329,9 @@ impl CudaRuntime {
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
-        let granule = self.vmm_range("cuMemUnmap", range, offset, size)?;
+        let op = "cuMemUnmap";
+        let granule = self.vmm_call(op)?;
+        vmm::whole_granules(op, range, offset, size, granule, Origin::Mapped)?;
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
         // SAFETY: the engine unmaps only granules it mapped, once no block touches them.
@@ -357,7 +348,7 @@ impl CudaRuntime {
     ) -> Result<(), RuntimeError> {
         let granule = self.vmm_call("cuMemMap")?;
         for at in [from, to] {
-            vmm::check_whole_granules("cuMemMap", range, at, granule, granule, Origin::Mapped)?;
+            vmm::whole_granules("cuMemMap", range, at, granule, granule, Origin::Mapped)?;
         }
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
@@ -369,7 +360,8 @@ impl CudaRuntime {
 
     /// Gives back a reserved range, none of it mapped.
     pub(crate) fn host_unreserve(&self, range: Region) -> Result<(), RuntimeError> {
-        self.vmm_range("cuMemAddressFree", &range, 0, 0)?;
+        let op = "cuMemAddressFree";
+        vmm::whole_granules(op, &range, 0, 0, self.vmm_call(op)?, Origin::Mapped)?;
         // SAFETY: the engine gives back a range it reserved here once nothing is mapped.
         unsafe { vmm::unreserve(range) }
     }

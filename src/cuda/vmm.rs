@@ -100,16 +100,16 @@ pub(crate) fn granularity(location: Location) -> Option<usize> {
         .then(|| granule.max(MIN_GRANULE).next_power_of_two())
 }
 
-/// Checks that `[offset, offset + size)` is whole granules of a range reserved as `method`
-/// (the shape every map, unmap and unreserve call needs).
-pub(crate) fn check_whole_granules(
+/// `granule`, after checking that `[offset, offset + size)` is whole granules of a range
+/// reserved as `method` (the shape every map, unmap and unreserve call needs).
+pub(crate) fn whole_granules(
     op: &'static str,
     range: &Region,
     offset: usize,
     size: usize,
     granule: usize,
     method: Origin,
-) -> Result<(), RuntimeError> {
+) -> Result<usize, RuntimeError> {
     let whole = offset % granule == 0
         && size % granule == 0
         && offset.checked_add(size).is_some_and(|e| e <= range.size);
@@ -119,7 +119,7 @@ pub(crate) fn check_whole_granules(
             format!("{size} bytes at offset {offset} are not whole granules of a reserved range"),
         ));
     }
-    Ok(())
+    Ok(granule)
 }
 
 /// Reserves `size` bytes of address space, none of it mapped, described as `method`

@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use crate::actors::{
     BaseAllocation, CacheInfo, DeviceStats, EmptyReport, Engine, Error, History, HistoryContext,
-    Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceAction, TraceEntry, Wait,
+    HistorySetting, Lease, MemorySnapshot, OomCause, OomReport, PoolId, RawLease, TraceAction,
+    TraceEntry, Wait,
 };
 
 use super::buffer::{tie_to_stream, DeviceBuffer};
@@ -53,14 +54,14 @@ impl<R: DeviceRuntime> Drop for Inner<R> {
 /// # async fn main() -> Result<(), pinpool::Error> {
 /// use pinpool::DeviceAllocator;
 ///
-/// let pool = DeviceAllocator::builder().build()?; // the simulated device
-/// let stream = pool.runtime().new_stream()?;
-/// let buf = pool.alloc(1 << 20, &stream).await?; // fresh memory the first time
+/// let allocator = DeviceAllocator::builder().build()?; // the simulated device
+/// let stream = allocator.runtime().new_stream()?;
+/// let buf = allocator.alloc(1 << 20, &stream).await?; // fresh memory the first time
 /// let ptr = buf.device_ptr();
 /// drop(buf); // no other stream used it: reusable by `stream` at once
-/// let again = pool.alloc(1 << 20, &stream).await?; // the cached path
+/// let again = allocator.alloc(1 << 20, &stream).await?; // the cached path
 /// assert_eq!(again.device_ptr(), ptr);
-/// assert_eq!(pool.stats(0)?.num_device_alloc, 1);
+/// assert_eq!(allocator.stats(0)?.num_device_alloc, 1);
 /// # Ok(()) }
 /// ```
 pub struct DeviceAllocator<R: DeviceRuntime = SimRuntime> {
@@ -213,12 +214,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         size: usize,
         stream: &R::Stream,
     ) -> Result<DeviceBuffer<R>, Error> {
-        self.alloc_blocking_with(
-            size,
-            stream,
-            Wait::Default,
-            ("alloc_blocking", "alloc(..).await"),
-        )
+        self.alloc_blocking_with(size, stream, Wait::Default)
     }
 
     /// [`DeviceAllocator::alloc_blocking`], waiting at most `timeout` for room.
@@ -228,12 +224,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         stream: &R::Stream,
         timeout: Duration,
     ) -> Result<DeviceBuffer<R>, Error> {
-        self.alloc_blocking_with(
-            size,
-            stream,
-            Wait::Upto(timeout),
-            ("alloc_blocking_timeout", "alloc_timeout(..).await"),
-        )
+        self.alloc_blocking_with(size, stream, Wait::Upto(timeout))
     }
 
     /// [`DeviceAllocator::try_alloc`] for threads outside the tokio runtime.
@@ -242,21 +233,21 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         size: usize,
         stream: &R::Stream,
     ) -> Result<DeviceBuffer<R>, Error> {
-        self.alloc_blocking_with(
-            size,
-            stream,
-            Wait::Never,
-            ("try_alloc_blocking", "try_alloc(..).await"),
-        )
+        self.alloc_blocking_with(size, stream, Wait::Never)
     }
 
+    /// The blocking request, named in a refusal after the call the user made.
     fn alloc_blocking_with(
         &self,
         size: usize,
         stream: &R::Stream,
         wait: Wait,
-        call: (&'static str, &'static str),
     ) -> Result<DeviceBuffer<R>, Error> {
+        let call = match wait {
+            Wait::Default => ("alloc_blocking", "alloc(..).await"),
+            Wait::Upto(_) => ("alloc_blocking_timeout", "alloc_timeout(..).await"),
+            Wait::Never => ("try_alloc_blocking", "try_alloc(..).await"),
+        };
         let (d, engine) = self.engine_of(stream, size)?;
         let lease = engine.alloc_blocking_with(size, Some(stream), wait, call)?;
         Ok(DeviceBuffer::new(lease, stream.clone(), d))
@@ -493,8 +484,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         max_entries: usize,
         context: HistoryContext,
     ) -> Result<(), Error> {
-        let setting = (enabled, max_entries, context);
-        self.inner.devices.record_history(setting, false, &[])
+        let setting = HistorySetting::new(enabled, max_entries, context);
+        self.inner.devices.record_history(setting)
     }
 
     /// [`Self::record_history`], and, as PyTorch's `clear_history` and `skip_actions`: with
@@ -509,8 +500,8 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         clear: bool,
         skip: &[TraceAction],
     ) -> Result<(), Error> {
-        let setting = (enabled, max_entries, context);
-        self.inner.devices.record_history(setting, clear, skip)
+        let setting = HistorySetting::new(enabled, max_entries, context).with(clear, skip);
+        self.inner.devices.record_history(setting)
     }
 
     /// Adds a `UserDefined` entry named `name` to every device's history (a device not used
@@ -530,7 +521,12 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// The history of a device not used yet: no entries, the setting in force.
     fn unused_history(&self) -> History {
         let mut h = History::default();
-        if let Some((enabled, max_entries, _)) = self.inner.devices.history_setting() {
+        if let Some(HistorySetting {
+            enabled,
+            max_entries,
+            ..
+        }) = self.inner.devices.history_setting()
+        {
             (h.enabled, h.max_entries) = (enabled, max_entries);
         }
         h

@@ -19,9 +19,9 @@ use crate::sim::SimRuntime;
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), pinpool::Error> {
-/// let pool = pinpool::DeviceAllocator::builder().build()?;
-/// let stream = pool.runtime().new_stream()?;
-/// let buf = pool.alloc(1 << 20, &stream).await?;
+/// let allocator = pinpool::DeviceAllocator::builder().build()?;
+/// let stream = allocator.runtime().new_stream()?;
+/// let buf = allocator.alloc(1 << 20, &stream).await?;
 /// assert_eq!((buf.len(), buf.device()), (1 << 20, 0));
 /// assert_ne!(buf.device_ptr(), 0);
 /// stream.fill_device(buf.device_ptr(), buf.len(), 7).unwrap(); // a kernel on its stream
@@ -95,9 +95,9 @@ impl<R: Runtime> DeviceBuffer<R> {
         &mut self.lease
     }
 
-    /// Which allocator lent the buffer.
-    pub(crate) fn allocator_id(&self) -> u64 {
-        self.lease.allocator_id()
+    /// Which engine (one per device) lent the buffer.
+    pub(crate) fn engine_id(&self) -> u64 {
+        self.lease.engine_id()
     }
 
     /// How the block's segment was obtained (`None` for an empty buffer).

@@ -27,11 +27,11 @@ use crate::config::{DeviceConfig, DEVICE_ENV_VAR};
 /// # async fn main() -> Result<(), pinpool::Error> {
 /// use std::time::Duration;
 ///
-/// let pool = pinpool::DeviceAllocator::builder()
+/// let allocator = pinpool::DeviceAllocator::builder()
 ///     .memory_fraction(0.5) // at most half of each device
 ///     .alloc_timeout(Duration::from_secs(5))
 ///     .build()?;
-/// assert_eq!(pool.max_bytes(0)?, Some(8 << 30)); // half of the simulated 16 GiB
+/// assert_eq!(allocator.max_bytes(0)?, Some(8 << 30)); // half of the simulated 16 GiB
 /// # Ok(()) }
 /// ```
 pub struct DeviceBuilder<R: DeviceRuntime> {

@@ -3,8 +3,8 @@
 //! named device's engine, whose router owns the registry (see the engine's `router`).
 //!
 //! Between `begin_allocate_to_pool` and `end_allocate_to_pool`, a request for a stream the
-//! filter accepts is served from the private pool instead of the stream's own pool. A buffer
-//! of a private pool records the stream it was allocated on (a stream pool's buffer need not:
+//! filter accepts is served from the capture pool instead of the stream's own pool. A buffer
+//! of a capture pool records the stream it was allocated on (a stream pool's buffer need not:
 //! its stream owns the pool), so that its free waits for that stream's work, and a buffer
 //! taken or freed while its stream was being captured is kept for the graph's replays: never
 //! handed to anyone, in or out of the pool, and never given back to the device, while the
@@ -21,7 +21,7 @@ use super::runtime::DeviceRuntime;
 
 impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// Routes the requests of device `device` for streams that `filter` accepts into the
-    /// private pool `pool` (made now, or given one more use) until
+    /// capture pool `pool` (made now, or given one more use) until
     /// [`DeviceAllocator::end_allocate_to_pool`]. Call it before the stream begins capturing.
     /// Errors: [`Error::NoSuchDevice`], [`Error::DefaultPoolId`], and
     /// [`Error::PoolAlreadyCapturing`] while a capture already allocates to `pool`.
@@ -31,25 +31,25 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use pinpool::{DeviceAllocator, Error};
     ///
-    /// let pool = DeviceAllocator::builder().build()?;
-    /// let stream = pool.runtime().new_stream()?;
+    /// let allocator = DeviceAllocator::builder().build()?;
+    /// let stream = allocator.runtime().new_stream()?;
     /// let id = pinpool::PoolId::fresh(); // torch.cuda.graph_pool_handle()
     /// let capturing = stream.id();
-    /// pool.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
+    /// allocator.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
     /// stream.begin_capture()?; // on a GPU: stream.begin_capture(mode)
-    /// let out = pool.alloc(1 << 20, &stream).await?; // from the private pool
+    /// let out = allocator.alloc(1 << 20, &stream).await?; // from the capture pool
     /// stream.fill_device(out.device_ptr(), out.len(), 7)?; // captured work
     /// let graph = stream.end_capture()?;
-    /// pool.end_allocate_to_pool(0, id).await?;
+    /// allocator.end_allocate_to_pool(0, id).await?;
     /// assert_eq!(out.pool(), Some(id));
     /// drop(out); // kept: every replay writes it
     /// graph.launch(&stream)?;
     /// // A second graph may begin_allocate_to_pool(0, id, ..) again and share the pool.
     /// drop(graph);
-    /// pool.release_pool(0, id).await?; // once the graphs are gone, once per begin
-    /// pool.empty_cache().await?; // gives the pool's memory back to the device
-    /// assert_eq!(pool.release_pool(0, id).await, Err(Error::UnknownPool(id)));
-    /// assert!(matches!(pool.pool_stats(0, id), Err(Error::UnknownPool(_)))); // stats per pool, per device
+    /// allocator.release_pool(0, id).await?; // once the graphs are gone, once per begin
+    /// allocator.empty_cache().await?; // gives the pool's memory back to the device
+    /// assert_eq!(allocator.release_pool(0, id).await, Err(Error::UnknownPool(id)));
+    /// assert!(matches!(allocator.pool_stats(0, id), Err(Error::UnknownPool(_)))); // stats per pool, per device
     /// # Ok(()) }
     /// ```
     pub async fn begin_allocate_to_pool(
@@ -85,35 +85,26 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
         pool: PoolId,
         filter: impl Fn(&R::Stream) -> bool + Send + Sync + 'static,
     ) -> Result<(), Error> {
-        let engine = self.engine(device)?;
-        blocking::call(
-            (
-                "begin_allocate_to_pool_blocking",
-                "begin_allocate_to_pool(..).await",
-            ),
-            engine.begin_allocate_to_pool(pool, Arc::new(filter)),
-        )?
+        let call = (
+            "begin_allocate_to_pool_blocking",
+            "begin_allocate_to_pool(..).await",
+        );
+        blocking::call(call, self.begin_allocate_to_pool(device, pool, filter))?
     }
 
     /// [`DeviceAllocator::end_allocate_to_pool`] for threads outside the tokio runtime.
     pub fn end_allocate_to_pool_blocking(&self, device: usize, pool: PoolId) -> Result<(), Error> {
-        let engine = self.engine(device)?;
-        blocking::call(
-            (
-                "end_allocate_to_pool_blocking",
-                "end_allocate_to_pool(..).await",
-            ),
-            engine.end_allocate_to_pool(pool),
-        )?
+        let call = (
+            "end_allocate_to_pool_blocking",
+            "end_allocate_to_pool(..).await",
+        );
+        blocking::call(call, self.end_allocate_to_pool(device, pool))?
     }
 
     /// [`DeviceAllocator::release_pool`] for threads outside the tokio runtime.
     pub fn release_pool_blocking(&self, device: usize, pool: PoolId) -> Result<(), Error> {
-        let engine = self.engine(device)?;
-        blocking::call(
-            ("release_pool_blocking", "release_pool(..).await"),
-            engine.release_pool(pool),
-        )?
+        let call = ("release_pool_blocking", "release_pool(..).await");
+        blocking::call(call, self.release_pool(device, pool))?
     }
 
     /// The capture pools alive on device `device` (begun, and not yet freed by an

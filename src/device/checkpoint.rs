@@ -37,26 +37,26 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use pinpool::DeviceAllocator;
     ///
-    /// let pool = DeviceAllocator::builder().build()?;
-    /// let stream = pool.runtime().new_stream()?;
+    /// let allocator = DeviceAllocator::builder().build()?;
+    /// let stream = allocator.runtime().new_stream()?;
     /// let id = pinpool::PoolId::fresh();
     /// let s = stream.id();
-    /// pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
-    /// let a = pool.raw_alloc_with_stream(1 << 20, &stream)?; // in the private pool
-    /// pool.end_allocate_to_pool(0, id).await?;
-    /// let checkpoint = pool.checkpoint_state(0, id).await?;
+    /// allocator.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
+    /// let a = allocator.raw_alloc_with_stream(1 << 20, &stream)?; // in the capture pool
+    /// allocator.end_allocate_to_pool(0, id).await?;
+    /// let checkpoint = allocator.checkpoint_state(0, id).await?;
     /// assert_eq!(checkpoint.allocated(), vec![(a as usize, 1 << 20)]);
     ///
-    /// pool.raw_delete(a)?;
-    /// pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
-    /// let b = pool.raw_alloc_with_stream(2 << 20, &stream)?; // maybe where `a` was
-    /// pool.end_allocate_to_pool(0, id).await?;
+    /// allocator.raw_delete(a)?;
+    /// allocator.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
+    /// let b = allocator.raw_alloc_with_stream(2 << 20, &stream)?; // maybe where `a` was
+    /// allocator.end_allocate_to_pool(0, id).await?;
     ///
-    /// let delta = pool.set_checkpoint_pool_state(0, &checkpoint, &stream).await?;
+    /// let delta = allocator.set_checkpoint_pool_state(0, &checkpoint, &stream).await?;
     /// assert_eq!(delta.ptrs_freed, vec![b]);
     /// assert_eq!(delta.dataptrs_allocd, vec![a]); // back at its old address
-    /// pool.raw_delete(a)?;
-    /// # pool.release_pool(0, id).await?;
+    /// allocator.raw_delete(a)?;
+    /// # allocator.release_pool(0, id).await?;
     /// # Ok(()) }
     /// ```
     pub async fn checkpoint_state(

@@ -18,7 +18,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 
 use crate::actors::{
-    blocking, DeviceFit, Engine, EngineBuilder, Error, HistoryContext, SizePolicy, TraceAction,
+    blocking, DeviceFit, Engine, EngineBuilder, Error, HistorySetting, SizePolicy,
 };
 
 use super::allocator::fraction_of;
@@ -56,18 +56,14 @@ pub(crate) struct Device<R: DeviceRuntime> {
     annotated: AtomicU64,
 }
 
-/// Whether history is recorded, the ring's bound and the call sites captured.
-type HistorySetting = (bool, usize, HistoryContext);
-
 /// An observer or callback attached to every device's engine.
 type Attached<R> = Arc<dyn Fn(&Engine<R>) + Send + Sync>;
 
 /// The settings made for every device so far, published whole: each change publishes a new
 /// one.
 struct Everywhere<R: DeviceRuntime> {
-    /// The last `record_history` call's setting and the actions it left out of the
-    /// history (its `clear` applied once, at the call).
-    history: Option<(HistorySetting, Arc<[TraceAction]>)>,
+    /// The last `record_history` call's setting (its `clear` applied once, at the call).
+    history: Option<HistorySetting>,
     /// Observers and callbacks, each attached once to every engine, in order.
     attached: Vec<Attached<R>>,
     /// The annotations made while history was on (the last `max_entries`), numbered from
@@ -80,7 +76,7 @@ struct Everywhere<R: DeviceRuntime> {
 impl<R: DeviceRuntime> Clone for Everywhere<R> {
     fn clone(&self) -> Self {
         Self {
-            history: self.history.clone(),
+            history: self.history,
             attached: self.attached.clone(),
             annotations: self.annotations.clone(),
             first_annotation: self.first_annotation,
@@ -218,9 +214,8 @@ impl<R: DeviceRuntime> Devices<R> {
         loop {
             let now = self.everywhere.load_full();
             // History first: an engine records annotations only while it is on.
-            if let Some(((enabled, max, context), skip)) = &now.history {
-                d.engine
-                    .record_history_with(*enabled, *max, *context, false, skip)?;
+            if let Some(setting) = now.history {
+                d.engine.record_history(setting.kept())?;
             }
             self.attach_pending(d, &now);
             self.annotate_pending(d, &now);
@@ -292,34 +287,21 @@ impl<R: DeviceRuntime> Devices<R> {
 
     /// The history setting in force for every device (`None`: never set).
     pub(crate) fn history_setting(&self) -> Option<HistorySetting> {
-        self.everywhere
-            .load()
-            .history
-            .as_ref()
-            .map(|(setting, _)| *setting)
+        self.everywhere.load().history
     }
 
     /// Turns history recording on or off on every device, started or not
-    /// ([`Error::EmptyHistoryRing`] for recording into a ring of no entries; nothing changes);
-    /// `clear` and `skip` as [`Engine::record_history_with`] (a device not started has
-    /// nothing to clear).
-    pub(crate) fn record_history(
-        &self,
-        (enabled, max_entries, context): HistorySetting,
-        clear: bool,
-        skip: &[TraceAction],
-    ) -> Result<(), Error> {
-        if enabled && max_entries == 0 {
+    /// ([`Error::EmptyHistoryRing`] for recording into a ring of no entries; nothing changes;
+    /// a device not started has nothing to clear).
+    pub(crate) fn record_history(&self, setting: HistorySetting) -> Result<(), Error> {
+        if setting.enabled && setting.max_entries == 0 {
             return Err(Error::EmptyHistoryRing);
         }
         let mut res = Ok(());
         self.publish(
-            |e| e.history = Some(((enabled, max_entries, context), skip.into())),
+            |e| e.history = Some(setting),
             |d| {
-                let engine = &d.engine;
-                if let Err(err) =
-                    engine.record_history_with(enabled, max_entries, context, clear, skip)
-                {
+                if let Err(err) = d.engine.record_history(setting) {
                     res = Err(err);
                 }
             },
@@ -330,7 +312,12 @@ impl<R: DeviceRuntime> Devices<R> {
     /// Adds a `UserDefined` entry named `name` to every device's history: now on the
     /// devices started, at their start on the others.
     pub(crate) fn annotate(&self, name: &str) {
-        let Some((true, max_entries, _)) = self.history_setting() else {
+        let Some(HistorySetting {
+            enabled: true,
+            max_entries,
+            ..
+        }) = self.history_setting()
+        else {
             // Recording is off: the started engines ignore it, the others never see it.
             return;
         };

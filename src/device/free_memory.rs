@@ -24,15 +24,15 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// # async fn main() -> Result<(), pinpool::Error> {
     /// use pinpool::{DeviceAllocator, DeviceBuffer};
     ///
-    /// let pool = DeviceAllocator::builder().max_bytes(8 << 20).build()?;
-    /// let stream = pool.runtime().new_stream()?;
+    /// let allocator = DeviceAllocator::builder().max_bytes(8 << 20).build()?;
+    /// let stream = allocator.runtime().new_stream()?;
     /// // Buffers kept around in case they are needed again, given up when memory runs out.
     /// let (spare, spares) = flume::unbounded::<DeviceBuffer>();
-    /// pool.attach_free_memory_callback(move || spares.drain().count() > 0);
-    /// spare.send(pool.alloc(8 << 20, &stream).await?).unwrap();
-    /// let buf = pool.try_alloc(4 << 20, &stream).await?; // room made by the callback
-    /// assert_eq!(pool.free_memory_callback_calls(), 1);
-    /// assert_eq!(pool.free_memory_callback_panics(), 0);
+    /// allocator.attach_free_memory_callback(move || spares.drain().count() > 0);
+    /// spare.send(allocator.alloc(8 << 20, &stream).await?).unwrap();
+    /// let buf = allocator.try_alloc(4 << 20, &stream).await?; // room made by the callback
+    /// assert_eq!(allocator.free_memory_callback_calls(), 1);
+    /// assert_eq!(allocator.free_memory_callback_panics(), 0);
     /// # Ok(()) }
     /// ```
     pub fn attach_free_memory_callback(&self, f: impl Fn() -> bool + Send + Sync + 'static) {

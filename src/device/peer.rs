@@ -100,23 +100,23 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
     /// #[tokio::main]
     /// async fn main() -> Result<(), Error> {
     ///     let sim = SimRuntime::builder().devices(2).build(); // or CudaRuntime: every GPU
-    ///     let pool = DeviceBuilder::new(Arc::new(sim.clone())).build()?;
+    ///     let allocator = DeviceBuilder::new(Arc::new(sim.clone())).build()?;
     ///     let (s0, s1) = (sim.stream_on(0).unwrap(), sim.stream_on(1).unwrap());
     ///
     ///     // Peers: device 1 reads device 0's memory directly; a peer that does not exist is
     ///     // Error::NoSuchDevice, one without a path Error::PeerAccessUnsupported.
-    ///     pool.enable_peer_access(1, 0)?;
-    ///     let mut src = pool.alloc(1 << 20, &s0).await?;
-    ///     let mut dst = pool.alloc(1 << 20, &s1).await?;
-    ///     pool.memcpy_async(&mut dst, &mut src, 1 << 20, &s1, true)?; // p2p; false: staged
+    ///     allocator.enable_peer_access(1, 0)?;
+    ///     let mut src = allocator.alloc(1 << 20, &s0).await?;
+    ///     let mut dst = allocator.alloc(1 << 20, &s1).await?;
+    ///     allocator.memcpy_async(&mut dst, &mut src, 1 << 20, &s1, true)?; // p2p; false: staged
     ///     drop(src); // safe at once: s1 is recorded on both, reuse waits for the copy
     ///
     ///     // IPC: export a block for another process (blocks of cuMemAlloc segments, i.e.
     ///     // expandable_segments:false), open it there; the simulation says Error::NotSupported.
-    ///     let handle: Result<IpcHandle, Error> = pool.ipc_handle(&dst);
+    ///     let handle: Result<IpcHandle, Error> = allocator.ipc_handle(&dst);
     ///     assert!(matches!(handle, Err(Error::NotSupported { .. })));
     ///     let sent = IpcHandle::new([0; 64], 4096, 1 << 20, 0).to_hex(); // across the process boundary
-    ///     let opened = pool.open_ipc(&sent.parse()?); // on a GPU: IpcMemory, closed when dropped
+    ///     let opened = allocator.open_ipc(&sent.parse()?); // on a GPU: IpcMemory, closed when dropped
     ///     assert!(matches!(opened, Err(Error::NotSupported { .. })));
     ///     assert!(matches!(IpcHandle::from_bytes(b"junk"), Err(Error::InvalidIpcHandle { .. })));
     ///     Ok(())
@@ -157,7 +157,7 @@ impl<R: DeviceRuntime> DeviceAllocator<R> {
             });
         }
         let (dst_engine, src_engine) = (self.engine(dst_device)?, self.engine(src_device)?);
-        if dst.allocator_id() != dst_engine.id() || src.allocator_id() != src_engine.id() {
+        if dst.engine_id() != dst_engine.id() || src.engine_id() != src_engine.id() {
             return Err(Error::ForeignBuffer);
         }
         if n == 0 {

@@ -11,11 +11,11 @@
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use pinpool::PinnedAllocator;
 //!
-//! let pool = PinnedAllocator::builder().build()?;
-//! let stream = pool.runtime().new_stream()?;
+//! let allocator = PinnedAllocator::builder().build()?;
+//! let stream = allocator.runtime().new_stream()?;
 //!
 //! // 1. Record one iteration: only allocations made through the recorder count.
-//! let rec = pool.record_plan()?;
+//! let rec = allocator.record_plan()?;
 //! let a = rec.alloc(1000).await?;
 //! let b = rec.alloc(3000).await?;
 //! drop(a);
@@ -28,13 +28,13 @@
 //! assert_eq!(plan.arena_size(), 4032);
 //!
 //! // 3. Optionally, check a later run against the plan without serving it.
-//! let check = pool.validate_plan(&plan)?;
+//! let check = allocator.validate_plan(&plan)?;
 //! let x = check.alloc(1000).await?;
 //! drop(x);
 //! assert!(check.finish().is_err()); // the run stopped after one of three allocations
 //!
 //! // 4. Serve iterations from one pinned arena.
-//! let mut session = pool.serve_plan(&plan).await?;
+//! let mut session = allocator.serve_plan(&plan).await?;
 //! for _ in 0..3 {
 //!     let mut a = session.alloc(1000).await?; // a view of the arena
 //!     a.fill(1);
@@ -46,7 +46,7 @@
 //!     drop((b, c));
 //!     session.reset().await?; // once this iteration's buffers are gone
 //! }
-//! // A request the plan does not expect is served by the pool, with a warning.
+//! // A request the plan does not expect is served by the allocator, with a warning.
 //! let odd = session.alloc(5).await?;
 //! assert!(!odd.is_served() && session.mismatch().is_some());
 //! # Ok(()) }

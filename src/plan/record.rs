@@ -155,10 +155,10 @@ impl<R: Runtime> std::fmt::Debug for RecordedBuffer<R> {
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let pool = pinpool::PinnedAllocator::builder().build()?;
-/// let rec = pool.record_plan()?;
+/// let allocator = pinpool::PinnedAllocator::builder().build()?;
+/// let rec = allocator.record_plan()?;
 /// let a = rec.alloc(1000).await?;
-/// let outside = pool.alloc(64).await?; // not part of the recording
+/// let outside = allocator.alloc(64).await?; // not part of the recording
 /// let b = rec.alloc(3000).await?;
 /// drop(a);
 /// drop(b);
@@ -252,12 +252,12 @@ impl Recording {
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use pinpool::plan::Mismatch;
-/// let pool = pinpool::PinnedAllocator::builder().build()?;
-/// let rec = pool.record_plan()?;
+/// let allocator = pinpool::PinnedAllocator::builder().build()?;
+/// let rec = allocator.record_plan()?;
 /// drop(rec.alloc(1000).await?);
 /// let plan = rec.finish().plan()?;
 ///
-/// let check = pool.validate_plan(&plan)?;
+/// let check = allocator.validate_plan(&plan)?;
 /// drop(check.alloc(999).await?);
 /// let err = check.finish().unwrap_err();
 /// assert_eq!(err.mismatch, Mismatch::SizeMismatch { number: 0, expected: 1000, seen: 999 });
@@ -314,8 +314,8 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
-    /// let (n, recording) = pool
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
+    /// let (n, recording) = allocator
     ///     .record_plan_with(|rec| async move {
     ///         let a = rec.alloc(4096).await?;
     ///         Ok::<_, pinpool::plan::PlanSessionError>(a.len())

@@ -142,12 +142,12 @@ impl<R: Runtime> PinnedAllocator<R> {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use pinpool::plan::{Plan, PlanSessionError, Planner};
     /// use pinpool::plan::Lifetime;
-    /// let pool = pinpool::PinnedAllocator::builder().build()?;
+    /// let allocator = pinpool::PinnedAllocator::builder().build()?;
     /// let l = |id, start, end| Lifetime { id, size: 64, start, end };
     /// let good = Planner::Best.plan(&[l(0, 0, 2), l(1, 1, 3)])?;
-    /// assert_eq!(pool.adopt_plan(good)?.arena_size(), 128);
+    /// assert_eq!(allocator.adopt_plan(good)?.arena_size(), 128);
     /// let overlapping = Plan::from_parts(vec![l(0, 0, 2), l(1, 1, 3)], vec![0, 0], 64, 64)?;
-    /// assert!(matches!(pool.adopt_plan(overlapping), Err(PlanSessionError::Unsound(_))));
+    /// assert!(matches!(allocator.adopt_plan(overlapping), Err(PlanSessionError::Unsound(_))));
     /// # Ok(()) }
     /// ```
     pub fn adopt_plan(&self, plan: Plan) -> Result<ArenaPlan, PlanSessionError> {

@@ -18,10 +18,10 @@
 //! # async fn main() -> Result<(), pinpool::Error> {
 //! use pinpool::HistoryContext;
 //!
-//! let pool = pinpool::PinnedAllocator::builder().build()?;
-//! pool.record_history(true, 1000, HistoryContext::Alloc)?;
-//! drop(pool.alloc(1 << 20).await?);
-//! let page = pinpool::report::render_history_html(&pool.history().await?, "my server");
+//! let allocator = pinpool::PinnedAllocator::builder().build()?;
+//! allocator.record_history(true, 1000, HistoryContext::Alloc)?;
+//! drop(allocator.alloc(1 << 20).await?);
+//! let page = pinpool::report::render_history_html(&allocator.history().await?, "my server");
 //! assert!(page.starts_with("<!DOCTYPE html>") && page.contains("my server"));
 //! # Ok(()) }
 //! ```
@@ -127,10 +127,10 @@ fn series(history: &History) -> Vec<PoolSeries> {
 /// # async fn main() -> Result<(), pinpool::Error> {
 /// use pinpool::{HistoryContext, PinnedAllocator};
 ///
-/// let pool = PinnedAllocator::builder().build()?;
-/// pool.record_history(true, 10_000, HistoryContext::None)?;
-/// drop(pool.alloc(4096).await?);
-/// let page = pinpool::report::render_history_html(&pool.history().await?, "my run");
+/// let allocator = PinnedAllocator::builder().build()?;
+/// allocator.record_history(true, 10_000, HistoryContext::None)?;
+/// drop(allocator.alloc(4096).await?);
+/// let page = pinpool::report::render_history_html(&allocator.history().await?, "my run");
 /// assert!(page.starts_with("<!DOCTYPE html>"));
 /// assert!(page.contains("<svg"));
 /// # Ok(()) }

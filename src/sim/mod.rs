@@ -13,13 +13,13 @@
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), pinpool::Error> {
-//! let pool = pinpool::PinnedAllocator::builder().build()?; // on a SimRuntime
-//! let stream = pool.runtime().new_stream()?;
-//! let mut buf = pool.alloc(4096).await?;
+//! let allocator = pinpool::PinnedAllocator::builder().build()?; // on a SimRuntime
+//! let stream = allocator.runtime().new_stream()?;
+//! let mut buf = allocator.alloc(4096).await?;
 //! buf.fill(1);
 //! buf.record_stream(&stream)?;
 //! drop(buf); // reused only once the stream's work is done
-//! assert_eq!(pool.runtime().violations(), 0);
+//! assert_eq!(allocator.runtime().violations(), 0);
 //! # Ok(()) }
 //! ```
 

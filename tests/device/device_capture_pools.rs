@@ -1,5 +1,5 @@
 //! Capture pools on the simulated device (invariant 4): between `begin_allocate_to_pool` and
-//! `end_allocate_to_pool`, a capturing stream's requests go to the private pool instead of
+//! `end_allocate_to_pool`, a capturing stream's requests go to the capture pool instead of
 //! the stream's own pool; a block the captured work used is never handed to anyone, nor
 //! given back to the device, while the pool lives, so replays read and write the right
 //! bytes; two graphs may share a pool; once every use is released, `empty_cache` gives the

@@ -1,4 +1,4 @@
-//! Private pools for stream capture (invariant 4): allocations for a capturing stream go to
+//! Capture pools for stream capture (invariant 4): allocations for a capturing stream go to
 //! the capture's pool; a block used by captured work is never reused while the pool lives,
 //! so graph replays read the right bytes; a block never used is reusable.
 

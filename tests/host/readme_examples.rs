@@ -1,6 +1,6 @@
 //! The examples of the README and of the guide, compiled and run: each ```rust block of
 //! `README.md` and of `docs/*.md` appears here
-//! line for line inside the set-up it assumes (imports, a runtime, the `pool` a fragment
+//! line for line inside the set-up it assumes (imports, a runtime, the `allocator` a fragment
 //! uses), on the simulated runtime; whole programs sit in a module of their own and their test
 //! calls `main()`. The GPU example is compiled with `--features cuda` and runs where a GPU is
 //! present. `every_rust_block_of_the_readme_and_the_guide_is_compiled_here` fails when such a
@@ -21,19 +21,19 @@ mod short_example {
 
     #[tokio::main]
     async fn main() -> Result<(), pinpool::Error> {
-        let pool = PinnedAllocator::builder().build()?; // spawns the actors
-        let stream = pool.runtime().new_stream()?; // the same call on the sim and on a GPU
+        let allocator = PinnedAllocator::builder().build()?; // spawns the actors
+        let stream = allocator.runtime().new_stream()?; // the same call on the sim and on a GPU
 
-        let mut buf = pool.alloc(1 << 20).await?; // fresh pinned memory the first time
+        let mut buf = allocator.alloc(1 << 20).await?; // fresh pinned memory the first time
         buf.fill(0);
         buf.record_stream(&stream)?; // reuse waits for this stream's work
-        drop(buf); // back to the pool, ordered by an event
+        drop(buf); // back to the allocator, ordered by an event
 
-        let again = pool.alloc(1 << 20).await?; // cached path once the event completed
+        let again = allocator.alloc(1 << 20).await?; // cached path once the event completed
         drop(again);
 
-        pool.empty_cache().await?;
-        println!("{:?}", pool.stats().to_map());
+        allocator.empty_cache().await?;
+        println!("{:?}", allocator.stats().to_map());
         Ok(())
     }
 
@@ -50,12 +50,12 @@ mod short_example {
 async fn readme_memory_limit_you_can_wait_on() -> Result {
     use std::time::Duration;
 
-    let pool = PinnedAllocator::builder()
+    let allocator = PinnedAllocator::builder()
         .max_bytes(2 << 30)                      // at most 2 GiB pinned
         .alloc_timeout(Duration::from_secs(5))   // how long `alloc` waits for room
         .build()?;
-    let buf = pool.alloc(1 << 20).await?;        // waits (first come, first served) when full
-    let now = pool.try_alloc(1 << 20).await;     // fails at once with Error::OutOfMemory instead
+    let buf = allocator.alloc(1 << 20).await?;        // waits (first come, first served) when full
+    let now = allocator.try_alloc(1 << 20).await;     // fails at once with Error::OutOfMemory instead
     assert_eq!(buf.len(), 1 << 20);
     assert_eq!(now?.len(), 1 << 20); // the cap is far away
     Ok(())
@@ -74,10 +74,10 @@ mod on_a_gpu {
     async fn copy_to_device() -> Result {
         let context = cudarc::driver::CudaContext::new(0)?;
         let mut dev_slice = context.default_stream().alloc_zeros::<u8>(1 << 20)?;
-        let pool = PinnedAllocator::builder().cuda(0)?.build()?;      // Error::DeviceUnavailable without a GPU
+        let allocator = PinnedAllocator::builder().cuda(0)?.build()?;      // Error::DeviceUnavailable without a GPU
         let auto = PinnedAllocator::builder().best_available(0)?.build()?; // CUDA if present, else the sim runtime
-        let stream = pool.runtime().new_stream()?;
-        let mut buf = pool.alloc(1 << 20).await?;
+        let stream = allocator.runtime().new_stream()?;
+        let mut buf = allocator.alloc(1 << 20).await?;
         buf.copy_to_device(&stream, &mut dev_slice)?; // records the stream itself
         drop(buf);                                    // reused once the copy has run
         println!("{}", auto.runtime().describe());
@@ -102,15 +102,15 @@ mod on_a_gpu {
 async fn readme_device_memory_stream_ordered_reuse() -> Result {
     use pinpool::DeviceAllocator;
 
-    let pool = DeviceAllocator::builder().build()?;         // a simulated 16 GiB device
+    let allocator = DeviceAllocator::builder().build()?;         // a simulated 16 GiB device
     // on a GPU, every CUDA device: DeviceAllocator::builder().cuda()?.build()? (PINPOOL_DEVICE_CONF)
-    let stream = pool.runtime().new_stream()?;              // the same call on a GPU
-    let other = pool.runtime().new_stream()?;
-    let mut buf = pool.alloc(1 << 20, &stream).await?;      // on the stream's device
+    let stream = allocator.runtime().new_stream()?;              // the same call on a GPU
+    let other = allocator.runtime().new_stream()?;
+    let mut buf = allocator.alloc(1 << 20, &stream).await?;      // on the stream's device
     buf.record_stream(&other)?;                             // work on another stream uses it too
     drop(buf);                                              // reusable once `other`'s work is done
-    let ptr = pool.raw_alloc_with_stream(4096, &stream)?;   // raw pointers, as PyTorch's raw_alloc
-    pool.raw_delete(ptr)?;                                  // unknown or freed twice: Error::UnknownPointer
+    let ptr = allocator.raw_alloc_with_stream(4096, &stream)?;   // raw pointers, as PyTorch's raw_alloc
+    allocator.raw_delete(ptr)?;                                  // unknown or freed twice: Error::UnknownPointer
     Ok(())
 }
 
@@ -152,23 +152,23 @@ mod peers_and_ipc {
     #[tokio::main]
     async fn main() -> Result<(), Error> {
         let sim = SimRuntime::builder().devices(2).build(); // or CudaRuntime: every GPU
-        let pool = DeviceBuilder::new(Arc::new(sim.clone())).build()?;
+        let allocator = DeviceBuilder::new(Arc::new(sim.clone())).build()?;
         let (s0, s1) = (sim.stream_on(0).unwrap(), sim.stream_on(1).unwrap());
 
         // Peers: device 1 reads device 0's memory directly; a peer that does not exist is
         // Error::NoSuchDevice, one without a path Error::PeerAccessUnsupported.
-        pool.enable_peer_access(1, 0)?;
-        let mut src = pool.alloc(1 << 20, &s0).await?;
-        let mut dst = pool.alloc(1 << 20, &s1).await?;
-        pool.memcpy_async(&mut dst, &mut src, 1 << 20, &s1, true)?; // p2p; false: staged
+        allocator.enable_peer_access(1, 0)?;
+        let mut src = allocator.alloc(1 << 20, &s0).await?;
+        let mut dst = allocator.alloc(1 << 20, &s1).await?;
+        allocator.memcpy_async(&mut dst, &mut src, 1 << 20, &s1, true)?; // p2p; false: staged
         drop(src); // safe at once: s1 is recorded on both, reuse waits for the copy
 
         // IPC: export a block for another process (a segment's handle, or the file descriptors
         // of an expandable range's memory), open it there; the simulation says NotSupported.
-        let handle: Result<IpcHandle, Error> = pool.ipc_handle(&dst);
+        let handle: Result<IpcHandle, Error> = allocator.ipc_handle(&dst);
         assert!(matches!(handle, Err(Error::NotSupported { .. })));
         let sent = IpcHandle::new([0; 64], 4096, 1 << 20, 0).to_hex(); // across the process boundary
-        let opened = pool.open_ipc(&sent.parse()?); // on a GPU: IpcMemory, closed when dropped
+        let opened = allocator.open_ipc(&sent.parse()?); // on a GPU: IpcMemory, closed when dropped
         assert!(matches!(opened, Err(Error::NotSupported { .. })));
         assert!(matches!(IpcHandle::from_bytes(b"junk"), Err(Error::InvalidIpcHandle { .. })));
         Ok(())
@@ -187,29 +187,29 @@ mod peers_and_ipc {
 async fn readme_capture_pools_on_device_memory() -> Result {
     use pinpool::{DeviceAllocator, DeviceBuffer, Error};
 
-    let pool = DeviceAllocator::builder().build()?;
-    let stream = pool.runtime().new_stream()?;
+    let allocator = DeviceAllocator::builder().build()?;
+    let stream = allocator.runtime().new_stream()?;
     let id = pinpool::PoolId::fresh(); // torch.cuda.graph_pool_handle()
     let capturing = stream.id();
-    pool.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
+    allocator.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
     stream.begin_capture()?;                                 // on a GPU: stream.begin_capture(mode)
-    let out = pool.alloc(1 << 20, &stream).await?;           // from the private pool
+    let out = allocator.alloc(1 << 20, &stream).await?;           // from the capture pool
     stream.fill_device(out.device_ptr(), out.len(), 7)?;     // captured work
     let graph = stream.end_capture()?;
-    pool.end_allocate_to_pool(0, id).await?;
+    allocator.end_allocate_to_pool(0, id).await?;
     drop(out);                                               // kept: every replay writes it
     graph.launch(&stream)?;
     drop(graph);
-    pool.release_pool(0, id).await?;                         // once the graphs are gone
-    pool.empty_cache().await?;                               // the pool's memory goes back
-    assert_eq!(pool.release_pool(0, id).await, Err(Error::UnknownPool(id)));
-    assert!(matches!(pool.pool_stats(0, id), Err(Error::UnknownPool(_)))); // stats per pool, per device
+    allocator.release_pool(0, id).await?;                         // once the graphs are gone
+    allocator.empty_cache().await?;                               // the pool's memory goes back
+    assert_eq!(allocator.release_pool(0, id).await, Err(Error::UnknownPool(id)));
+    assert!(matches!(allocator.pool_stats(0, id), Err(Error::UnknownPool(_)))); // stats per pool, per device
 
     // Spare buffers, given up when memory runs out.
     let (spare, spares) = flume::unbounded::<DeviceBuffer>();
-    pool.attach_free_memory_callback(move || spares.drain().count() > 0);
-    spare.send(pool.alloc(8 << 20, &stream).await?).unwrap();
-    assert_eq!(pool.free_memory_callback_panics(), 0);
+    allocator.attach_free_memory_callback(move || spares.drain().count() > 0);
+    spare.send(allocator.alloc(8 << 20, &stream).await?).unwrap();
+    assert_eq!(allocator.free_memory_callback_panics(), 0);
     Ok(())
 }
 
@@ -220,25 +220,25 @@ async fn readme_capture_pools_on_device_memory() -> Result {
 async fn readme_checkpoints_of_a_capture_pool() -> Result {
     use pinpool::DeviceAllocator;
 
-    let pool = DeviceAllocator::builder().build()?;
-    let stream = pool.runtime().new_stream()?;
+    let allocator = DeviceAllocator::builder().build()?;
+    let stream = allocator.runtime().new_stream()?;
     let id = pinpool::PoolId::fresh();
     let s = stream.id();
-    pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
-    let a = pool.raw_alloc_with_stream(1 << 20, &stream)?;  // in the private pool
-    pool.end_allocate_to_pool(0, id).await?;
-    let checkpoint = pool.checkpoint_state(0, id).await?;
+    allocator.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
+    let a = allocator.raw_alloc_with_stream(1 << 20, &stream)?;  // in the capture pool
+    allocator.end_allocate_to_pool(0, id).await?;
+    let checkpoint = allocator.checkpoint_state(0, id).await?;
     assert_eq!(checkpoint.allocated(), vec![(a as usize, 1 << 20)]);
 
-    pool.raw_delete(a)?;
-    pool.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
-    let b = pool.raw_alloc_with_stream(2 << 20, &stream)?;  // maybe where `a` was
-    pool.end_allocate_to_pool(0, id).await?;
+    allocator.raw_delete(a)?;
+    allocator.begin_allocate_to_pool(0, id, move |t| t.id() == s).await?;
+    let b = allocator.raw_alloc_with_stream(2 << 20, &stream)?;  // maybe where `a` was
+    allocator.end_allocate_to_pool(0, id).await?;
 
-    let delta = pool.set_checkpoint_pool_state(0, &checkpoint, &stream).await?;
+    let delta = allocator.set_checkpoint_pool_state(0, &checkpoint, &stream).await?;
     assert_eq!(delta.ptrs_freed, vec![b]);
     assert_eq!(delta.dataptrs_allocd, vec![a]);              // back at its old address
-    pool.raw_delete(a)?;
+    allocator.raw_delete(a)?;
     Ok(())
 }
 
@@ -248,11 +248,11 @@ async fn readme_checkpoints_of_a_capture_pool() -> Result {
 async fn readme_snapshot_for_the_memory_visualizer() -> Result {
     use pinpool::{DeviceAllocator, HistoryContext};
 
-    let pool = DeviceAllocator::builder().build()?;
-    pool.record_history(true, 100_000, HistoryContext::Alloc)?; // device_traces, with frames
-    let stream = pool.runtime().new_stream()?;
-    let buf = pool.alloc(1 << 20, &stream).await?;
-    let bytes = pool.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
+    let allocator = DeviceAllocator::builder().build()?;
+    allocator.record_history(true, 100_000, HistoryContext::Alloc)?; // device_traces, with frames
+    let stream = allocator.runtime().new_stream()?;
+    let buf = allocator.alloc(1 << 20, &stream).await?;
+    let bytes = allocator.pickle_snapshot().await?; // what torch.cuda.memory._snapshot() pickles
     assert_eq!(&bytes[..2], &[0x80, 2]);
     let file = std::env::temp_dir().join("pinpool-device-doc.pickle");
     std::fs::write(&file, bytes)?; // open it in pytorch.org/memory_viz
@@ -266,12 +266,12 @@ async fn readme_snapshot_for_the_memory_visualizer() -> Result {
 #[rustfmt::skip]
 #[tokio::test(flavor = "multi_thread")]
 async fn readme_plan_repeated_work_into_one_arena() -> Result {
-    let pool = PinnedAllocator::builder().build()?;
-    let rec = pool.record_plan()?;
+    let allocator = PinnedAllocator::builder().build()?;
+    let rec = allocator.record_plan()?;
     let a = rec.alloc(1 << 20).await?;   // allocations made through the recorder are noted
     drop(a);
     let plan = rec.finish().plan()?;     // planner `Best` by default
-    let mut session = pool.serve_plan(&plan).await?;
+    let mut session = allocator.serve_plan(&plan).await?;
     let b = session.alloc(1 << 20).await?; // a view into the arena at its planned offset
     drop(b);
     session.reset().await?;              // next iteration
@@ -282,14 +282,14 @@ async fn readme_plan_repeated_work_into_one_arena() -> Result {
 #[rustfmt::skip]
 #[tokio::test(flavor = "multi_thread")]
 async fn readme_history_records_trace_entries() -> Result {
-    let pool = PinnedAllocator::builder().build()?;
+    let allocator = PinnedAllocator::builder().build()?;
     use pinpool::{HistoryContext, TraceAction};
 
-    pool.record_history(true, 100_000, HistoryContext::Alloc)?;
-    pool.record_annotation("warm-up");
-    let buf = pool.alloc(1 << 20).await?;
+    allocator.record_history(true, 100_000, HistoryContext::Alloc)?;
+    allocator.record_annotation("warm-up");
+    let buf = allocator.alloc(1 << 20).await?;
     drop(buf);
-    let history = pool.history().await?; // history_blocking() from plain threads
+    let history = allocator.history().await?; // history_blocking() from plain threads
     assert!(history.entries.iter().any(|e| e.action == TraceAction::SegmentMap)); // fresh granules
     Ok(())
 }

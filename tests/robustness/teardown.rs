@@ -392,3 +392,40 @@ fn shutting_the_runtime_down_while_the_pool_actor_waits_for_an_unmap_unmaps_noth
     eventually_blocking("all device memory back", || sim.device_used(0) == Some(0));
     assert_eq!(sim.violations(), 0, "{:?}", sim.violation_log());
 }
+
+/// Calls that wait on an actor's answer — the pool actors', the router's (`empty_cache` asks
+/// it last, for the released capture pools), the history actor's, the event poller's (a
+/// snapshot asks it for the blocks pending) — made again and again while the runtime shuts
+/// down: each returns, answered or `Error::Shutdown`, and none waits for ever on a message
+/// a gone actor left unread.
+#[test]
+fn calls_to_the_actors_racing_the_runtimes_shutdown_all_return() {
+    for round in 0..60u64 {
+        let rt = multi_thread(2);
+        let (pool, _sim) = pool_on(&rt);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = pool.clone();
+        std::thread::spawn(move || {
+            let local = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            let err = loop {
+                let res = match round % 3 {
+                    0 => p.empty_cache_blocking().map(drop),
+                    1 => p.history_blocking().map(drop),
+                    _ => local.block_on(p.snapshot()).map(drop),
+                };
+                if let Err(e) = res {
+                    break e;
+                }
+            };
+            let _ = tx.send(err);
+        });
+        std::thread::sleep(Duration::from_millis(round % 5));
+        drop(rt);
+        let err = rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("round {round}: the call never returned"));
+        assert_eq!(err, Error::Shutdown, "round {round}");
+    }
+}

@@ -7,14 +7,15 @@
 //! burns a core. A `Flush` makes it poll at once (a pool about to take fresh memory uses it:
 //! invariant 3).
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use flume::Receiver;
 
 use crate::blocks::block::Block;
-use crate::books::mailbox::PollerMsg;
+use crate::books::messages::PollerMsg;
 use crate::holders::parked::Parked;
+use crate::vocab::mailbox::{leftovers, Mailbox};
 use crate::vocab::runtime::Runtime;
 use crate::vocab::spawn::spawn_named;
 
@@ -22,22 +23,27 @@ use crate::vocab::spawn::spawn_named;
 const MIN_INTERVAL: Duration = Duration::from_micros(50);
 const MAX_INTERVAL: Duration = Duration::from_millis(2);
 
-/// Starts the poller; it stops once every sender of its mailbox is gone.
+/// Starts the poller and returns its mailbox; it stops once every holder of its mailbox is
+/// gone.
 pub(crate) fn start_poller<R: Runtime>(
-    rx: Receiver<PollerMsg<Block<R>>>,
     handle: &tokio::runtime::Handle,
-) {
+) -> Arc<Mailbox<PollerMsg<Block<R>>>> {
+    let (tx, rx) = flume::unbounded();
+    let mailbox = Arc::new(Mailbox::new(tx));
     let actor = Poller {
         watched: Vec::new(),
+        mailbox: Arc::downgrade(&mailbox),
         rx,
         pending: Vec::new(),
     };
     spawn_named("pinpool::event_poller", handle, actor.run());
+    mailbox
 }
 
 struct Poller<R: Runtime> {
     /// Parked slots to sweep on each poll, while blocks are parked in them.
     watched: Vec<Arc<Parked<Block<R>>>>,
+    mailbox: Weak<Mailbox<PollerMsg<Block<R>>>>,
     rx: Receiver<PollerMsg<Block<R>>>,
     pending: Vec<Box<Block<R>>>,
 }
@@ -54,7 +60,7 @@ impl<R: Runtime> Drop for Poller<R> {
     fn drop(&mut self) {
         // Blocks still in the mailbox would keep their pools (and this mailbox) alive forever.
         // So would blocks parked in the slots it watches.
-        while let Ok(msg) = self.rx.try_recv() {
+        for msg in leftovers(&self.mailbox, &self.rx) {
             match msg {
                 PollerMsg::Wait(block) => self.pending.push(block),
                 PollerMsg::Watch(parked) => self.watched.push(parked),

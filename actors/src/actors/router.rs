@@ -4,7 +4,7 @@
 //! In a stream-ordered engine (device memory), every stream that allocates gets a pool of its
 //! own, made here at its first miss: its blocks are reusable by that stream without events.
 //!
-//! `begin_allocate_to_pool` registers a capture (a private pool and a stream filter),
+//! `begin_allocate_to_pool` registers a capture (a capture pool and a stream filter),
 //! `end_allocate_to_pool` removes it (the budget's count of captures underway follows),
 //! `release_pool` drops a use of the pool; a pool whose uses are all released is freed by
 //! the next `empty_cache`, kept blocks included (its graphs are gone, so invariant 4 no
@@ -19,36 +19,39 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use arc_swap::ArcSwap;
 use flume::Receiver;
 
-use crate::actors::pool::{start_pool, PoolSpec};
-use crate::blocks::block::Pool;
+use crate::actors::pool::start_pool;
+
+use crate::blocks::block::{Block, Home};
 use crate::books::budget::{Budget, EmptyReport};
-use crate::books::mailbox::{Inventory, PoolMsg, Reply};
+use crate::books::home::PoolSettings;
+use crate::books::messages::{Inventory, PoolMsg, Reply};
 use crate::statistics::retired::Retired;
 use crate::vocab::error::Error;
+use crate::vocab::mailbox::{leftovers, Mailbox};
 use crate::vocab::pool_id::PoolId;
 use crate::vocab::runtime::{Runtime, StreamId};
 use crate::vocab::spawn::spawn_named;
 
-/// Decides whether an allocation made for a stream goes to a capture's private pool.
+/// Decides whether an allocation made for a stream goes to a capture pool.
 pub(crate) type StreamFilter<R> = Arc<dyn Fn(&<R as Runtime>::Stream) -> bool + Send + Sync>;
 
 /// A capture underway: allocations for streams the filter accepts go to `pool`.
 pub(crate) struct Capture<R: Runtime> {
     pub(crate) filter: StreamFilter<R>,
-    pub(crate) pool: Arc<Pool<R>>,
+    pub(crate) pool: Arc<Home<R>>,
 }
 
 /// The published routing state: captures underway, in the order they began, every private
 /// pool alive, and the stream pools of a stream-ordered engine (sorted by stream).
 pub(crate) struct RoutingTable<R: Runtime> {
     pub(crate) captures: Vec<Capture<R>>,
-    pub(crate) pools: Vec<(PoolId, Arc<Pool<R>>)>,
-    pub(crate) streams: Vec<(StreamId, Arc<Pool<R>>)>,
+    pub(crate) pools: Vec<(PoolId, Arc<Home<R>>)>,
+    pub(crate) streams: Vec<(StreamId, Arc<Home<R>>)>,
 }
 
 impl<R: Runtime> RoutingTable<R> {
@@ -62,7 +65,7 @@ impl<R: Runtime> RoutingTable<R> {
 
     /// The pool of `stream`, if it has one.
     #[inline]
-    pub(crate) fn stream_pool(&self, stream: StreamId) -> Option<&Arc<Pool<R>>> {
+    pub(crate) fn stream_pool(&self, stream: StreamId) -> Option<&Arc<Home<R>>> {
         self.streams
             .binary_search_by_key(&stream, |(s, _)| *s)
             .ok()
@@ -126,7 +129,7 @@ pub(crate) enum RouterMsg<R: Runtime> {
     /// Empty the released pools, and stop those left with nothing; retire the stream pools
     /// that hold nothing.
     EmptyReleased { reply: Reply<EmptyReport> },
-    /// Inventories of every private pool and every stream pool.
+    /// Inventories of every capture pool and every stream pool.
     Inventory { reply: Reply<Vec<Inventory>> },
     /// The pool of a stream (made now if it has none yet). `keep` is the stream itself,
     /// held while its pool lives: a stream's id may be its handle, which the driver hands
@@ -136,59 +139,69 @@ pub(crate) enum RouterMsg<R: Runtime> {
     StreamPool {
         stream: StreamId,
         keep: R::Stream,
-        reply: Reply<Arc<Pool<R>>>,
+        reply: Reply<Arc<Home<R>>>,
     },
-    /// The allocator is gone: close every private pool and stop.
+    /// The allocator is gone: close every capture pool and stop.
     Close,
 }
 
 /// A stream's pool, the stream itself (kept alive while the pool lives), and the count of
 /// requests the pool had answered at the last `empty_cache` (see `retire_idle_streams`).
 struct StreamPool<R: Runtime> {
-    pool: Arc<Pool<R>>,
+    pool: Arc<Home<R>>,
     _stream: R::Stream,
     misses_seen: i64,
 }
 
-struct PrivatePool<R: Runtime> {
-    shared: Arc<Pool<R>>,
+struct CapturePool<R: Runtime> {
+    shared: Arc<Home<R>>,
     uses: usize,
 }
 
-/// Makes a new pool: a private pool (owned by no stream), or a stream's pool (the engine
-/// knows how).
-pub(crate) type PoolFactory<R> = Box<dyn Fn(PoolId, Option<StreamId>) -> PoolSpec<R> + Send>;
-
-/// Starts the router; it counts the captures underway in `budget`.
+/// Starts the router; it counts the captures underway in `budget`. Returns its mailbox.
 pub(crate) fn start_router<R: Runtime>(
     table: Arc<Routes<R>>,
     budget: Arc<Budget>,
-    rx: Receiver<RouterMsg<R>>,
-    factory: PoolFactory<R>,
-    handle: &tokio::runtime::Handle,
-) {
+    settings: PoolSettings<R, Block<R>>,
+) -> Arc<Mailbox<RouterMsg<R>>> {
+    let handle = settings.handle.clone();
+    let (tx, rx) = flume::unbounded();
+    let mailbox = Arc::new(Mailbox::new(tx));
     let actor = Router {
         table,
         budget,
+        mailbox: Arc::downgrade(&mailbox),
         rx,
-        factory,
+        settings,
         captures: Vec::new(),
         pools: BTreeMap::new(),
         streams: BTreeMap::new(),
     };
-    spawn_named("pinpool::router", handle, actor.run());
+    spawn_named("pinpool::router", &handle, actor.run());
+    mailbox
 }
 
 struct Router<R: Runtime> {
     table: Arc<Routes<R>>,
     /// Where the count of captures underway is published (see [`Budget::capturing`]).
     budget: Arc<Budget>,
+    mailbox: Weak<Mailbox<RouterMsg<R>>>,
     rx: Receiver<RouterMsg<R>>,
-    factory: PoolFactory<R>,
+    /// What its new pools are built from.
+    settings: PoolSettings<R, Block<R>>,
     captures: Vec<(PoolId, StreamFilter<R>)>,
-    pools: BTreeMap<PoolId, PrivatePool<R>>,
+    pools: BTreeMap<PoolId, CapturePool<R>>,
     /// Each stream's pool (see `RouterMsg::StreamPool`).
     streams: BTreeMap<StreamId, StreamPool<R>>,
+}
+
+/// The router is gone (its loop ended, or its task was dropped with its runtime): the
+/// messages it did not read are dropped, so that their callers hear `Error::Shutdown`
+/// instead of waiting for ever.
+impl<R: Runtime> Drop for Router<R> {
+    fn drop(&mut self) {
+        drop(leftovers(&self.mailbox, &self.rx));
+    }
 }
 
 impl<R: Runtime> Router<R> {
@@ -256,8 +269,8 @@ impl<R: Runtime> Router<R> {
         match self.pools.get_mut(&id) {
             Some(p) => p.uses += 1,
             None => {
-                let shared = start_pool((self.factory)(id, None));
-                self.pools.insert(id, PrivatePool { shared, uses: 1 });
+                let shared = start_pool(&self.settings, id, None);
+                self.pools.insert(id, CapturePool { shared, uses: 1 });
             }
         }
         self.captures.push((id, filter));
@@ -269,13 +282,12 @@ impl<R: Runtime> Router<R> {
         Ok(())
     }
 
-    fn stream_pool(&mut self, stream: StreamId, keep: R::Stream) -> Arc<Pool<R>> {
+    fn stream_pool(&mut self, stream: StreamId, keep: R::Stream) -> Arc<Home<R>> {
         if let Some(s) = self.streams.get(&stream) {
             return s.pool.clone();
         }
-        let mut spec = (self.factory)(PoolId::DEFAULT, Some(stream));
-        spec.owner_stream = Some(keep.clone());
-        let pool = start_pool(spec);
+        let owner = Some((stream, keep.clone()));
+        let pool = start_pool(&self.settings, PoolId::DEFAULT, owner);
         let misses_seen = pool.stats.misses.load(Ordering::Relaxed);
         let entry = StreamPool {
             pool: pool.clone(),

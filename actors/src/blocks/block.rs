@@ -13,8 +13,8 @@
 
 use std::sync::Arc;
 
-use crate::books::home::Home;
-use crate::books::mailbox::{Note, PollerMsg, PoolMsg, Split};
+use crate::books::home;
+use crate::books::messages::{Note, PollerMsg, PoolMsg, Split};
 use crate::books::segment::Segment;
 use crate::holders::parked::Parkable;
 use crate::holders::ready::Slotted;
@@ -24,7 +24,7 @@ use crate::vocab::memory::Region;
 use crate::vocab::runtime::{Runtime, StreamId};
 
 /// A pool's home, with the engine's blocks in its queues.
-pub(crate) type Pool<R> = Home<R, Block<R>>;
+pub(crate) type Home<R> = home::Home<R, Block<R>>;
 /// A segment the engine's blocks are cut out of.
 pub(crate) type Seg<R> = Segment<R, Block<R>>;
 
@@ -102,7 +102,7 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) state: BlockState,
     /// Set once the memory has been given back to the runtime.
     pub(crate) freed: bool,
-    pub(crate) pool: Arc<Pool<R>>,
+    pub(crate) pool: Arc<Home<R>>,
     /// What the holder writes for snapshots (requested bytes, streams).
     pub(crate) meta: MetaRef,
     /// The segment the block was cut out of (`None`: the block is a host allocation).
@@ -133,7 +133,7 @@ impl<R: Runtime> Block<R> {
         }
     }
 
-    pub(crate) fn new(memory: Region, class: usize, pool: Arc<Pool<R>>) -> Box<Self> {
+    pub(crate) fn new(memory: Region, class: usize, pool: Arc<Home<R>>) -> Box<Self> {
         Box::new(Block {
             memory,
             size: memory.size,

@@ -109,8 +109,8 @@ impl<R: Runtime> Lease<R> {
         self.block.as_ref().map(|b| b.memory.method)
     }
 
-    /// Which allocator lent this lease.
-    pub fn allocator_id(&self) -> u64 {
+    /// Which engine lent this lease.
+    pub fn engine_id(&self) -> u64 {
         self.engine
     }
 

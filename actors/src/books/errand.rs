@@ -11,7 +11,7 @@
 //! thread's.
 //!
 //! Nothing is lost when nobody runs it: an errand dropped unrun (the requester gave up
-//! waiting, or never lends its thread) runs on a blocking thread of the runtime it came from,
+//! waiting, or never runs errands) runs on a blocking thread of the runtime it came from,
 //! and work the runtime refuses to run (it is shutting down: `spawn_blocking` drops the
 //! closure at once) runs where it was dropped ([`spawn_or_run`]). Frees, above all, must run:
 //! a block whose free is dropped goes back to its pool, which would try again for ever.

@@ -14,19 +14,21 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use flume::{Receiver, Sender};
 
 use crate::books::budget::{Budget, EmptyReport, Member};
-use crate::books::mailbox::{Mailbox, Note, PollerMsg, PoolMsg};
+use crate::books::messages::{Note, PollerMsg, PoolMsg};
 use crate::holders::parked::Parked;
 use crate::holders::ready::ReadyQueues;
 use crate::observation::history::Recorder;
 use crate::statistics::counters::AtomicDuration;
+use crate::statistics::peaks::{Group, Ledger};
 use crate::statistics::stats::PoolStats;
 use crate::vocab::error::Error;
+use crate::vocab::mailbox::Mailbox;
 use crate::vocab::memory::{units, MemorySource, RangeCall, Region};
 use crate::vocab::policy::{BlockLayout, SizePolicy};
 use crate::vocab::pool_id::PoolId;
@@ -90,8 +92,8 @@ pub(crate) struct Home<R: Runtime, B> {
     pub(crate) memory: Arc<dyn MemorySource>,
     pub(crate) ready: ReadyQueues<B>,
     pub(crate) parked: Arc<Parked<B>>,
-    pub(crate) mailbox: Mailbox<B>,
-    pub(crate) poller: Sender<PollerMsg<B>>,
+    pub(crate) mailbox: Mailbox<PoolMsg<B>>,
+    pub(crate) poller: Arc<Mailbox<PollerMsg<B>>>,
     pub(crate) stats: PoolStats,
     /// Non-zero when frees must go to the actor, not the ready queues: the pool is closing
     /// ([`DIVERT_CLOSING`]), or requests wait for room ([`DIVERT_PRESSURE`]).
@@ -129,99 +131,97 @@ pub(crate) struct Home<R: Runtime, B> {
     /// lock, taken by both for every note, was a tenth of the mixed sizes loop).
     notes: SegQueue<Note>,
     /// Large pieces freed while nothing diverts frees to the actor (see
-    /// `Pool::large_piece`), for the actor to take back into their range at its next look
+    /// `Home::large_piece`), for the actor to take back into their range at its next look
     /// (`PoolActor::book_notes`): such a free sends no message, so it wakes no actor.
     /// Lock-free, like `notes`; drained when the pool closes or its actor is gone.
     homing: SegQueue<Box<B>>,
     /// Block records the actor took back into its free ranges, for the next blocks cut or
-    /// split to reuse instead of allocating (see `Pool::recycle`). Emptied when the actor
+    /// split to reuse instead of allocating (see `Home::recycle`). Emptied when the actor
     /// stops (each holds its pool). Lock-free, like `notes`: threads splitting blocks and
     /// the actor taking them back both use it.
     pub(crate) shells: ArrayQueue<Box<B>>,
 }
 
-/// What a home is made of.
-pub(crate) struct HomeParts<R: Runtime, B> {
-    pub(crate) id: PoolId,
-    pub(crate) owner: Option<StreamId>,
-    pub(crate) owner_stream: Option<R::Stream>,
-    pub(crate) lends: bool,
+/// What every pool of an engine is built from, whichever pool it is: the engine's settings
+/// and the parts its pools share. A pool's home and its actor are both made from it.
+pub(crate) struct PoolSettings<R: Runtime, B> {
     pub(crate) runtime: Arc<R>,
     pub(crate) memory: Arc<dyn MemorySource>,
+    /// Whether stream pools lend each other memory (see [`Home::lends`]).
+    pub(crate) lends: bool,
+    /// How long a pool's actor stays awake after a message for the next one.
+    pub(crate) linger: Duration,
     pub(crate) classes: usize,
     pub(crate) shards: usize,
-    pub(crate) poller: Sender<PollerMsg<B>>,
+    pub(crate) poller: Arc<Mailbox<PollerMsg<B>>>,
+    /// Where the pools' actors run.
+    pub(crate) handle: tokio::runtime::Handle,
     pub(crate) budget: Arc<Budget>,
     pub(crate) history: Arc<Recorder>,
     pub(crate) layout: BlockLayout,
     pub(crate) policy: Arc<dyn SizePolicy>,
     /// Keep device statistics, blocks above this many bytes counting as oversize.
     pub(crate) device_stats: Option<usize>,
-    /// The engine's ledger of peaks, and the group of books the pool is counted in.
-    pub(crate) peaks: (
-        Arc<crate::statistics::peaks::Ledger>,
-        Arc<crate::statistics::peaks::Group>,
-    ),
+    /// The engine's ledger of peaks.
+    pub(crate) ledger: Arc<Ledger>,
 }
 
 impl<R: Runtime, B: Send + 'static> Home<R, B> {
-    /// A home, registered with its budget, and the receiving end of its actor's mailbox.
-    pub(crate) fn new(parts: HomeParts<R, B>) -> (Arc<Self>, Receiver<PoolMsg<B>>)
+    /// The home of pool `id` (owned by the stream `owner`, kept alive as `owner_stream`, for
+    /// a stream's pool), registered with its budget, and the receiving end of its actor's
+    /// mailbox.
+    pub(crate) fn new(
+        settings: &PoolSettings<R, B>,
+        id: PoolId,
+        owner: Option<(StreamId, R::Stream)>,
+    ) -> (Arc<Self>, Receiver<PoolMsg<B>>)
     where
         B: crate::holders::parked::Parkable,
     {
+        let s = settings;
         let (tx, rx) = flume::unbounded();
-        let split_up_to = match parts.layout {
-            BlockLayout::Whole => 0,
-            BlockLayout::Carved(c) => c.thread_split_limit(),
+        let carving = match s.layout {
+            BlockLayout::Whole => None,
+            BlockLayout::Carved(c) => Some(c),
         };
+        let split_up_to = carving.map_or(0, |c| c.thread_split_limit());
+        let group = if id.is_default() {
+            s.ledger.default_group().clone()
+        } else {
+            Arc::new(Group::new())
+        };
+        let (owner, owner_stream) = owner.unzip();
         let home = Arc::new(Home {
-            id: parts.id,
-            owner: parts.owner,
-            owner_stream: parts.owner_stream,
-            lends: parts.lends,
-            runtime: parts.runtime,
-            memory: parts.memory,
-            ready: ReadyQueues::new(parts.classes, parts.shards),
-            parked: Parked::new(parts.shards),
+            id,
+            owner,
+            owner_stream,
+            lends: s.lends,
+            runtime: s.runtime.clone(),
+            memory: s.memory.clone(),
+            ready: ReadyQueues::new(s.classes, s.shards),
+            parked: Parked::new(s.shards),
             mailbox: Mailbox::new(tx),
-            poller: parts.poller,
-            stats: PoolStats::new(
-                parts.shards,
-                parts.device_stats,
-                parts.peaks.0,
-                parts.peaks.1,
-            ),
+            poller: s.poller.clone(),
+            stats: PoolStats::new(s.shards, s.device_stats, s.ledger.clone(), group),
             divert: AtomicU8::new(0),
-            budget: parts.budget,
+            budget: s.budget.clone(),
             queued: AtomicUsize::new(0),
             woken: AtomicBool::new(false),
             forgotten: flume::unbounded(),
-            history: parts.history,
-            max_cached_size: match parts.layout {
-                BlockLayout::Whole => usize::MAX,
-                BlockLayout::Carved(c) => c.max_cached_size,
-            },
-            absorb_above: match parts.layout {
-                BlockLayout::Whole => usize::MAX,
-                BlockLayout::Carved(c) => c.small_limit,
-            },
-            arena_cached_up_to: match parts.layout {
-                BlockLayout::Carved(c) if c.expandable => {
-                    c.arena_cached_up_to.min(c.thread_split_limit())
-                }
+            history: s.history.clone(),
+            max_cached_size: carving.map_or(usize::MAX, |c| c.max_cached_size),
+            absorb_above: carving.map_or(usize::MAX, |c| c.small_limit),
+            arena_cached_up_to: match carving {
+                Some(c) if c.expandable => c.arena_cached_up_to.min(c.thread_split_limit()),
                 _ => 0,
             },
             split_up_to,
-            split_classes_upto: parts.policy.class_served_by(split_up_to),
-            keep_rest_under: match parts.layout {
-                BlockLayout::Whole => 0,
-                BlockLayout::Carved(c) => c.keep_rest_under,
-            },
+            split_classes_upto: s.policy.class_served_by(split_up_to),
+            keep_rest_under: carving.map_or(0, |c| c.keep_rest_under),
             notes: SegQueue::new(),
             homing: SegQueue::new(),
             shells: ArrayQueue::new(SHELLS),
-            policy: parts.policy,
+            policy: s.policy.clone(),
         });
         home.budget.register(&home);
         (home, rx)

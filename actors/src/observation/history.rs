@@ -14,7 +14,7 @@
 use std::backtrace::Backtrace;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use flume::{Receiver, Sender};
@@ -22,6 +22,7 @@ use flume::{Receiver, Sender};
 use crate::observation::observe::{start_observer, ObserverEvent, ObserverMsg};
 use crate::statistics::trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
 use crate::vocab::error::Error;
+use crate::vocab::mailbox::{leftovers, Mailbox};
 use crate::vocab::memory::{MemoryKind, Region};
 use crate::vocab::pool_id::PoolId;
 use crate::vocab::runtime::StreamId;
@@ -60,10 +61,51 @@ pub(crate) struct Keep {
     pub(crate) skip: u32,
 }
 
-impl Keep {
-    pub(crate) fn new(clear: bool, skip: &[TraceAction]) -> Self {
+/// One `record_history` call: whether history is recorded, the ring's bound, the call sites
+/// captured, and what the ring keeps as recording turns on (see [`HistorySetting::with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistorySetting {
+    /// Whether history is recorded.
+    pub enabled: bool,
+    /// How many entries the ring keeps.
+    pub max_entries: usize,
+    /// The call sites captured.
+    pub context: HistoryContext,
+    keep: Keep,
+}
+
+impl HistorySetting {
+    /// Recording on or off, into a ring of `max_entries`, with call sites as `context` asks;
+    /// the entries recorded so far kept.
+    pub fn new(enabled: bool, max_entries: usize, context: HistoryContext) -> Self {
+        let keep = Keep::default();
+        HistorySetting {
+            enabled,
+            max_entries,
+            context,
+            keep,
+        }
+    }
+
+    /// As PyTorch's `clear_history` and `skip_actions`: with `clear`, the entries recorded
+    /// so far are forgotten; entries of the `skip` actions are left out of the history
+    /// (trace trackers still get them) until the next call.
+    pub fn with(self, clear: bool, skip: &[TraceAction]) -> Self {
         let skip = skip.iter().fold(0, |bits, a| bits | a.bit());
-        Keep { clear, skip }
+        HistorySetting {
+            keep: Keep { clear, skip },
+            ..self
+        }
+    }
+
+    /// The same setting, the entries recorded so far kept (for an engine that starts after
+    /// the call: it has nothing to clear).
+    pub fn kept(self) -> Self {
+        let keep = Keep {
+            clear: false,
+            ..self.keep
+        };
+        HistorySetting { keep, ..self }
     }
 }
 
@@ -72,7 +114,7 @@ pub(crate) struct Recorder {
     flags: CachePadded<Flags>,
     start: Instant,
     entries: Sender<TraceEntry>,
-    control: Sender<Control>,
+    control: Arc<Mailbox<Control>>,
     observers: Sender<ObserverMsg>,
     observer_events: Sender<ObserverEvent>,
     /// Trace trackers attached (the history actor forwards entries only when there are some).
@@ -85,6 +127,7 @@ pub(crate) struct Recorder {
 pub(crate) fn start(handle: &tokio::runtime::Handle) -> Arc<Recorder> {
     let (entries_tx, entries_rx) = flume::bounded(CHANNEL_BOUND);
     let (control_tx, control_rx) = flume::unbounded();
+    let control = Arc::new(Mailbox::new(control_tx));
     let (observers_tx, observers_rx) = flume::unbounded();
     let (events_tx, events_rx) = flume::bounded(crate::observation::observe::EVENT_BOUND);
     let trackers = Arc::new(AtomicUsize::new(0));
@@ -92,6 +135,7 @@ pub(crate) fn start(handle: &tokio::runtime::Handle) -> Arc<Recorder> {
     start_observer(observers_rx, events_rx, handle);
     let actor = HistoryActor {
         entries: entries_rx,
+        mailbox: Arc::downgrade(&control),
         control: control_rx,
         ring: VecDeque::new(),
         max_entries: 0,
@@ -110,7 +154,7 @@ pub(crate) fn start(handle: &tokio::runtime::Handle) -> Arc<Recorder> {
         }),
         start: Instant::now(),
         entries: entries_tx,
-        control: control_tx,
+        control,
         observers: observers_tx,
         observer_events: events_tx,
         trackers,
@@ -144,14 +188,14 @@ impl Recorder {
     }
 
     /// Turns recording on or off and sets the ring's bound and the call sites captured;
-    /// see [`Keep`] for what the ring keeps.
-    pub(crate) fn configure(
-        &self,
-        enabled: bool,
-        max_entries: usize,
-        context: HistoryContext,
-        keep: Keep,
-    ) -> Result<(), Error> {
+    /// and what the ring keeps.
+    pub(crate) fn configure(&self, setting: HistorySetting) -> Result<(), Error> {
+        let HistorySetting {
+            enabled,
+            max_entries,
+            context,
+            keep,
+        } = setting;
         if enabled && max_entries == 0 {
             return Err(Error::EmptyHistoryRing);
         }
@@ -393,6 +437,7 @@ impl Recorder {
 
 struct HistoryActor {
     entries: Receiver<TraceEntry>,
+    mailbox: Weak<Mailbox<Control>>,
     control: Receiver<Control>,
     ring: VecDeque<TraceEntry>,
     max_entries: usize,
@@ -403,6 +448,14 @@ struct HistoryActor {
     trackers: Arc<AtomicUsize>,
     observer_events: Sender<ObserverEvent>,
     observer_lost: u64,
+}
+
+/// Gone (its loop ended, or dropped with its runtime): the control messages it did not read
+/// are dropped, so that a caller waiting for the history hears `Error::Shutdown`.
+impl Drop for HistoryActor {
+    fn drop(&mut self) {
+        drop(leftovers(&self.mailbox, &self.control));
+    }
 }
 
 impl HistoryActor {

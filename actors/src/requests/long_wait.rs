@@ -18,8 +18,8 @@
 
 use std::time::Duration;
 
-use crate::blocks::block::Pool;
-use crate::books::mailbox::PoolMsg;
+use crate::blocks::block::Home;
+use crate::books::messages::PoolMsg;
 use crate::vocab::error::{Error, OomCause};
 use crate::vocab::holder;
 use crate::vocab::runtime::Runtime;
@@ -39,10 +39,10 @@ struct Lent {
 /// Bytes of the blocks lent under `pool`'s cap, and of those `me` took: every pool under the
 /// cap is asked for its books (`PoolMsg::Describe`), one round trip each; `blocking` says
 /// whether to block the thread for each reply (a thread that may block) or await it (a task).
-async fn lent<R: Runtime>(pool: &Pool<R>, me: u64, blocking: bool) -> Lent {
+async fn lent<R: Runtime>(pool: &Home<R>, me: u64, blocking: bool) -> Lent {
     let mut lent = Lent::default();
     for member in pool.budget.pools() {
-        let Ok(p) = member.as_any().downcast::<Pool<R>>() else {
+        let Ok(p) = member.as_any().downcast::<Home<R>>() else {
             continue;
         };
         let (tx, rx) = flume::bounded(1);
@@ -90,7 +90,7 @@ fn waits_on_its_own(limit: usize, need: usize, mine: usize, handed_over: bool) -
 /// an error when it waits on memory only its requester can give back, else a warning (see
 /// the module's header). Nothing without a cap.
 pub(crate) async fn look<R: Runtime>(
-    pool: &Pool<R>,
+    pool: &Home<R>,
     need: usize,
     requested: usize,
     blocking: bool,

@@ -14,7 +14,7 @@
 //! pool to forget it, and a block sent to it meanwhile goes back.
 //!
 //! The loop is written once (`miss_with`), over who waits (`Waiter`): a task awaits each
-//! reply; a blocked thread waits for it in place, and lends itself to run the pool actor's
+//! reply; a blocked thread waits for it in place, and runs the pool actor's
 //! memory-source calls.
 //!
 //! This file holds the loop and the requests' entry points; `waiter` is who waits and how,
@@ -24,9 +24,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::blocks::block::{Block, Pool};
+use crate::blocks::block::{Block, Home};
 use crate::books::budget::Budget;
-use crate::books::mailbox::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
+use crate::books::messages::{Answer, Ask, MissReply, MissTx, PoolMsg, Refused};
 use crate::requests::long_wait;
 use crate::vocab::error::{Error, OomCause};
 use crate::vocab::policy::SizeClass;
@@ -60,7 +60,7 @@ impl Wait {
 }
 
 /// Fails a request that could never fit under the cap.
-fn check_cap<R: Runtime>(pool: &Pool<R>, class: SizeClass, requested: usize) -> Result<(), Error> {
+fn check_cap<R: Runtime>(pool: &Home<R>, class: SizeClass, requested: usize) -> Result<(), Error> {
     match pool.budget.limit() {
         Some(limit) if class.size > limit => {
             pool.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
@@ -82,7 +82,7 @@ fn check_cap<R: Runtime>(pool: &Pool<R>, class: SizeClass, requested: usize) -> 
 }
 
 fn send_miss<R: Runtime>(
-    pool: &Pool<R>,
+    pool: &Home<R>,
     class: SizeClass,
     ask: Ask,
 ) -> Result<flume::Receiver<Answer<Block<R>>>, Error> {
@@ -100,7 +100,7 @@ fn send_miss<R: Runtime>(
 /// Tells the pool to drop a queued request whose future was dropped (cancel safety: the
 /// queue forgets it at once rather than at its next look).
 struct Pending<'a, R: Runtime> {
-    pool: &'a Pool<R>,
+    pool: &'a Home<R>,
     armed: bool,
 }
 
@@ -112,7 +112,7 @@ impl<R: Runtime> Drop for Pending<'_, R> {
     }
 }
 
-fn timed_out<R: Runtime>(pool: &Pool<R>, requested: usize, timeout: Duration) -> Error {
+fn timed_out<R: Runtime>(pool: &Home<R>, requested: usize, timeout: Duration) -> Error {
     pool.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
     tracing::info!(
         requested,
@@ -128,7 +128,7 @@ fn timed_out<R: Runtime>(pool: &Pool<R>, requested: usize, timeout: Duration) ->
 async fn answer_queued<R: Runtime, W: Waiter>(
     waiter: &W,
     rx: &flume::Receiver<Answer<Block<R>>>,
-    pool: &Pool<R>,
+    pool: &Home<R>,
     class: SizeClass,
     requested: usize,
 ) -> Result<MissReply<Block<R>>, Stop> {
@@ -172,7 +172,7 @@ enum Missed {
 /// `plan` says and ask again, queueing this time when the plan says so. Cancel-safe: a
 /// dropped request tells its pool to forget it, and a block sent to it meanwhile goes back.
 async fn miss_with<R: Runtime, W: Waiter>(
-    pool: &Arc<Pool<R>>,
+    pool: &Arc<Home<R>>,
     class: SizeClass,
     plan: Plan,
     waiter: &W,
@@ -182,7 +182,7 @@ async fn miss_with<R: Runtime, W: Waiter>(
         wait: plan.queue,
         emptied: false,
         holds: true,
-        lends: waiter.lends(),
+        runs_errands: waiter.runs_errands(),
         quiet: plan.quiet,
         sent: std::time::Instant::now(),
     };
@@ -248,7 +248,7 @@ struct RoomMade {
 /// marked as if every cache had been emptied); else what the cap lacks (once), then every
 /// cache, after which the ask is marked emptied.
 async fn make_room_once<R: Runtime, W: Waiter>(
-    pool: &Arc<Pool<R>>,
+    pool: &Arc<Home<R>>,
     class: SizeClass,
     waiter: &W,
     ask: &mut Ask,
@@ -290,7 +290,7 @@ async fn make_room_once<R: Runtime, W: Waiter>(
 /// The error of a request for one buffer whose miss ended without a block: no room in the
 /// end is an out-of-memory, a passed deadline a timeout (both counted in `num_ooms`).
 fn settle<R: Runtime>(
-    pool: &Pool<R>,
+    pool: &Home<R>,
     requested: usize,
     timeout: Option<Duration>,
     missed: Result<Box<Block<R>>, Missed>,
@@ -325,7 +325,7 @@ impl Who {
 /// make room and ask again, this time queueing when it still does not fit (unless `wait`
 /// says not to), up to the wait's timeout (see [`settle`] for how it fails).
 pub(crate) async fn miss<R: Runtime>(
-    pool: &Arc<Pool<R>>,
+    pool: &Arc<Home<R>>,
     class: SizeClass,
     requested: usize,
     wait: Wait,
@@ -368,7 +368,7 @@ pub(crate) async fn miss<R: Runtime>(
 /// refuses once the caches were emptied (no cap in the way) is a final, counted error, as
 /// for `try_alloc`. Cancel-safe as [`miss`] is.
 pub(crate) async fn miss_once<R: Runtime>(
-    pool: &Arc<Pool<R>>,
+    pool: &Arc<Home<R>>,
     class: SizeClass,
     requested: usize,
     empty: bool,
@@ -398,7 +398,7 @@ pub(crate) enum Tried {
 }
 
 /// A pool asked for room twice (it does not once the caches were emptied): out of memory.
-fn no_room<R: Runtime>(pool: &Pool<R>, requested: usize) -> Error {
+fn no_room<R: Runtime>(pool: &Home<R>, requested: usize) -> Error {
     pool.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
     Error::OutOfMemory {
         requested,

@@ -35,9 +35,9 @@ pub enum TraceAction {
     Oom,
     /// A user annotation (`record_annotation` of an allocator); `name` holds it.
     UserDefined,
-    /// A capture began allocating to a private pool.
+    /// A capture began allocating to a capture pool.
     CaptureBegin,
-    /// A capture stopped allocating to a private pool.
+    /// A capture stopped allocating to a capture pool.
     CaptureEnd,
 }
 

@@ -1,4 +1,4 @@
-//! Pool identities: the default pool and the private pools of graph capture.
+//! Pool identities: the default pool and the capture pools of graph capture.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -2,7 +2,7 @@
 //! segments (for snapshots).
 
 use super::PoolActor;
-use crate::books::mailbox::{Inventory, PieceView, PoolView, SegmentView};
+use crate::books::messages::{Inventory, PieceView, PoolView, SegmentView};
 use crate::vocab::runtime::Runtime;
 
 impl<R: Runtime> PoolActor<R> {

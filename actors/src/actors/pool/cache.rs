@@ -1,83 +1,15 @@
-//! The pool's cache: answering a miss from ready blocks (after noticing completed events —
-//! invariant 3; under a carving layout, from free ranges of segments: see `segments`), taking
-//! blocks home, and emptying the cache.
+//! Freeing the pool's cached blocks: to make room, when the cache is emptied (the kept
+//! blocks too when the pool is released), and as the pool closes. A block the source refuses
+//! to free is kept, never reused.
 
 use std::sync::atomic::Ordering;
 
 use super::PoolActor;
 use crate::blocks::block::{Block, BlockState};
 use crate::books::budget::EmptyReport;
-use crate::books::mailbox::PollerMsg;
-use crate::vocab::error::Error;
-use crate::vocab::policy::SizeClass;
 use crate::vocab::runtime::Runtime;
 
 impl<R: Runtime> PoolActor<R> {
-    /// A block back outside the ready queues: kept blocks stay kept, others are reusable.
-    pub(super) async fn home(&mut self, mut block: Box<Block<R>>) {
-        if block.state == BlockState::Waiting {
-            // Its events were lost with the poller: never reuse it.
-            let stats = &self.shared.stats;
-            stats.waiting_blocks.fetch_sub(1, Ordering::Relaxed);
-            stats
-                .waiting_bytes
-                .fetch_sub(block.size as i64, Ordering::Relaxed);
-            stats.kept_blocks.fetch_add(1, Ordering::Relaxed);
-            stats
-                .kept_bytes
-                .fetch_add(block.size as i64, Ordering::Relaxed);
-            block.state = BlockState::Kept;
-        }
-        if block.state == BlockState::Kept {
-            self.kept.push(block);
-            return;
-        }
-        if self.closing {
-            self.free_blocks(vec![block]).await;
-        } else if self.uncacheable(&block) {
-            // Too large to cache: back into its segment, which goes back once wholly free.
-            self.absorb_all(vec![block]);
-            self.give_back_free_segments(false).await;
-        } else if self.shared.large_piece(&block) {
-            // A large piece: back into its segment now, to coalesce with its neighbours.
-            self.absorb_all(vec![block]);
-        } else {
-            block.state = BlockState::Cached;
-            self.shared.ready.put(block);
-        }
-    }
-
-    pub(super) async fn miss(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
-        if let Some(b) = self.shared.ready.take(class) {
-            return Ok(b);
-        }
-        if self.carved.is_some() {
-            return self.miss_carved(class).await;
-        }
-        // Invariant 3: notice completed events before taking fresh memory.
-        if self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
-            self.flush_events().await;
-            if let Some(b) = self.shared.ready.take(class) {
-                return Ok(b);
-            }
-        }
-        self.fresh(class).await
-    }
-
-    pub(super) async fn flush_events(&self) {
-        // Blocks parked by the threads that freed them are polled too.
-        self.shared.parked.unpark_all();
-        let (tx, rx) = flume::bounded(1);
-        if self
-            .shared
-            .poller
-            .send(PollerMsg::Flush { reply: tx })
-            .is_ok()
-        {
-            let _ = rx.recv_async().await;
-        }
-    }
-
     /// Frees blocks on a blocking thread and keeps the books. A block the runtime refuses
     /// to free is held back with the kept blocks (never reused) and tried again when they go.
     /// Carved blocks go back into their segments, and every wholly free segment is given

@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use super::PoolActor;
 use crate::blocks::block::Block;
-use crate::books::mailbox::SegmentView;
+use crate::books::messages::SegmentView;
 use crate::vocab::error::{Error, OomCause};
 use crate::vocab::memory::Region;
 use crate::vocab::policy::SizeClass;

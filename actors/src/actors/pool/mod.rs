@@ -10,13 +10,17 @@
 //! them as blocks come back or room is made. Under a layout that carves blocks out of
 //! shared segments ([`BlockLayout::Carved`]) it owns their free ranges (see `segments`).
 //!
-//! This file holds the actor's state and its loop; `cache`, `fresh`, `segments`, `arena`,
-//! `waiters`, `retire` and `books` hold what the actor does.
+//! This file holds the actor's state and its loop. What it does: `miss` (a miss answered, in
+//! one file), `homecoming` (blocks coming home), `waiters` (requests waiting for room),
+//! `fresh` (fresh memory), `cache` (freeing and emptying), `segments` and `arena` (the
+//! carved layout's books), `restore`, `retire` and `books`.
 
 mod arena;
 mod books;
 mod cache;
 mod fresh;
+mod homecoming;
+mod miss;
 mod restore;
 mod retire;
 mod segments;
@@ -28,74 +32,27 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flume::{Receiver, Sender};
+use flume::Receiver;
 
-use crate::blocks::block::{Block, BlockState, Pool, Seg};
-use crate::books::budget::Budget;
+use crate::blocks::block::{Block, BlockState, Home, Seg};
 use crate::books::errand::{spawn_or_run, Errand};
-use crate::books::home::{Home, HomeParts, DIVERT_CLOSING};
-use crate::books::mailbox::{MissTx, PollerMsg, PoolMsg, SegmentView};
-use crate::observation::history::Recorder;
-use crate::statistics::peaks::{Group, Ledger};
+use crate::books::home::{PoolSettings, DIVERT_CLOSING};
+use crate::books::messages::{MissTx, PoolMsg, SegmentView};
 use crate::vocab::error::Error;
-use crate::vocab::memory::{MemoryKind, MemorySource, RangeCall};
-use crate::vocab::policy::{BlockLayout, SizePolicy};
+use crate::vocab::memory::{MemoryKind, RangeCall};
 use crate::vocab::pool_id::PoolId;
 use crate::vocab::runtime::{Runtime, StreamId};
 use crate::vocab::spawn::spawn_on_own_thread;
 
-/// Everything needed to start a pool.
-pub(crate) struct PoolSpec<R: Runtime> {
-    pub(crate) id: PoolId,
-    pub(crate) owner: Option<StreamId>,
-    /// The owner stream itself, for a stream's pool (see `Home::owner_stream`).
-    pub(crate) owner_stream: Option<R::Stream>,
-    /// Whether stream pools lend each other memory (see `Home::lends`).
-    pub(crate) lends: bool,
-    /// How long the actor stays awake after a message for the next one.
-    pub(crate) linger: Duration,
-    pub(crate) runtime: Arc<R>,
-    pub(crate) memory: Arc<dyn MemorySource>,
-    pub(crate) classes: usize,
-    pub(crate) shards: usize,
-    pub(crate) poller: Sender<PollerMsg<Block<R>>>,
-    pub(crate) handle: tokio::runtime::Handle,
-    pub(crate) budget: Arc<Budget>,
-    pub(crate) history: Arc<Recorder>,
-    pub(crate) layout: BlockLayout,
-    pub(crate) policy: Arc<dyn SizePolicy>,
-    pub(crate) device_stats: Option<usize>,
-    /// The engine's ledger of peaks.
-    pub(crate) ledger: Arc<Ledger>,
-}
-
-/// Starts a pool actor and returns the pool's home.
-pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
-    let kind = spec.memory.kind();
-    let (shared, rx) = Home::new(HomeParts {
-        id: spec.id,
-        owner: spec.owner,
-        owner_stream: spec.owner_stream,
-        lends: spec.lends,
-        runtime: spec.runtime,
-        memory: spec.memory,
-        classes: spec.classes,
-        shards: spec.shards,
-        poller: spec.poller,
-        budget: spec.budget,
-        history: spec.history,
-        layout: spec.layout,
-        policy: spec.policy,
-        device_stats: spec.device_stats,
-        peaks: {
-            let group = if spec.id.is_default() {
-                spec.ledger.default_group().clone()
-            } else {
-                Arc::new(Group::new())
-            };
-            (spec.ledger, group)
-        },
-    });
+/// Starts the actor of pool `id` (a stream's pool where `owner` names the stream) and returns
+/// the pool's home.
+pub(crate) fn start_pool<R: Runtime>(
+    settings: &PoolSettings<R, Block<R>>,
+    id: PoolId,
+    owner: Option<(StreamId, R::Stream)>,
+) -> Arc<Home<R>> {
+    let owner_id = owner.as_ref().map(|(s, _)| *s);
+    let (shared, rx) = Home::new(settings, id, owner);
     let actor = PoolActor {
         shared: shared.clone(),
         rx,
@@ -104,21 +61,21 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
         finished: false,
         waiters: VecDeque::new(),
         segments: BTreeMap::new(),
-        carved: segments::Segments::for_layout(spec.layout),
+        carved: segments::Segments::for_layout(settings.layout),
         refused: Vec::new(),
         deferred: VecDeque::new(),
-        lender: None,
-        spin: spin::Spin::new(spec.linger),
+        errand_runner: None,
+        spin: spin::Spin::new(settings.linger),
         answered: None,
         trim_due: false,
         relieved: false,
     };
-    let pool = if spec.id.is_default() {
+    let pool = if id.is_default() {
         "default".to_string()
     } else {
-        spec.id.to_string()
+        id.to_string()
     };
-    let name = match (kind, spec.owner) {
+    let name = match (settings.memory.kind(), owner_id) {
         (MemoryKind::Pinned, None) => format!("pinpool::pool({pool})"),
         (MemoryKind::Pinned, Some(s)) => format!("pinpool::pool({pool}, stream {:#x})", s.0),
         (MemoryKind::Device(d), None) => format!("pinpool::device_pool({d}, {pool})"),
@@ -126,12 +83,12 @@ pub(crate) fn start_pool<R: Runtime>(spec: PoolSpec<R>) -> Arc<Pool<R>> {
             format!("pinpool::device_pool({d}, {pool}, stream {:#x})", s.0)
         }
     };
-    spawn_on_own_thread(&name, &spec.handle, actor.run());
+    spawn_on_own_thread(&name, &settings.handle, actor.run());
     shared
 }
 
 pub(crate) struct PoolActor<R: Runtime> {
-    shared: Arc<Pool<R>>,
+    shared: Arc<Home<R>>,
     rx: Receiver<PoolMsg<Block<R>>>,
     kept: Vec<Box<Block<R>>>,
     closing: bool,
@@ -149,7 +106,7 @@ pub(crate) struct PoolActor<R: Runtime> {
     /// Messages that came while a restore waited, answered next, in order.
     deferred: VecDeque<PoolMsg<Block<R>>>,
     /// The reply channel of the miss being served, when its requester runs errands.
-    lender: Option<MissTx<Block<R>>>,
+    errand_runner: Option<MissTx<Block<R>>>,
     /// How long it keeps polling its mailbox after an answer (see [`Self::linger`]).
     spin: spin::Spin,
     /// When it last answered a request (see [`answers_a_request`]).
@@ -334,17 +291,17 @@ impl<T> OffExecutor<T> {
 
 impl<R: Runtime> PoolActor<R> {
     /// Runs `work` (calls into the memory source) off the executor (invariant 6): on the
-    /// thread of the miss being served when that thread lends itself (see
+    /// thread of the miss being served when that thread runs errands (see
     /// [`crate::books::errand`]), on a blocking thread of the runtime otherwise — or here, should the
     /// runtime be shutting down and refuse it (a free dropped unrun would send its blocks
     /// back to this actor, which would try again for ever). Whether it went to the requester.
     pub(super) fn hand_off(&self, work: impl FnOnce() + Send + 'static) -> bool {
         let handle = tokio::runtime::Handle::current();
-        match &self.lender {
-            Some(lender) => lender.lend(Errand::new(Box::new(work), handle)),
+        match &self.errand_runner {
+            Some(runner) => runner.send_errand(Errand::new(Box::new(work), handle)),
             None => spawn_or_run(&handle, work),
         }
-        self.lender.is_some()
+        self.errand_runner.is_some()
     }
 
     /// [`Self::hand_off`] and await the work's result; `Err` when the work panicked or its

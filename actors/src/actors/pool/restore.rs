@@ -36,7 +36,7 @@ use std::time::Duration;
 use super::PoolActor;
 use crate::blocks::block::Block;
 use crate::blocks::lease::Lease;
-use crate::books::mailbox::PoolMsg;
+use crate::books::messages::PoolMsg;
 use crate::observation::history::BlockSeen;
 use crate::vocab::carve::Piece;
 use crate::vocab::error::Error;

@@ -25,8 +25,9 @@
 //! blocks, and the pieces lent out of them are remembered here, so that a snapshot lists
 //! each segment with its blocks and free ranges.
 //!
-//! This file holds the books of the segments and how blocks are cut and taken back; `miss`
-//! answers a miss from them, and `give_back` returns wholly free segments to the source.
+//! This file holds the books of the segments and how blocks are cut from them; the pool's
+//! `miss` answers a miss from them, its `homecoming` takes blocks back into them, and
+//! `give_back` returns wholly free segments to the source.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -34,7 +35,7 @@ use std::sync::Arc;
 use super::arena::Arena;
 use super::PoolActor;
 use crate::blocks::block::{Block, Seg};
-use crate::books::mailbox::{Note, PieceView, SegmentView, Split};
+use crate::books::messages::{PieceView, SegmentView, Split};
 use crate::books::segment::Segment;
 use crate::holders::ready::ReadyQueues;
 use crate::statistics::meta::MetaRef;
@@ -45,19 +46,19 @@ use crate::vocab::runtime::Runtime;
 
 /// The free ranges of a pool's segments.
 pub(super) struct Segments<R: Runtime> {
-    carver: Carver<Arc<Seg<R>>>,
+    pub(super) carver: Carver<Arc<Seg<R>>>,
     /// The peak of live bytes seen at misses (the requested block included).
     pub(super) peak_live: usize,
     /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
     /// address: their bytes and their blocks' records, for snapshots.
-    lent: BTreeMap<usize, (usize, MetaRef)>,
+    pub(super) lent: BTreeMap<usize, (usize, MetaRef)>,
     /// The range each class last gave back, by class index, and whether it is in the
     /// arena: a miss of the class takes it again while it is wholly free.
-    last_range: HashMap<usize, (Piece, bool)>,
+    pub(super) last_range: HashMap<usize, (Piece, bool)>,
     /// The ready queues' slot lines of every class a block was cut for (see
     /// `ReadyQueues::drain_lines`): only those slots can hold blocks of this pool, so a
     /// miss drains them and skips the rest.
-    slot_lines: Vec<u64>,
+    pub(super) slot_lines: Vec<u64>,
     /// The pool's expandable range, once reserved (see `arena`).
     pub(super) arena: Option<Arena<R>>,
     /// Whether reserving the arena was tried (it is tried once, at the first miss).
@@ -108,7 +109,7 @@ impl<R: Runtime> Segments<R> {
 
     /// Books a thread's split of a lent piece (see `Block::split_off`): one piece more, the
     /// rest's record for snapshots.
-    fn book_split(&mut self, s: Split) {
+    pub(super) fn book_split(&mut self, s: Split) {
         for class in [s.first_class, s.rest_class] {
             self.mark_line(class);
         }
@@ -246,7 +247,7 @@ impl<R: Runtime> Segments<R> {
 
     /// Bytes of a fresh segment for a block of `size` bytes, with `room` bytes left under
     /// the reserve cap.
-    fn segment_size(&self, size: usize, room: usize) -> usize {
+    pub(super) fn segment_size(&self, size: usize, room: usize) -> usize {
         let c = &self.carving;
         let base = if size <= c.small_limit {
             c.small_segment.max(size)
@@ -270,7 +271,11 @@ impl<R: Runtime> Segments<R> {
 
 impl<R: Runtime> PoolActor<R> {
     /// Cuts a block of `class` out of a free range, if one fits (see [`Carver::place`]).
-    fn carve_block(&mut self, class: SizeClass, split_any: bool) -> Option<Box<Block<R>>> {
+    pub(super) fn carve_block(
+        &mut self,
+        class: SizeClass,
+        split_any: bool,
+    ) -> Option<Box<Block<R>>> {
         let segs = self.carved.as_mut()?;
         let piece = segs.place(class.size, split_any)?;
         let seg = segs.carver.payload(piece.seg)?.clone();
@@ -281,7 +286,7 @@ impl<R: Runtime> PoolActor<R> {
     /// within 1/8, if there is one: such a miss is served without draining the ready
     /// queues. A block cut at the very range its class last gave back is recalled (see
     /// `recall`).
-    fn carve_tight(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+    pub(super) fn carve_tight(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         let max_len = class.size.saturating_add(class.size / 8);
         let segs = self.carved.as_mut()?;
         let (piece, seg) = Self::tight_in_carver(segs, class.size, max_len)?;
@@ -304,7 +309,7 @@ impl<R: Runtime> PoolActor<R> {
     /// wholly free (and mapped): such a miss is served without draining the ready queues
     /// (the layout is the one an earlier placement chose), and the block, its class asked
     /// for again and again, stays on the cached path when freed.
-    fn recall(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+    pub(super) fn recall(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         let segs = self.carved.as_mut()?;
         let (last, in_arena) = segs.last_range.remove(&class.index)?;
         if last.len != class.size {
@@ -347,120 +352,8 @@ impl<R: Runtime> PoolActor<R> {
         Some(block)
     }
 
-    /// Books the ready blocks threads split or merged since the last look (see
-    /// `Block::split_off`, `Block::absorb_next`): one piece more or fewer lent from the
-    /// segment, the records for snapshots, and the slot lines of the parts' classes to
-    /// drain. Done before any block is taken back: a part can only come back after its note
-    /// was sent. Then takes back the large pieces freed since (`Home::home_quietly`): their splits
-    /// were noted before they were freed.
-    pub(super) fn book_notes(&mut self) {
-        let Some(segs) = self.carved.as_mut() else {
-            return;
-        };
-        for note in self.shared.notes() {
-            match note {
-                Note::Split(s) => segs.book_split(s),
-            }
-        }
-        let homed: Vec<_> = self.shared.homed().collect();
-        if !homed.is_empty() {
-            // Memory the next look under pressure gives back (see `relieve`).
-            self.relieved = false;
-        }
-        for mut b in homed {
-            if self.absorb(&mut b) {
-                self.shared.recycle(b);
-            } else {
-                b.state = crate::blocks::block::BlockState::Cached;
-                self.shared.ready.put(b);
-            }
-        }
-    }
-
-    /// Takes a carved block's range back into the free ranges, merging it with free
-    /// neighbours. Returns false for a block that was not carved (left untouched).
-    /// Call `book_notes` first, after the block was received: the splits it is part of
-    /// were sent before it could come back.
-    fn absorb(&mut self, block: &mut Box<Block<R>>) -> bool {
-        let (Some(segs), Some(seg)) = (self.carved.as_mut(), block.segment.as_ref()) else {
-            return false;
-        };
-        let addr = block.memory.ptr.as_ptr() as usize;
-        let in_arena = seg.is_arena();
-        let piece = Piece {
-            seg: match (&segs.arena, in_arena) {
-                (Some(a), true) => a.seg(),
-                _ => seg.id,
-            },
-            offset: addr - seg.memory.ptr.as_ptr() as usize,
-            len: block.size,
-        };
-        segs.lent.remove(&addr);
-        segs.last_range.insert(block.class, (piece, in_arena));
-        let released = match segs.arena.as_mut() {
-            Some(a) if in_arena => a.release(piece),
-            _ => segs.carver.release(piece).map(drop),
-        };
-        if let Err(e) = released {
-            // Bookkeeping gone wrong: keep the range out of circulation rather than risk
-            // handing it out twice.
-            tracing::error!(
-                ?e,
-                ?piece,
-                "carved block could not be taken back; range leaked"
-            );
-        }
-        block.freed = true;
-        block.segment = None;
-        true
-    }
-
-    /// Moves every block of the ready queues into the free ranges (looking only at the slots
-    /// of classes the pool has cut blocks for).
-    pub(super) fn absorb_ready(&mut self) {
-        self.book_notes();
-        let lines = self
-            .carved
-            .as_ref()
-            .map(|s| s.slot_lines.clone())
-            .unwrap_or_default();
-        let blocks = self.shared.ready.drain_lines(&lines);
-        // Splits of the blocks just drained were sent before they were put back.
-        self.book_notes();
-        for mut b in blocks {
-            if self.absorb(&mut b) {
-                self.shared.recycle(b);
-            } else {
-                self.shared.ready.put(b);
-            }
-        }
-    }
-
-    /// Takes carved blocks back; returns those that were not carved.
-    pub(super) fn absorb_all(&mut self, blocks: Vec<Box<Block<R>>>) -> Vec<Box<Block<R>>> {
-        self.book_notes();
-        let mut rest = Vec::new();
-        for mut b in blocks {
-            if self.absorb(&mut b) {
-                self.shared.recycle(b);
-            } else {
-                rest.push(b);
-            }
-        }
-        rest
-    }
-
-    /// Whether the pool carves, and the block is too large to cache.
-    pub(super) fn uncacheable(&self, block: &Block<R>) -> bool {
-        block.segment.is_some()
-            && self
-                .carved
-                .as_ref()
-                .is_some_and(|s| block.size > s.carving.max_cached_size)
-    }
-
     /// Enters a fresh segment in the carver: all of it free.
-    fn add_segment(&mut self, memory: Region) {
+    pub(super) fn add_segment(&mut self, memory: Region) {
         let pool = self.shared.clone();
         if let Some(segs) = self.carved.as_mut() {
             segs.carver
@@ -470,4 +363,3 @@ impl<R: Runtime> PoolActor<R> {
 }
 
 mod give_back;
-mod miss;

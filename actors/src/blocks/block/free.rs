@@ -6,8 +6,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::{Block, BlockState, Events, Pool, StreamAtFree};
-use crate::books::mailbox::{PollerMsg, PoolMsg};
+use super::{Block, BlockState, Events, Home, StreamAtFree};
+use crate::books::messages::{PollerMsg, PoolMsg};
 use crate::statistics::meta::MetaRef;
 use crate::vocab::idle_probe;
 use crate::vocab::keepalive;
@@ -108,7 +108,7 @@ impl<R: Runtime> Block<R> {
             .fetch_add(self.size as i64, Ordering::Relaxed);
         self.state = BlockState::Waiting;
         keepalive::ensure(&self.pool);
-        let pool: *const Pool<R> = Arc::as_ptr(&self.pool);
+        let pool: *const Home<R> = Arc::as_ptr(&self.pool);
         // SAFETY: `keepalive::ensure` made this thread hold a strong reference to the
         // pool until its next call, so the pool outlives this function even once the
         // block (and the reference it carries) is parked and taken by another thread.
@@ -333,7 +333,7 @@ impl<R: Runtime> Block<R> {
 #[inline]
 pub(crate) fn give_back<R: Runtime>(mut block: Box<Block<R>>) {
     keepalive::ensure(&block.pool);
-    let pool: *const Pool<R> = Arc::as_ptr(&block.pool);
+    let pool: *const Home<R> = Arc::as_ptr(&block.pool);
     // SAFETY: `keepalive::ensure` made this thread hold a strong reference to the pool until
     // its next call, so the pool outlives this function even after the block (and the
     // reference it carries) has moved into a queue and been taken by another thread.

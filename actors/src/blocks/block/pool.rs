@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use super::{Block, BlockState, Pool, Seg};
+use super::{Block, BlockState, Home, Seg};
 use crate::vocab::memory::Region;
 use crate::vocab::runtime::Runtime;
 
-impl<R: Runtime> Pool<R> {
+impl<R: Runtime> Home<R> {
     /// A block of class `class` over `memory`, cut out of `segment`: a record the actor
     /// recycled if there is one (no allocation), else a new one.
     pub(crate) fn new_block(

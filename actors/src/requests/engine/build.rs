@@ -5,22 +5,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flume::Sender;
-
 use super::{Engine, EngineInner};
 use crate::actors::poller::start_poller;
-use crate::actors::pool::{start_pool, PoolSpec, DEFAULT_LINGER};
+use crate::actors::pool::{start_pool, DEFAULT_LINGER};
 use crate::actors::router::{start_router, Routes};
-use crate::blocks::block::Block;
 use crate::books::budget::Budget;
-use crate::books::mailbox::PollerMsg;
-use crate::observation::history::Recorder;
+use crate::books::home::PoolSettings;
 use crate::statistics::peaks::Ledger;
 use crate::vocab::error::Error;
 use crate::vocab::memory::MemorySource;
-use crate::vocab::policy::{BestFit, BlockLayout, SizePolicy};
+use crate::vocab::policy::{BestFit, SizePolicy};
 use crate::vocab::pool_id::PoolId;
-use crate::vocab::runtime::{Runtime, StreamId};
+use crate::vocab::runtime::Runtime;
 use crate::vocab::shard::default_shard_count;
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -158,17 +154,16 @@ impl<R: Runtime> EngineBuilder<R> {
         let history = crate::observation::history::start(&handle);
         let ledger = Arc::new(Ledger::new());
         let memory = self.memory.clone();
-        let (poller_tx, poller_rx) = flume::unbounded();
-        start_poller(poller_rx, &handle);
+        let poller = start_poller(&handle);
         let router_budget = budget.clone();
-        let commons = PoolCommons {
+        let settings = PoolSettings {
             runtime: self.runtime.clone(),
             memory,
             lends: self.lend_between_streams && self.stream_ordered,
             linger: self.linger,
             classes,
             shards,
-            poller: poller_tx.clone(),
+            poller: poller.clone(),
             handle: handle.clone(),
             budget,
             history: history.clone(),
@@ -177,17 +172,9 @@ impl<R: Runtime> EngineBuilder<R> {
             device_stats: self.device_stats,
             ledger: ledger.clone(),
         };
-        let spec = move |id: PoolId, owner: Option<StreamId>| commons.spec(id, owner);
-        let default = start_pool(spec(PoolId::DEFAULT, None));
+        let default = start_pool(&settings, PoolId::DEFAULT, None);
         let table = Arc::new(Routes::new());
-        let (router_tx, router_rx) = flume::unbounded();
-        start_router(
-            table.clone(),
-            router_budget,
-            router_rx,
-            Box::new(spec),
-            &handle,
-        );
+        let router = start_router(table.clone(), router_budget, settings);
         tracing::debug!(
             engine = id,
             runtime = self.runtime.name(),
@@ -207,54 +194,11 @@ impl<R: Runtime> EngineBuilder<R> {
                 default,
                 table,
                 handle: handle.clone(),
-                router: router_tx,
-                poller: poller_tx,
+                router,
+                poller,
                 history,
                 ledger,
             }),
         })
-    }
-}
-
-/// What every pool of an engine is started with, whichever pool it is.
-struct PoolCommons<R: Runtime> {
-    runtime: Arc<R>,
-    memory: Arc<dyn MemorySource>,
-    lends: bool,
-    linger: Duration,
-    classes: usize,
-    shards: usize,
-    poller: Sender<PollerMsg<Block<R>>>,
-    handle: tokio::runtime::Handle,
-    budget: Arc<Budget>,
-    history: Arc<Recorder>,
-    layout: BlockLayout,
-    policy: Arc<dyn SizePolicy>,
-    device_stats: Option<usize>,
-    ledger: Arc<Ledger>,
-}
-
-impl<R: Runtime> PoolCommons<R> {
-    /// The spec of pool `id`, owned by the stream `owner` if any.
-    fn spec(&self, id: PoolId, owner: Option<StreamId>) -> PoolSpec<R> {
-        PoolSpec {
-            id,
-            owner,
-            owner_stream: None,
-            lends: self.lends,
-            linger: self.linger,
-            runtime: self.runtime.clone(),
-            memory: self.memory.clone(),
-            classes: self.classes,
-            shards: self.shards,
-            poller: self.poller.clone(),
-            handle: self.handle.clone(),
-            budget: self.budget.clone(),
-            history: self.history.clone(),
-            layout: self.layout,
-            policy: self.policy.clone(),
-            device_stats: self.device_stats,
-            ledger: self.ledger.clone(),
-        }
     }
 }

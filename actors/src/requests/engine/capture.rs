@@ -8,7 +8,7 @@ use crate::vocab::pool_id::PoolId;
 use crate::vocab::runtime::Runtime;
 
 impl<R: Runtime> Engine<R> {
-    /// Routes allocations for streams that `filter` accepts into the private pool `id`
+    /// Routes allocations for streams that `filter` accepts into the capture pool `id`
     /// (creating it, or adding a use to it) until [`Engine::end_allocate_to_pool`].
     #[doc(hidden)]
     pub async fn begin_allocate_to_pool(

@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 
 use super::Engine;
 use crate::blocks::lease::Lease;
-use crate::books::mailbox::{PollerMsg, PoolMsg};
+use crate::books::messages::{PollerMsg, PoolMsg};
 use crate::statistics::snapshot::PoolCheckpoint;
 use crate::vocab::error::Error;
 use crate::vocab::memory::MemoryKind;
@@ -160,7 +160,7 @@ impl<R: Runtime> Engine<R> {
                     if l.as_ptr() as usize == addr
                         && l.capacity() == size
                         && l.pool() == Some(pool)
-                        && l.allocator_id() == self.inner.id =>
+                        && l.engine_id() == self.inner.id =>
                 {
                     free.push(l)
                 }

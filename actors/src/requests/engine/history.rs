@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use super::Engine;
-use crate::observation::history::Keep;
+use crate::observation::history::HistorySetting;
 use crate::observation::observe::ObserverMsg;
-use crate::statistics::trace::{History, HistoryContext, OomReport, TraceAction, TraceEntry};
+use crate::statistics::trace::{History, OomReport, TraceEntry};
 use crate::vocab::error::Error;
 use crate::vocab::runtime::Runtime;
 
@@ -16,30 +16,8 @@ impl<R: Runtime> Engine<R> {
     /// keeps the entries recorded so far. Fails with [`Error::EmptyHistoryRing`] when asked to
     /// record into a ring of 0 entries.
     #[doc(hidden)]
-    pub fn record_history(
-        &self,
-        enabled: bool,
-        max_entries: usize,
-        context: HistoryContext,
-    ) -> Result<(), Error> {
-        self.record_history_with(enabled, max_entries, context, false, &[])
-    }
-
-    /// [`Self::record_history`], and, as PyTorch's `clear_history` and `skip_actions`: with
-    /// `clear`, the entries recorded so far are forgotten; entries of the `skip` actions are
-    /// left out of the history (trace trackers still get them) until the next call.
-    #[doc(hidden)]
-    pub fn record_history_with(
-        &self,
-        enabled: bool,
-        max_entries: usize,
-        context: HistoryContext,
-        clear: bool,
-        skip: &[TraceAction],
-    ) -> Result<(), Error> {
-        let keep = Keep::new(clear, skip);
-        self.recorder()
-            .configure(enabled, max_entries, context, keep)
+    pub fn record_history(&self, setting: HistorySetting) -> Result<(), Error> {
+        self.recorder().configure(setting)
     }
 
     /// Whether history recording is on.

@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use super::Engine;
 use crate::actors::router::RouterMsg;
-use crate::blocks::block::Pool;
-use crate::books::mailbox::{Inventory, PollerMsg, PoolMsg, PoolView};
+use crate::blocks::block::Home;
+use crate::books::messages::{Inventory, PollerMsg, PoolMsg, PoolView};
 use crate::statistics::device_stats::DeviceStats;
 use crate::statistics::meta::BlockMeta;
 use crate::statistics::snapshot::{
@@ -109,7 +109,7 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// The default pool, every stream pool and every capture pool alive.
-    pub(crate) fn all_pools(&self) -> Vec<Arc<Pool<R>>> {
+    pub(crate) fn all_pools(&self) -> Vec<Arc<Home<R>>> {
         let table = self.inner.table.load();
         let mut pools = self.default_pools();
         pools.extend(table.pools.iter().map(|(_, p)| p.clone()));

@@ -27,19 +27,18 @@ pub use many::{alloc_many, alloc_many_blocking, Want};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use flume::Sender;
-
 use crate::actors::router::{RouterMsg, Routes};
-use crate::blocks::block::{Block, Pool};
+use crate::blocks::block::{Block, Home};
 use crate::blocks::lease::Lease;
 use crate::books::budget::Budget;
 use crate::books::budget::EmptyReport;
-use crate::books::mailbox::{PollerMsg, PoolMsg, Reply};
+use crate::books::messages::{PollerMsg, PoolMsg, Reply};
 use crate::observation::history::Recorder;
 use crate::requests::miss::{miss, miss_once, Tried, Wait, Who};
 use crate::statistics::peaks::Ledger;
 use crate::vocab::blocking::{may_block, run_here};
 use crate::vocab::error::Error;
+use crate::vocab::mailbox::Mailbox;
 use crate::vocab::memory::MemorySource;
 use crate::vocab::policy::{SizeClass, SizePolicy};
 use crate::vocab::runtime::{Runtime, StreamId};
@@ -51,11 +50,11 @@ struct EngineInner<R: Runtime> {
     runtime: Arc<R>,
     memory: Arc<dyn MemorySource>,
     policy: Arc<dyn SizePolicy>,
-    default: Arc<Pool<R>>,
+    default: Arc<Home<R>>,
     table: Arc<Routes<R>>,
-    router: Sender<RouterMsg<R>>,
+    router: Arc<Mailbox<RouterMsg<R>>>,
     #[allow(dead_code)]
-    poller: Sender<PollerMsg<Block<R>>>,
+    poller: Arc<Mailbox<PollerMsg<Block<R>>>>,
     history: Arc<Recorder>,
     /// The peaks of the counts its pools keep in thread shards.
     ledger: Arc<Ledger>,
@@ -94,7 +93,7 @@ impl<R: Runtime> Clone for Engine<R> {
 enum Step<R: Runtime> {
     Ready(Lease<R>),
     Miss {
-        pool: Arc<Pool<R>>,
+        pool: Arc<Home<R>>,
         class: SizeClass,
         during_capture: bool,
     },
@@ -212,7 +211,7 @@ impl<R: Runtime> Engine<R> {
     /// the large blocks this thread holds home first.
     #[cold]
     fn miss_here(
-        pool: &Arc<Pool<R>>,
+        pool: &Arc<Home<R>>,
         class: SizeClass,
         size: usize,
         during_capture: bool,
@@ -248,7 +247,7 @@ impl<R: Runtime> Engine<R> {
     /// sizes loop (4 KiB to 1 MiB, `BestFit`) about half the requests find their class
     /// empty, and four in five of those are served by the next class up.
     #[inline]
-    fn split_next(pool: &Pool<R>, class: SizeClass) -> Option<Box<Block<R>>> {
+    fn split_next(pool: &Home<R>, class: SizeClass) -> Option<Box<Block<R>>> {
         // The classes `split_ready` takes from: above the request's, up to the split limit.
         let larger = pool
             .split_classes_upto
@@ -264,7 +263,7 @@ impl<R: Runtime> Engine<R> {
     /// keeps its first `class.size` bytes, the rest goes back to the ready queues as a block
     /// of its own. A request whose class is empty is served without a round trip to the pool
     /// actor, which coalesces the parts again when it next drains the ready queues.
-    fn split_ready(pool: &Arc<Pool<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
+    fn split_ready(pool: &Arc<Home<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
         if class.size >= pool.split_up_to {
             return None;
         }
@@ -279,7 +278,7 @@ impl<R: Runtime> Engine<R> {
     /// A ready block cut for a request of `class`: the request keeps its first `class.size`
     /// bytes, the rest goes back to the ready queues as a block of its own, unless it is a
     /// sliver (see `Carving::keep_rest_under`) that the request takes along.
-    fn cut_for(pool: &Pool<R>, mut block: Box<Block<R>>, class: SizeClass) -> Box<Block<R>> {
+    fn cut_for(pool: &Home<R>, mut block: Box<Block<R>>, class: SizeClass) -> Box<Block<R>> {
         let rest = block.size - class.size;
         let sliver =
             pool.keep_rest_under > 0 && rest.saturating_mul(pool.keep_rest_under) < block.size;
@@ -353,11 +352,11 @@ impl<R: Runtime> Engine<R> {
     /// other pool, or a router gone with its runtime: [`Error::Shutdown`].
     async fn reroute(
         &self,
-        pool: &Pool<R>,
+        pool: &Home<R>,
         class: SizeClass,
         during_capture: bool,
         who: Who,
-    ) -> Result<Result<Lease<R>, (Arc<Pool<R>>, SizeClass, bool)>, Error> {
+    ) -> Result<Result<Lease<R>, (Arc<Home<R>>, SizeClass, bool)>, Error> {
         match (pool.owner, &pool.owner_stream) {
             (Some(stream), Some(keep)) if pool.mailbox.is_closed() => {
                 let step = Step::NewStream {
@@ -379,7 +378,7 @@ impl<R: Runtime> Engine<R> {
         &self,
         step: Step<R>,
         who: Who,
-    ) -> Result<Result<Lease<R>, (Arc<Pool<R>>, SizeClass, bool)>, Error> {
+    ) -> Result<Result<Lease<R>, (Arc<Home<R>>, SizeClass, bool)>, Error> {
         Ok(Err(match step {
             Step::Ready(lease) => return Ok(Ok(lease)),
             Step::Miss {
@@ -507,14 +506,14 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// The default pool's shared part (its budget reaches every pool).
-    pub(crate) fn default_pool(&self) -> &Arc<Pool<R>> {
+    pub(crate) fn default_pool(&self) -> &Arc<Home<R>> {
         &self.inner.default
     }
 
     /// Records `stream` on a lease, after checking that this allocator lent it.
     #[doc(hidden)]
     pub fn record_stream(&self, lease: &mut Lease<R>, stream: &R::Stream) -> Result<(), Error> {
-        if lease.allocator_id() != self.inner.id {
+        if lease.engine_id() != self.inner.id {
             return Err(Error::ForeignBuffer);
         }
         lease.record_stream(stream)
@@ -526,7 +525,7 @@ impl<R: Runtime> Engine<R> {
     /// left holding nothing, unused since the call before, are retired (see the router's
     /// `retire_idle_streams`).
     pub async fn empty_cache(&self) -> Result<EmptyReport, Error> {
-        let ask = |pool: &Pool<R>| {
+        let ask = |pool: &Home<R>| {
             let (tx, rx) = flume::bounded(1);
             let msg = PoolMsg::EmptyCache {
                 include_kept: false,
@@ -560,7 +559,7 @@ impl<R: Runtime> Engine<R> {
 
     /// The default pool, and in a stream-ordered engine every stream's pool (together they
     /// are the default pool, split by stream).
-    pub(crate) fn default_pools(&self) -> Vec<Arc<Pool<R>>> {
+    pub(crate) fn default_pools(&self) -> Vec<Arc<Home<R>>> {
         let table = self.inner.table.load();
         std::iter::once(self.inner.default.clone())
             .chain(table.streams.iter().map(|(_, p)| p.clone()))

@@ -17,7 +17,7 @@ use std::any::Any;
 use std::cell::Cell;
 use std::sync::Arc;
 
-use crate::blocks::block::Pool;
+use crate::blocks::block::Home;
 use crate::vocab::runtime::{Runtime, StreamId};
 
 /// Routes remembered per thread (direct-mapped by stream; a power of two).
@@ -65,18 +65,18 @@ fn way(stream: StreamId) -> usize {
 }
 
 /// A remembered stream pool, alive while the handle it was looked up through is.
-pub(super) struct Known<'a, R: Runtime>(&'a Pool<R>);
+pub(super) struct Known<'a, R: Runtime>(&'a Home<R>);
 
 impl<'a, R: Runtime> Known<'a, R> {
-    pub(super) fn pool(&self) -> &'a Pool<R> {
+    pub(super) fn pool(&self) -> &'a Home<R> {
         self.0
     }
 
     /// A strong reference to the pool (for a miss, which hands it to the pool actor's
     /// request).
-    pub(super) fn shared(&self) -> Arc<Pool<R>> {
-        let p: *const Pool<R> = self.0;
-        // SAFETY: `remember` stored `Arc::as_ptr` of an `Arc<Pool<R>>` whose strong
+    pub(super) fn shared(&self) -> Arc<Home<R>> {
+        let p: *const Home<R> = self.0;
+        // SAFETY: `remember` stored `Arc::as_ptr` of an `Arc<Home<R>>` whose strong
         // reference this thread still holds (see `lookup`): adding a strong count and taking
         // one reference for it is balanced by the returned `Arc`'s drop.
         unsafe {
@@ -102,18 +102,18 @@ pub(super) unsafe fn lookup<'a, R: Runtime>(
     if r.engine != engine || r.stream != stream.0 || r.epoch != epoch || r.pool.is_null() {
         return None;
     }
-    // SAFETY: `remember` stored a pointer to a pool of engine `engine` (type `Pool<R>`: an
+    // SAFETY: `remember` stored a pointer to a pool of engine `engine` (type `Home<R>`: an
     // engine has one runtime type) and a strong reference to it in the same way, which this
     // thread replaces only in `remember`; the caller uses the reference before it remembers
     // anything (for `'a`, within one request), so the pool is alive.
-    Some(Known(unsafe { &*(r.pool as *const Pool<R>) }))
+    Some(Known(unsafe { &*(r.pool as *const Home<R>) }))
 }
 
 /// Remembers that `stream` of engine `engine` routes to `pool`, read from a table loaded
 /// after the router's epoch was `epoch`, with no capture underway; holds the pool for the
 /// route (a new reference only when the way named another pool).
 #[inline]
-pub(super) fn remember<R: Runtime>(engine: u64, stream: StreamId, epoch: u64, pool: &Arc<Pool<R>>) {
+pub(super) fn remember<R: Runtime>(engine: u64, stream: StreamId, epoch: u64, pool: &Arc<Home<R>>) {
     let route = Route {
         engine,
         stream: stream.0,

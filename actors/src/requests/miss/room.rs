@@ -5,15 +5,15 @@
 use std::sync::Arc;
 
 use super::waiter::Waiter;
-use crate::blocks::block::{Block, Pool};
+use crate::blocks::block::{Block, Home};
 use crate::books::budget::EmptyReport;
-use crate::books::mailbox::PoolMsg;
+use crate::books::messages::PoolMsg;
 use crate::vocab::policy::SizeClass;
 use crate::vocab::runtime::Runtime;
 
 /// Asks every pool of the allocator to give back up to `upto` bytes of its cache
 /// (`usize::MAX`: all of it); returns the replies to wait for.
-fn ask_all_to_empty<R: Runtime>(pool: &Pool<R>, upto: usize) -> Vec<flume::Receiver<EmptyReport>> {
+fn ask_all_to_empty<R: Runtime>(pool: &Home<R>, upto: usize) -> Vec<flume::Receiver<EmptyReport>> {
     pool.budget
         .pools()
         .iter()
@@ -24,7 +24,7 @@ fn ask_all_to_empty<R: Runtime>(pool: &Pool<R>, upto: usize) -> Vec<flume::Recei
 /// The room a block of `class` lacks under the cap now: the bytes reserved past the cap
 /// once it is taken (`None` without a cap, or when the cap is not what is in the way: the
 /// memory source refused, and every cache must go).
-pub(super) fn shortfall<R: Runtime>(pool: &Pool<R>, class: SizeClass) -> Option<usize> {
+pub(super) fn shortfall<R: Runtime>(pool: &Home<R>, class: SizeClass) -> Option<usize> {
     let limit = pool.budget.limit()?;
     let over = (pool.budget.reserved() + class.size).checked_sub(limit)?;
     (over > 0).then_some(over)
@@ -32,7 +32,7 @@ pub(super) fn shortfall<R: Runtime>(pool: &Pool<R>, class: SizeClass) -> Option<
 
 /// Asks every pool to give back up to `upto` bytes of its cache (`usize::MAX`: all of it)
 /// and waits for them all.
-pub(super) async fn make_room<R: Runtime, W: Waiter>(pool: &Pool<R>, upto: usize, waiter: &W) {
+pub(super) async fn make_room<R: Runtime, W: Waiter>(pool: &Home<R>, upto: usize, waiter: &W) {
     for rx in ask_all_to_empty(pool, upto) {
         let _ = waiter.recv(&rx).await;
     }
@@ -40,21 +40,21 @@ pub(super) async fn make_room<R: Runtime, W: Waiter>(pool: &Pool<R>, upto: usize
 
 /// The other streams' pools of the allocator, for a stream's pool of an engine that lends
 /// between streams (see `EngineBuilder::lend_between_streams`; none otherwise).
-fn lenders<R: Runtime>(pool: &Pool<R>) -> Vec<Arc<Pool<R>>> {
+fn lenders<R: Runtime>(pool: &Home<R>) -> Vec<Arc<Home<R>>> {
     if !pool.lends || pool.owner_stream.is_none() {
         return Vec::new();
     }
     pool.budget
         .pools()
         .into_iter()
-        .filter_map(|m| m.as_any().downcast::<Pool<R>>().ok())
+        .filter_map(|m| m.as_any().downcast::<Home<R>>().ok())
         .filter(|p| p.owner_stream.is_some() && !std::ptr::eq(Arc::as_ptr(p), pool))
         .collect()
 }
 
 /// Asks `lender` for a block of `class` out of memory it holds (see `PoolMsg::Lend`).
 fn ask_to_lend<R: Runtime>(
-    lender: &Pool<R>,
+    lender: &Home<R>,
     class: SizeClass,
 ) -> Option<flume::Receiver<Option<Box<Block<R>>>>> {
     let (tx, rx) = flume::bounded(1);
@@ -72,7 +72,7 @@ fn ask_to_lend<R: Runtime>(
 /// used by the stream, so that its free waits for the stream's work before the block goes
 /// back to its own pool (invariant 1). A block that cannot be handed over (a stream
 /// captures, or the runtime cannot order streams) goes back to its pool.
-fn hand_over<R: Runtime>(pool: &Pool<R>, mut block: Box<Block<R>>) -> Option<Box<Block<R>>> {
+fn hand_over<R: Runtime>(pool: &Home<R>, mut block: Box<Block<R>>) -> Option<Box<Block<R>>> {
     let rt = &pool.runtime;
     let ordered = match (pool.owner_stream.as_ref(), block.pool.owner_stream.as_ref()) {
         (Some(to), Some(from))
@@ -107,7 +107,7 @@ fn hand_over<R: Runtime>(pool: &Pool<R>, mut block: Box<Block<R>>) -> Option<Box
 
 /// Borrows a block of `class` from another stream's pool (see [`hand_over`]).
 pub(super) async fn borrow<R: Runtime, W: Waiter>(
-    pool: &Pool<R>,
+    pool: &Home<R>,
     class: SizeClass,
     waiter: &W,
 ) -> Option<Box<Block<R>>> {
@@ -126,7 +126,7 @@ pub(super) async fn borrow<R: Runtime, W: Waiter>(
 
 /// Whether a request that was refused for want of room should run the free-memory callbacks
 /// now: once per request, and only where some are attached.
-pub(super) fn callbacks_due<R: Runtime>(pool: &Pool<R>, ran: &mut bool) -> bool {
+pub(super) fn callbacks_due<R: Runtime>(pool: &Home<R>, ran: &mut bool) -> bool {
     if *ran || pool.budget.free_memory.is_empty() {
         return false;
     }

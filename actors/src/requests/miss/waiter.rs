@@ -1,23 +1,23 @@
 //! Who waits for a miss and how: a task awaits each reply; a thread outside the runtime's
 //! executors blocks for it (by its deadline, if any), spinning a little before it parks, and
-//! without a deadline lends itself to run the pool actor's memory-source calls.
+//! without a deadline runs the pool actor's memory-source calls.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::books::budget::Budget;
-use crate::books::mailbox::{Answer, MissReply};
+use crate::books::messages::{Answer, MissReply};
 use crate::vocab::error::Error;
 
-/// Who waits for a miss: a task, which awaits, or a thread, which blocks (and may lend itself
+/// Who waits for a miss: a task, which awaits, or a thread, which blocks (and may run errands
 /// to run the memory source's calls). The miss loop ([`miss_with`]) is written once over it:
 /// a thread's waits are done by the time their futures are first polled, so
 /// [`crate::vocab::blocking::run_here`] drives the request on the thread without an executor.
 pub(super) trait Waiter: Sync {
     /// Whether the requesting thread runs the memory source's calls for the pool actor
-    /// ([`Ask::lends`]): a task must not block its executor.
-    fn lends(&self) -> bool;
+    /// ([`Ask::runs_errands`]): a task must not block its executor.
+    fn runs_errands(&self) -> bool;
     /// The pool actor's answer to a miss.
     fn answer<B: Send>(
         &self,
@@ -51,7 +51,7 @@ pub(super) enum Stop {
 pub(super) struct Task;
 
 impl Waiter for Task {
-    fn lends(&self) -> bool {
+    fn runs_errands(&self) -> bool {
         false
     }
 
@@ -100,7 +100,7 @@ impl Waiter for Task {
 }
 
 /// A thread outside the runtime's executors: it blocks for every reply, until `deadline`.
-/// Without a deadline it lends itself to the pool actor, and spins a little before it parks
+/// Without a deadline it runs the pool actor's errands, and spins a little before it parks
 /// (see [`recv_spinning`]); a request with a deadline keeps it: the memory source's calls,
 /// whose length nobody knows, run elsewhere.
 pub(super) struct Thread {
@@ -108,7 +108,7 @@ pub(super) struct Thread {
 }
 
 impl Waiter for Thread {
-    fn lends(&self) -> bool {
+    fn runs_errands(&self) -> bool {
         self.deadline.is_none()
     }
 
@@ -216,7 +216,7 @@ fn recv_spinning_until<B>(
 }
 
 /// Waits for a pool actor's answer until `deadline`. Such a request does not lend its thread
-/// (see [`Ask::lends`]): an errand sent all the same runs on a blocking thread once dropped.
+/// (see [`Ask::runs_errands`]): an errand sent all the same runs on a blocking thread once dropped.
 fn answer_by<B>(
     rx: &flume::Receiver<Answer<B>>,
     deadline: Instant,
@@ -229,7 +229,7 @@ fn answer_by<B>(
 }
 
 /// Waits for a pool actor's answer from a task. A task does not lend its thread (see
-/// [`Ask::lends`]); an errand sent all the same runs on a blocking thread once dropped.
+/// [`Ask::runs_errands`]); an errand sent all the same runs on a blocking thread once dropped.
 async fn answer_async<B>(
     rx: &flume::Receiver<Answer<B>>,
 ) -> Result<MissReply<B>, flume::RecvError> {

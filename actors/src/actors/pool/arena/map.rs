@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::Arena;
 use crate::actors::pool::PoolActor;
-use crate::blocks::block::{Pool, Seg};
+use crate::blocks::block::{Home, Seg};
 use crate::books::segment::{ArenaMap, Segment};
 use crate::vocab::carve::{Piece, SegId};
 use crate::vocab::error::{Error, OomCause};
@@ -345,7 +345,7 @@ fn no_arena() -> Error {
 /// what the call mapped goes back (and its bytes to the budget, as an unmap does), and
 /// the error comes with the bytes so given back.
 fn map_runs<R: Runtime>(
-    shared: &Pool<R>,
+    shared: &Home<R>,
     segment: &Seg<R>,
     runs: &[(usize, usize, usize)],
 ) -> Result<(), (RuntimeError, usize)> {

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::{Arena, Granule};
 use crate::actors::pool::PoolActor;
-use crate::blocks::block::{Pool, Seg};
+use crate::blocks::block::{Home, Seg};
 use crate::vocab::carve::Piece;
 use crate::vocab::memory::RangeCall;
 use crate::vocab::runtime::Runtime;
@@ -313,7 +313,7 @@ type Moved<E> = (Vec<(usize, usize, usize)>, Option<E>, Vec<(usize, usize)>);
 /// `PoolActor::move_idle`). A failed move changes nothing: those granules are mapped fresh
 /// instead.
 fn run_moves<R: Runtime>(
-    shared: &Pool<R>,
+    shared: &Home<R>,
     segment: &Seg<R>,
     moves: Vec<(usize, usize, usize)>,
     granule: usize,
@@ -376,7 +376,7 @@ fn run_moves<R: Runtime>(
 /// and, if so, the event recorded on that stream after which the old places are unused;
 /// where the stream has run all its work, no queued work uses the old places and there is
 /// no event: each move ends at once.
-fn move_mode<R: Runtime>(shared: &Pool<R>) -> (bool, Option<R::Event>) {
+fn move_mode<R: Runtime>(shared: &Home<R>) -> (bool, Option<R::Event>) {
     let rt = &shared.runtime;
     match &shared.owner_stream {
         Some(s) if shared.memory.aliases() && !rt.is_capturing(s).unwrap_or(true) => {

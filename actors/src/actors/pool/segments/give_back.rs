@@ -11,7 +11,7 @@ use crate::vocab::runtime::Runtime;
 impl<R: Runtime> PoolActor<R> {
     /// Gives back wholly free segments, least recently used first, until `bytes` have gone
     /// back.
-    pub(super) async fn give_back_room(&mut self, bytes: usize) {
+    pub(in crate::actors::pool) async fn give_back_room(&mut self, bytes: usize) {
         let Some(segs) = self.carved.as_mut() else {
             return;
         };

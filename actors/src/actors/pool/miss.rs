@@ -1,19 +1,129 @@
-//! How the pool actor answers a miss under a carving layout: the arena first (the best fit
-//! among mapped free memory, else the place that needs the fewest granules mapped), then
-//! separate segments (a free range, the ready blocks coalesced, completed events noticed),
-//! then a fresh segment; and a block lent out of memory the pool holds, taking none.
+//! How the pool actor answers a miss, in one place: counted and timed (`on_miss`), refused,
+//! queued for room or served (`answer`); served from a ready block, else (under a carving
+//! layout) from the arena — the best fit among mapped free memory, else the place that
+//! needs the fewest granules mapped, mapped then (`arena::map`) — or from separate segments
+//! (a free range, the ready blocks coalesced, completed events noticed: invariant 3), else
+//! fresh memory (`fresh`). Also a block lent out of memory the pool holds, taking none.
 
 use std::sync::atomic::Ordering;
 
-use crate::actors::pool::PoolActor;
+use super::PoolActor;
 use crate::blocks::block::Block;
-use crate::books::mailbox::SegmentView;
+use crate::books::messages::{Ask, MissTx, PollerMsg, Refused, SegmentView};
 use crate::statistics::meta::MetaRef;
-use crate::vocab::error::Error;
+use crate::vocab::error::{Error, OomCause};
 use crate::vocab::policy::SizeClass;
 use crate::vocab::runtime::{Runtime, RuntimeError};
 
 impl<R: Runtime> PoolActor<R> {
+    /// A miss: served from the cache or fresh memory; queued (or refused) when it does not fit.
+    pub(super) async fn on_miss(&mut self, class: SizeClass, ask: Ask, reply: MissTx<Block<R>>) {
+        if reply.is_disconnected() {
+            // Dropped before the pool got to it.
+            return;
+        }
+        self.shared.stats.misses.fetch_add(1, Ordering::Relaxed);
+        // Counted until the answer is known, before the requester can see it: every way the
+        // ask ends (answered, queued for room, or refused) alike.
+        let shared = self.shared.clone();
+        let serving = shared.stats.miss_serve.time();
+        let answer = self.answer(class, ask, &reply).await;
+        drop(serving);
+        match answer {
+            None => self.enqueue(class, ask.requested, reply),
+            Some(result) => {
+                if let Err(flume::SendError(Ok(block))) = reply.send(result) {
+                    // The request was cancelled: the block is ready for someone else.
+                    self.take_back(block).await;
+                }
+            }
+        }
+    }
+
+    /// What a miss gets: a block or a refusal, or `None` when it waits for room in the queue.
+    async fn answer(
+        &mut self,
+        class: SizeClass,
+        ask: Ask,
+        reply: &MissTx<Block<R>>,
+    ) -> Option<Result<Box<Block<R>>, Refused>> {
+        self.prune();
+        if !self.waiters.is_empty() {
+            // Others came first: no overtaking.
+            return if ask.wait {
+                None
+            } else if ask.quiet {
+                Some(Err(Refused::NeedRoom))
+            } else {
+                let e = self.out_of_room(ask.requested, OomCause::NoRoomNow);
+                Some(Err(Refused::Failed(e)))
+            };
+        }
+        if ask.holds && self.thread_cached(class) {
+            // Before the pool grows for a size threads cache, the requester's own cached
+            // blocks come home and coalesce (a miss never takes other threads' blocks).
+            return Some(match self.without_growing(class) {
+                Some(b) => Ok(b),
+                None => Err(Refused::Coalesce),
+            });
+        }
+        // The requester's thread runs the memory source's calls of this miss, if it runs errands.
+        self.errand_runner = ask.runs_errands.then(|| reply.clone());
+        let result = self.miss(class).await;
+        self.errand_runner = None;
+        let result = match result {
+            Ok(block) => Ok(block),
+            Err(Error::OutOfMemory { limit, .. }) => {
+                if !ask.emptied {
+                    Err(Refused::NeedRoom)
+                } else if limit.is_some() && ask.wait {
+                    return None;
+                } else if limit.is_some() && ask.quiet {
+                    Err(Refused::NeedRoom)
+                } else if limit.is_some() {
+                    Err(Refused::Failed(
+                        self.out_of_room(ask.requested, OomCause::NoRoomNow),
+                    ))
+                } else {
+                    Err(Refused::Failed(self.driver_oom(ask.requested)))
+                }
+            }
+            Err(e) => Err(Refused::Failed(e)),
+        };
+        Some(result)
+    }
+
+    pub(super) async fn miss(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
+        if let Some(b) = self.shared.ready.take(class) {
+            return Ok(b);
+        }
+        if self.carved.is_some() {
+            return self.miss_carved(class).await;
+        }
+        // Invariant 3: notice completed events before taking fresh memory.
+        if self.shared.stats.waiting_blocks.load(Ordering::Acquire) > 0 {
+            self.flush_events().await;
+            if let Some(b) = self.shared.ready.take(class) {
+                return Ok(b);
+            }
+        }
+        self.fresh(class).await
+    }
+
+    pub(super) async fn flush_events(&self) {
+        // Blocks parked by the threads that freed them are polled too.
+        self.shared.parked.unpark_all();
+        let (tx, rx) = flume::bounded(1);
+        if self
+            .shared
+            .poller
+            .send(PollerMsg::Flush { reply: tx })
+            .is_ok()
+        {
+            let _ = rx.recv_async().await;
+        }
+    }
+
     /// A miss under a carving layout. In the arena: the best fit among mapped free memory
     /// (one lookup), else the place that needs the fewest granules mapped (see
     /// `miss_arena`); the ready queues are never drained for it: memory freed above the
@@ -22,10 +132,7 @@ impl<R: Runtime> PoolActor<R> {
     /// completed events) the same again; then, if fresh memory would cross the reserve cap,
     /// any wholly free segment split; then a fresh segment, after giving back wholly free
     /// segments to stay under the cap.
-    pub(in crate::actors::pool) async fn miss_carved(
-        &mut self,
-        class: SizeClass,
-    ) -> Result<Box<Block<R>>, Error> {
+    pub(super) async fn miss_carved(&mut self, class: SizeClass) -> Result<Box<Block<R>>, Error> {
         let live = self.shared.stats.active_bytes_now().max(0) as usize;
         if let Some(s) = self.carved.as_mut() {
             s.peak_live = s.peak_live.max(live.saturating_add(class.size));
@@ -130,7 +237,7 @@ impl<R: Runtime> PoolActor<R> {
     /// Whether threads keep freed blocks of `class` in their own shards (the ready queues),
     /// rather than sending them home as they are freed: sizes up to the pool's limit for
     /// large pieces, in a pool with an arena.
-    pub(in crate::actors::pool) fn thread_cached(&self, class: SizeClass) -> bool {
+    pub(super) fn thread_cached(&self, class: SizeClass) -> bool {
         self.carved
             .as_ref()
             .is_some_and(|s| s.carving.expandable && class.size <= self.shared.absorb_above)
@@ -138,10 +245,7 @@ impl<R: Runtime> PoolActor<R> {
 
     /// A block of `class` from memory the pool holds, mapped and free: a ready block, or the
     /// best fit in the arena. `None` when only fresh memory would serve it.
-    pub(in crate::actors::pool) fn without_growing(
-        &mut self,
-        class: SizeClass,
-    ) -> Option<Box<Block<R>>> {
+    pub(super) fn without_growing(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         let live = self.shared.stats.active_bytes_now().max(0) as usize;
         if let Some(s) = self.carved.as_mut() {
             s.peak_live = s.peak_live.max(live.saturating_add(class.size));
@@ -224,7 +328,7 @@ impl<R: Runtime> PoolActor<R> {
     /// A block of `class` out of memory the pool holds, taking no fresh memory and giving
     /// none back: a ready block of the class, else (under a carving layout, after the ready
     /// blocks are taken back) the best-fitting free range of mapped memory.
-    pub(in crate::actors::pool) fn lend(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
+    pub(super) fn lend(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {
         if let Some(b) = self.shared.ready.take(class) {
             return Some(b);
         }
@@ -251,5 +355,38 @@ impl<R: Runtime> PoolActor<R> {
             .as_ref()
             .and_then(|s| s.arena.as_ref())
             .map_or(0, |a| a.granule())
+    }
+
+    /// Counts a failure at the cap and describes it.
+    pub(super) fn out_of_room(&self, requested: usize, cause: OomCause) -> Error {
+        self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
+        let budget = &self.shared.budget;
+        tracing::info!(
+            pool = %self.shared.id,
+            requested,
+            reserved = budget.reserved(),
+            limit = budget.limit(),
+            "out of room under the memory limit"
+        );
+        Error::OutOfMemory {
+            requested,
+            reserved: budget.reserved(),
+            limit: budget.limit(),
+            cause,
+        }
+    }
+
+    /// Counts a failure of the runtime itself, after the cache was emptied and the
+    /// allocation retried, and describes it.
+    pub(super) fn driver_oom(&self, requested: usize) -> Error {
+        self.shared.stats.num_ooms.fetch_add(1, Ordering::Relaxed);
+        let reserved = self.shared.budget.reserved();
+        tracing::warn!(pool = %self.shared.id, requested, reserved, "runtime out of pinned memory");
+        Error::OutOfMemory {
+            requested,
+            reserved,
+            limit: None,
+            cause: OomCause::NoRoomNow,
+        }
     }
 }
