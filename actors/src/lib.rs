@@ -21,12 +21,13 @@
 //! layer (`scripts/check-layers.py` fails on any other `crate::` path, and CI runs it). Where a
 //! lower layer must reach a higher one at run time — a block going home when it is freed —
 //! it does so through a value it was given: a channel whose messages are defined low
-//! (`mailbox`), a trait it defines and the higher layer implements (`ready::Slotted`,
+//! (`messages`), a trait it defines and the higher layer implements (`ready::Slotted`,
 //! `parked::Parkable`, `budget::Member`), or a type it is generic over (`home::Home<R, B>`).
 //!
 //! 1. `vocab/`, vocabulary: `runtime`, `memory`, `pool_id`, `error`, `blocking` (whether a
 //!    blocking call may block this thread), `holder` (who took a buffer), `loom`, `shard`,
-//!    `idle_probe`, `spawn`, `keepalive`, `policy`, `carve`.
+//!    `idle_probe`, `spawn`, `mailbox` (an actor's inbound queue), `keepalive`, `policy`,
+//!    `carve`.
 //! 2. `statistics/`: `counters`, `peaks` (exact peaks of counts kept in thread shards),
 //!    `device_stats`, `stats`, `meta`, `trace`, `snapshot`, `pickle` (a pickle writer),
 //!    `torch_snapshot` (snapshots in PyTorch's pickle layout).
@@ -35,7 +36,7 @@
 //! 4. `holders/`, lock-free holders of blocks: `ready` (the cached path), `parked` (freed
 //!    blocks waiting on events in the freeing thread's shard).
 //! 5. `books/`, shared books: `budget` (the memory limit), `errand` (a memory-source call
-//!    handed to the thread waiting for a reply), `mailbox` (every actor message), `home` (the
+//!    handed to the thread waiting for a reply), `messages` (every actor message), `home` (the
 //!    part of a pool that handles and blocks reach), `segment` (an allocation that blocks
 //!    are cut out of).
 //! 6. `blocks/`: `block` (a lent piece of memory and where it goes when freed), `lease` (a

@@ -1,11 +1,11 @@
 //! A block: one piece of memory lent out as a unit, and where it goes when it is freed.
 //!
-//! Blocks travel: from a ready queue to a buffer, from a buffer back to a ready queue (the
+//! Blocks travel: from a ready holder to a buffer, from a buffer back to a ready holder (the
 //! cached path), parked or to the event poller while recorded events are pending, or to their
 //! pool actor to be kept for graph replays or freed. Whoever holds the `Box<Block>` owns the
 //! memory. A block dropped anywhere but in its pool actor's free finds its way home
 //! (invariant 2: nothing is lost). A block reaches its pool through the [`Home`] it carries
-//! (ready queues, parked slots, the senders to its actor and to the poller), never by naming
+//! (ready holder, parked slots, the senders to its actor and to the poller), never by naming
 //! the actor.
 //!
 //! This file holds the block's record; `free` is its free, and `pool` the pool's side of
@@ -33,7 +33,7 @@ pub(crate) type Seg<R> = Segment<R, Block<R>>;
 pub(crate) enum BlockState {
     /// Lent to a buffer, or on its way to one.
     InUse,
-    /// In a ready queue.
+    /// In a ready holder.
     Cached,
     /// Freed, waiting for recorded events to complete.
     Waiting,
@@ -113,7 +113,7 @@ pub(crate) struct Block<R: Runtime> {
     pub(crate) recalled: bool,
     /// Placed by the pool actor into free memory it filled exactly: freed, it may be held
     /// by the freeing thread for its next request of the same size (see
-    /// `ReadyQueues::put_held`), which the actor's best fit would most likely place there.
+    /// `ReadyHolder::put_held`), which the actor's best fit would most likely place there.
     pub(crate) holdable: bool,
     /// While a [`crate::blocks::lease::RawLease`] holds the block: the bytes requested and the
     /// lending engine's id (a [`crate::blocks::lease::Lease`] keeps them itself).

@@ -7,9 +7,9 @@
 //! reserves a block's bytes here, atomically, before it asks for fresh memory, and gives them
 //! back when the memory goes back (invariant 2: the budget's reserved bytes are the pools'
 //! reserved bytes). While any request waits for room anywhere, every member's pressure flag
-//! is set: frees go to the pool actors instead of the ready queues, so that a returned block
-//! is handed straight to a waiter or freed to make room (see `miss` and the pool actor's
-//! `waiters`). Without waiters the cached path reads the flag it always read and does nothing
+//! is set: frees go to the pool actors instead of the ready holder, so that a returned block
+//! is handed straight to a queued request or freed to make room (see `miss` and the pool actor's
+//! `queue`). Without queued requests the cached path reads the flag it always read and does nothing
 //! more (invariant 5).
 //!
 //! Also owns what requests for several buffers at once (`engine::many`) wait on: the
@@ -68,10 +68,10 @@ pub(crate) struct Budget {
     limit: AtomicUsize,
     reserved: AtomicUsize,
     /// Requests queued in any pool.
-    waiters: AtomicUsize,
+    queued: AtomicUsize,
     /// How long `alloc` waits for room by default (`None`: as long as it takes).
     pub(crate) default_timeout: Option<Duration>,
-    /// Thread shards of the ready queues and stats (reported by snapshots).
+    /// Thread shards of the ready holder and stats (reported by snapshots).
     pub(crate) shards: usize,
     /// Name of the size policy (reported by snapshots).
     pub(crate) policy: &'static str,
@@ -86,7 +86,7 @@ pub(crate) struct Budget {
     pub(crate) id: u64,
     /// The turn of requests for several buffers: one permit, handed out first come first
     /// served (tokio's semaphore is fair); its holder is the head of the queue. It guards no
-    /// state: it only orders the waiters.
+    /// state: it only orders the queued requests.
     pub(crate) turn: tokio::sync::Semaphore,
     /// Blocks that came home to a pool actor (`take_back`), and changes of the cap: what a
     /// waiting head counts to know that room may have been made.
@@ -115,7 +115,7 @@ impl Budget {
         Self {
             limit: AtomicUsize::new(limit.unwrap_or(NO_LIMIT)),
             reserved: AtomicUsize::new(0),
-            waiters: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
             default_timeout,
             shards,
             policy,
@@ -165,7 +165,7 @@ impl Budget {
         }
     }
 
-    /// Changes the cap; waiters are looked at again (a higher cap may let them in).
+    /// Changes the cap; queued requests are looked at again (a higher cap may let them in).
     pub(crate) fn set_limit(&self, limit: Option<usize>) {
         self.limit
             .store(limit.unwrap_or(NO_LIMIT), Ordering::SeqCst);
@@ -239,24 +239,24 @@ impl Budget {
 
     /// Requests queued for room, in all pools together.
     pub(crate) fn waiting(&self) -> usize {
-        self.waiters.load(Ordering::SeqCst)
+        self.queued.load(Ordering::SeqCst)
     }
 
     /// Whether some request waits for room in some pool.
     pub(crate) fn under_pressure(&self) -> bool {
-        self.waiters.load(Ordering::SeqCst) > 0
+        self.queued.load(Ordering::SeqCst) > 0
     }
 
     /// A pool queued a request.
-    pub(crate) fn waiter_added(&self) {
-        if self.waiters.fetch_add(1, Ordering::SeqCst) == 0 {
+    pub(crate) fn queued_added(&self) {
+        if self.queued.fetch_add(1, Ordering::SeqCst) == 0 {
             self.sync_flags();
         }
     }
 
     /// A pool served, failed or dropped a queued request.
-    pub(crate) fn waiter_removed(&self) {
-        if self.waiters.fetch_sub(1, Ordering::SeqCst) == 1 {
+    pub(crate) fn queued_removed(&self) {
+        if self.queued.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.sync_flags();
         }
     }
@@ -282,7 +282,7 @@ impl Budget {
     }
 
     /// Makes every pool's pressure bit say whether requests wait. Whoever changes the count
-    /// of waiters from or to zero calls this; each call checks after writing that the count
+    /// of queued requests from or to zero calls this; each call checks after writing that the count
     /// still agrees with what it wrote, so the last writer always writes the truth.
     fn sync_flags(&self) {
         loop {
@@ -359,16 +359,16 @@ mod loom_models {
             budget.register(&pool);
             let b1 = budget.clone();
             let other = thread::spawn(move || {
-                b1.waiter_added();
-                b1.waiter_removed();
+                b1.queued_added();
+                b1.queued_removed();
             });
-            budget.waiter_added();
+            budget.queued_added();
             other.join().unwrap();
             assert!(
                 pool.0.load(Ordering::SeqCst),
                 "a request still waits: frees must go to the actors"
             );
-            budget.waiter_removed();
+            budget.queued_removed();
             assert!(!pool.0.load(Ordering::SeqCst));
         });
     }

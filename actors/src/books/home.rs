@@ -1,6 +1,6 @@
 //! A pool's home: the part of a pool that every handle, block and segment can reach.
 //!
-//! Owns the pool's identity, its runtime and memory source, its ready queues and parked
+//! Owns the pool's identity, its runtime and memory source, its ready holder and parked
 //! slots (the cached path: invariant 5), the senders to its actor and to the event poller,
 //! its statistics, the flags that divert frees to the actor (closing, or requests waiting for
 //! room), the registry channel of segments given back, and the channel of ready blocks that
@@ -22,7 +22,7 @@ use flume::{Receiver, Sender};
 use crate::books::budget::{Budget, EmptyReport, Member};
 use crate::books::messages::{Note, PollerMsg, PoolMsg};
 use crate::holders::parked::Parked;
-use crate::holders::ready::ReadyQueues;
+use crate::holders::ready::ReadyHolder;
 use crate::observation::history::Recorder;
 use crate::statistics::counters::AtomicDuration;
 use crate::statistics::peaks::{Group, Ledger};
@@ -90,12 +90,12 @@ pub(crate) struct Home<R: Runtime, B> {
     pub(crate) runtime: Arc<R>,
     /// Where the pool's fresh memory comes from.
     pub(crate) memory: Arc<dyn MemorySource>,
-    pub(crate) ready: ReadyQueues<B>,
+    pub(crate) ready: ReadyHolder<B>,
     pub(crate) parked: Arc<Parked<B>>,
     pub(crate) mailbox: Mailbox<PoolMsg<B>>,
     pub(crate) poller: Arc<Mailbox<PollerMsg<B>>>,
     pub(crate) stats: PoolStats,
-    /// Non-zero when frees must go to the actor, not the ready queues: the pool is closing
+    /// Non-zero when frees must go to the actor, not the ready holder: the pool is closing
     /// ([`DIVERT_CLOSING`]), or requests wait for room ([`DIVERT_PRESSURE`]).
     pub(crate) divert: AtomicU8,
     /// The allocator's budget of reserved bytes, shared by all its pools.
@@ -107,7 +107,7 @@ pub(crate) struct Home<R: Runtime, B> {
     /// Addresses of segments freed, for the actor to strike from its registry.
     forgotten: (Sender<usize>, Receiver<usize>),
     pub(crate) history: Arc<Recorder>,
-    /// Freed blocks larger than this go to the actor, not the ready queues.
+    /// Freed blocks larger than this go to the actor, not the ready holder.
     pub(crate) max_cached_size: usize,
     /// Freed carved blocks larger than this that do not fill their segment go to the actor,
     /// to be coalesced at once.
@@ -198,7 +198,7 @@ impl<R: Runtime, B: Send + 'static> Home<R, B> {
             lends: s.lends,
             runtime: s.runtime.clone(),
             memory: s.memory.clone(),
-            ready: ReadyQueues::new(s.classes, s.shards),
+            ready: ReadyHolder::new(s.classes, s.shards),
             parked: Parked::new(s.shards),
             mailbox: Mailbox::new(tx),
             poller: s.poller.clone(),

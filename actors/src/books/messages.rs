@@ -31,7 +31,7 @@ pub(crate) struct Ask {
     /// Whether every pool's cache has been emptied for this request already.
     pub(crate) emptied: bool,
     /// The requesting thread may hold freed blocks of the sizes threads cache in its own
-    /// shard of the ready queues: before the pool takes fresh memory for such a size, it asks
+    /// shard of the ready holder: before the pool takes fresh memory for such a size, it asks
     /// the thread to send them home ([`Refused::Coalesce`]).
     pub(crate) holds: bool,
     /// Whether the requesting thread waits on a plain thread that may block, and runs the
@@ -129,7 +129,7 @@ pub(crate) enum PoolMsg<B> {
     },
     /// A block used by captured work: keep it while the pool lives.
     Keep(Box<B>),
-    /// A block coming home outside the ready queues (closing pool, cancelled reply).
+    /// A block coming home outside the ready holder (closing pool, cancelled reply).
     Home(Box<B>),
     /// Free every cached block (and the kept ones when the pool is released).
     EmptyCache {
@@ -179,7 +179,7 @@ pub(crate) enum PoolMsg<B> {
 
 /// A ready block split in two by the thread that took it (see `Block::split_off`): the
 /// first part, `first` bytes at `addr`, was lent; the rest, `rest` bytes after it, a new
-/// block of class `rest_class`, went to the ready queues. Sent before either part can come
+/// block of class `rest_class`, went to the ready holder. Sent before either part can come
 /// back, so the actor notes it before it takes either back into its free ranges.
 pub(crate) struct Split {
     pub(crate) addr: usize,
@@ -219,7 +219,7 @@ pub struct Inventory {
     pub reserved_bytes: usize,
     /// Allocations from the memory source held.
     pub segments: usize,
-    /// Blocks in the ready queues, and their bytes.
+    /// Blocks in the ready holder, and their bytes.
     pub cached_blocks: usize,
     /// Bytes of `cached_blocks`.
     pub cached_bytes: usize,

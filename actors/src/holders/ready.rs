@@ -26,7 +26,7 @@ use shard::Shard;
 
 mod shard;
 
-/// What the ready queues need to know of what they hold.
+/// What the ready holder need to know of what they hold.
 pub(crate) trait Slotted: Send + 'static {
     /// Index of its size class.
     fn class(&self) -> usize;
@@ -39,7 +39,7 @@ const SLOTS_PER_LINE: usize = 16;
 type SlotLine<B> = CachePadded<[AtomicPtr<B>; SLOTS_PER_LINE]>;
 
 /// The ready blocks of one pool.
-pub(crate) struct ReadyQueues<B> {
+pub(crate) struct ReadyHolder<B> {
     /// `shards * lines_per_shard` lines; shard `s`, class `c` is
     /// `slots[s * lines_per_shard + c / 16][c % 16]`.
     slots: Box<[SlotLine<B>]>,
@@ -61,7 +61,7 @@ pub(crate) struct ReadyQueues<B> {
     /// from about 220 to 53–87 million pairs a second).
     holders: Box<[AtomicU64]>,
     /// Per shard, the large block its thread freed last since its last miss (see
-    /// [`ReadyQueues::put_held`]).
+    /// [`ReadyHolder::put_held`]).
     held: Box<[CachePadded<Held<B>>]>,
 }
 
@@ -76,7 +76,7 @@ fn empty_line<B>() -> SlotLine<B> {
     CachePadded(std::array::from_fn(|_| AtomicPtr::new(ptr::null_mut())))
 }
 
-impl<B: Slotted> ReadyQueues<B> {
+impl<B: Slotted> ReadyHolder<B> {
     /// Queues for `classes` size classes in `shards` shards (a power of two).
     pub(crate) fn new(classes: usize, shards: usize) -> Self {
         debug_assert!(shards.is_power_of_two());
@@ -518,7 +518,7 @@ pub(crate) fn take_slot<B>(slot: &AtomicPtr<B>) -> Option<Box<B>> {
     }
 }
 
-impl<B> Drop for ReadyQueues<B> {
+impl<B> Drop for ReadyHolder<B> {
     fn drop(&mut self) {
         // Every block holds its pool alive, so the slots are empty by now; should one not
         // be, dropping the block sends it home (or frees it when home is gone).

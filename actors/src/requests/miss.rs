@@ -9,15 +9,15 @@
 //! waiting: `hand_over`); failing that, it empties the cache of every pool and asks again,
 //! unless a capture is underway (`Budget::capturing`): emptying a cache synchronises the
 //! device, which would invalidate the capture, so the request goes on without it. If it still does not
-//! fit, the pool queues it, first come first served (see the pool actor's `waiters`), and the
+//! fit, the pool queues it, first come first served (see the pool actor's `queue`), and the
 //! request waits for its reply, up to its timeout. Cancel-safe: a dropped request tells its
 //! pool to forget it, and a block sent to it meanwhile goes back.
 //!
-//! The loop is written once (`miss_with`), over who waits (`Waiter`): a task awaits each
+//! The loop is written once (`miss_with`), over who waits (`Requester`): a task awaits each
 //! reply; a blocked thread waits for it in place, and runs the pool actor's
 //! memory-source calls.
 //!
-//! This file holds the loop and the requests' entry points; `waiter` is who waits and how,
+//! This file holds the loop and the requests' entry points; `requester` is who waits and how,
 //! and `room` what a miss does for room.
 
 use std::sync::atomic::Ordering;
@@ -31,11 +31,11 @@ use crate::requests::long_wait;
 use crate::vocab::error::{Error, OomCause};
 use crate::vocab::policy::SizeClass;
 use crate::vocab::runtime::Runtime;
+use requester::{Requester, Stop, Task, Thread};
 use room::{borrow, callbacks_due, make_room, shortfall};
-use waiter::{Stop, Task, Thread, Waiter};
 
 mod room;
-mod waiter;
+mod requester;
 
 /// How a request that does not fit under the cap is treated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,23 +125,23 @@ fn timed_out<R: Runtime>(pool: &Home<R>, requested: usize, timeout: Duration) ->
 /// The answer to an ask the pool may queue (room was made, and the request waits): a wait
 /// that outlasts [`long_wait::AFTER`] gets its one look, a warning or a refusal (see
 /// `long_wait`).
-async fn answer_queued<R: Runtime, W: Waiter>(
-    waiter: &W,
+async fn answer_queued<R: Runtime, Q: Requester>(
+    requester: &Q,
     rx: &flume::Receiver<Answer<Block<R>>>,
     pool: &Home<R>,
     class: SizeClass,
     requested: usize,
 ) -> Result<MissReply<Block<R>>, Stop> {
-    if let Some(reply) = waiter
+    if let Some(reply) = requester
         .answer_until(rx, Instant::now() + long_wait::AFTER)
         .await?
     {
         return Ok(reply);
     }
-    long_wait::look(pool, class.size, requested, waiter.blocks())
+    long_wait::look(pool, class.size, requested, requester.blocks())
         .await
         .map_err(Stop::Refused)?;
-    waiter.answer(rx).await
+    requester.answer(rx).await
 }
 
 /// What a miss may do besides asking the pool actor.
@@ -171,18 +171,18 @@ enum Missed {
 /// The miss loop, once for tasks and threads: ask the pool; on "need room" make room as
 /// `plan` says and ask again, queueing this time when the plan says so. Cancel-safe: a
 /// dropped request tells its pool to forget it, and a block sent to it meanwhile goes back.
-async fn miss_with<R: Runtime, W: Waiter>(
+async fn miss_with<R: Runtime, Q: Requester>(
     pool: &Arc<Home<R>>,
     class: SizeClass,
     plan: Plan,
-    waiter: &W,
+    requester: &Q,
 ) -> Result<Box<Block<R>>, Missed> {
     let mut ask = Ask {
         requested: plan.requested,
         wait: plan.queue,
         emptied: false,
         holds: true,
-        runs_errands: waiter.runs_errands(),
+        runs_errands: requester.runs_errands(),
         quiet: plan.quiet,
         sent: std::time::Instant::now(),
     };
@@ -194,9 +194,9 @@ async fn miss_with<R: Runtime, W: Waiter>(
         let rx = send_miss(pool, class, ask).map_err(Missed::Failed)?;
         let mut pending = Pending { pool, armed: true };
         let answer = if ask.emptied && plan.queue {
-            answer_queued(waiter, &rx, pool, class, plan.requested).await
+            answer_queued(requester, &rx, pool, class, plan.requested).await
         } else {
-            waiter.answer(&rx).await
+            requester.answer(&rx).await
         };
         let reply = match answer {
             Ok(reply) => reply,
@@ -217,7 +217,8 @@ async fn miss_with<R: Runtime, W: Waiter>(
             Ok(block) => return Ok(block),
             Err(Refused::Failed(e)) => return Err(Missed::Failed(e)),
             Err(Refused::NeedRoom) if plan.make_room && !ask.emptied => {
-                if let Some(block) = make_room_once(pool, class, waiter, &mut ask, &mut room).await
+                if let Some(block) =
+                    make_room_once(pool, class, requester, &mut ask, &mut room).await
                 {
                     return Ok(block);
                 }
@@ -247,19 +248,19 @@ struct RoomMade {
 /// serves the miss without the driver (returned); during a capture, nothing (the ask is
 /// marked as if every cache had been emptied); else what the cap lacks (once), then every
 /// cache, after which the ask is marked emptied.
-async fn make_room_once<R: Runtime, W: Waiter>(
+async fn make_room_once<R: Runtime, Q: Requester>(
     pool: &Arc<Home<R>>,
     class: SizeClass,
-    waiter: &W,
+    requester: &Q,
     ask: &mut Ask,
     room: &mut RoomMade,
 ) -> Option<Box<Block<R>>> {
-    if callbacks_due(pool, &mut room.callbacks_ran) && waiter.free_memory(&pool.budget).await {
+    if callbacks_due(pool, &mut room.callbacks_ran) && requester.free_memory(&pool.budget).await {
         // Something was freed: it may be cached now, or room made.
         return None;
     }
     // Memory another stream's pool holds serves it without the driver.
-    if let Some(block) = borrow(pool, class, waiter).await {
+    if let Some(block) = borrow(pool, class, requester).await {
         return Some(block);
     }
     if pool.budget.capturing() {
@@ -277,10 +278,10 @@ async fn make_room_once<R: Runtime, W: Waiter>(
     match shortfall(pool, class).filter(|_| !room.partly) {
         Some(over) => {
             room.partly = true;
-            make_room(pool, over, waiter).await;
+            make_room(pool, over, requester).await;
         }
         None => {
-            make_room(pool, usize::MAX, waiter).await;
+            make_room(pool, usize::MAX, requester).await;
             ask.emptied = true;
         }
     }

@@ -1,7 +1,7 @@
 //! Keeps a pool's shared state alive across a free on the cached path without touching its
 //! reference count.
 //!
-//! A freed block moves into its pool's ready queue; once it is there another thread may take
+//! A freed block moves into its pool's ready holder; once it is there another thread may take
 //! it, and after the allocator is dropped the pool actor may free it and let the pool's
 //! shared state go. The freeing thread must not be left holding a dangling reference in the
 //! middle of the send. Cloning the `Arc` on every free would make every thread write one

@@ -11,7 +11,7 @@
 //! This file holds the policy trait, the layouts, and the power-of-two policies;
 //! `best_fit` and `device_fit` hold the two carving policies.
 
-/// A request's class: which ready queue serves it, and how many bytes its block has.
+/// A request's class: which ready holder serves it, and how many bytes its block has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SizeClass {
     /// Index of the class, below [`SizePolicy::num_classes`].
@@ -68,7 +68,7 @@ pub enum BlockLayout {
 pub struct Carving {
     /// Blocks up to this size get, when they need fresh memory, a segment of
     /// `small_segment` bytes that later small blocks share; they stay on the cached path
-    /// (ready queues) when freed.
+    /// (ready holder) when freed.
     pub(crate) small_limit: usize,
     /// Size of a fresh segment for small blocks.
     pub(crate) small_segment: usize,

@@ -11,7 +11,7 @@
 //! rules, which the pool relies on:
 //! - every granule a lent piece touches is mapped (a piece is lent only after its granules
 //!   are mapped, and a granule is unmapped only while no lent piece touches it; blocks in
-//!   ready queues, waiting on events or kept for replays are lent: invariants 1, 2 and 4);
+//!   ready holder, waiting on events or kept for replays are lent: invariants 1, 2 and 4);
 //! - placement prefers the places that need the fewest granules mapped, then best fit;
 //! - a map call is one host allocation in the books: it stays counted while any granule it
 //!   mapped is mapped, and its bytes are charged to the budget granule by granule;

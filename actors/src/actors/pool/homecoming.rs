@@ -1,7 +1,7 @@
 //! Blocks coming home to the pool actor, in one place: the large pieces threads freed
 //! without a message (`Home::home_quietly`) and the splits they noted, booked before the
 //! actor handles each message (`book_notes`); a block sent home (`PoolMsg::Home`) handed to
-//! the oldest waiter of its class, freed for room while requests wait, or cached; kept
+//! the oldest queued request of its class, freed for room while requests wait, or cached; kept
 //! blocks staying kept (invariant 4). A carved block's range goes back into the free ranges
 //! and coalesces with its free neighbours at once (`absorb`); a wholly free segment goes
 //! back once nothing of it is lent (invariant 2).
@@ -45,7 +45,7 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    /// A block back outside the ready queues: kept blocks stay kept, others are reusable.
+    /// A block back outside the ready holder: kept blocks stay kept, others are reusable.
     pub(super) async fn home(&mut self, mut block: Box<Block<R>>) {
         if block.state == BlockState::Waiting {
             // Its events were lost with the poller: never reuse it.
@@ -79,17 +79,17 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    /// A block coming home outside the ready queues: to a waiter, freed for room while
+    /// A block coming home outside the ready holder: to a queued request, freed for room while
     /// requests wait, cached otherwise.
     pub(super) async fn take_back(&mut self, block: Box<Block<R>>) {
         self.take_back_now(block).await;
-        // Whatever became of it (freed, cached, handed to a waiter), room may have been
+        // Whatever became of it (freed, cached, handed to a queued request), room may have been
         // made: a request for several buffers waiting at the head of its queue tries again.
         self.shared.budget.came_home();
     }
 
     async fn take_back_now(&mut self, block: Box<Block<R>>) {
-        let pressure = self.shared.budget.under_pressure() || !self.waiters.is_empty();
+        let pressure = self.shared.budget.under_pressure() || !self.queue.is_empty();
         if self.closing
             || !pressure
             || matches!(block.state, BlockState::Kept | BlockState::Waiting)
@@ -101,7 +101,7 @@ impl<R: Runtime> PoolActor<R> {
             return;
         };
         self.free_blocks(vec![block]).await;
-        self.serve_waiters().await;
+        self.serve_queue().await;
     }
 
     /// Takes a carved block's range back into the free ranges, merging it with free
@@ -142,7 +142,7 @@ impl<R: Runtime> PoolActor<R> {
         true
     }
 
-    /// Moves every block of the ready queues into the free ranges (looking only at the slots
+    /// Moves every block of the ready holder into the free ranges (looking only at the slots
     /// of classes the pool has cut blocks for).
     pub(super) fn absorb_ready(&mut self) {
         self.book_notes();

@@ -48,7 +48,7 @@ impl<R: Runtime> PoolActor<R> {
         reply: &MissTx<Block<R>>,
     ) -> Option<Result<Box<Block<R>>, Refused>> {
         self.prune();
-        if !self.waiters.is_empty() {
+        if !self.queue.is_empty() {
             // Others came first: no overtaking.
             return if ask.wait {
                 None
@@ -126,9 +126,9 @@ impl<R: Runtime> PoolActor<R> {
 
     /// A miss under a carving layout. In the arena: the best fit among mapped free memory
     /// (one lookup), else the place that needs the fewest granules mapped (see
-    /// `miss_arena`); the ready queues are never drained for it: memory freed above the
+    /// `miss_arena`); the ready holder is never drained for it: memory freed above the
     /// threads' limit came home when it was freed and coalesced then. Separate segments: a
-    /// free range, then the ready queues drained and coalesced, then (after noticing
+    /// free range, then the ready holder drained and coalesced, then (after noticing
     /// completed events) the same again; then, if fresh memory would cross the reserve cap,
     /// any wholly free segment split; then a fresh segment, after giving back wholly free
     /// segments to stay under the cap.
@@ -234,7 +234,7 @@ impl<R: Runtime> PoolActor<R> {
         })
     }
 
-    /// Whether threads keep freed blocks of `class` in their own shards (the ready queues),
+    /// Whether threads keep freed blocks of `class` in their own shards (the ready holder),
     /// rather than sending them home as they are freed: sizes up to the pool's limit for
     /// large pieces, in a pool with an arena.
     pub(super) fn thread_cached(&self, class: SizeClass) -> bool {
@@ -286,7 +286,7 @@ impl<R: Runtime> PoolActor<R> {
                 tracing::error!(?e, "arena piece could not be taken back; range leaked");
             }
             self.flush_events().await;
-            // Blocks whose events completed came home to the ready queues or the homing
+            // Blocks whose events completed came home to the ready holder or the homing
             // queue: look again, with them.
             self.book_notes();
             if let Some(b) = self.carve_mapped(class) {

@@ -11,7 +11,7 @@
 //! shared segments ([`BlockLayout::Carved`]) it owns their free ranges (see `segments`).
 //!
 //! This file holds the actor's state and its loop. What it does: `miss` (a miss answered, in
-//! one file), `homecoming` (blocks coming home), `waiters` (requests waiting for room),
+//! one file), `homecoming` (blocks coming home), `queue` (requests queued for room),
 //! `fresh` (fresh memory), `cache` (freeing and emptying), `segments` and `arena` (the
 //! carved layout's books), `restore`, `retire` and `books`.
 
@@ -25,7 +25,7 @@ mod restore;
 mod retire;
 mod segments;
 mod spin;
-mod waiters;
+mod queue;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -59,7 +59,7 @@ pub(crate) fn start_pool<R: Runtime>(
         kept: Vec::new(),
         closing: false,
         finished: false,
-        waiters: VecDeque::new(),
+        queue: VecDeque::new(),
         segments: BTreeMap::new(),
         carved: segments::Segments::for_layout(settings.layout),
         refused: Vec::new(),
@@ -95,7 +95,7 @@ pub(crate) struct PoolActor<R: Runtime> {
     /// Set when the loop ended on its own; unset when the task is dropped by its runtime.
     finished: bool,
     /// Requests waiting for room, oldest first.
-    waiters: VecDeque<waiters::Waiter<R>>,
+    queue: VecDeque<queue::Queued<R>>,
     /// Every segment the pool holds, by address.
     segments: BTreeMap<usize, SegmentView>,
     /// Free ranges of the pool's segments, when the layout carves blocks out of them.
@@ -229,12 +229,12 @@ impl<R: Runtime> PoolActor<R> {
     }
 }
 
-/// How often a closing pool looks for blocks that slipped into its ready queues (doubling
+/// How often a closing pool looks for blocks that slipped into its ready holder (doubling
 /// up to the maximum while buffers stay out).
 const CLOSING_SWEEP: Duration = Duration::from_millis(5);
 const MAX_CLOSING_SWEEP: Duration = Duration::from_secs(1);
-/// How often a pool looks at its waiters and ready queues while requests wait for room
-/// (a free that raced with the raising of the pressure flag lands in a ready queue).
+/// How often a pool looks at its queued requests and ready holder while requests wait for room
+/// (a free that raced with the raising of the pressure flag lands in a ready holder).
 const PRESSURE_SWEEP: Duration = Duration::from_millis(2);
 /// How long a pool stays awake for the result of a call its requester runs (see
 /// `PoolActor::off_executor`): a map call takes 0.04–0.5 ms.
@@ -341,7 +341,7 @@ impl<R: Runtime> PoolActor<R> {
                     Ok(Ok(msg)) => self.handle(msg).await,
                     Ok(Err(_)) => break,
                     Err(_) => {
-                        // Blocks that slipped into the ready queues as the pool closed, and
+                        // Blocks that slipped into the ready holder as the pool closed, and
                         // blocks whose free the runtime refused, are tried again; blocks
                         // parked by freeing threads go to the poller.
                         self.book_notes();
@@ -352,7 +352,7 @@ impl<R: Runtime> PoolActor<R> {
                         sweep = (sweep * 2).min(MAX_CLOSING_SWEEP);
                     }
                 }
-            } else if self.shared.budget.under_pressure() || !self.waiters.is_empty() {
+            } else if self.shared.budget.under_pressure() || !self.queue.is_empty() {
                 let sweep = tokio::time::Instant::now() + PRESSURE_SWEEP;
                 match tokio::time::timeout_at(sweep, self.rx.recv_async()).await {
                     Ok(Ok(msg)) => {
@@ -388,7 +388,7 @@ impl<R: Runtime> PoolActor<R> {
                 }
             }
         }
-        self.drop_waiters();
+        self.drop_queue();
         self.shared.drop_shells();
         self.finished = true;
         tracing::debug!(pool = %self.shared.id, "pool actor stopped");
@@ -422,7 +422,7 @@ impl<R: Runtime> PoolActor<R> {
     /// executor or making a system call, for as long as requests have lately come that
     /// fast (see [`spin::Spin`]): a request in a burst then needs no wake-up of the actor.
     /// Every message is handled as it comes. Gives up at once when the pool closes or has
-    /// waiters or pressure to watch (the main loop's other arms do). False when the mailbox
+    /// queued requests or pressure to watch (the main loop's other arms do). False when the mailbox
     /// is closed.
     async fn linger(&mut self) -> bool {
         loop {
@@ -431,7 +431,7 @@ impl<R: Runtime> PoolActor<R> {
             if since >= window
                 || self.closing
                 || self.shared.budget.under_pressure()
-                || !self.waiters.is_empty()
+                || !self.queue.is_empty()
                 || !self.deferred.is_empty()
             {
                 return true;
@@ -539,7 +539,7 @@ impl<R: Runtime> PoolActor<R> {
             PoolMsg::Lend { class, reply } => self.on_lend(class, reply).await,
             PoolMsg::Wake => {
                 self.shared.woke();
-                self.serve_waiters().await;
+                self.serve_queue().await;
             }
             PoolMsg::Retire { reply } => {
                 let _ = reply.send(self.retire().await);
@@ -549,7 +549,7 @@ impl<R: Runtime> PoolActor<R> {
                 self.shared
                     .divert
                     .fetch_or(DIVERT_CLOSING, Ordering::Release);
-                self.drop_waiters();
+                self.drop_queue();
                 self.empty_cache(true, true, usize::MAX).await;
             }
         }

@@ -18,7 +18,7 @@ impl<R: Runtime> PoolActor<R> {
             && s.allocated_bytes.read().current <= 0
             && self.kept.is_empty()
             && self.refused.is_empty()
-            && self.waiters.is_empty()
+            && self.queue.is_empty()
             && self.deferred.is_empty()
             && self.shared.queued.load(Ordering::SeqCst) == 0
             && self.rx.is_empty()

@@ -5,7 +5,7 @@
 //!
 //! Owns the [`Carver`] of the pool's segments; every block of such a pool is a range of one
 //! segment and holds an `Arc` of it. A block's range is free in the carver only while no one
-//! else holds the block: blocks in ready queues are drained into the carver at a miss that
+//! else holds the block: blocks in the ready holder are drained into the carver at a miss that
 //! neither a tight free range nor its class's last range serves (and only then coalesce;
 //! large pieces that do not fill their segment come back at once, unless recalled), while
 //! blocks waiting on events (with the poller) or kept for graph replays (in the pool's
@@ -37,7 +37,7 @@ use super::PoolActor;
 use crate::blocks::block::{Block, Seg};
 use crate::books::messages::{PieceView, SegmentView, Split};
 use crate::books::segment::Segment;
-use crate::holders::ready::ReadyQueues;
+use crate::holders::ready::ReadyHolder;
 use crate::statistics::meta::MetaRef;
 use crate::vocab::carve::{Carver, Piece, SegId};
 use crate::vocab::memory::Region;
@@ -49,14 +49,14 @@ pub(super) struct Segments<R: Runtime> {
     pub(super) carver: Carver<Arc<Seg<R>>>,
     /// The peak of live bytes seen at misses (the requested block included).
     pub(super) peak_live: usize,
-    /// Pieces lent out of the segments (in blocks, ready queues, waiting or kept), by
+    /// Pieces lent out of the segments (in blocks, ready holder, waiting or kept), by
     /// address: their bytes and their blocks' records, for snapshots.
     pub(super) lent: BTreeMap<usize, (usize, MetaRef)>,
     /// The range each class last gave back, by class index, and whether it is in the
     /// arena: a miss of the class takes it again while it is wholly free.
     pub(super) last_range: HashMap<usize, (Piece, bool)>,
-    /// The ready queues' slot lines of every class a block was cut for (see
-    /// `ReadyQueues::drain_lines`): only those slots can hold blocks of this pool, so a
+    /// The ready holder' slot lines of every class a block was cut for (see
+    /// `ReadyHolder::drain_lines`): only those slots can hold blocks of this pool, so a
     /// miss drains them and skips the rest.
     pub(super) slot_lines: Vec<u64>,
     /// The pool's expandable range, once reserved (see `arena`).
@@ -100,7 +100,7 @@ impl<R: Runtime> Segments<R> {
 
     /// Marks the slot line of `class` as one that may hold this pool's blocks.
     fn mark_line(&mut self, class: usize) {
-        let line = ReadyQueues::<Block<R>>::line_of(class);
+        let line = ReadyHolder::<Block<R>>::line_of(class);
         if self.slot_lines.len() <= line / 64 {
             self.slot_lines.resize(line / 64 + 1, 0);
         }
@@ -198,7 +198,7 @@ impl<R: Runtime> Segments<R> {
         out
     }
 
-    /// Addresses of the lent pieces (in blocks, ready queues, waiting or kept) that overlap
+    /// Addresses of the lent pieces (in blocks, ready holder, waiting or kept) that overlap
     /// `[addr, addr + len)`.
     pub(super) fn lent_overlapping(&self, addr: usize, len: usize) -> Vec<usize> {
         let end = addr.saturating_add(len);
@@ -306,7 +306,7 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     /// Cuts a block of `class` at the range its class last gave back, if that is still
-    /// wholly free (and mapped): such a miss is served without draining the ready queues
+    /// wholly free (and mapped): such a miss is served without draining the ready holder
     /// (the layout is the one an earlier placement chose), and the block, its class asked
     /// for again and again, stays on the cached path when freed.
     pub(super) fn recall(&mut self, class: SizeClass) -> Option<Box<Block<R>>> {

@@ -1,4 +1,4 @@
-//! A block's free: back to the ready queues when no stream's work can touch it, parked or
+//! A block's free: back to the ready holder when no stream's work can touch it, parked or
 //! with the event poller while the events recorded on the streams that used it are
 //! pending, kept while captured work may use it, and home to its pool actor when the pool
 //! wants it back.
@@ -14,7 +14,7 @@ use crate::vocab::keepalive;
 use crate::vocab::runtime::{Runtime, RuntimeError};
 
 impl<R: Runtime> Block<R> {
-    /// The free of a buffer: back to the ready queue when no stream used the block, or when
+    /// The free of a buffer: back to the ready holder when no stream used the block, or when
     /// every stream that did has run all its work (see [`idle_probe`]); parked in the freeing
     /// thread's shard with one event per busy stream otherwise (to be queried inline by that
     /// thread's next miss, or by the event poller); kept when captured work used it, unless

@@ -51,7 +51,7 @@ impl<R: Runtime> Home<R> {
     }
 
     /// Once the actor is gone (dropped with its runtime), frees the blocks that a free racing
-    /// its teardown put into the ready queues after its last look: each holds the pool, so
+    /// its teardown put into the ready holder after its last look: each holds the pool, so
     /// left there neither would ever be freed. Called when the allocator's handle goes.
     pub(crate) fn free_stranded(&self) {
         if !self.mailbox.is_closed() {
@@ -63,7 +63,7 @@ impl<R: Runtime> Home<R> {
     }
 
     /// Sends the large blocks this thread held since its last miss home (see
-    /// `ReadyQueues::put_held`), before it asks the pool actor: the actor coalesces them
+    /// `ReadyHolder::put_held`), before it asks the pool actor: the actor coalesces them
     /// first, so that its placement sees every block this thread freed.
     #[cold]
     pub(crate) fn send_held_home(&self) {
@@ -95,7 +95,7 @@ impl<R: Runtime> Home<R> {
         }
     }
 
-    /// Whether a freed block goes to the actor rather than the ready queues: too large to
+    /// Whether a freed block goes to the actor rather than the ready holder: too large to
     /// cache, or a large piece of a segment (coalesced at once).
     #[inline]
     pub(crate) fn wants_home(&self, block: &Block<R>) -> bool {

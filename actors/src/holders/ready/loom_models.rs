@@ -51,7 +51,7 @@ fn assert_each_once(mut seen: Vec<usize>, left: Vec<Box<Item>>, n: usize) {
 #[test]
 fn a_block_freed_into_a_slot_is_taken_once_by_its_owner_or_a_stealing_thread() {
     loom::model(|| {
-        let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+        let q = Arc::new(ReadyHolder::<Item>::new(4, 2));
         q.put_as(owner(0), item(0));
         let q1 = q.clone();
         let stealer = thread::spawn(move || q1.steal(1, CLASS).map(|b| b.id));
@@ -65,7 +65,7 @@ fn a_block_freed_into_a_slot_is_taken_once_by_its_owner_or_a_stealing_thread() {
 #[test]
 fn frees_and_takes_racing_on_two_shards_lose_nothing_and_share_nothing() {
     loom::model(|| {
-        let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+        let q = Arc::new(ReadyHolder::<Item>::new(4, 2));
         let handles: Vec<_> = (0..2)
             .map(|t| {
                 let q = q.clone();
@@ -91,7 +91,7 @@ fn frees_and_takes_racing_on_two_shards_lose_nothing_and_share_nothing() {
 #[test]
 fn a_block_queued_while_its_queue_is_found_empty_is_taken_or_left_marked() {
     loom::model(|| {
-        let q = Arc::new(ReadyQueues::<Item>::new(4, 2));
+        let q = Arc::new(ReadyHolder::<Item>::new(4, 2));
         // A block queued and taken: its queue's mark stays over the empty queue.
         q.put_queue(0, item(0));
         let first = q.take_queued(0, CLASS).map(|b| b.id);
@@ -109,7 +109,7 @@ fn a_block_queued_while_its_queue_is_found_empty_is_taken_or_left_marked() {
 #[test]
 fn a_thread_that_does_not_own_its_shard_never_overwrites_the_owners_slot() {
     loom::model(|| {
-        let q = Arc::new(ReadyQueues::<Item>::new(4, 1));
+        let q = Arc::new(ReadyHolder::<Item>::new(4, 1));
         let q1 = q.clone();
         // Two threads on one shard (more threads than shards): only one owns it.
         let other = thread::spawn(move || {

@@ -1,4 +1,4 @@
-//! Tests of the ready queues: slots, overflow queues, steals and drains.
+//! Tests of the ready holder: slots, overflow queues, steals and drains.
 
 use super::*;
 use std::sync::Arc;
@@ -21,7 +21,7 @@ fn class(index: usize) -> SizeClass {
     }
 }
 
-fn put_on_a_thread_of_its_own(q: &Arc<ReadyQueues<Item>>, items: Vec<Item>) {
+fn put_on_a_thread_of_its_own(q: &Arc<ReadyHolder<Item>>, items: Vec<Item>) {
     let q = q.clone();
     std::thread::spawn(move || {
         for it in items {
@@ -34,7 +34,7 @@ fn put_on_a_thread_of_its_own(q: &Arc<ReadyQueues<Item>>, items: Vec<Item>) {
 
 #[test]
 fn a_steal_looks_only_at_the_shards_that_held_its_class() {
-    let q = Arc::new(ReadyQueues::new(4, 8));
+    let q = Arc::new(ReadyHolder::new(4, 8));
     let me = q.my_shard();
     put_on_a_thread_of_its_own(&q, vec![Item(1, 2048), Item(2, 4096)]);
     let holders = |c: usize| q.holders[c].load(Ordering::Relaxed) & !(1 << me);
@@ -60,7 +60,7 @@ fn a_steal_looks_only_at_the_shards_that_held_its_class() {
 #[test]
 fn a_steal_visits_every_other_stocked_shard_once_from_the_next_one_round() {
     for shards in [1, 8, 64, 128] {
-        let q: ReadyQueues<Item> = ReadyQueues::new(4, shards);
+        let q: ReadyHolder<Item> = ReadyHolder::new(4, shards);
         let stocked: Vec<usize> = [0, 1, 3, 6, 63, 64, 100, 127]
             .into_iter()
             .filter(|&s| s < shards)
@@ -84,7 +84,7 @@ fn a_steal_visits_every_other_stocked_shard_once_from_the_next_one_round() {
 
 #[test]
 fn a_queue_found_empty_loses_its_mark_and_the_next_block_queued_marks_it_again() {
-    let q = ReadyQueues::new(4, 8);
+    let q = ReadyHolder::new(4, 8);
     let me = q.my_shard();
     q.put_queue(me, Box::new(Item(2, 4096)));
     assert!(q.shards[me].may_hold(2));
@@ -101,7 +101,7 @@ fn a_queue_found_empty_loses_its_mark_and_the_next_block_queued_marks_it_again()
 
 #[test]
 fn blocks_freed_by_threads_that_have_exited_are_found_by_steals_and_drains() {
-    let q = Arc::new(ReadyQueues::new(4, 8));
+    let q = Arc::new(ReadyHolder::new(4, 8));
     // Nothing held anywhere: nothing found, whichever shard is asked.
     assert!(q.take(class(1)).is_none());
     assert!(q.take_larger(0, 3).is_none());

@@ -5,7 +5,7 @@
 //!
 //! A segment is one block, or, under a policy that carves blocks out of segments, the
 //! blocks cut out of it and its free ranges (listed as cached blocks with nothing requested).
-//! A block's state is derived: cached when it is in a ready queue or a free range, kept when
+//! A block's state is derived: cached when it is in a ready holder or a free range, kept when
 //! its pool keeps it for graph replays, waiting when the event poller holds it, in use
 //! otherwise. Taken at a quiescent point a snapshot is exact; taken while buffers move, a
 //! block between two owners shows as in use.

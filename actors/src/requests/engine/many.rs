@@ -24,7 +24,7 @@
 //!
 //! Cancel-safe: dropping the future at any await gives back every buffer taken so far,
 //! leaves the turn queues (tokio's semaphore forgets a dropped waiter), and unregisters it
-//! as a waiter.
+//! as a queued request.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -85,7 +85,7 @@ impl<'a, R: Runtime> Want<'a, R> {
 /// - What the runtime refuses with no cap in the way (the device out of memory after the
 ///   caches were emptied) fails the request, as for one buffer.
 ///
-/// Cancel-safe: dropping the future gives back everything it took and leaves no waiter.
+/// Cancel-safe: dropping the future gives back everything it took and leaves no queued request.
 pub async fn alloc_many<R: Runtime>(
     wants: &[Want<'_, R>],
     wait: Wait,
@@ -324,15 +324,15 @@ async fn looked_at<R: Runtime>(
     wait.await
 }
 
-/// Counts the request among the waiters of each of its budgets while it lives: frees under
-/// them go to the pool actors, which free what no waiter takes and count each block that
+/// Counts the request among the queued requests of each of its budgets while it lives: frees under
+/// them go to the pool actors, which free what no queued request takes and count each block that
 /// came home (see [`Budget::returns`]).
 struct Waiting<'a>(&'a [&'a Arc<Budget>]);
 
 impl<'a> Waiting<'a> {
     fn register(budgets: &'a [&'a Arc<Budget>]) -> Self {
         for b in budgets {
-            b.waiter_added();
+            b.queued_added();
         }
         Self(budgets)
     }
@@ -341,7 +341,7 @@ impl<'a> Waiting<'a> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         for b in self.0 {
-            b.waiter_removed();
+            b.queued_removed();
         }
     }
 }
@@ -357,7 +357,7 @@ async fn wait_for_all<R: Runtime>(
         // The semaphore is never closed.
         turns.push(b.turn.acquire().await.map_err(|_| Error::Shutdown)?);
     }
-    // Counted among the waiters only once a try at the head found no room: a head that
+    // Counted among the queued requests only once a try at the head found no room: a head that
     // came to the turn behind others is served by its first try, as a rule, and pressure
     // (every free sent to the pool actors) would cost the other requests their cache.
     let mut waiting = None;

@@ -158,7 +158,7 @@ impl<R: Runtime> Engine<R> {
                         return Ok(Step::Ready(Lease::new(block, size, false, inner.id)));
                     }
                     let pool = known.shared();
-                    return Ok(Self::miss_here(&pool, class, size, false, inner.id));
+                    return Ok(Self::serve_here(&pool, class, size, false, inner.id));
                 }
                 table = inner.table.load();
                 let capturing = !table.captures.is_empty() && inner.runtime.is_capturing(s)?;
@@ -199,18 +199,24 @@ impl<R: Runtime> Engine<R> {
                 inner.id,
             )));
         }
-        Ok(Self::miss_here(pool, class, size, during_capture, inner.id))
+        Ok(Self::serve_here(
+            pool,
+            class,
+            size,
+            during_capture,
+            inner.id,
+        ))
     }
 
     /// Before asking the pool actor: a large block this thread holds of exactly the size
-    /// (see `ReadyQueues::put_held`); a block this thread freed after a stream used it may
+    /// (see `ReadyHolder::put_held`); a block this thread freed after a stream used it may
     /// have completed its events by now (one inline query; invariant 1); failing that, this
     /// thread's block of the next class up (carving layouts, see [`Self::split_next`]), a
     /// ready block in another thread's shard, a larger ready block split in two (carving
     /// layouts), or a block another thread parked whose events have completed. A miss sends
     /// the large blocks this thread holds home first.
     #[cold]
-    fn miss_here(
+    fn serve_here(
         pool: &Arc<Home<R>>,
         class: SizeClass,
         size: usize,
@@ -241,7 +247,7 @@ impl<R: Runtime> Engine<R> {
     /// The block in this thread's slot of the next class up, cut for the request as
     /// [`Self::split_ready`] would cut it (most often taken whole: the rest is a sliver),
     /// when nothing in this thread's shard is filed under the class below (see
-    /// `ReadyQueues::take_above_mine`). It is the block `split_ready` would take then, but
+    /// `ReadyHolder::take_above_mine`). It is the block `split_ready` would take then, but
     /// without first looking at the other shards and at the class below, whose blocks a
     /// look takes out and puts back into its queue when they are too small. In the mixed
     /// sizes loop (4 KiB to 1 MiB, `BestFit`) about half the requests find their class
@@ -260,9 +266,9 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// A ready block of a larger class (up to the pool's split limit), split: the request
-    /// keeps its first `class.size` bytes, the rest goes back to the ready queues as a block
+    /// keeps its first `class.size` bytes, the rest goes back to the ready holder as a block
     /// of its own. A request whose class is empty is served without a round trip to the pool
-    /// actor, which coalesces the parts again when it next drains the ready queues.
+    /// actor, which coalesces the parts again when it next drains the ready holder.
     fn split_ready(pool: &Arc<Home<R>>, class: SizeClass) -> Option<Box<Block<R>>> {
         if class.size >= pool.split_up_to {
             return None;
@@ -276,7 +282,7 @@ impl<R: Runtime> Engine<R> {
     }
 
     /// A ready block cut for a request of `class`: the request keeps its first `class.size`
-    /// bytes, the rest goes back to the ready queues as a block of its own, unless it is a
+    /// bytes, the rest goes back to the ready holder as a block of its own, unless it is a
     /// sliver (see `Carving::keep_rest_under`) that the request takes along.
     fn cut_for(pool: &Home<R>, mut block: Box<Block<R>>, class: SizeClass) -> Box<Block<R>> {
         let rest = block.size - class.size;

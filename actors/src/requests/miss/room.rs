@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::waiter::Waiter;
+use super::requester::Requester;
 use crate::blocks::block::{Block, Home};
 use crate::books::budget::EmptyReport;
 use crate::books::messages::PoolMsg;
@@ -32,9 +32,13 @@ pub(super) fn shortfall<R: Runtime>(pool: &Home<R>, class: SizeClass) -> Option<
 
 /// Asks every pool to give back up to `upto` bytes of its cache (`usize::MAX`: all of it)
 /// and waits for them all.
-pub(super) async fn make_room<R: Runtime, W: Waiter>(pool: &Home<R>, upto: usize, waiter: &W) {
+pub(super) async fn make_room<R: Runtime, Q: Requester>(
+    pool: &Home<R>,
+    upto: usize,
+    requester: &Q,
+) {
     for rx in ask_all_to_empty(pool, upto) {
-        let _ = waiter.recv(&rx).await;
+        let _ = requester.recv(&rx).await;
     }
 }
 
@@ -106,16 +110,16 @@ fn hand_over<R: Runtime>(pool: &Home<R>, mut block: Box<Block<R>>) -> Option<Box
 }
 
 /// Borrows a block of `class` from another stream's pool (see [`hand_over`]).
-pub(super) async fn borrow<R: Runtime, W: Waiter>(
+pub(super) async fn borrow<R: Runtime, Q: Requester>(
     pool: &Home<R>,
     class: SizeClass,
-    waiter: &W,
+    requester: &Q,
 ) -> Option<Box<Block<R>>> {
     for lender in lenders(pool) {
         let Some(rx) = ask_to_lend(&lender, class) else {
             continue;
         };
-        if let Some(Some(block)) = waiter.recv(&rx).await {
+        if let Some(Some(block)) = requester.recv(&rx).await {
             if let Some(b) = hand_over(pool, block) {
                 return Some(b);
             }

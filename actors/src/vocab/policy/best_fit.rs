@@ -37,11 +37,11 @@ const SMALL_LOG2: u32 = BEST_FIT_SMALL.trailing_zeros();
 /// Where the runtime offers expandable host memory (`Runtime::host_granularity`: the CUDA
 /// virtual memory calls with host locations, CUDA 12.2 and later, or the simulation), the
 /// pool reserves one address range (64 GiB by default, at most the memory limit) and cuts
-/// every block out of it. A miss is served, after the pool has drained its ready queues and
+/// every block out of it. A miss is served, after the pool has drained its ready holder and
 /// coalesced free neighbours, at the place that needs the fewest granules (2 MiB) mapped,
 /// best fit among those. Fresh memory is the granules a block needs and no more. Free
 /// ranges coalesce across granules, so a larger request is served in place once its
-/// neighbours come back. A granule that no block touches (blocks in ready queues, waiting
+/// neighbours come back. A granule that no block touches (blocks in the ready holder, waiting
 /// on events or kept for graph replays touch theirs) is unmapped, least recently used
 /// first, before mapping would cross the reserve cap of 1.15 times the peak of live bytes,
 /// when the cache is emptied, and under a memory limit when a request needs room. Under a

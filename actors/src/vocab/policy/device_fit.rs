@@ -22,7 +22,7 @@ use super::{best_fit_served_by, BestFit, BlockLayout, Carving, SizeClass, SizePo
 /// assert_eq!(p.class_of(300).unwrap().size, 512);
 /// // A 1025 MiB request reserves 1025 MiB (PyTorch's device allocator: 1026).
 /// assert_eq!(p.class_of(1025 << 20).unwrap().size, 1025 << 20);
-/// // Sizes of one class share a ready queue but keep their own sizes.
+/// // Sizes of one class share a ready holder but keep their own sizes.
 /// let (a, b) = (p.class_of(100_000).unwrap(), p.class_of(101_000).unwrap());
 /// assert_eq!(a.index, b.index);
 /// assert!(a.size < b.size);

@@ -14,7 +14,7 @@ use crate::vocab::error::Error;
 /// to run the memory source's calls). The miss loop ([`miss_with`]) is written once over it:
 /// a thread's waits are done by the time their futures are first polled, so
 /// [`crate::vocab::blocking::run_here`] drives the request on the thread without an executor.
-pub(super) trait Waiter: Sync {
+pub(super) trait Requester: Sync {
     /// Whether the requesting thread runs the memory source's calls for the pool actor
     /// ([`Ask::runs_errands`]): a task must not block its executor.
     fn runs_errands(&self) -> bool;
@@ -50,7 +50,7 @@ pub(super) enum Stop {
 /// A task: it awaits every reply.
 pub(super) struct Task;
 
-impl Waiter for Task {
+impl Requester for Task {
     fn runs_errands(&self) -> bool {
         false
     }
@@ -107,7 +107,7 @@ pub(super) struct Thread {
     pub(super) deadline: Option<Instant>,
 }
 
-impl Waiter for Thread {
+impl Requester for Thread {
     fn runs_errands(&self) -> bool {
         self.deadline.is_none()
     }

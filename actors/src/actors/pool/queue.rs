@@ -1,6 +1,6 @@
 //! Requests waiting for room under the memory limit: queued first come first served, and
 //! served as blocks come back (a block of the head's class goes straight to it; any other is
-//! freed to make room) or as room is made elsewhere. A waiter whose future was dropped is
+//! freed to make room) or as room is made elsewhere. A queued request whose future was dropped is
 //! forgotten at the next look; nothing it was sent is lost (invariant 2).
 
 use std::sync::atomic::Ordering;
@@ -13,7 +13,7 @@ use crate::vocab::policy::SizeClass;
 use crate::vocab::runtime::Runtime;
 
 /// A request queued for room.
-pub(crate) struct Waiter<R: Runtime> {
+pub(crate) struct Queued<R: Runtime> {
     class: SizeClass,
     requested: usize,
     reply: MissTx<Block<R>>,
@@ -35,36 +35,36 @@ impl<R: Runtime> PoolActor<R> {
     }
 
     pub(super) fn enqueue(&mut self, class: SizeClass, requested: usize, reply: MissTx<Block<R>>) {
-        tracing::debug!(pool = %self.shared.id, requested, queued = self.waiters.len() + 1, "request waits for room");
-        self.waiters.push_back(Waiter {
+        tracing::debug!(pool = %self.shared.id, requested, queued = self.queue.len() + 1, "request waits for room");
+        self.queue.push_back(Queued {
             class,
             requested,
             reply,
         });
         self.shared.queued.fetch_add(1, Ordering::SeqCst);
-        self.shared.budget.waiter_added();
+        self.shared.budget.queued_added();
     }
 
-    fn pop_waiter(&mut self) -> Option<Waiter<R>> {
-        let w = self.waiters.pop_front()?;
+    fn pop_queued(&mut self) -> Option<Queued<R>> {
+        let w = self.queue.pop_front()?;
         self.shared.queued.fetch_sub(1, Ordering::SeqCst);
-        self.shared.budget.waiter_removed();
+        self.shared.budget.queued_removed();
         Some(w)
     }
 
-    /// Forgets the waiters whose futures were dropped.
+    /// Forgets the queued requests whose futures were dropped.
     pub(super) fn prune(&mut self) {
-        let before = self.waiters.len();
-        self.waiters.retain(|w| !w.reply.is_disconnected());
-        for _ in self.waiters.len()..before {
+        let before = self.queue.len();
+        self.queue.retain(|w| !w.reply.is_disconnected());
+        for _ in self.queue.len()..before {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
-            self.shared.budget.waiter_removed();
+            self.shared.budget.queued_removed();
         }
     }
 
-    /// Fails every waiter (the pool is closing).
-    pub(super) fn drop_waiters(&mut self) {
-        while let Some(w) = self.pop_waiter() {
+    /// Fails every queued request (the pool is closing).
+    pub(super) fn drop_queue(&mut self) {
+        while let Some(w) = self.pop_queued() {
             let _ = w.reply.send(Err(Refused::Failed(Error::Shutdown)));
         }
     }
@@ -72,17 +72,17 @@ impl<R: Runtime> PoolActor<R> {
     /// Serves queued requests in order while they fit: a ready block of the head's class,
     /// else fresh memory; when the head does not fit, the pool's cached blocks are freed once
     /// to make room.
-    pub(super) async fn serve_waiters(&mut self) {
+    pub(super) async fn serve_queue(&mut self) {
         let mut emptied = false;
         loop {
             self.prune();
-            let Some(head) = self.waiters.front() else {
+            let Some(head) = self.queue.front() else {
                 break;
             };
             let (class, requested) = (head.class, head.requested);
             if self.shared.budget.limit().is_some_and(|l| class.size > l) {
                 // The cap was lowered under it: it can never fit.
-                let w = self.pop_waiter();
+                let w = self.pop_queued();
                 let e = self.out_of_room(requested, OomCause::ExceedsLimit);
                 if let Some(w) = w {
                     let _ = w.reply.send(Err(Refused::Failed(e)));
@@ -121,7 +121,7 @@ impl<R: Runtime> PoolActor<R> {
                         }
                     }
                     if limit.is_none() {
-                        let w = self.pop_waiter();
+                        let w = self.pop_queued();
                         let e = self.driver_oom(requested);
                         if let Some(w) = w {
                             let _ = w.reply.send(Err(Refused::Failed(e)));
@@ -131,7 +131,7 @@ impl<R: Runtime> PoolActor<R> {
                     break;
                 }
                 Err(e) => {
-                    if let Some(w) = self.pop_waiter() {
+                    if let Some(w) = self.pop_queued() {
                         let _ = w.reply.send(Err(Refused::Failed(e)));
                     }
                 }
@@ -139,7 +139,7 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    /// The periodic look while requests wait: serve this pool's waiters, or, when requests
+    /// The periodic look while requests wait: serve this pool's queued requests, or, when requests
     /// wait elsewhere, give back what this pool caches to make room for them: its ready
     /// blocks, and the free memory of its segments once per spell of pressure (what was idle
     /// when the requests began to wait) and again after large pieces went home quietly
@@ -148,8 +148,8 @@ impl<R: Runtime> PoolActor<R> {
     /// underway (see `miss`).
     pub(super) async fn relieve(&mut self) {
         self.book_notes();
-        if !self.waiters.is_empty() {
-            self.serve_waiters().await;
+        if !self.queue.is_empty() {
+            self.serve_queue().await;
         } else if self.shared.budget.under_pressure() && !self.shared.budget.capturing() {
             let blocks = self.shared.ready.drain();
             if !blocks.is_empty() || !self.relieved {
@@ -159,16 +159,16 @@ impl<R: Runtime> PoolActor<R> {
         }
     }
 
-    /// Gives `block` to the oldest waiter when it waits for the block's class; returns the
+    /// Gives `block` to the oldest queued request when it waits for the block's class; returns the
     /// block when nobody at the head of the queue wants it.
     pub(super) fn offer(&mut self, mut block: Box<Block<R>>) -> Option<Box<Block<R>>> {
         self.prune();
         while self
-            .waiters
+            .queue
             .front()
             .is_some_and(|w| w.class.index == block.class && block.size >= w.class.size)
         {
-            let w = self.pop_waiter()?;
+            let w = self.pop_queued()?;
             block.state = BlockState::InUse;
             match w.reply.send(Ok(block)) {
                 Ok(()) => return None,
