@@ -4,7 +4,7 @@
 //!
 //! The cached path is here and in [`crate::holders::ready`]: size class, route (no table load unless a
 //! stream is given, and none for a stream this thread routed since the router last published:
-//! `route_cache`), take a ready block, charge this thread's stats shard. A miss is one round
+//! the router's `route_cache`), take a ready block, charge this thread's stats shard. A miss is one round
 //! trip to the pool actor (see [`crate::requests::miss`]).
 //!
 //! The rest of the handle's calls live beside it: `build` (the builder, which starts the
@@ -19,7 +19,6 @@ mod free_memory;
 mod history;
 mod inspect;
 mod many;
-mod route_cache;
 
 pub use build::EngineBuilder;
 pub use many::{alloc_many, alloc_many_blocking, Want};
@@ -27,7 +26,7 @@ pub use many::{alloc_many, alloc_many_blocking, Want};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::actors::router::{RouterMsg, Routes};
+use crate::actors::router::{route_cache, RouterMsg, Routes};
 use crate::blocks::block::{Block, Home};
 use crate::blocks::lease::Lease;
 use crate::books::budget::Budget;

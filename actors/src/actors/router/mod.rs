@@ -14,8 +14,14 @@
 //! stream's next request gets a new pool. After each change the router publishes an
 //! immutable [`RoutingTable`] through `ArcSwap`: a handle routes with one atomic load, and
 //! when no capture is underway that load is all routing costs. Each publication also counts
-//! one more [`Routes::epoch`], so a thread that remembers a route (see the engine's
-//! `route_cache`) checks it with one plain load instead of loading the table.
+//! one more [`Routes::epoch`], so a thread that remembers a route (`route_cache`, the
+//! routing read the engine's requests use) checks it with one plain load instead of loading
+//! the table.
+//!
+//! This file holds the actor, its messages and the table it publishes; `route_cache` holds
+//! each thread's remembered routes.
+
+pub(crate) mod route_cache;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -65,16 +65,16 @@ fn way(stream: StreamId) -> usize {
 }
 
 /// A remembered stream pool, alive while the handle it was looked up through is.
-pub(super) struct Known<'a, R: Runtime>(&'a Home<R>);
+pub(crate) struct Known<'a, R: Runtime>(&'a Home<R>);
 
 impl<'a, R: Runtime> Known<'a, R> {
-    pub(super) fn pool(&self) -> &'a Home<R> {
+    pub(crate) fn pool(&self) -> &'a Home<R> {
         self.0
     }
 
     /// A strong reference to the pool (for a miss, which hands it to the pool actor's
     /// request).
-    pub(super) fn shared(&self) -> Arc<Home<R>> {
+    pub(crate) fn shared(&self) -> Arc<Home<R>> {
         let p: *const Home<R> = self.0;
         // SAFETY: `remember` stored `Arc::as_ptr` of an `Arc<Home<R>>` whose strong
         // reference this thread still holds (see `lookup`): adding a strong count and taking
@@ -93,7 +93,7 @@ impl<'a, R: Runtime> Known<'a, R> {
 ///
 /// The caller holds a handle of engine `engine`, whose runtime is `R`, for `'a`.
 #[inline]
-pub(super) unsafe fn lookup<'a, R: Runtime>(
+pub(crate) unsafe fn lookup<'a, R: Runtime>(
     engine: u64,
     stream: StreamId,
     epoch: u64,
@@ -113,7 +113,7 @@ pub(super) unsafe fn lookup<'a, R: Runtime>(
 /// after the router's epoch was `epoch`, with no capture underway; holds the pool for the
 /// route (a new reference only when the way named another pool).
 #[inline]
-pub(super) fn remember<R: Runtime>(engine: u64, stream: StreamId, epoch: u64, pool: &Arc<Home<R>>) {
+pub(crate) fn remember<R: Runtime>(engine: u64, stream: StreamId, epoch: u64, pool: &Arc<Home<R>>) {
     let route = Route {
         engine,
         stream: stream.0,
