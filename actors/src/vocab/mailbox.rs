@@ -8,13 +8,12 @@ use std::sync::Weak;
 
 use flume::{Receiver, SendError, Sender};
 
-/// An actor's mailbox (a pool actor's, the router's), as its senders reach it: once the
-/// actor's task is gone (ended, or dropped with its runtime), it refuses messages, as a
-/// disconnected channel would, and the gone actor collects every message sent before — also
-/// those of senders that were in the middle of sending when it went. (A flume channel stays
-/// connected while a sender lives — the pool's home, the engine — and a message stranded in
-/// it would never be answered nor dropped: its sender would wait for ever, and a block in it
-/// would hold its pool.)
+/// An actor's mailbox: once the actor's task is gone (ended, or dropped with its runtime), it
+/// refuses messages, as a disconnected channel would, and the gone actor collects every
+/// message sent before — also those of senders that were in the middle of sending when it
+/// went. (A flume channel stays connected while a sender lives — a pool's home, the engine —
+/// and a message stranded in it would never be answered nor dropped: its sender would wait
+/// for ever, and a block in it would hold its pool.)
 pub(crate) struct Mailbox<M> {
     tx: Sender<M>,
     /// Senders between their look at `gone` and the end of their send.
