@@ -54,7 +54,7 @@ async fn readme_memory_limit_you_can_wait_on() -> Result {
         .max_bytes(2 << 30)                      // at most 2 GiB pinned
         .alloc_timeout(Duration::from_secs(5))   // how long `alloc` waits for room
         .build()?;
-    let buf = allocator.alloc(1 << 20).await?;        // waits (first come, first served) when full
+    let buf = allocator.alloc(1 << 20).await?;   // waits (first come, first served) when full
     let now = allocator.try_alloc(1 << 20).await;     // fails at once with Error::OutOfMemory instead
     assert_eq!(buf.len(), 1 << 20);
     assert_eq!(now?.len(), 1 << 20); // the cap is far away
@@ -74,7 +74,7 @@ mod on_a_gpu {
     async fn copy_to_device() -> Result {
         let context = cudarc::driver::CudaContext::new(0)?;
         let mut dev_slice = context.default_stream().alloc_zeros::<u8>(1 << 20)?;
-        let allocator = PinnedAllocator::builder().cuda(0)?.build()?;      // Error::DeviceUnavailable without a GPU
+        let allocator = PinnedAllocator::builder().cuda(0)?.build()?; // Error::DeviceUnavailable without a GPU
         let auto = PinnedAllocator::builder().best_available(0)?.build()?; // CUDA if present, else the sim runtime
         let stream = allocator.runtime().new_stream()?;
         let mut buf = allocator.alloc(1 << 20).await?;
@@ -102,15 +102,15 @@ mod on_a_gpu {
 async fn readme_device_memory_stream_ordered_reuse() -> Result {
     use pinpool::DeviceAllocator;
 
-    let allocator = DeviceAllocator::builder().build()?;         // a simulated 16 GiB device
+    let allocator = DeviceAllocator::builder().build()?;    // a simulated 16 GiB device
     // on a GPU, every CUDA device: DeviceAllocator::builder().cuda()?.build()? (PINPOOL_DEVICE_CONF)
-    let stream = allocator.runtime().new_stream()?;              // the same call on a GPU
+    let stream = allocator.runtime().new_stream()?;         // the same call on a GPU
     let other = allocator.runtime().new_stream()?;
-    let mut buf = allocator.alloc(1 << 20, &stream).await?;      // on the stream's device
+    let mut buf = allocator.alloc(1 << 20, &stream).await?; // on the stream's device
     buf.record_stream(&other)?;                             // work on another stream uses it too
     drop(buf);                                              // reusable once `other`'s work is done
     let ptr = allocator.raw_alloc_with_stream(4096, &stream)?;   // raw pointers, as PyTorch's raw_alloc
-    allocator.raw_delete(ptr)?;                                  // unknown or freed twice: Error::UnknownPointer
+    allocator.raw_delete(ptr)?;                             // unknown or freed twice: Error::UnknownPointer
     Ok(())
 }
 
@@ -193,15 +193,15 @@ async fn readme_capture_pools_on_device_memory() -> Result {
     let capturing = stream.id();
     allocator.begin_allocate_to_pool(0, id, move |s| s.id() == capturing).await?;
     stream.begin_capture()?;                                 // on a GPU: stream.begin_capture(mode)
-    let out = allocator.alloc(1 << 20, &stream).await?;           // from the capture pool
+    let out = allocator.alloc(1 << 20, &stream).await?;      // from the capture pool
     stream.fill_device(out.device_ptr(), out.len(), 7)?;     // captured work
     let graph = stream.end_capture()?;
     allocator.end_allocate_to_pool(0, id).await?;
     drop(out);                                               // kept: every replay writes it
     graph.launch(&stream)?;
     drop(graph);
-    allocator.release_pool(0, id).await?;                         // once the graphs are gone
-    allocator.empty_cache().await?;                               // the pool's memory goes back
+    allocator.release_pool(0, id).await?;                    // once the graphs are gone
+    allocator.empty_cache().await?;                          // the pool's memory goes back
     assert_eq!(allocator.release_pool(0, id).await, Err(Error::UnknownPool(id)));
     assert!(matches!(allocator.pool_stats(0, id), Err(Error::UnknownPool(_)))); // stats per pool, per device
 
