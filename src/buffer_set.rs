@@ -104,7 +104,7 @@ impl<'a, R: DeviceRuntime> BufferSet<'a, R> {
     }
 
     /// Adds `size` bytes of pinned memory from `pool` for work on `stream` (from a
-    /// capture's capture pool when a capture under way accepts the stream; see
+    /// capture pool when a capture under way accepts the stream; see
     /// [`PinnedAllocator::alloc_on`]).
     pub fn pinned_on(
         self,

@@ -144,8 +144,14 @@ impl CudaDeviceMemory {
         offset: usize,
         size: usize,
     ) -> Result<usize, RuntimeError> {
-        let granule = self.granule(op)?;
-        vmm::whole_granules(op, range, offset, size, granule, Origin::DeviceMapped)
+        vmm::whole_granules(
+            op,
+            range,
+            offset,
+            size,
+            self.granule(op)?,
+            Origin::DeviceMapped,
+        )
     }
 }
 

@@ -254,6 +254,17 @@ impl CudaRuntime {
         Ok(granule)
     }
 
+    /// [`Self::vmm_call`] for whole granules of a reserved range.
+    fn vmm_range(
+        &self,
+        op: &'static str,
+        range: &Region,
+        offset: usize,
+        size: usize,
+    ) -> Result<usize, RuntimeError> {
+        vmm::whole_granules(op, range, offset, size, self.vmm_call(op)?, Origin::Mapped)
+    }
+
     /// Idle events held in the pools (all contexts).
     pub fn idle_events(&self) -> usize {
         self.events.idle()
@@ -302,9 +313,7 @@ impl CudaRuntime {
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
-        let op = "cuMemMap";
-        let granule = self.vmm_call(op)?;
-        vmm::whole_granules(op, range, offset, size, granule, Origin::Mapped)?;
+        let granule = self.vmm_range("cuMemMap", range, offset, size)?;
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
         let device = self.ctx.ordinal() as std::ffi::c_int;
@@ -329,9 +338,7 @@ impl CudaRuntime {
         offset: usize,
         size: usize,
     ) -> Result<(), RuntimeError> {
-        let op = "cuMemUnmap";
-        let granule = self.vmm_call(op)?;
-        vmm::whole_granules(op, range, offset, size, granule, Origin::Mapped)?;
+        let granule = self.vmm_range("cuMemUnmap", range, offset, size)?;
         let _relaxed = RelaxedCaptureMode::enter()
             .map_err(|e| runtime_error("cuThreadExchangeStreamCaptureMode", e))?;
         // SAFETY: the engine unmaps only granules it mapped, once no block touches them.
@@ -360,8 +367,7 @@ impl CudaRuntime {
 
     /// Gives back a reserved range, none of it mapped.
     pub(crate) fn host_unreserve(&self, range: Region) -> Result<(), RuntimeError> {
-        let op = "cuMemAddressFree";
-        vmm::whole_granules(op, &range, 0, 0, self.vmm_call(op)?, Origin::Mapped)?;
+        self.vmm_range("cuMemAddressFree", &range, 0, 0)?;
         // SAFETY: the engine gives back a range it reserved here once nothing is mapped.
         unsafe { vmm::unreserve(range) }
     }

@@ -62,7 +62,8 @@ type Attached<R> = Arc<dyn Fn(&Engine<R>) + Send + Sync>;
 /// The settings made for every device so far, published whole: each change publishes a new
 /// one.
 struct Everywhere<R: DeviceRuntime> {
-    /// The last `record_history` call's setting (its `clear` applied once, at the call).
+    /// The last `record_history` call's setting, as an engine started later takes it (its
+    /// `clear` was applied once, at the call).
     history: Option<HistorySetting>,
     /// Observers and callbacks, each attached once to every engine, in order.
     attached: Vec<Attached<R>>,
@@ -215,7 +216,7 @@ impl<R: DeviceRuntime> Devices<R> {
             let now = self.everywhere.load_full();
             // History first: an engine records annotations only while it is on.
             if let Some(setting) = now.history {
-                d.engine.record_history(setting.kept())?;
+                d.engine.record_history(setting)?;
             }
             self.attach_pending(d, &now);
             self.annotate_pending(d, &now);
@@ -299,7 +300,7 @@ impl<R: DeviceRuntime> Devices<R> {
         }
         let mut res = Ok(());
         self.publish(
-            |e| e.history = Some(setting),
+            |e| e.history = Some(setting.kept()),
             |d| {
                 if let Err(err) = d.engine.record_history(setting) {
                     res = Err(err);

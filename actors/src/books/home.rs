@@ -81,8 +81,10 @@ pub(crate) struct Home<R: Runtime, B> {
     /// it needs no event. `None`: every recorded stream needs an event (host memory, which
     /// the CPU may write the moment a block is handed out, and capture pools).
     pub(crate) owner: Option<StreamId>,
-    /// The owner stream itself (kept alive by the router), for ordering another stream's
-    /// work after its own when memory of this pool serves that stream (see `miss::borrow`).
+    /// The owner stream itself, held while the pool lives (a stream's id may be reused once
+    /// the stream is destroyed: see the router's `RouterMsg::StreamPool`), and for ordering
+    /// another stream's work after its own when memory of this pool serves that stream (see
+    /// `miss::borrow`).
     pub(crate) owner_stream: Option<R::Stream>,
     /// Whether a request of this stream's pool that finds no room borrows memory other
     /// streams' pools hold (`EngineBuilder::lend_between_streams`).

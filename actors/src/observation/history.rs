@@ -35,10 +35,7 @@ const CHANNEL_BOUND: usize = 1 << 16;
 /// Messages to the history actor other than entries.
 enum Control {
     /// The ring's bound, and what it keeps.
-    Configure {
-        max_entries: usize,
-        keep: Keep,
-    },
+    Configure(HistorySetting),
     Read {
         reply: Sender<History>,
     },
@@ -51,18 +48,9 @@ struct Flags {
     context: AtomicU8,
 }
 
-/// What the ring does with entries when recording is turned on: PyTorch's `clear_history`
-/// (forget the entries recorded so far) and `skip_actions` (leave these out; trace trackers
-/// still get them). The default keeps everything.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Keep {
-    pub(crate) clear: bool,
-    /// Bits of [`TraceAction::bit`].
-    pub(crate) skip: u32,
-}
-
 /// One `record_history` call: whether history is recorded, the ring's bound, the call sites
-/// captured, and what the ring keeps as recording turns on (see [`HistorySetting::with`]).
+/// captured, and what the ring does with entries as recording turns on (see
+/// [`HistorySetting::with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HistorySetting {
     /// Whether history is recorded.
@@ -71,19 +59,23 @@ pub struct HistorySetting {
     pub max_entries: usize,
     /// The call sites captured.
     pub context: HistoryContext,
-    keep: Keep,
+    /// PyTorch's `clear_history`: forget the entries recorded so far.
+    clear: bool,
+    /// PyTorch's `skip_actions`: bits ([`TraceAction::bit`]) of the actions left out of the
+    /// ring (trace trackers still get them).
+    skip: u32,
 }
 
 impl HistorySetting {
     /// Recording on or off, into a ring of `max_entries`, with call sites as `context` asks;
     /// the entries recorded so far kept.
     pub fn new(enabled: bool, max_entries: usize, context: HistoryContext) -> Self {
-        let keep = Keep::default();
         HistorySetting {
             enabled,
             max_entries,
             context,
-            keep,
+            clear: false,
+            skip: 0,
         }
     }
 
@@ -93,7 +85,8 @@ impl HistorySetting {
     pub fn with(self, clear: bool, skip: &[TraceAction]) -> Self {
         let skip = skip.iter().fold(0, |bits, a| bits | a.bit());
         HistorySetting {
-            keep: Keep { clear, skip },
+            clear,
+            skip,
             ..self
         }
     }
@@ -101,11 +94,10 @@ impl HistorySetting {
     /// The same setting, the entries recorded so far kept (for an engine that starts after
     /// the call: it has nothing to clear).
     pub fn kept(self) -> Self {
-        let keep = Keep {
+        HistorySetting {
             clear: false,
-            ..self.keep
-        };
-        HistorySetting { keep, ..self }
+            ..self
+        }
     }
 }
 
@@ -187,14 +179,14 @@ impl Recorder {
         }
     }
 
-    /// Turns recording on or off and sets the ring's bound and the call sites captured;
-    /// and what the ring keeps.
+    /// Turns recording on or off, sets the ring's bound and the call sites captured, and what
+    /// the ring does with the entries it holds.
     pub(crate) fn configure(&self, setting: HistorySetting) -> Result<(), Error> {
         let HistorySetting {
             enabled,
             max_entries,
             context,
-            keep,
+            ..
         } = setting;
         if enabled && max_entries == 0 {
             return Err(Error::EmptyHistoryRing);
@@ -202,7 +194,7 @@ impl Recorder {
         if enabled {
             // The actor sizes its ring before any entry sent after the flag is set reaches it.
             self.control
-                .send(Control::Configure { max_entries, keep })
+                .send(Control::Configure(setting))
                 .map_err(|_| Error::Shutdown)?;
             if self.flags.context.load(Relaxed) != context.to_u8() {
                 self.flags.context.store(context.to_u8(), Relaxed);
@@ -484,11 +476,12 @@ impl HistoryActor {
 
     fn handle(&mut self, msg: Control) {
         match msg {
-            Control::Configure { max_entries, keep } => {
-                if keep.clear {
+            Control::Configure(setting) => {
+                if setting.clear {
                     self.ring.clear();
                 }
-                self.skip = keep.skip;
+                self.skip = setting.skip;
+                let max_entries = setting.max_entries;
                 self.max_entries = max_entries;
                 while self.ring.len() > max_entries {
                     self.ring.pop_front();

@@ -14,11 +14,11 @@
 //! pool to forget it, and a block sent to it meanwhile goes back.
 //!
 //! The loop is written once (`miss_with`), over who waits (`Requester`): a task awaits each
-//! reply; a blocked thread waits for it in place, and runs the pool actor's
-//! memory-source calls.
+//! reply; a blocked thread waits for it in place, and runs the pool actor's memory-source
+//! calls.
 //!
-//! This file holds the loop and the requests' entry points; `requester` is who waits and how,
-//! and `room` what a miss does for room.
+//! This file holds the loop and the requests' entry points; `requester` is who waits and
+//! how, and `room` what a miss does for room.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

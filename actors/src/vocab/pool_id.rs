@@ -3,8 +3,8 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Names a pool. `PoolId::DEFAULT` (0) is the default pool; any other id names a private
-/// capture pool, as PyTorch's `MempoolId_t` does. Fresh ids come from [`PoolId::fresh`].
+/// Names a pool. `PoolId::DEFAULT` (0) is the default pool; any other id names a capture
+/// pool (PyTorch's private pool), as PyTorch's `MempoolId_t` does. Fresh ids come from [`PoolId::fresh`].
 #[derive(
     Debug,
     Clone,

@@ -51,7 +51,6 @@ pub(crate) fn start_pool<R: Runtime>(
     id: PoolId,
     owner: Option<(StreamId, R::Stream)>,
 ) -> Arc<Home<R>> {
-    let owner_id = owner.as_ref().map(|(s, _)| *s);
     let (shared, rx) = Home::new(settings, id, owner);
     let actor = PoolActor {
         shared: shared.clone(),
@@ -75,7 +74,7 @@ pub(crate) fn start_pool<R: Runtime>(
     } else {
         id.to_string()
     };
-    let name = match (settings.memory.kind(), owner_id) {
+    let name = match (settings.memory.kind(), shared.owner) {
         (MemoryKind::Pinned, None) => format!("pinpool::pool({pool})"),
         (MemoryKind::Pinned, Some(s)) => format!("pinpool::pool({pool}, stream {:#x})", s.0),
         (MemoryKind::Device(d), None) => format!("pinpool::device_pool({d}, {pool})"),
@@ -292,9 +291,10 @@ impl<T> OffExecutor<T> {
 impl<R: Runtime> PoolActor<R> {
     /// Runs `work` (calls into the memory source) off the executor (invariant 6): on the
     /// thread of the miss being served when that thread runs errands (see
-    /// [`crate::books::errand`]), on a blocking thread of the runtime otherwise — or here, should the
-    /// runtime be shutting down and refuse it (a free dropped unrun would send its blocks
-    /// back to this actor, which would try again for ever). Whether it went to the requester.
+    /// [`crate::books::errand`]), on a blocking thread of the runtime otherwise — or here,
+    /// should the runtime be shutting down and refuse it (a free dropped unrun would send its
+    /// blocks back to this actor, which would try again for ever). Whether it went to the
+    /// requester.
     pub(super) fn hand_off(&self, work: impl FnOnce() + Send + 'static) -> bool {
         let handle = tokio::runtime::Handle::current();
         match &self.errand_runner {

@@ -31,7 +31,6 @@ use arc_swap::ArcSwap;
 use flume::Receiver;
 
 use crate::actors::pool::start_pool;
-
 use crate::blocks::block::{Block, Home};
 use crate::books::budget::{Budget, EmptyReport};
 use crate::books::home::PoolSettings;
@@ -52,7 +51,7 @@ pub(crate) struct Capture<R: Runtime> {
     pub(crate) pool: Arc<Home<R>>,
 }
 
-/// The published routing state: captures underway, in the order they began, every private
+/// The published routing state: captures underway, in the order they began, every capture
 /// pool alive, and the stream pools of a stream-ordered engine (sorted by stream).
 pub(crate) struct RoutingTable<R: Runtime> {
     pub(crate) captures: Vec<Capture<R>>,
@@ -151,11 +150,11 @@ pub(crate) enum RouterMsg<R: Runtime> {
     Close,
 }
 
-/// A stream's pool, the stream itself (kept alive while the pool lives), and the count of
-/// requests the pool had answered at the last `empty_cache` (see `retire_idle_streams`).
+/// A stream's pool (whose home holds the stream itself: see `RouterMsg::StreamPool`), and
+/// the count of requests the pool had answered at the last `empty_cache` (see
+/// `retire_idle_streams`).
 struct StreamPool<R: Runtime> {
     pool: Arc<Home<R>>,
-    _stream: R::Stream,
     misses_seen: i64,
 }
 
@@ -292,12 +291,10 @@ impl<R: Runtime> Router<R> {
         if let Some(s) = self.streams.get(&stream) {
             return s.pool.clone();
         }
-        let owner = Some((stream, keep.clone()));
-        let pool = start_pool(&self.settings, PoolId::DEFAULT, owner);
+        let pool = start_pool(&self.settings, PoolId::DEFAULT, Some((stream, keep)));
         let misses_seen = pool.stats.misses.load(Ordering::Relaxed);
         let entry = StreamPool {
             pool: pool.clone(),
-            _stream: keep,
             misses_seen,
         };
         self.streams.insert(stream, entry);

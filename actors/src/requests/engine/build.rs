@@ -123,7 +123,7 @@ impl<R: Runtime> EngineBuilder<R> {
         self
     }
 
-    /// Number of thread shards for ready holder and stats (rounded up to a power of two;
+    /// Number of thread shards for the ready holder and stats (rounded up to a power of two;
     /// default: twice the machine's parallelism, at most 64).
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards.clamp(1, 1024).next_power_of_two());

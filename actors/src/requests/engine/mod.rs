@@ -2,10 +2,10 @@
 //! actors. The last clone to go closes the pools, which give every block back to its memory
 //! source as it comes home.
 //!
-//! The cached path is here and in [`crate::holders::ready`]: size class, route (no table load unless a
-//! stream is given, and none for a stream this thread routed since the router last published:
-//! the router's `route_cache`), take a ready block, charge this thread's stats shard. A miss is one round
-//! trip to the pool actor (see [`crate::requests::miss`]).
+//! The cached path is here and in [`crate::holders::ready`]: size class, route (no table
+//! load unless a stream is given, and none for a stream this thread routed since the router
+//! last published: the router's `route_cache`), take a ready block, charge this thread's
+//! stats shard. A miss is one round trip to the pool actor (see [`crate::requests::miss`]).
 //!
 //! The rest of the handle's calls live beside it: `build` (the builder, which starts the
 //! actors), `capture` (capture pools, through the router), `checkpoint` (checkpoints of
